@@ -1,0 +1,5 @@
+import sys
+
+from flatep.cli import main
+
+sys.exit(main())

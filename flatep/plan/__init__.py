@@ -1,0 +1,17 @@
+"""Planning: where every (token, k) entry goes and which experts each rank borrows for a step."""
+from flatep.plan.policy import allocate, rank_capacities
+from flatep.plan.reference import build_layout, entry_destinations, histogram, make_plan, plan_rank
+from flatep.plan.types import Layout, Plan, RankPlan
+
+__all__ = [
+    "Layout",
+    "Plan",
+    "RankPlan",
+    "allocate",
+    "build_layout",
+    "entry_destinations",
+    "histogram",
+    "make_plan",
+    "plan_rank",
+    "rank_capacities",
+]

@@ -1,0 +1,121 @@
+"""Balancing policies: how many rows of each expert each rank computes in one step.
+
+A policy maps the global tokens-per-expert count to ``alloc[e, d]``, the rows of expert ``e``
+computed on rank ``d``. Everything else in the plan (layout, destination of each entry) follows
+from ``alloc`` and is shared by all policies.
+
+* ``exact`` (flat): MoonEP's balancer. Overloaded ranks hand their surplus to underloaded ranks
+  so that rank ``d`` computes exactly ``cap[d]`` rows; each receiver has one donor.
+* ``none`` (classic EP): every expert is computed on its home rank.
+"""
+from __future__ import annotations
+
+import torch
+
+from flatep.config import check_policy
+
+
+def rank_capacities(total_tokens: int, top_k: int, ranks: int) -> list[int]:
+    """Real rows each rank computes under exact balance.
+
+    ``cap[d] = floor(T*K/R) + (1 if d < (T*K) mod R else 0)``, ``T`` = tokens over the group.
+    """
+    entries = total_tokens * top_k
+    return [entries // ranks + (1 if d < entries % ranks else 0) for d in range(ranks)]
+
+
+def _first_argmax(values: list[int]) -> int:
+    """Index of the largest value, ties toward the smallest index."""
+    return max(range(len(values)), key=lambda i: (values[i], -i))
+
+
+def _first_argmin(values: list[int]) -> int:
+    return min(range(len(values)), key=lambda i: (values[i], i))
+
+
+def rank_quotas(load: list[int], capacity: list[int]) -> list[list[int]]:
+    """Step A: ``z[h][u]`` rows that donor rank ``h`` sends to receiver rank ``u``.
+
+    Repeatedly pairs the most overloaded rank with the most underloaded one (ties toward the
+    smallest index) and moves the receiver's whole deficit; at most ``R - 1`` rounds, and each
+    receiver is filled by exactly one donor.
+    """
+    ranks = len(load)
+    balance = [load[r] - capacity[r] for r in range(ranks)]
+    quotas = [[0] * ranks for _ in range(ranks)]
+    for _ in range(ranks):
+        donor, receiver = _first_argmax(balance), _first_argmin(balance)
+        if balance[donor] <= 0:
+            break
+        moved = -balance[receiver]
+        quotas[donor][receiver] = moved
+        balance[donor] -= moved
+        balance[receiver] = 0
+    if any(balance):
+        raise AssertionError(f"balancer did not converge: balances {balance}")
+    return quotas
+
+
+def split_quotas(counts: list[int], quotas: list[list[int]], experts_per_rank: int) -> list[list[int]]:
+    """Step B: which of each donor's experts fill its quotas.
+
+    For each donor, the receiver with the largest remaining quota (ties: smallest rank) takes rows
+    from the donor's hottest remaining home expert (ties: smallest id), as many as both allow.
+
+    Args:
+        counts: ``[E]`` global rows per expert.
+        quotas: ``[R][R]`` from :func:`rank_quotas`.
+
+    Returns:
+        ``alloc[e][d]`` as nested lists ``[E][R]``.
+    """
+    ranks = len(quotas)
+    alloc = [[0] * ranks for _ in counts]
+    for expert, count in enumerate(counts):
+        alloc[expert][expert // experts_per_rank] = count
+    for donor in range(ranks):
+        first = donor * experts_per_rank
+        remaining = counts[first : first + experts_per_rank]
+        quota = list(quotas[donor])
+        while True:
+            receiver = _first_argmax(quota)
+            if quota[receiver] <= 0:
+                break
+            local = _first_argmax(remaining)
+            take = min(remaining[local], quota[receiver])
+            if take <= 0:
+                raise AssertionError(f"donor {donor} ran out of rows with quotas {quota}")
+            alloc[first + local][receiver] += take
+            alloc[first + local][donor] -= take
+            remaining[local] -= take
+            quota[receiver] -= take
+    return alloc
+
+
+def allocate(
+    tokens_per_expert: torch.Tensor, experts_per_rank: int, top_k: int, total_tokens: int, policy: str
+) -> torch.Tensor:
+    """Rows of each expert computed on each rank.
+
+    Args:
+        tokens_per_expert: ``[R, E]`` integer histogram gathered from every rank.
+        experts_per_rank: ``epn``.
+        top_k: ``K``.
+        total_tokens: tokens over the group ``T`` (sets the capacities of ``exact``).
+        policy: ``exact`` or ``none``.
+
+    Returns:
+        ``alloc [E, R] int64`` on the CPU; column sums equal ``cap`` under ``exact``.
+    """
+    check_policy(policy)
+    ranks = tokens_per_expert.shape[0]
+    counts = tokens_per_expert.sum(0).tolist()
+    if policy == "none":
+        alloc = [[0] * ranks for _ in counts]
+        for expert, count in enumerate(counts):
+            alloc[expert][expert // experts_per_rank] = count
+        return torch.tensor(alloc, dtype=torch.int64).view(len(counts), ranks)
+    load = [sum(counts[r * experts_per_rank : (r + 1) * experts_per_rank]) for r in range(ranks)]
+    quotas = rank_quotas(load, rank_capacities(total_tokens, top_k, ranks))
+    alloc = split_quotas(counts, quotas, experts_per_rank)
+    return torch.tensor(alloc, dtype=torch.int64).view(len(counts), ranks)

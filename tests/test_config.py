@@ -1,0 +1,49 @@
+import pytest
+
+from flatep import EPConfig, MODEL_SHAPES, preset
+from flatep.config import align_up
+
+
+def test_derived_sizes():
+    config = EPConfig(ranks=8, experts=384, top_k=8, hidden=7168, intermediate=2048, capacity=8192)
+    assert config.experts_per_rank == 48
+    assert config.groups == 96
+    assert config.shard_rows() == align_up(8192 * 8 + 127 * 96, 128)
+    assert config.shard_rows("none") == align_up(8 * 8192 * 8 + 127 * 48, 128)
+    assert config.step_rows(8 * 1024) == align_up(1024 * 8 + 127 * 96, 128)
+    assert config.step_rows(8 * 1024) <= config.shard_rows()
+    assert config.expert_bytes() == 3 * 7168 * 2048 * 2
+    assert config.shard_bytes() == config.shard_rows() * 7168 * 2
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"experts": 15}, "experts must be divisible by ranks"),
+        ({"top_k": 17}, "top_k must be <= experts"),
+        ({"hidden": 0}, "hidden must be a positive integer"),
+        ({"capacity": -1}, "capacity must be a positive integer"),
+        ({"align": 1.5}, "align must be a positive integer"),
+    ],
+)
+def test_invalid_values_name_the_field(changes, message):
+    base = dict(ranks=2, experts=16, top_k=2, hidden=8, intermediate=8, capacity=4)
+    with pytest.raises(ValueError, match=message):
+        EPConfig(**{**base, **changes})
+
+
+def test_step_rows_rejects_out_of_range_tokens():
+    config = EPConfig(ranks=2, experts=4, top_k=2, hidden=8, intermediate=8, capacity=4)
+    with pytest.raises(ValueError, match="total_tokens"):
+        config.step_rows(9)
+    with pytest.raises(ValueError, match="policy"):
+        config.step_rows(4, "fast")
+
+
+def test_presets():
+    for model in MODEL_SHAPES:
+        assert preset(model).ranks == 8
+    k3 = preset("kimi-k3")
+    assert (k3.hidden, k3.experts, k3.top_k, k3.intermediate) == (3584, 896, 16, 3072)
+    with pytest.raises(ValueError, match="model must be one of"):
+        preset("llama")
