@@ -1,6 +1,24 @@
 """FlatEP: expert-parallel MoE communication whose per-rank load stays flat under any router skew."""
 from flatep.config import EPConfig, MODEL_SHAPES, preset
+from flatep.experts import ExpertPool, dense_moe
+from flatep.layer import EPMoE, ep_moe, route
 from flatep.plan import Plan, RankPlan, make_plan, plan_rank
+from flatep.transport import Group, init_group
 
-__all__ = ["EPConfig", "MODEL_SHAPES", "Plan", "RankPlan", "make_plan", "plan_rank", "preset"]
+__all__ = [
+    "EPConfig",
+    "EPMoE",
+    "ExpertPool",
+    "Group",
+    "MODEL_SHAPES",
+    "Plan",
+    "RankPlan",
+    "dense_moe",
+    "ep_moe",
+    "init_group",
+    "make_plan",
+    "plan_rank",
+    "preset",
+    "route",
+]
 __version__ = "0.1.0"

@@ -1,0 +1,74 @@
+"""Combine: each token gathers its K rows from the shards and sums them in fp32 (unweighted).
+
+The experts have already multiplied each row by its route weight, so combine is a plain sum.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _combine_kernel(
+    out_ptr, dest_rank_ptr, dest_row_ptr, shard_ptr, shard_peers_ptr,
+    tokens, out_rank_stride, entry_rank_stride,
+    H: tl.constexpr, K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    local = tl.program_id(0)
+    token = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    token_mask = token < tokens
+    entry_base = local.to(tl.int64) * entry_rank_stride + token * K
+    out_rows = out_ptr + local.to(tl.int64) * out_rank_stride + token.to(tl.int64) * H
+    for start in range(0, H, BLOCK_H):
+        column = start + tl.arange(0, BLOCK_H)
+        column_mask = column < H
+        total = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32)
+        for k in tl.static_range(K):
+            dest = tl.load(dest_rank_ptr + entry_base + k, mask=token_mask, other=-1)
+            row = tl.load(dest_row_ptr + entry_base + k, mask=token_mask, other=0)
+            live = token_mask & (dest >= 0)
+            source = tl.load(shard_peers_ptr + dest, mask=live, other=0) + row.to(tl.int64) * H
+            values = tl.load(shard_ptr + source[:, None] + column[None, :], mask=live[:, None] & column_mask[None, :], other=0.0)
+            total += values.to(tl.float32)
+        tl.store(out_rows[:, None] + column[None, :], total.to(out_ptr.dtype.element_ty), mask=token_mask[:, None] & column_mask[None, :])
+
+
+def combine_triton(
+    out: torch.Tensor,
+    dest_rank: torch.Tensor,
+    dest_row: torch.Tensor,
+    shard: torch.Tensor,
+    shard_peers: torch.Tensor,
+) -> None:
+    """``out[r, t] = sum_k shard[dest_rank[r,t,k]][dest_row[r,t,k]]``, accumulated in fp32.
+
+    Args:
+        out: ``[n, s, H]`` output of the ``n`` ranks this process drives (written; padded tokens
+            get zeros).
+        dest_rank, dest_row: ``[n, s, K]`` int32 from the plan.
+        shard: base of this process's shard buffer (``[.., rows, H]``).
+        shard_peers: ``[R] int64`` element offsets of every rank's shard from ``shard``'s base.
+    """
+    ranks_here, tokens, hidden = out.shape
+    top_k = dest_rank.shape[-1]
+    block_h = min(triton.next_power_of_2(hidden), 2048 // shard.element_size())
+    block_t = 4
+    _combine_kernel[(ranks_here, triton.cdiv(tokens, block_t))](
+        out, dest_rank, dest_row, shard, shard_peers,
+        tokens, tokens * hidden, tokens * top_k,
+        H=hidden, K=top_k, BLOCK_T=block_t, BLOCK_H=block_h,
+    )
+
+
+def combine_torch(dest_rank: torch.Tensor, dest_row: torch.Tensor, shards: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """Plain-torch combine on stacked shards: ``[R, s, H]`` in ``out_dtype``.
+
+    Args:
+        dest_rank, dest_row: ``[R, s, K]`` int32 (``-1`` = padded entry, contributes nothing).
+        shards: ``[R, rows, H]``.
+    """
+    valid = dest_rank >= 0
+    rows = shards[dest_rank.clamp_min(0).long(), dest_row.clamp_min(0).long()].float()
+    rows = torch.where(valid.unsqueeze(-1), rows, 0.0)  # unplanned rows may hold garbage, even NaN
+    return rows.sum(2).to(out_dtype)

@@ -1,0 +1,143 @@
+"""Dispatch: every token row goes straight to its final row of the destination shard.
+
+One program handles ``BLOCK_T`` tokens of one source rank: it loads each ``BLOCK_H`` chunk of
+their rows once and stores it to the ``K`` destination rows (zero copy: no permute before or
+after), and writes each entry's fp32 route weight beside its row. A second kernel zeroes the
+padding rows (and their weights) of the shards this process owns.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _dispatch_kernel(
+    x_ptr, weight_ptr, dest_rank_ptr, dest_row_ptr,
+    shard_ptr, shard_weight_ptr, shard_peers_ptr, weight_peers_ptr,
+    tokens, x_rank_stride, entry_rank_stride,
+    H: tl.constexpr, K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    local = tl.program_id(0)
+    token = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    token_mask = token < tokens
+    entry_base = local.to(tl.int64) * entry_rank_stride + token * K
+    for k in tl.static_range(K):
+        dest = tl.load(dest_rank_ptr + entry_base + k, mask=token_mask, other=-1)
+        row = tl.load(dest_row_ptr + entry_base + k, mask=token_mask, other=0)
+        live = token_mask & (dest >= 0)
+        target = tl.load(weight_peers_ptr + dest, mask=live, other=0) + row
+        route = tl.load(weight_ptr + entry_base + k, mask=token_mask, other=0.0)
+        tl.store(shard_weight_ptr + target, route, mask=live)
+    x_rows = x_ptr + local.to(tl.int64) * x_rank_stride + token.to(tl.int64) * H
+    for start in range(0, H, BLOCK_H):
+        column = start + tl.arange(0, BLOCK_H)
+        column_mask = column < H
+        tile_mask = token_mask[:, None] & column_mask[None, :]
+        tile = tl.load(x_rows[:, None] + column[None, :], mask=tile_mask)
+        for k in tl.static_range(K):
+            dest = tl.load(dest_rank_ptr + entry_base + k, mask=token_mask, other=-1)
+            row = tl.load(dest_row_ptr + entry_base + k, mask=token_mask, other=0)
+            live = token_mask & (dest >= 0)
+            target = tl.load(shard_peers_ptr + dest, mask=live, other=0) + row.to(tl.int64) * H
+            tl.store(shard_ptr + target[:, None] + column[None, :], tile, mask=live[:, None] & column_mask[None, :])
+
+
+@triton.jit
+def _zero_padding_kernel(
+    shard_ptr, shard_weight_ptr, shard_peers_ptr, weight_peers_ptr, padding_ptr, first_rank,
+    GROUPS: tl.constexpr, H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    local = tl.program_id(0)
+    group = tl.program_id(1)
+    rank = first_rank + local
+    start = tl.load(padding_ptr + (rank * GROUPS + group) * 2)
+    count = tl.load(padding_ptr + (rank * GROUPS + group) * 2 + 1)
+    shard = shard_ptr + tl.load(shard_peers_ptr + rank)
+    weights = shard_weight_ptr + tl.load(weight_peers_ptr + rank)
+    for first in range(0, count, BLOCK_R):
+        row = start + first + tl.arange(0, BLOCK_R)
+        row_mask = first + tl.arange(0, BLOCK_R) < count
+        tl.store(weights + row, tl.zeros([BLOCK_R], dtype=tl.float32), mask=row_mask)
+        for column_start in range(0, H, BLOCK_H):
+            column = column_start + tl.arange(0, BLOCK_H)
+            mask = row_mask[:, None] & (column < H)[None, :]
+            zeros = tl.zeros([BLOCK_R, BLOCK_H], dtype=shard_ptr.dtype.element_ty)
+            tl.store(shard + row.to(tl.int64)[:, None] * H + column[None, :], zeros, mask=mask)
+
+
+def _block_h(hidden: int, element_size: int) -> int:
+    # 16-byte vectors per thread; 2 KiB per row chunk keeps registers modest with several rows in flight.
+    return min(triton.next_power_of_2(hidden), 2048 // element_size)
+
+
+def dispatch_triton(
+    x: torch.Tensor,
+    route_weights: torch.Tensor,
+    dest_rank: torch.Tensor,
+    dest_row: torch.Tensor,
+    padding: torch.Tensor,
+    shard: torch.Tensor,
+    shard_weights: torch.Tensor,
+    shard_peers: torch.Tensor,
+    weight_peers: torch.Tensor,
+    first_rank: int,
+) -> None:
+    """Scatter token rows and route weights into the shards; zero the owned shards' padding.
+
+    Args:
+        x: ``[n, s, H]`` rows of the ``n`` ranks this process drives (bf16 or fp32, contiguous).
+        route_weights: ``[n, s, K]`` fp32.
+        dest_rank, dest_row: ``[n, s, K]`` int32 from the plan (``-1`` = padded entry).
+        padding: ``[R, 2*epn, 2]`` int32 ``(start, count)`` zero rows of every rank's groups.
+        shard: base of this process's shard buffer (``[.., rows, H]``, dtype of ``x``).
+        shard_weights: base of this process's route-weight buffer (``[.., rows]`` fp32).
+        shard_peers, weight_peers: ``[R] int64`` element offsets of every rank's copy of ``shard``
+            and ``shard_weights`` from those bases (the transport's peer table).
+        first_rank: global rank of ``x[0]``.
+    """
+    ranks_here, tokens, hidden = x.shape
+    top_k = dest_rank.shape[-1]
+    block_h = _block_h(hidden, x.element_size())
+    block_t = 4
+    _dispatch_kernel[(ranks_here, triton.cdiv(tokens, block_t))](
+        x, route_weights, dest_rank, dest_row, shard, shard_weights, shard_peers, weight_peers,
+        tokens, tokens * hidden, tokens * top_k,
+        H=hidden, K=top_k, BLOCK_T=block_t, BLOCK_H=block_h,
+    )
+    groups = padding.shape[1]
+    _zero_padding_kernel[(ranks_here, groups)](
+        shard, shard_weights, shard_peers, weight_peers, padding, first_rank,
+        GROUPS=groups, H=hidden, BLOCK_R=8, BLOCK_H=block_h,
+    )
+
+
+def dispatch_torch(
+    x: torch.Tensor,
+    route_weights: torch.Tensor,
+    dest_rank: torch.Tensor,
+    dest_row: torch.Tensor,
+    padding: torch.Tensor,
+    shards: torch.Tensor,
+    shard_weights: torch.Tensor,
+) -> None:
+    """Plain-torch dispatch on stacked shards (virtual ranks): the check for the Triton kernel.
+
+    Args:
+        x: ``[R, s, H]``; route_weights, dest_rank, dest_row: ``[R, s, K]``.
+        padding: ``[R, 2*epn, 2]``.
+        shards: ``[R, rows, H]``; shard_weights: ``[R, rows]`` fp32. Written in place.
+    """
+    valid = dest_rank >= 0
+    top_k = dest_rank.shape[-1]
+    rows = x.unsqueeze(2).expand(-1, -1, top_k, -1)[valid]
+    index = (dest_rank[valid].long(), dest_row[valid].long())
+    shards.index_put_(index, rows)
+    shard_weights.index_put_(index, route_weights[valid].float())
+    ranks, row_count = shard_weights.shape
+    position = torch.arange(row_count, device=shards.device).view(1, 1, -1)
+    start = padding[..., 0:1].long()
+    in_padding = ((position >= start) & (position < start + padding[..., 1:2].long())).any(1)  # [R, rows]
+    shards.masked_fill_(in_padding.unsqueeze(-1), 0)
+    shard_weights.masked_fill_(in_padding, 0)

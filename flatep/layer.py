@@ -1,0 +1,259 @@
+"""The expert-parallel MoE layer: route, plan, dispatch, experts, combine.
+
+On the local transport every tensor carries a leading rank dimension (``x [R, s, H]``); on the
+per-process transports it does not (``x [s, H]``). That is the only difference users see.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from flatep.config import EPConfig, check_policy
+from flatep.experts.grouped import grouped_swiglu
+from flatep.experts.pool import ExpertPool, check_expert_weights
+from flatep.kernels.backend import use_triton
+from flatep.kernels.combine import combine_torch, combine_triton
+from flatep.kernels.dispatch import dispatch_torch, dispatch_triton
+from flatep.plan.reference import make_plan
+from flatep.plan.types import Layout, Plan, RankPlan
+from flatep.transport.base import Group
+
+
+def _entries(plan: Layout, tokens: int, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The plan's destinations as ``[n, s, K]`` for the ranks this process drives."""
+    return plan.dest_rank.view(-1, tokens, top_k), plan.dest_row.view(-1, tokens, top_k)
+
+
+def check_inputs(
+    x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, config: EPConfig, group: Group
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Validate the layer's inputs before any kernel runs; return them contiguous, ids int32, weights fp32.
+
+    Raises:
+        ValueError: naming the argument and what was expected.
+    """
+    leading = (group.world,) if group.stacked else ()
+    layout = "[R, s, H]" if group.stacked else "[s, H]"
+    if x.dim() != len(leading) + 2 or tuple(x.shape[: len(leading)]) != leading or x.shape[-1] != config.hidden:
+        raise ValueError(f"x must have shape {layout} with R={group.world}, H={config.hidden}, got {list(x.shape)}")
+    tokens = x.shape[-2]
+    if not 1 <= tokens <= config.capacity:
+        raise ValueError(f"x: tokens per rank s must be in [1, capacity={config.capacity}], got {tokens}")
+    if x.dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"x must be bfloat16 or float32, got {x.dtype}")
+    expected = (*leading, tokens, config.top_k)
+    for name, tensor in (("topk_ids", topk_ids), ("topk_weights", topk_weights)):
+        if tuple(tensor.shape) != expected:
+            raise ValueError(f"{name} must have shape {list(expected)}, got {list(tensor.shape)}")
+    if topk_ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
+    if not topk_weights.is_floating_point():
+        raise ValueError(f"topk_weights must be a floating-point tensor, got {topk_weights.dtype}")
+    for name, tensor in (("x", x), ("topk_ids", topk_ids), ("topk_weights", topk_weights)):
+        if tensor.device != group.device:
+            raise ValueError(f"{name} must be on the group's device {group.device}, got {tensor.device}")
+    return x.contiguous(), topk_ids.to(torch.int32).contiguous(), topk_weights.float().contiguous()
+
+
+def plan_step(
+    topk_ids: torch.Tensor, config: EPConfig, group: Group, policy: str = "exact", tokens: list[int] | None = None
+) -> Plan | RankPlan:
+    """Plan one step: a :class:`Plan` of all ranks on the local transport."""
+    check_policy(policy)
+    if not group.stacked:
+        raise ValueError(f"{type(group).__name__} plans through its own transport; use group.plan(...)")
+    return make_plan(topk_ids, config, policy, tokens)
+
+
+def dispatch_step(
+    x: torch.Tensor, topk_weights: torch.Tensor, plan: Layout, group: Group, backend: str = "auto"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scatter rows and route weights into the receive shards.
+
+    Returns:
+        ``(shard [n, rows, H], shard_weights [n, rows] fp32)`` (``n`` = ranks this process
+        drives; no leading dimension on per-process transports), ``rows = plan.shard_rows``.
+    """
+    hidden = x.shape[-1]
+    tokens, top_k = topk_weights.shape[-2:]
+    shard = group.buffer("shard", (plan.shard_rows, hidden), x.dtype)
+    shard_weights = group.buffer("shard_weights", (plan.shard_rows,), torch.float32)
+    dest_rank, dest_row = _entries(plan, tokens, top_k)
+    if use_triton(x.device, backend):
+        dispatch_triton(
+            x.view(-1, tokens, hidden), topk_weights.view(-1, tokens, top_k), dest_rank, dest_row, plan.padding,
+            shard, shard_weights, group.peer_offsets(shard), group.peer_offsets(shard_weights), group.first_rank,
+        )
+    else:
+        if not group.stacked:
+            raise ValueError("the torch dispatch path needs the local transport")
+        dispatch_torch(x, topk_weights, dest_rank, dest_row, plan.padding, shard, shard_weights)
+    group.barrier()
+    return shard, shard_weights
+
+
+def experts_step(
+    shard: torch.Tensor, shard_weights: torch.Tensor, pool: ExpertPool, plan: Layout, group: Group, local_index: int
+) -> None:
+    """Run one rank's experts over its shard and write the result back into the shard (in place)."""
+    rank = group.local_ranks[local_index]
+    rows = shard[local_index] if group.stacked else shard
+    weights = shard_weights[local_index] if group.stacked else shard_weights
+    w13, w2 = pool.compute_view(local_index)
+    rows.copy_(grouped_swiglu(rows, weights, w13, w2, plan.offsets[rank]))
+
+
+def combine_step(
+    shard: torch.Tensor, plan: Layout, group: Group, tokens: int, top_k: int, out_dtype: torch.dtype, backend: str = "auto"
+) -> torch.Tensor:
+    """Sum every token's K expert outputs from the shards: ``[n, s, H]`` (or ``[s, H]``)."""
+    group.barrier()
+    hidden = shard.shape[-1]
+    dest_rank, dest_row = _entries(plan, tokens, top_k)
+    if use_triton(shard.device, backend):
+        out = torch.empty(dest_rank.shape[0], tokens, hidden, dtype=out_dtype, device=shard.device)
+        combine_triton(out, dest_rank, dest_row, shard, group.peer_offsets(shard))
+    else:
+        if not group.stacked:
+            raise ValueError("the torch combine path needs the local transport")
+        out = combine_torch(dest_rank, dest_row, shard, out_dtype)
+    return out if group.stacked else out[0]
+
+
+def ep_moe(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13: torch.Tensor | None = None,
+    w2: torch.Tensor | None = None,
+    *,
+    config: EPConfig,
+    group: Group,
+    policy: str = "exact",
+    pool: ExpertPool | None = None,
+    plan: Plan | RankPlan | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """One expert-parallel MoE step.
+
+    Args:
+        x: ``[R, s, H]`` (local transport) or ``[s, H]`` tokens, bfloat16 or float32;
+            non-contiguous inputs are copied.
+        topk_ids: ``[R, s, K]`` (or ``[s, K]``) int32/int64 expert ids in ``[0, E)``.
+        topk_weights: ``[R, s, K]`` (or ``[s, K]``) route weights (used in fp32).
+        w13: ``[E, 2I, H]`` all experts' gate/up weights (each rank uses its own slice plus what it
+            borrows); copied into a fresh pool each call. Pass ``pool`` instead to avoid the copy.
+        w2: ``[E, H, I]``.
+        config: group sizes; group: from :func:`flatep.init_group`.
+        policy: ``exact`` (flat) or ``none`` (classic EP).
+        pool: an :class:`ExpertPool` holding the layer's weights (then ``w13``/``w2`` must be None).
+        plan: a precomputed plan for these ``topk_ids`` (e.g. to keep planning outside a CUDA graph).
+        backend: ``auto`` (Triton on CUDA or under ``TRITON_INTERPRET=1``), ``triton`` or ``torch``.
+
+    Returns:
+        ``[R, s, H]`` (or ``[s, H]``) in ``x``'s dtype: ``sum_k w[t,k] * expert_{ids[t,k]}(x[t])``.
+    """
+    check_policy(policy)
+    if torch.is_grad_enabled() and (x.requires_grad or (w13 is not None and w13.requires_grad)):
+        raise NotImplementedError("ep_moe has no backward yet: run it under torch.no_grad() or on tensors without grad")
+    x, topk_ids, topk_weights = check_inputs(x, topk_ids, topk_weights, config, group)
+    if pool is None:
+        if w13 is None or w2 is None:
+            raise ValueError("pass either w13 and w2 or pool")
+        check_expert_weights(w13, w2, config)
+        if w13.dtype != x.dtype:
+            raise ValueError(f"w13/w2 dtype {w13.dtype} must match x dtype {x.dtype}")
+        pool = ExpertPool.from_weights(w13, w2, config, group)
+    elif w13 is not None or w2 is not None:
+        raise ValueError("pass either w13 and w2 or pool, not both")
+    elif pool.w13.dtype != x.dtype:
+        raise ValueError(f"pool dtype {pool.w13.dtype} must match x dtype {x.dtype}")
+    if plan is None:
+        plan = plan_step(topk_ids, config, group, policy)
+    elif plan.policy != policy:
+        raise ValueError(f"plan was made with policy {plan.policy!r}, not {policy!r}")
+    tokens = x.shape[-2]
+    shard, shard_weights = dispatch_step(x, topk_weights, plan, group, backend)
+    pool.push(plan.slot_experts, backend)
+    group.barrier()
+    for local_index in range(len(group.local_ranks)):
+        experts_step(shard, shard_weights, pool, plan, group, local_index)
+    return combine_step(shard, plan, group, tokens, config.top_k, x.dtype, backend)
+
+
+def route(logits: torch.Tensor, top_k: int, renormalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax top-k routing.
+
+    Args:
+        logits: ``[..., E]`` router logits.
+        top_k: ``K``.
+        renormalize: rescale the K selected probabilities to sum to 1.
+
+    Returns:
+        ``(topk_ids [..., K] int32, topk_weights [..., K] fp32)``.
+    """
+    probabilities = torch.softmax(logits.float(), dim=-1)
+    weights, ids = torch.topk(probabilities, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return ids.to(torch.int32), weights
+
+
+class EPMoE(nn.Module):
+    """An expert-parallel MoE block: router, routed experts over an EP group, optional shared expert.
+
+    Parameters (vLLM layout): ``router [E, H]``, ``w13 [E, 2I, H]``, ``w2 [E, H, I]``, and with
+    ``shared_intermediate`` a shared SwiGLU expert ``shared_w13 [2Is, H]``, ``shared_w2 [H, Is]``.
+    The expert pool is rebuilt only when the routed weights change (tracked by their version counters).
+    """
+
+    def __init__(
+        self,
+        config: EPConfig,
+        group: Group,
+        policy: str = "exact",
+        renormalize: bool = True,
+        shared_intermediate: int | None = None,
+        dtype: torch.dtype = torch.bfloat16,
+        backend: str = "auto",
+    ) -> None:
+        super().__init__()
+        check_policy(policy)
+        self.config, self.group, self.policy = config, group, policy
+        self.renormalize, self.backend = renormalize, backend
+        hidden, intermediate, experts = config.hidden, config.intermediate, config.experts
+        factory = {"device": group.device, "dtype": dtype}
+        self.router = nn.Parameter(torch.randn(experts, hidden, **factory) * hidden**-0.5)
+        self.w13 = nn.Parameter(torch.randn(experts, 2 * intermediate, hidden, **factory) * hidden**-0.5)
+        self.w2 = nn.Parameter(torch.randn(experts, hidden, intermediate, **factory) * intermediate**-0.5)
+        if shared_intermediate:
+            self.shared_w13 = nn.Parameter(torch.randn(2 * shared_intermediate, hidden, **factory) * hidden**-0.5)
+            self.shared_w2 = nn.Parameter(torch.randn(hidden, shared_intermediate, **factory) * shared_intermediate**-0.5)
+        else:
+            self.shared_w13 = self.shared_w2 = None
+        self._pool: ExpertPool | None = None
+        self._pool_versions: tuple[int, ...] = ()
+
+    def expert_pool(self) -> ExpertPool:
+        """The layer's pool, rebuilt if ``w13`` or ``w2`` changed since it was built."""
+        versions = (self.w13._version, self.w2._version, self.w13.data_ptr(), self.w2.data_ptr())
+        if self._pool is None or versions != self._pool_versions:
+            self._pool = ExpertPool.from_weights(self.w13.detach(), self.w2.detach(), self.config, self.group)
+            self._pool_versions = versions
+        return self._pool
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [R, s, H]`` (local transport) or ``[s, H]`` -> same shape and dtype."""
+        logits = x.float() @ self.router.float().T
+        topk_ids, topk_weights = route(logits, self.config.top_k, self.renormalize)
+        with torch.no_grad():
+            out = ep_moe(
+                x.detach(), topk_ids, topk_weights, config=self.config, group=self.group, policy=self.policy,
+                pool=self.expert_pool(), backend=self.backend,
+            )
+        if self.shared_w13 is not None:
+            intermediate = self.shared_w2.shape[-1]
+            projected = x @ self.shared_w13.T
+            out = out + (F.silu(projected[..., :intermediate]) * projected[..., intermediate:]) @ self.shared_w2.T
+        return out
