@@ -51,6 +51,33 @@ def _plan_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_command(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    import torch
+
+    from flatep.bench.report import write_report
+    from flatep.bench.sweep import Sweep, read_results, run
+
+    out_dir = Path(args.out)
+    if args.report:
+        rows = read_results(Path(args.report))
+        if not rows:
+            raise CliError(f"no results in {args.report}")
+        paths = write_report(rows, out_dir if args.out != "bench-out" else Path(args.report).parent)
+        print(paths[0].read_text())
+        return 0
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    sweep = Sweep.load(args.config or ("default" if device.type == "cuda" else "cpu"))
+    if device.type == "cpu":
+        print(f"flatep bench: no GPU, running the '{sweep.name}' sweep on the CPU (torch paths; times are CPU times)")
+    rows = run(sweep, out_dir, device, resume=args.resume, progress=not args.quiet, backend=args.backend)
+    paths = write_report(rows, out_dir)
+    print(paths[0].read_text())
+    print("wrote " + ", ".join(str(p) for p in [out_dir / "results.jsonl", *paths]))
+    return 0
+
+
 def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -80,6 +107,16 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--json", action="store_true", help="machine-readable output")
     plan.add_argument("--plot", metavar="FILE.png", help="draw per-rank load before/after")
     plan.set_defaults(run=_plan_command)
+    bench = commands.add_parser("bench", help="sweep tokens per rank and router skew; write results, summary and plots")
+    bench.add_argument("config", nargs="?", help="sweep config: a shipped name (default, kimi-k3, cpu, tiny) or a YAML path; "
+                       "default: 'default' on a GPU, 'cpu' otherwise")
+    bench.add_argument("--out", default="bench-out", help="output folder (default bench-out/)")
+    bench.add_argument("--resume", action="store_true", help="skip cells already in OUT/results.jsonl")
+    bench.add_argument("--report", metavar="RESULTS.jsonl", help="only write summary.md and plots from a results file")
+    bench.add_argument("--device", help="cuda or cpu (default: cuda if available)")
+    bench.add_argument("--backend", default="auto", choices=["auto", "triton", "torch"])
+    bench.add_argument("--quiet", action="store_true", help="no progress bar")
+    bench.set_defaults(run=_bench_command)
     return parser
 
 

@@ -13,8 +13,8 @@ ADVERSARIAL = ("local", "next", "one", "duplicate")
 SHARED_SEED = 1234
 
 
-def _generator(seed: int) -> torch.Generator:
-    generator = torch.Generator()
+def _generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
+    generator = torch.Generator(device=device)
     generator.manual_seed(seed)
     return generator
 
@@ -36,6 +36,8 @@ def skewed_topk(
     replacement, via the Gumbel top-k trick). ``sigma = 0`` gives a deterministic balanced routing:
     entry ``i`` of the group (rank-major, then token, then k) goes to ``perm[i mod E]`` for a
     shared random permutation ``perm``, so every expert gets ``floor`` or ``ceil`` of the mean.
+    The random draws are made on ``device`` (fast on a GPU); a seed gives the same routing on the
+    same kind of device, not across CPU and GPU.
 
     Returns:
         ``[ranks, tokens, top_k] int32`` on ``device``.
@@ -46,19 +48,21 @@ def skewed_topk(
         raise ValueError(f"top_k must be <= experts ({experts}), got {top_k}")
     if tokens < 1 or ranks < 1:
         raise ValueError(f"tokens and ranks must be >= 1, got tokens={tokens}, ranks={ranks}")
-    shared = _generator(seed)
+    device = torch.device(device)
+    shared = _generator(seed, device)
     if sigma == 0:
-        perm = torch.randperm(experts, generator=shared)
-        entry = torch.arange(ranks * tokens * top_k)
+        perm = torch.randperm(experts, generator=shared, device=device)
+        entry = torch.arange(ranks * tokens * top_k, device=device)
         ids = perm[entry % experts].view(ranks, tokens, top_k)
     else:
-        log_popularity = torch.randn(experts, generator=shared, dtype=torch.float64) * sigma
-        ids = torch.empty(ranks, tokens, top_k, dtype=torch.int64)
+        log_popularity = torch.randn(experts, generator=shared, dtype=torch.float64, device=device) * sigma
+        ids = torch.empty(ranks, tokens, top_k, dtype=torch.int64, device=device)
         for rank in range(ranks):
-            uniform = torch.rand(tokens, experts, generator=_generator(seed + 1 + rank), dtype=torch.float64)
+            generator = _generator(seed + 1 + rank, device)
+            uniform = torch.rand(tokens, experts, generator=generator, dtype=torch.float64, device=device)
             gumbel = -torch.log(-torch.log(uniform.clamp_min(1e-300)))
             ids[rank] = torch.topk(log_popularity + gumbel, top_k, dim=1).indices
-    return ids.to(device=device, dtype=torch.int32)
+    return ids.to(torch.int32)
 
 
 def adversarial_topk(
@@ -128,13 +132,14 @@ def sigma_for_maxvio(
     tokens: int,
     seed: int = SHARED_SEED,
     steps: int = 60,
+    device: torch.device | str = "cpu",
 ) -> tuple[float, float]:
     """Sigma whose routing (from :func:`skewed_topk` with the same seed) reaches ``target`` maxvio.
 
     Bisection on a log scale between 1e-5 and 10 (geometric midpoint), stopping when
     ``|maxvio - target| <= max(0.02*target, 0.005)``, else keeping the closest. ``target = 0`` returns
     sigma 0 (the balanced routing). If even the smallest sigma overshoots (the sampling noise floor),
-    that sigma is returned.
+    that sigma is returned. ``device`` is where routings are drawn (see :func:`skewed_topk`).
 
     Returns:
         ``(sigma, maxvio reached)``.
@@ -142,10 +147,10 @@ def sigma_for_maxvio(
     if target < 0:
         raise ValueError(f"target must be >= 0, got {target}")
     if target == 0:
-        return 0.0, maxvio(skewed_topk(ranks, experts, top_k, tokens, 0.0, seed), experts)
+        return 0.0, maxvio(skewed_topk(ranks, experts, top_k, tokens, 0.0, seed, device), experts)
 
     def reached(sigma: float) -> float:
-        return maxvio(skewed_topk(ranks, experts, top_k, tokens, sigma, seed), experts)
+        return maxvio(skewed_topk(ranks, experts, top_k, tokens, sigma, seed, device), experts)
 
     low, high = 1e-5, 10.0
     best = (low, reached(low))

@@ -1,0 +1,1 @@
+"""Benchmarks: the ``flatep bench`` sweep, the planner benchmark, their configs and reports."""

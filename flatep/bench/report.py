@@ -1,0 +1,179 @@
+"""Summary table and plots of a sweep, made from ``results.jsonl`` alone."""
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+ARM_STYLE = {"flat": ("tab:blue", "o"), "classic": ("tab:red", "s"), "dense": ("tab:gray", "^")}
+PHASES = ("plan_us", "dispatch_us", "push_us", "experts_us_max", "combine_us")
+
+
+def _fmt(value: Any, digits: int = 1) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def flatness(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (model, arm, tokens): layer time at the largest maxvio over its time at maxvio 0."""
+    groups: dict[tuple, dict[float, float]] = defaultdict(dict)
+    for row in rows:
+        groups[(row["model"], row["arm"], row["tokens"])][row["maxvio_target"]] = row["layer_us"]
+    out = []
+    for (model, arm, tokens), by_target in sorted(groups.items()):
+        if 0.0 not in by_target or len(by_target) < 2:
+            continue
+        ratios = {target: us / by_target[0.0] for target, us in sorted(by_target.items())}
+        out.append({"model": model, "arm": arm, "tokens": tokens, "ratio_vs_maxvio0": ratios})
+    return out
+
+
+def summary_markdown(rows: list[dict[str, Any]]) -> str:
+    """The sweep as a Markdown table, with the flatness ratios and what each column counts."""
+    if not rows:
+        return "No results.\n"
+    first = rows[0]
+    lines = [
+        f"# flatep bench: {first['model']} (H={first['hidden']}, E={first['experts']}, K={first['top_k']}, "
+        f"I={first['intermediate']}), R={first['ranks']} virtual ranks on {first['device']}",
+        "",
+        f"Ceilings measured in this run: device copy {first['copy_ceiling_gbps']:.0f} GB/s (read+write), "
+        f"dense bf16 GEMM {first['gemm_ceiling_tflops']:.0f} TFLOP/s.",
+        "",
+        "Times in µs (median). `layer` = slowest-rank layer time: planning + the per-rank share of the dispatch, "
+        "push and combine launches (each covers all R virtual ranks) + the slowest rank's experts. `dense` = "
+        "one device computing all tokens, shown as its per-rank share (total / R). Virtual ranks share one "
+        "GPU: link time is not measured; `link model` = bytes that would cross the link at "
+        f"{first['link_gbps_model']:.0f} GB/s per direction (a model, not a measurement). Bytes: dispatch "
+        "= logical s*K*H*2 per rank; push = expert-weight bytes moved in all; copy% = dispatch/combine "
+        "kernels' bytes read+written over the copy ceiling; GEMM% = slowest rank's expert TFLOP/s over the ceiling.",
+        "",
+        "| arm | s | maxvio (target) | plan | dispatch | push | experts max | experts mean | combine | layer | "
+        "link model | dispatch MB/rank | push MB | copy% disp/comb | GEMM% | rows max |",
+        "|" + "---|" * 16,
+    ]
+    for row in sorted(rows, key=lambda r: (r["arm"], r["tokens"], r["maxvio_target"])):
+        copy = "-"
+        if row.get("dispatch_copy_fraction") is not None:
+            copy = f"{100 * row['dispatch_copy_fraction']:.0f}/{100 * row['combine_copy_fraction']:.0f}"
+        lines.append(
+            f"| {row['arm']} | {row['tokens']} | {row['maxvio']:.2f} ({row['maxvio_target']:g}) | {_fmt(row['plan_us'])} | "
+            f"{_fmt(row['dispatch_us'])} | {_fmt(row['push_us'])} | {_fmt(row['experts_us_max'])} | "
+            f"{_fmt(row['experts_us_mean'])} | {_fmt(row['combine_us'])} | **{_fmt(row['layer_us'])}** | "
+            f"{_fmt(row.get('link_model_us'))} | {row['dispatch_bytes'] / 1e6:.1f} | {row['push_bytes'] / 1e6:.0f} | "
+            f"{copy} | {100 * row['experts_gemm_fraction']:.0f} | {_fmt(row.get('rows_max'))} |"
+        )
+    lines += ["", "## Layer time relative to maxvio 0 (slowest rank)", "", "| arm | s | ratios by maxvio target |", "|---|---|---|"]
+    for entry in flatness(rows):
+        ratios = ", ".join(f"{target:g}: {ratio:.2f}" for target, ratio in entry["ratio_vs_maxvio0"].items())
+        lines.append(f"| {entry['arm']} | {entry['tokens']} | {ratios} |")
+    return "\n".join(lines) + "\n"
+
+
+def _title(rows: list[dict[str, Any]], what: str) -> str:
+    first = rows[0]
+    return f"{what}\n{first['model']}, R={first['ranks']} virtual ranks, {first['device']}"
+
+
+def plot_headline(rows: list[dict[str, Any]], path: Path) -> None:
+    """Slowest-rank layer time vs maxvio per arm, one panel per tokens-per-rank."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tokens = sorted({r["tokens"] for r in rows})
+    figure, axes = plt.subplots(1, len(tokens), figsize=(4.2 * len(tokens), 4), squeeze=False)
+    for axis, count in zip(axes[0], tokens):
+        for arm, (color, marker) in ARM_STYLE.items():
+            points = sorted((r["maxvio"], r["layer_us"]) for r in rows if r["arm"] == arm and r["tokens"] == count)
+            if points:
+                axis.plot(*zip(*points), color=color, marker=marker, label=arm if arm != "dense" else "dense (total / R)")
+        axis.set_title(f"s = {count} tokens per rank")
+        axis.set_xlabel("router imbalance maxvio")
+        axis.set_ylabel("slowest-rank layer time (µs)")
+        axis.set_ylim(bottom=0)
+        axis.grid(alpha=0.3)
+    axes[0][0].legend()
+    figure.suptitle(_title(rows, "MoE layer time vs router skew (lower is better)"))
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def plot_breakdown(rows: list[dict[str, Any]], path: Path) -> None:
+    """Stacked per-phase time (per-rank share) for flat and classic at the largest s, per maxvio."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    largest = max(r["tokens"] for r in rows)
+    arms = [a for a in ("flat", "classic") if any(r["arm"] == a for r in rows)]
+    figure, axes = plt.subplots(1, max(len(arms), 1), figsize=(6 * max(len(arms), 1), 4), squeeze=False)
+    for axis, arm in zip(axes[0], arms):
+        cells = sorted((r for r in rows if r["arm"] == arm and r["tokens"] == largest), key=lambda r: r["maxvio_target"])
+        labels = [f"{r['maxvio']:.1f}" for r in cells]
+        bottom = [0.0] * len(cells)
+        for phase in PHASES:
+            share = [r[phase] if phase in ("plan_us", "experts_us_max") else r[phase] / r["ranks"] for r in cells]
+            axis.bar(labels, share, bottom=bottom, label=phase.replace("_us", "").replace("_max", " (slowest rank)"))
+            bottom = [b + v for b, v in zip(bottom, share)]
+        axis.set_title(f"{arm}, s = {largest}")
+        axis.set_xlabel("router imbalance maxvio")
+        axis.set_ylabel("time per rank (µs)")
+    if arms:
+        axes[0][0].legend(fontsize=8)
+    figure.suptitle(_title(rows, "Per-phase time of the slowest rank"))
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def plot_tokens(rows: list[dict[str, Any]], path: Path) -> None:
+    """Slowest-rank layer time vs tokens per rank, at the smallest and the largest maxvio."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    targets = sorted({r["maxvio_target"] for r in rows})
+    chosen = [targets[0], targets[-1]] if len(targets) > 1 else targets
+    figure, axis = plt.subplots(figsize=(7, 4.5))
+    for arm, (color, marker) in ARM_STYLE.items():
+        for target, style in zip(chosen, ("-", "--")):
+            points = sorted((r["tokens"], r["layer_us"]) for r in rows if r["arm"] == arm and r["maxvio_target"] == target)
+            if points:
+                axis.plot(*zip(*points), style, color=color, marker=marker, label=f"{arm}, maxvio {target:g}")
+    axis.set_xscale("log", base=2)
+    axis.set_yscale("log")
+    axis.set_xlabel("tokens per rank s")
+    axis.set_ylabel("slowest-rank layer time (µs)")
+    axis.grid(alpha=0.3, which="both")
+    axis.legend(fontsize=8)
+    axis.set_title(_title(rows, "Layer time vs tokens per rank"))
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def write_report(rows: list[dict[str, Any]], out_dir: Path) -> list[Path]:
+    """Write ``summary.md`` and the three PNG plots into ``out_dir``; return their paths."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = [out_dir / "summary.md", out_dir / "layer_vs_maxvio.png", out_dir / "breakdown.png", out_dir / "layer_vs_tokens.png"]
+    paths[0].write_text(summary_markdown(rows))
+    if rows:
+        plot_headline(rows, paths[1])
+        plot_breakdown(rows, paths[2])
+        plot_tokens(rows, paths[3])
+    return paths
+
+
+REQUIRED_FIELDS = (
+    "model", "ranks", "tokens", "maxvio_target", "maxvio", "arm", "device", "plan_us", "dispatch_us", "push_us",
+    "experts_us_max", "experts_us_mean", "combine_us", "layer_us", "dispatch_bytes", "push_bytes",
+    "copy_ceiling_gbps", "gemm_ceiling_tflops",
+)

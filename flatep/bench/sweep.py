@@ -1,0 +1,373 @@
+"""The ``flatep bench`` sweep: per-rank cost of an EP MoE layer as router skew grows.
+
+Arms: ``flat`` (policy ``exact``), ``classic`` (policy ``none``: the hottest rank carries the
+surplus) and ``dense`` (one device, no EP: permute by expert, grouped GEMM over all experts).
+All ranks are virtual ranks of one device, so link time is not measured; an optional link time
+is *modelled* from the bytes that would cross the link and is always labelled as a model.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+import yaml
+
+from flatep.bench.timing import copy_ceiling_gbps, device_name, gemm_ceiling_tflops, time_us
+from flatep.config import MODEL_SHAPES, EPConfig, align_up, preset
+from flatep.experts.grouped import grouped_swiglu
+from flatep.experts.pool import ExpertPool
+from flatep.layer import combine_step, dispatch_step, ep_moe
+from flatep.plan.reference import make_plan
+from flatep.plan.types import Plan
+from flatep.routing import maxvio, sigma_for_maxvio, skewed_topk
+from flatep.transport.local import LocalGroup
+
+ARMS = {"flat": "exact", "classic": "none", "dense": None}
+CELL_KEY = ("model", "ranks", "tokens", "maxvio_target", "arm")
+
+
+@dataclass
+class Sweep:
+    """One sweep configuration (a YAML file under ``flatep/bench/configs`` or any path).
+
+    Attributes:
+        name: label of the sweep.
+        model: a preset name (``kimi-k2``, ...) or a dict ``{hidden, experts, top_k, intermediate}``.
+        ranks: virtual EP ranks.
+        tokens: ladder of tokens per rank ``s``.
+        maxvio: ladder of target router imbalance.
+        arms: subset of ``flat``, ``classic``, ``dense``.
+        warmup, iters: timing repetitions (median of ``iters``).
+        link_gbps: link bandwidth per direction used by the modelled link time.
+    """
+
+    name: str
+    model: str | dict[str, int]
+    ranks: int
+    tokens: list[int]
+    maxvio: list[float]
+    arms: list[str] = field(default_factory=lambda: list(ARMS))
+    warmup: int = 3
+    iters: int = 10
+    link_gbps: float = 370.0
+
+    @classmethod
+    def load(cls, name_or_path: str) -> "Sweep":
+        """Read a shipped config by name (``default``, ``kimi-k3``, ``cpu``, ``tiny``) or a YAML path."""
+        path = Path(name_or_path)
+        if path.suffix in (".yaml", ".yml") or path.exists():
+            if not path.exists():
+                raise ValueError(f"sweep config file {name_or_path!r} does not exist")
+            text = path.read_text()
+        else:
+            shipped = resources.files("flatep.bench") / "configs" / f"{name_or_path}.yaml"
+            if not shipped.is_file():
+                raise ValueError(f"sweep config must be a YAML path or one of {shipped_configs()}, got {name_or_path!r}")
+            text = shipped.read_text()
+        data = yaml.safe_load(text)
+        if not isinstance(data, dict):
+            raise ValueError(f"sweep config {name_or_path!r} must be a YAML mapping")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"sweep config {name_or_path!r} has unknown keys {sorted(unknown)}; allowed: {sorted(known)}")
+        sweep = cls(**data)
+        sweep.validate()
+        return sweep
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the field on a bad value."""
+        bad_arms = set(self.arms) - set(ARMS)
+        if bad_arms:
+            raise ValueError(f"arms must be a subset of {list(ARMS)}, got {self.arms}")
+        if not self.tokens or any(not isinstance(t, int) or t < 1 for t in self.tokens):
+            raise ValueError(f"tokens must be a list of positive integers, got {self.tokens}")
+        if not self.maxvio or any(v < 0 for v in self.maxvio):
+            raise ValueError(f"maxvio must be a list of numbers >= 0, got {self.maxvio}")
+        self.ep_config(max(self.tokens))
+
+    @property
+    def model_name(self) -> str:
+        if isinstance(self.model, str):
+            return self.model
+        return "custom-h{hidden}-e{experts}-k{top_k}-i{intermediate}".format(**self.model)
+
+    def ep_config(self, capacity: int) -> EPConfig:
+        """The group's :class:`EPConfig` at a token capacity."""
+        if isinstance(self.model, str):
+            if self.model not in MODEL_SHAPES:
+                raise ValueError(f"model must be one of {sorted(MODEL_SHAPES)} or a shape dict, got {self.model!r}")
+            return preset(self.model, ranks=self.ranks, capacity=capacity)
+        needed = {"hidden", "experts", "top_k", "intermediate"}
+        if set(self.model) != needed:
+            raise ValueError(f"model dict must have exactly the keys {sorted(needed)}, got {sorted(self.model)}")
+        return EPConfig(ranks=self.ranks, capacity=capacity, **self.model)
+
+
+def shipped_configs() -> list[str]:
+    """Names of the sweep configs shipped with the package."""
+    folder = resources.files("flatep.bench") / "configs"
+    return sorted(p.name[: -len(".yaml")] for p in folder.iterdir() if p.name.endswith(".yaml"))
+
+
+def dense_step(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """One device, no EP: sort entries by expert, grouped GEMM over all E experts, weighted sum.
+
+    Args:
+        x: ``[T, H]``; ids, weights: ``[T, K]``; w13: ``[E, 2I, H]``; w2: ``[E, H, I]``.
+
+    Returns:
+        ``[T, H]`` in ``x``'s dtype.
+    """
+    experts, top_k = w13.shape[0], ids.shape[1]
+    flat_ids = ids.reshape(-1).long()
+    order = torch.argsort(flat_ids, stable=True)
+    token = order // top_k
+    offsets = torch.bincount(flat_ids, minlength=experts).cumsum(0).to(torch.int32)
+    rows = grouped_swiglu(x[token], weights.reshape(-1)[order], w13, w2, offsets)
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    out.index_add_(0, token, rows.float())
+    return out.to(x.dtype)
+
+
+def _remote_rows(plan: Plan) -> torch.Tensor:
+    """``[R]`` rows each source rank sends to another rank (what would cross the link)."""
+    source = torch.arange(plan.dest_rank.shape[0], device=plan.dest_rank.device).view(-1, 1, 1)
+    return ((plan.dest_rank >= 0) & (plan.dest_rank != source)).sum((1, 2))
+
+
+def _sized_to_step(plan: Plan, align: int) -> Plan:
+    """Classic EP on one GPU: size shards to this step's hottest rank so R virtual shards fit.
+
+    Real classic EP must size for the worst case (``R*S*K`` rows) or sync to learn the counts;
+    this favours the classic arm, never the flat one.
+    """
+    rows = align_up(int(plan.offsets[:, -1].max()), align)
+    return dataclasses.replace(plan, shard_rows=max(rows, align))
+
+
+class Cell:
+    """Inputs of one (tokens, maxvio) point: routing, tokens and route weights on the device."""
+
+    def __init__(self, sweep: Sweep, config: EPConfig, tokens: int, target: float, device: torch.device, seed: int = 1234):
+        self.tokens, self.target = tokens, target
+        ranks, experts, top_k = config.ranks, config.experts, config.top_k
+        self.sigma, self.maxvio = sigma_for_maxvio(target, ranks, experts, top_k, tokens, seed=seed, device=device)
+        self.ids = skewed_topk(ranks, experts, top_k, tokens, self.sigma, seed=seed, device=device)
+        generator = torch.Generator(device=device).manual_seed(seed)
+        dtype = torch.bfloat16
+        self.x = torch.randn(ranks, tokens, config.hidden, generator=generator, device=device).to(dtype)
+        self.weights = torch.rand(ranks, tokens, top_k, generator=generator, device=device) / top_k
+
+
+def _ep_cell(sweep: Sweep, config: EPConfig, cell: Cell, arm: str, pool: ExpertPool, device: torch.device, backend: str) -> dict[str, Any]:
+    policy = ARMS[arm]
+    group = LocalGroup(config.ranks, device)
+    timing = dict(device=device, warmup=sweep.warmup, iters=sweep.iters)
+    plan_us = time_us(lambda: make_plan(cell.ids, config, policy), **timing)
+    plan = make_plan(cell.ids, config, policy)
+    if policy == "none":
+        plan = _sized_to_step(plan, config.align)
+    dispatch_us = time_us(lambda: dispatch_step(cell.x, cell.weights, plan, group, backend), **timing)
+    push_us = time_us(lambda: pool.push(plan.slot_experts, backend), **timing)
+    shard, shard_weights = dispatch_step(cell.x, cell.weights, plan, group, backend)
+    experts_us = []
+    for rank in range(config.ranks):
+        w13, w2 = pool.compute_view(rank)
+        offsets = plan.offsets[rank]
+        rows, route = shard[rank], shard_weights[rank]
+        experts_us.append(time_us(lambda: grouped_swiglu(rows, route, w13, w2, offsets), **timing))
+    combine_us = time_us(lambda: combine_step(shard, plan, group, cell.tokens, config.top_k, cell.x.dtype, backend), **timing)
+    step_us = time_us(
+        lambda: ep_moe(cell.x, cell.ids, cell.weights, config=config, group=group, policy=policy, pool=pool, plan=plan, backend=backend),
+        **timing,
+    )
+    ranks, hidden, element = config.ranks, config.hidden, cell.x.element_size()
+    entries = cell.tokens * config.top_k
+    padded_rows = plan.offsets[:, -1].double().cpu()
+    flops_per_row = 2 * 3 * hidden * config.intermediate
+    slowest = int(torch.tensor(experts_us).argmax())
+    slots_per_rank = (plan.slot_experts >= 0).sum(1).cpu()
+    push_bytes = int(slots_per_rank.sum()) * config.expert_bytes(element)
+    remote = _remote_rows(plan).cpu()
+    token_bytes = cell.tokens * hidden * element
+    # Bytes the dispatch and combine kernels read plus write, all virtual ranks together.
+    kernel_bytes = ranks * (token_bytes + entries * hidden * element)
+    link_us = (
+        2 * int(remote.max()) * hidden * element + int(slots_per_rank.max()) * config.expert_bytes(element)
+    ) / (sweep.link_gbps * 1e3)
+    received = plan.received.double().cpu()
+    layer_us = plan_us + (dispatch_us + push_us + combine_us) / ranks + max(experts_us)
+    group.close()
+    return dict(
+        plan_us=plan_us,
+        dispatch_us=dispatch_us,
+        push_us=push_us,
+        experts_us_max=max(experts_us),
+        experts_us_mean=sum(experts_us) / ranks,
+        experts_us=experts_us,
+        combine_us=combine_us,
+        step_us=step_us,
+        layer_us=layer_us,
+        dispatch_bytes=entries * hidden * element,
+        combine_bytes=entries * hidden * element,
+        push_bytes=push_bytes,
+        borrowed_experts=int(slots_per_rank.sum()),
+        dispatch_copy_fraction=kernel_bytes / dispatch_us / 1e3,
+        combine_copy_fraction=kernel_bytes / combine_us / 1e3,
+        experts_tflops_slowest=float(padded_rows[slowest]) * flops_per_row / experts_us[slowest] / 1e6,
+        rows_max=int(received.max()),
+        rows_mean=float(received.mean()),
+        padded_rows_max=int(padded_rows.max()),
+        remote_rows_max=int(remote.max()),
+        link_model_us=link_us,
+        layer_with_link_model_us=layer_us + link_us,
+    )
+
+
+def _dense_cell(sweep: Sweep, config: EPConfig, cell: Cell, weights: tuple[torch.Tensor, torch.Tensor], device: torch.device) -> dict[str, Any]:
+    w13, w2 = weights
+    x = cell.x.reshape(-1, config.hidden)
+    ids = cell.ids.reshape(-1, config.top_k)
+    route = cell.weights.reshape(-1, config.top_k)
+    dense_us = time_us(lambda: dense_step(x, ids, route, w13, w2), device, sweep.warmup, sweep.iters)
+    return dict(
+        plan_us=0.0, dispatch_us=0.0, push_us=0.0, combine_us=0.0,
+        experts_us_max=dense_us / config.ranks, experts_us_mean=dense_us / config.ranks,
+        dense_us=dense_us, layer_us=dense_us / config.ranks, step_us=dense_us,
+        dispatch_bytes=0, combine_bytes=0, push_bytes=0,
+        experts_tflops_slowest=x.shape[0] * config.top_k * 2 * 3 * config.hidden * config.intermediate / dense_us / 1e6,
+    )
+
+
+class SharedWeightsGroup(LocalGroup):
+    """Virtual ranks whose symmetric buffers share one rank's memory (stride 0 over ranks).
+
+    Used only for expert pools too large for R copies on one device (Kimi-K3: 2*E experts of 66 MB
+    is 118 GB): every rank computes with, and every push still moves, a full set of weight bytes;
+    only their values are shared.
+    """
+
+    def symmetric_empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty((1, *shape), dtype=dtype, device=self.device).expand(self.world, *shape)
+
+    def peer_offsets(self, buffer: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(self.world, dtype=torch.int64, device=buffer.device)
+
+
+def _fill_random(tensor: torch.Tensor) -> torch.Tensor:
+    """Fill ``[n, ...]`` with N(0, 1/fan_in) values, one leading slice at a time (small fp32 scratch)."""
+    for part in tensor:
+        part.copy_(torch.randn(part.shape, device=part.device) * tensor.shape[-1] ** -0.5)
+    return tensor
+
+
+def _pool_fits(config: EPConfig, device: torch.device) -> bool:
+    if device.type != "cuda":
+        return True
+    free, _ = torch.cuda.mem_get_info(device)
+    return 2 * config.experts * config.expert_bytes() < 0.6 * free
+
+
+def _random_pool(config: EPConfig, device: torch.device) -> tuple[ExpertPool, bool]:
+    """A bf16 pool with random weights; ``True`` if its weights are shared across virtual ranks."""
+    shared = not _pool_fits(config, device)
+    group = (SharedWeightsGroup if shared else LocalGroup)(config.ranks, device)
+    pool = ExpertPool(config, group, torch.bfloat16)
+    for tensor in (pool.w13, pool.w2):
+        _fill_random(tensor[:1] if shared else tensor)
+    return pool, shared
+
+
+def _random_dense_weights(config: EPConfig, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    w13 = torch.empty(config.experts, 2 * config.intermediate, config.hidden, dtype=torch.bfloat16, device=device)
+    w2 = torch.empty(config.experts, config.hidden, config.intermediate, dtype=torch.bfloat16, device=device)
+    return _fill_random(w13), _fill_random(w2)
+
+
+def read_results(path: Path) -> list[dict[str, Any]]:
+    """Every cell already in a ``results.jsonl``."""
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def cells(sweep: Sweep) -> Iterator[tuple[str, int, float]]:
+    """``(arm, tokens, maxvio target)`` of every cell, arm-major so weights are built once per arm."""
+    for arm in sweep.arms:
+        for tokens in sweep.tokens:
+            for target in sweep.maxvio:
+                yield arm, tokens, float(target)
+
+
+def run(sweep: Sweep, out_dir: Path, device: torch.device, resume: bool = False, progress: bool = True, backend: str = "auto") -> list[dict[str, Any]]:
+    """Run the sweep, appending one JSON object per cell to ``out_dir/results.jsonl``.
+
+    With ``resume``, cells already in the file are skipped. Returns every row of the file.
+    """
+    from tqdm import tqdm
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results_path = out_dir / "results.jsonl"
+    if not resume and results_path.exists():
+        results_path.unlink()
+    done = {tuple(row[k] for k in CELL_KEY) for row in read_results(results_path)}
+    config = sweep.ep_config(max(sweep.tokens))
+    if backend == "auto":
+        backend = "triton" if device.type == "cuda" else "torch"
+    on_gpu = device.type == "cuda"
+    ceilings = dict(
+        copy_ceiling_gbps=copy_ceiling_gbps(device, 1024 if on_gpu else 64),
+        gemm_ceiling_tflops=gemm_ceiling_tflops(device, 8192 if on_gpu else 512),
+    )
+    hardware = device_name(device)
+    todo = [c for c in cells(sweep) if (sweep.model_name, sweep.ranks, c[1], c[2], c[0]) not in done]
+    state: dict[str, Any] = {"arm": None, "weights": None, "shared": False}
+    cell_cache: dict[tuple[int, float], Cell] = {}
+    bar = tqdm(todo, desc=f"flatep bench {sweep.name}", disable=not progress, unit="cell")
+    with results_path.open("a") as results:
+        for arm, tokens, target in bar:
+            bar.set_postfix(arm=arm, tokens=tokens, maxvio=target)
+            if state["arm"] != arm:
+                state["weights"] = None
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+                if arm == "dense":
+                    state["weights"], state["shared"] = _random_dense_weights(config, device), False
+                else:
+                    state["weights"], state["shared"] = _random_pool(config, device)
+                state["arm"] = arm
+            if (tokens, target) not in cell_cache:
+                cell_cache.clear()
+                cell_cache[(tokens, target)] = Cell(sweep, config, tokens, target, device)
+            cell = cell_cache[(tokens, target)]
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            if arm == "dense":
+                measured = _dense_cell(sweep, config, cell, state["weights"], device)
+            else:
+                measured = _ep_cell(sweep, config, cell, arm, state["weights"], device, backend)
+            row = dict(
+                sweep=sweep.name, model=sweep.model_name, ranks=sweep.ranks, tokens=tokens, maxvio_target=target,
+                maxvio=cell.maxvio, sigma=cell.sigma, arm=arm, device=hardware, backend=backend,
+                hidden=config.hidden, experts=config.experts, top_k=config.top_k, intermediate=config.intermediate,
+                **ceilings, **measured,
+                peak_memory_gb=torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None,
+                weights_shared_across_virtual_ranks=state["shared"],
+                link_gbps_model=sweep.link_gbps,
+            )
+            for name in ("dispatch_copy_fraction", "combine_copy_fraction"):
+                if name in row:
+                    row[name] = row[name] / row["copy_ceiling_gbps"]
+            row["experts_gemm_fraction"] = row["experts_tflops_slowest"] / row["gemm_ceiling_tflops"]
+            results.write(json.dumps({k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}) + "\n")
+            results.flush()
+    return read_results(results_path)

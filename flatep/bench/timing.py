@@ -1,0 +1,60 @@
+"""Timing and the ceilings every figure is compared with, measured in the same run."""
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+
+def time_us(fn: Callable[[], object], device: torch.device, warmup: int = 3, iters: int = 10) -> float:
+    """Median wall time of ``fn`` in microseconds.
+
+    On CUDA each call is bracketed by CUDA events (GPU time, no host sync inside the timed region);
+    on CPU by ``time.perf_counter``.
+    """
+    for _ in range(warmup):
+        fn()
+    samples = []
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        for _ in range(iters):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end) * 1e3)
+    else:
+        for _ in range(iters):
+            start_time = time.perf_counter()
+            fn()
+            samples.append((time.perf_counter() - start_time) * 1e6)
+    return statistics.median(samples)
+
+
+def copy_ceiling_gbps(device: torch.device, megabytes: int = 1024) -> float:
+    """Device-to-device copy bandwidth in GB/s, counting bytes read plus bytes written."""
+    elements = megabytes * 2**20 // 2
+    source = torch.randn(elements, device=device).to(torch.bfloat16)
+    target = torch.empty_like(source)
+    elapsed = time_us(lambda: target.copy_(source), device, warmup=3, iters=10)
+    return 2 * source.numel() * source.element_size() / elapsed / 1e3
+
+
+def gemm_ceiling_tflops(device: torch.device, size: int = 8192, dtype: torch.dtype = torch.bfloat16) -> float:
+    """Dense ``size^3`` matrix product rate on random data, TFLOP/s."""
+    a = torch.randn(size, size, device=device).to(dtype)
+    b = torch.randn(size, size, device=device).to(dtype)
+    elapsed = time_us(lambda: a @ b, device, warmup=2, iters=5)
+    return 2 * size**3 / elapsed / 1e6
+
+
+def device_name(device: torch.device) -> str:
+    """A short hardware name for labels: the GPU's name, or the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    import platform
+
+    return f"CPU ({platform.machine()}, {torch.get_num_threads()} threads)"
