@@ -40,6 +40,9 @@ def combine_triton(
     dest_row: torch.Tensor,
     shard: torch.Tensor,
     shard_peers: torch.Tensor,
+    block_t: int = 4,
+    block_h: int | None = None,
+    num_warps: int = 4,
 ) -> None:
     """``out[r, t] = sum_k shard[dest_rank[r,t,k]][dest_row[r,t,k]]``, accumulated in fp32.
 
@@ -49,15 +52,15 @@ def combine_triton(
         dest_rank, dest_row: ``[n, s, K]`` int32 from the plan.
         shard: base of this process's shard buffer (``[.., rows, H]``).
         shard_peers: ``[R] int64`` element offsets of every rank's shard from ``shard``'s base.
+        block_t, block_h, num_warps: tuning (see ``python -m flatep.bench.kernels``).
     """
     ranks_here, tokens, hidden = out.shape
     top_k = dest_rank.shape[-1]
-    block_h = min(triton.next_power_of_2(hidden), 2048 // shard.element_size())
-    block_t = 4
+    block_h = block_h or min(triton.next_power_of_2(hidden), 2048 // shard.element_size())
     _combine_kernel[(ranks_here, triton.cdiv(tokens, block_t))](
         out, dest_rank, dest_row, shard, shard_peers,
         tokens, tokens * hidden, tokens * top_k,
-        H=hidden, K=top_k, BLOCK_T=block_t, BLOCK_H=block_h,
+        H=hidden, K=top_k, BLOCK_T=block_t, BLOCK_H=block_h, num_warps=num_warps,
     )
 
 

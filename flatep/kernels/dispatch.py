@@ -83,6 +83,9 @@ def dispatch_triton(
     shard_peers: torch.Tensor,
     weight_peers: torch.Tensor,
     first_rank: int,
+    block_t: int = 4,
+    block_h: int | None = None,
+    num_warps: int = 4,
 ) -> None:
     """Scatter token rows and route weights into the shards; zero the owned shards' padding.
 
@@ -96,15 +99,16 @@ def dispatch_triton(
         shard_peers, weight_peers: ``[R] int64`` element offsets of every rank's copy of ``shard``
             and ``shard_weights`` from those bases (the transport's peer table).
         first_rank: global rank of ``x[0]``.
+        block_t, block_h, num_warps: tokens and columns per program step, warps per program
+            (tuning; see ``python -m flatep.bench.kernels``).
     """
     ranks_here, tokens, hidden = x.shape
     top_k = dest_rank.shape[-1]
-    block_h = _block_h(hidden, x.element_size())
-    block_t = 4
+    block_h = block_h or _block_h(hidden, x.element_size())
     _dispatch_kernel[(ranks_here, triton.cdiv(tokens, block_t))](
         x, route_weights, dest_rank, dest_row, shard, shard_weights, shard_peers, weight_peers,
         tokens, tokens * hidden, tokens * top_k,
-        H=hidden, K=top_k, BLOCK_T=block_t, BLOCK_H=block_h,
+        H=hidden, K=top_k, BLOCK_T=block_t, BLOCK_H=block_h, num_warps=num_warps,
     )
     groups = padding.shape[1]
     _zero_padding_kernel[(ranks_here, groups)](

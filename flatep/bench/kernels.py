@@ -1,0 +1,85 @@
+"""Tuning sweep of the dispatch, combine and push kernels against the device-copy ceiling.
+
+``python -m flatep.bench.kernels [--model kimi-k2] [--tokens 4096] [--out FILE.json]`` times each
+kernel configuration (tokens per program, columns per step, warps) on R virtual ranks of one GPU
+and prints achieved bandwidth (bytes read + written) beside the copy ceiling measured in the same
+run. Bytes counted: dispatch reads each token row once and writes K rows; combine reads K rows and
+writes one; push reads and writes every pushed expert.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+
+import torch
+
+from flatep.bench.timing import copy_ceiling_gbps, device_name, time_us
+from flatep.config import preset
+from flatep.kernels.combine import combine_triton
+from flatep.kernels.dispatch import dispatch_triton
+from flatep.kernels.push import push_triton
+from flatep.plan.reference import make_plan
+from flatep.routing import skewed_topk
+from flatep.transport.local import LocalGroup
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", default="kimi-k2")
+    parser.add_argument("--ranks", type=int, default=8)
+    parser.add_argument("--tokens", type=int, nargs="+", default=[128, 4096])
+    parser.add_argument("--sigma", type=float, default=1.0)
+    parser.add_argument("--out", help="write the measurements as JSON")
+    args = parser.parse_args(argv)
+    device = torch.device("cuda")
+    ceiling = copy_ceiling_gbps(device)
+    print(f"{device_name(device)}: copy ceiling {ceiling:.0f} GB/s (read+write)")
+    records = []
+    for tokens in args.tokens:
+        config = preset(args.model, ranks=args.ranks, capacity=tokens)
+        group = LocalGroup(args.ranks, device)
+        ids = skewed_topk(args.ranks, config.experts, config.top_k, tokens, args.sigma, device=device)
+        plan = make_plan(ids, config)
+        x = torch.randn(args.ranks, tokens, config.hidden, device=device).bfloat16()
+        weights = torch.rand(args.ranks, tokens, config.top_k, device=device)
+        shard = group.buffer("shard", (plan.shard_rows, config.hidden), torch.bfloat16)
+        shard_weights = group.buffer("shard_weights", (plan.shard_rows,), torch.float32)
+        peers, weight_peers = group.peer_offsets(shard), group.peer_offsets(shard_weights)
+        out = torch.empty_like(x)
+        row_bytes = config.hidden * 2
+        moved = args.ranks * tokens * (config.top_k + 1) * row_bytes
+        for block_t, block_h, warps in itertools.product([1, 2, 4, 8, 16], [512, 1024, 2048], [4, 8]):
+            if block_t * block_h > 16384:
+                continue
+            dispatch_us = time_us(lambda: dispatch_triton(
+                x, weights, plan.dest_rank, plan.dest_row, plan.padding, shard, shard_weights, peers, weight_peers, 0,
+                block_t=block_t, block_h=block_h, num_warps=warps), device, warmup=3, iters=10)
+            combine_us = time_us(lambda: combine_triton(
+                out, plan.dest_rank, plan.dest_row, shard, peers, block_t=block_t, block_h=block_h, num_warps=warps),
+                device, warmup=3, iters=10)
+            record = dict(kernel_config=dict(block_t=block_t, block_h=block_h, num_warps=warps), tokens=tokens,
+                          dispatch_us=dispatch_us, combine_us=combine_us,
+                          dispatch_fraction=moved / dispatch_us / 1e3 / ceiling,
+                          combine_fraction=moved / combine_us / 1e3 / ceiling)
+            records.append(record)
+            print(f"s={tokens:5d} block_t={block_t:2d} block_h={block_h:4d} warps={warps}: dispatch {dispatch_us:8.1f} us "
+                  f"({100 * record['dispatch_fraction']:.0f}%), combine {combine_us:8.1f} us ({100 * record['combine_fraction']:.0f}%)")
+        pool = group.symmetric_empty((2 * config.experts_per_rank, 2 * config.intermediate, config.hidden), torch.bfloat16)
+        slots = int((plan.slot_experts >= 0).sum())
+        numel = pool[0, 0].numel()
+        push_us = time_us(lambda: push_triton(pool, group.peer_offsets(pool), plan.slot_experts, 0, args.ranks, numel), device)
+        push_fraction = 2 * slots * numel * 2 / push_us / 1e3 / ceiling if slots else 0.0
+        print(f"s={tokens}: push of {slots} w13 experts {push_us:.1f} us ({100 * push_fraction:.0f}% of copy ceiling)")
+        records.append(dict(tokens=tokens, push_us=push_us, push_slots=slots, push_fraction=push_fraction))
+        del pool
+        group.close()
+    if args.out:
+        with open(args.out, "w") as handle:
+            json.dump(dict(device=device_name(device), copy_ceiling_gbps=ceiling, command=" ".join(sys.argv), records=records), handle, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
