@@ -73,6 +73,22 @@ def summary_markdown(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _pyplot():
+    """matplotlib's pyplot on a file-only backend (no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(figure, path: Path) -> None:
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    _pyplot().close(figure)
+
+
 def _title(rows: list[dict[str, Any]], what: str) -> str:
     first = rows[0]
     return f"{what}\n{first['model']}, R={first['ranks']} virtual ranks, {first['device']}"
@@ -80,11 +96,7 @@ def _title(rows: list[dict[str, Any]], what: str) -> str:
 
 def plot_headline(rows: list[dict[str, Any]], path: Path) -> None:
     """Slowest-rank layer time vs maxvio per arm, one panel per tokens-per-rank."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     tokens = sorted({r["tokens"] for r in rows})
     figure, axes = plt.subplots(1, len(tokens), figsize=(4.2 * len(tokens), 4), squeeze=False)
     for axis, count in zip(axes[0], tokens):
@@ -99,18 +111,12 @@ def plot_headline(rows: list[dict[str, Any]], path: Path) -> None:
         axis.grid(alpha=0.3)
     axes[0][0].legend()
     figure.suptitle(_title(rows, "MoE layer time vs router skew (lower is better)"))
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
+    _save(figure, path)
 
 
 def plot_breakdown(rows: list[dict[str, Any]], path: Path) -> None:
     """Stacked per-phase time (per-rank share) for flat and classic at the largest s, per maxvio."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     largest = max(r["tokens"] for r in rows)
     arms = [a for a in ("flat", "classic") if any(r["arm"] == a for r in rows)]
     figure, axes = plt.subplots(1, max(len(arms), 1), figsize=(6 * max(len(arms), 1), 4), squeeze=False)
@@ -128,18 +134,12 @@ def plot_breakdown(rows: list[dict[str, Any]], path: Path) -> None:
     if arms:
         axes[0][0].legend(fontsize=8)
     figure.suptitle(_title(rows, "Per-phase time of the slowest rank"))
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
+    _save(figure, path)
 
 
 def plot_tokens(rows: list[dict[str, Any]], path: Path) -> None:
     """Slowest-rank layer time vs tokens per rank, at the smallest and the largest maxvio."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     targets = sorted({r["maxvio_target"] for r in rows})
     chosen = [targets[0], targets[-1]] if len(targets) > 1 else targets
     figure, axis = plt.subplots(figsize=(7, 4.5))
@@ -155,9 +155,7 @@ def plot_tokens(rows: list[dict[str, Any]], path: Path) -> None:
     axis.grid(alpha=0.3, which="both")
     axis.legend(fontsize=8)
     axis.set_title(_title(rows, "Layer time vs tokens per rank"))
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
+    _save(figure, path)
 
 
 def write_report(rows: list[dict[str, Any]], out_dir: Path) -> list[Path]:
