@@ -9,15 +9,20 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from flatep.config import EPConfig, check_policy
-from flatep.experts.grouped import grouped_swiglu
+from flatep.config import POLICIES, EPConfig, check_policy
+from flatep.experts.grouped import PRECISIONS, Activation, grouped_swiglu, swiglu
 from flatep.experts.pool import ExpertPool, check_expert_weights
 from flatep.kernels.backend import use_triton
 from flatep.kernels.combine import combine_torch, combine_triton
 from flatep.kernels.dispatch import dispatch_torch, dispatch_triton
-from flatep.plan.reference import make_plan
+from flatep.plan.reference import histogram, make_plan, plan_rank
 from flatep.plan.types import Layout, Plan, RankPlan
 from flatep.transport.base import Group
+from flatep.transport.collective import CollectiveGroup
+
+# What ranks of a per-process group must agree on before they exchange anything sized by it.
+_AGREED = ("s", "R", "E", "K", "H", "I", "capacity", "align", "policy", "dtype")
+_DTYPE_CODES = {None: 0, torch.bfloat16: 1, torch.float32: 2}
 
 
 def _entries(plan: Layout, tokens: int, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,13 +62,80 @@ def check_inputs(
 
 
 def plan_step(
-    topk_ids: torch.Tensor, config: EPConfig, group: Group, policy: str = "exact", tokens: list[int] | None = None
+    topk_ids: torch.Tensor,
+    config: EPConfig,
+    group: Group,
+    policy: str = "exact",
+    tokens: list[int] | int | None = None,
+    dtype: torch.dtype | None = None,
 ) -> Plan | RankPlan:
-    """Plan one step: a :class:`Plan` of all ranks on the local transport."""
+    """Plan one step: a :class:`Plan` of all ranks on the local transport, else this rank's :class:`RankPlan`.
+
+    On a per-process group this is collective (every rank must call it): the ranks first gather a
+    fixed-size header (``s``, the config, the policy, the activation dtype, their real token count
+    and whether their ids are valid) and all raise ``ValueError`` together if they disagree or any
+    rank's input is bad, so no rank is left waiting in an exchange sized differently from its
+    peers'. Then they gather the ``[E]`` histograms and each plans its own entries.
+
+    Args:
+        topk_ids: ``[R, s, K]`` (local) or ``[s, K]`` int32 expert ids.
+        config: group sizes.
+        group: from :func:`flatep.init_group`.
+        policy: ``exact`` or ``none``.
+        tokens: real tokens per rank, rows beyond are padding: ``[R]`` counts on the local
+            transport, this rank's count on a per-process one (default ``s``).
+        dtype: activation dtype the ranks must agree on (per-process groups; ``None``: not checked).
+    """
     check_policy(policy)
-    if not group.stacked:
-        raise ValueError(f"{type(group).__name__} plans through its own transport; use group.plan(...)")
-    return make_plan(topk_ids, config, policy, tokens)
+    if group.stacked:
+        return make_plan(topk_ids, config, policy, tokens)
+    if dtype not in _DTYPE_CODES:
+        raise ValueError(f"dtype must be torch.bfloat16, torch.float32 or None, got {dtype}")
+    if tokens is not None and not isinstance(tokens, int):
+        raise ValueError(f"tokens must be this rank's token count (an int) on a per-process group, got {tokens!r}")
+    return _plan_this_rank(topk_ids, config, group, policy, tokens, dtype)
+
+
+def _plan_this_rank(
+    topk_ids: torch.Tensor, config: EPConfig, group: Group, policy: str, tokens: int | None, dtype: torch.dtype | None
+) -> RankPlan:
+    """:func:`plan_step` on a per-process group (collective)."""
+    step = topk_ids.shape[0]
+    real = step if tokens is None else tokens
+    valid = (torch.arange(step, device=topk_ids.device).unsqueeze(1) < real).expand_as(topk_ids)
+    problem: ValueError | None = None
+    if not 0 <= real <= step:
+        problem = ValueError(f"tokens must be in [0, s={step}], got {tokens}")
+    else:
+        bad = valid & ((topk_ids < 0) | (topk_ids >= config.experts))
+        if bool(bad.any()):
+            token, k = bad.nonzero()[0].tolist()
+            problem = ValueError(
+                f"topk_ids[{token}, {k}] = {int(topk_ids[token, k])} is not an expert id in [0, {config.experts})"
+            )
+    header = [step, config.ranks, config.experts, config.top_k, config.hidden, config.intermediate,
+              config.capacity, config.align, POLICIES.index(policy), _DTYPE_CODES[dtype], real, problem is None]
+    everyone = group.all_gather(torch.tensor(header, dtype=torch.int64, device=group.device)).cpu()
+    differing = [
+        f"{name} {everyone[:, column].tolist()}"
+        for column, name in enumerate(_AGREED)
+        if not bool((everyone[:, column] == everyone[0, column]).all())
+    ]
+    if differing:
+        raise ValueError(f"ranks disagree on the step (values by rank): {'; '.join(differing)}; every rank raises")
+    failed = (everyone[:, -1] == 0).nonzero().flatten().tolist()
+    if failed:
+        if problem is not None:
+            raise problem
+        raise ValueError(f"rank(s) {failed} passed invalid inputs to this step (see their errors); every rank raises")
+    if config.ranks != group.world:
+        raise ValueError(f"config.ranks={config.ranks} must equal the group's size {group.world}")
+    total = int(everyone[:, -2].sum())
+    if total == 0:
+        raise ValueError("no rank has tokens in this step")
+    counts = histogram(topk_ids.unsqueeze(0), valid.unsqueeze(0), config.experts)[0]
+    gathered = group.all_gather(counts)
+    return plan_rank(group.first_rank, topk_ids, gathered, config, policy, total_tokens=total, tokens=real)
 
 
 def dispatch_step(
@@ -80,7 +152,11 @@ def dispatch_step(
     shard = group.buffer("shard", (plan.shard_rows, hidden), x.dtype)
     shard_weights = group.buffer("shard_weights", (plan.shard_rows,), torch.float32)
     dest_rank, dest_row = _entries(plan, tokens, top_k)
-    if use_triton(x.device, backend):
+    # Peers may still be combining the previous step out of these shards: wait for them first.
+    group.barrier()
+    if isinstance(group, CollectiveGroup):
+        group.dispatch(x, topk_weights, plan, shard, shard_weights)
+    elif use_triton(x.device, backend):
         dispatch_triton(
             x.view(-1, tokens, hidden), topk_weights.view(-1, tokens, top_k), dest_rank, dest_row, plan.padding,
             shard, shard_weights, group.peer_offsets(shard), group.peer_offsets(shard_weights), group.first_rank,
@@ -94,14 +170,24 @@ def dispatch_step(
 
 
 def experts_step(
-    shard: torch.Tensor, shard_weights: torch.Tensor, pool: ExpertPool, plan: Layout, group: Group, local_index: int
+    shard: torch.Tensor,
+    shard_weights: torch.Tensor,
+    pool: ExpertPool,
+    plan: Layout,
+    group: Group,
+    local_index: int,
+    activation: Activation = swiglu,
+    precision: str = "fp32",
 ) -> None:
     """Run one rank's experts over its shard and write the result back into the shard (in place)."""
     rank = group.local_ranks[local_index]
     rows = shard[local_index] if group.stacked else shard
     weights = shard_weights[local_index] if group.stacked else shard_weights
     w13, w2 = pool.compute_view(local_index)
-    rows.copy_(grouped_swiglu(rows, weights, w13, w2, plan.offsets[rank]))
+    b13, b2 = pool.bias_view(local_index)
+    rows.copy_(grouped_swiglu(
+        rows, weights, w13, w2, plan.offsets[rank], b13=b13, b2=b2, activation=activation, precision=precision
+    ))
 
 
 def combine_step(
@@ -109,6 +195,8 @@ def combine_step(
 ) -> torch.Tensor:
     """Sum every token's K expert outputs from the shards: ``[n, s, H]`` (or ``[s, H]``)."""
     group.barrier()
+    if isinstance(group, CollectiveGroup):
+        return group.combine(shard, plan, out_dtype)
     hidden = shard.shape[-1]
     dest_rank, dest_row = _entries(plan, tokens, top_k)
     if use_triton(shard.device, backend):
@@ -134,6 +222,10 @@ def ep_moe(
     pool: ExpertPool | None = None,
     plan: Plan | RankPlan | None = None,
     backend: str = "auto",
+    b13: torch.Tensor | None = None,
+    b2: torch.Tensor | None = None,
+    activation: Activation = swiglu,
+    precision: str = "fp32",
 ) -> torch.Tensor:
     """One expert-parallel MoE step.
 
@@ -150,35 +242,47 @@ def ep_moe(
         pool: an :class:`ExpertPool` holding the layer's weights (then ``w13``/``w2`` must be None).
         plan: a precomputed plan for these ``topk_ids`` (e.g. to keep planning outside a CUDA graph).
         backend: ``auto`` (Triton on CUDA or under ``TRITON_INTERPRET=1``), ``triton`` or ``torch``.
+        b13: optional ``[E, 2I]`` gate then up biases, with ``w13``/``w2`` (a ``pool`` brings its own).
+        b2: optional ``[E, H]`` down-projection biases (with ``b13``).
+        activation: ``act(gate, up)`` of the experts (default ``silu(gate) * up``;
+            :class:`flatep.experts.ClampedSwiGLU` for gpt-oss).
+        precision: ``fp32`` (activations in fp32, route weight before the down GEMM) or ``native``
+            (the models' own rounding order: see :mod:`flatep.experts.grouped`).
 
     Returns:
         ``[R, s, H]`` (or ``[s, H]``) in ``x``'s dtype: ``sum_k w[t,k] * expert_{ids[t,k]}(x[t])``.
     """
     check_policy(policy)
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     if torch.is_grad_enabled() and (x.requires_grad or (w13 is not None and w13.requires_grad)):
         raise NotImplementedError("ep_moe has no backward yet: run it under torch.no_grad() or on tensors without grad")
     x, topk_ids, topk_weights = check_inputs(x, topk_ids, topk_weights, config, group)
     if pool is None:
         if w13 is None or w2 is None:
             raise ValueError("pass either w13 and w2 or pool")
-        check_expert_weights(w13, w2, config)
+        check_expert_weights(w13, w2, config, b13, b2)
         if w13.dtype != x.dtype:
             raise ValueError(f"w13/w2 dtype {w13.dtype} must match x dtype {x.dtype}")
-        pool = ExpertPool.from_weights(w13, w2, config, group)
-    elif w13 is not None or w2 is not None:
-        raise ValueError("pass either w13 and w2 or pool, not both")
+    elif w13 is not None or w2 is not None or b13 is not None or b2 is not None:
+        raise ValueError("pass either w13 and w2 (and biases) or pool, not both")
     elif pool.w13.dtype != x.dtype:
         raise ValueError(f"pool dtype {pool.w13.dtype} must match x dtype {x.dtype}")
     if plan is None:
-        plan = plan_step(topk_ids, config, group, policy)
+        # Per-process ranks agree on the step while planning, before the pool's collective allocation.
+        plan = plan_step(topk_ids, config, group, policy, dtype=x.dtype)
     elif plan.policy != policy:
         raise ValueError(f"plan was made with policy {plan.policy!r}, not {policy!r}")
+    elif not group.stacked and not (isinstance(plan, RankPlan) and plan.rank == group.first_rank):
+        raise ValueError(f"plan must be this rank's RankPlan (rank {group.first_rank}), from plan_step")
+    if pool is None:
+        pool = ExpertPool.from_weights(w13, w2, config, group, b13, b2)
     tokens = x.shape[-2]
     shard, shard_weights = dispatch_step(x, topk_weights, plan, group, backend)
     pool.push(plan.slot_experts, backend)
     group.barrier()
     for local_index in range(len(group.local_ranks)):
-        experts_step(shard, shard_weights, pool, plan, group, local_index)
+        experts_step(shard, shard_weights, pool, plan, group, local_index, activation, precision)
     return combine_step(shard, plan, group, tokens, config.top_k, x.dtype, backend)
 
 

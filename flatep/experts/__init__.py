@@ -1,6 +1,6 @@
 """Expert weights (pools with borrow slots) and their computation."""
 from flatep.experts.dense import dense_moe
-from flatep.experts.grouped import grouped_swiglu
+from flatep.experts.grouped import ClampedSwiGLU, grouped_swiglu, swiglu
 from flatep.experts.pool import ExpertPool, check_expert_weights
 
-__all__ = ["ExpertPool", "check_expert_weights", "dense_moe", "grouped_swiglu"]
+__all__ = ["ClampedSwiGLU", "ExpertPool", "check_expert_weights", "dense_moe", "grouped_swiglu", "swiglu"]

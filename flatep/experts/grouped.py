@@ -1,8 +1,55 @@
-"""Grouped SwiGLU experts over a receive shard: ``torch._grouped_mm`` with ``offs = offsets``."""
+"""Grouped gated-MLP experts over a receive shard: ``torch._grouped_mm`` with ``offs = offsets``.
+
+The experts are gated MLPs ``y = W_2 act(W_gate x + b_gate, W_up x + b_up) + b_2``. ``act`` is
+:func:`swiglu` (``silu(gate) * up``: Qwen, DeepSeek, Kimi, Mixtral) unless the caller passes another
+activation such as :class:`ClampedSwiGLU` (gpt-oss). Biases are optional and absent for most models.
+
+Two roundings of the same function (``precision``):
+
+- ``fp32`` (default): bias additions and the activation in fp32, the route weight folded into the
+  activated rows before the down GEMM, one rounding to the shard's dtype in between.
+- ``native``: the order and precision of the models' own expert loops (transformers): bias and
+  activation in the shard's dtype, the down GEMM on unweighted rows, then its bias, then the route
+  weight (product rounded once to the shard's dtype). In bf16 this reproduces transformers' experts
+  bit for bit where the GEMMs agree row by row and the route weights are bf16 (Qwen3-MoE, gpt-oss);
+  with fp32 route weights (DeepSeek-V3) transformers sums the K products before rounding them,
+  which a combine of unweighted rows cannot do.
+"""
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
+
+Activation = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+"""``act(gate [rows, I], up [rows, I]) -> [rows, I]`` in their dtype (fp32, or the shard's under ``native``)."""
+
+PRECISIONS = ("fp32", "native")
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up``: the default gated activation."""
+    return F.silu(gate) * up
+
+
+@dataclass(frozen=True)
+class ClampedSwiGLU:
+    """gpt-oss's gated activation: ``(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)``, ``g = min(gate, limit)``.
+
+    Attributes:
+        alpha: sigmoid sharpness (gpt-oss: 1.702).
+        limit: clamp bound of gate (above) and up (both sides) (gpt-oss: 7.0).
+    """
+
+    alpha: float = 1.702
+    limit: float = 7.0
+
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
 
 
 def _grouped_matmul(rows: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -25,17 +72,35 @@ def _grouped_matmul(rows: torch.Tensor, weights: torch.Tensor, offsets: torch.Te
     return torch._grouped_mm(rows, weights.transpose(-2, -1), offs=offsets)
 
 
+def row_groups(offsets: torch.Tensor, rows: int) -> torch.Tensor:
+    """``[rows] int64`` group of every shard row; rows past ``offsets[-1]`` get the last group.
+
+    Sync-free (a ``searchsorted``), so biases can be gathered per row inside a CUDA graph.
+    """
+    positions = torch.arange(rows, device=offsets.device, dtype=offsets.dtype)
+    groups = torch.searchsorted(offsets, positions, right=True)
+    return groups.clamp_max(offsets.shape[0] - 1)
+
+
 def grouped_swiglu(
     shard: torch.Tensor,
     route_weights: torch.Tensor,
     w13: torch.Tensor,
     w2: torch.Tensor,
     offsets: torch.Tensor,
+    *,
+    b13: torch.Tensor | None = None,
+    b2: torch.Tensor | None = None,
+    activation: Activation = swiglu,
+    precision: str = "fp32",
 ) -> torch.Tensor:
     """The experts of one rank over its receive shard.
 
-    ``y = (silu(x W_gate^T) * (x W_up^T) * route_weight) W_2^T`` per row, with the weights of the
-    row's group; activations in fp32, GEMMs in the shard's dtype.
+    ``y = route_weight * (W_2 act(W_gate x + b_gate, W_up x + b_up) + b_2)`` per row, with the
+    weights of the row's group; GEMMs in the shard's dtype. Under ``precision="fp32"`` the route
+    weight is applied before the down projection (and to ``b_2`` separately), activations and bias
+    additions in fp32; under ``"native"`` everything runs in the shard's dtype in the order of the
+    formula (see the module docstring).
 
     Args:
         shard: ``[rows, H]`` received rows (padding rows zero).
@@ -44,14 +109,33 @@ def grouped_swiglu(
         w13: ``[2*epn, 2I, H]`` gate rows then up rows of each group's expert.
         w2: ``[2*epn, H, I]``.
         offsets: ``[2*epn]`` int32 inclusive padded end row of each group.
+        b13: optional ``[2*epn, 2I]`` gate then up bias of each group's expert.
+        b2: optional ``[2*epn, H]`` down-projection bias.
+        activation: ``act(gate, up)`` on the ``[rows, I]`` halves (default :func:`swiglu`).
+        precision: ``fp32`` or ``native``.
 
     Returns:
         ``[rows, H]`` in the shard's dtype; rows past ``offsets[-1]`` are undefined.
     """
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     intermediate = w2.shape[-1]
-    hidden_states = _grouped_matmul(shard, w13, offsets)
-    gate = hidden_states[:, :intermediate].float()
-    up = hidden_states[:, intermediate:].float()
+    groups = row_groups(offsets, shard.shape[0]) if b13 is not None or b2 is not None else None
     weights = torch.nan_to_num(route_weights, nan=0.0, posinf=0.0, neginf=0.0).unsqueeze(-1)
-    activated = (F.silu(gate) * up * weights).to(shard.dtype)
-    return _grouped_matmul(activated, w2, offsets)
+    hidden_states = _grouped_matmul(shard, w13, offsets)
+    if precision == "native":
+        if b13 is not None:
+            hidden_states = hidden_states + b13[groups]
+        out = _grouped_matmul(activation(hidden_states[:, :intermediate], hidden_states[:, intermediate:]), w2, offsets)
+        if b2 is not None:
+            out = out + b2[groups]
+        # A bf16 route weight times a bf16 row is exact in fp32: one rounding, as a bf16 product has.
+        return (out.float() * weights).to(shard.dtype)
+    hidden_states = hidden_states.float()
+    if b13 is not None:
+        hidden_states = hidden_states + b13[groups].float()
+    activated = activation(hidden_states[:, :intermediate], hidden_states[:, intermediate:])
+    out = _grouped_matmul((activated * weights).to(shard.dtype), w2, offsets)
+    if b2 is None:
+        return out
+    return (out.float() + weights * b2[groups].float()).to(shard.dtype)

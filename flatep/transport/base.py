@@ -4,13 +4,17 @@ Kernels reach peers only through a *peer offset table*: for a symmetric buffer, 
 offset of every rank's copy relative to the copy this process passes as the kernel's base
 pointer. On the local transport (virtual ranks stacked on dim 0 of one tensor) the offsets are
 multiples of the rank stride; on a one-process-per-GPU transport they are differences of the
-peers' mapped addresses. The same kernel code serves both.
+peers' mapped addresses. The same kernel code serves both. A transport whose ranks cannot address
+each other's memory (``torch.distributed`` collectives) moves rows and weights itself instead.
 """
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
 import torch
+
+from flatep.kernels.backend import use_triton
+from flatep.kernels.push import push_torch, push_triton
 
 
 class Group(ABC):
@@ -54,11 +58,40 @@ class Group(ABC):
 
     @abstractmethod
     def peer_offsets(self, buffer: torch.Tensor) -> torch.Tensor:
-        """``[R] int64`` element offset of each rank's copy of ``buffer`` relative to ``buffer``'s base."""
+        """``[R] int64`` element offset of each rank's copy of ``buffer`` relative to ``buffer``'s base.
+
+        Raises ``ValueError`` on transports whose ranks cannot address each other's memory.
+        """
 
     @abstractmethod
     def barrier(self) -> None:
         """Wait until every rank has reached this point (stream-ordered on the GPU)."""
+
+    def check(self) -> None:
+        """Raise if an earlier barrier failed (e.g. after replaying a CUDA graph that holds barriers).
+
+        Transports whose barriers cannot fail have nothing to check.
+        """
+
+    def push_experts(self, pool: torch.Tensor, slot_experts: torch.Tensor, backend: str = "auto") -> None:
+        """Copy every expert lent by this process's ranks into its receivers' slots (one projection).
+
+        The default moves weights through the peer offset table (the push kernel); transports
+        without addressable peers override it.
+
+        Args:
+            pool: this process's pool of one projection, ``[n, 2*epn, *expert_shape]`` when
+                stacked, else ``[2*epn, *expert_shape]``; contiguous, from :meth:`symmetric_empty`.
+            slot_experts: ``[R, epn]`` int32 from the plan (``-1`` = empty slot).
+            backend: ``auto``, ``triton`` or ``torch`` (see :func:`flatep.kernels.backend.use_triton`).
+        """
+        numel = pool[0, 0].numel() if self.stacked else pool[0].numel()
+        if use_triton(pool.device, backend):
+            push_triton(pool, self.peer_offsets(pool), slot_experts, self.first_rank, len(self.local_ranks), numel)
+        elif self.stacked:
+            push_torch(pool, slot_experts)
+        else:
+            raise ValueError("the torch push path needs the local transport (stacked pools)")
 
     @abstractmethod
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:

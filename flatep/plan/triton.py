@@ -1,0 +1,759 @@
+"""The sync-free GPU planner: Triton kernels bit-equal to the reference planner.
+
+:func:`make_plan_triton` plans a whole group of virtual ranks (rank = a grid axis);
+:func:`plan_rank_triton` plans one rank from the gathered ``[R, E]`` histogram (one process per
+GPU), and :func:`local_histogram_triton` computes the local histogram a rank contributes to that
+exchange. Each output equals the one of :func:`flatep.plan.make_plan` / :func:`flatep.plan.plan_rank`
+bit for bit (``tests/plan/test_triton.py``).
+
+Nothing here reads a device tensor on the host: every shape follows from the config and ``s``,
+work is split into a few launches of fixed grids, and a call can be captured in a CUDA graph.
+The kernels (moonep-design.md §3.2, §3.10):
+
+* **count** (one program per tile of ``TILE`` entries of a rank): the stable rank of each entry
+  among the equal ids of its tile (a compare matrix, ties by flat ``(t, k)`` index) and the tile's
+  dense expert histogram, one row per tile.
+* **scan** (one program per slice of experts and rank): exclusive prefix of those rows over the
+  tiles of a rank, so that tile row ``b`` holds the entries of each expert in tiles ``< b``; the
+  totals are the rank's histogram. A rank planning a few tiles skips it and sums the earlier rows
+  itself.
+* **layout** (one program per rank ``d``): the global tables. Every program repeats the step-A
+  balancer (a handful of rounds over ``R`` balances), runs the step-B split of its own experts
+  (donor role: writes its rows of ``alloc``) and repeats the split of its donor, if any, to learn
+  which experts it borrows (receiver role), then lays out its shard (step C). Repeating the tiny
+  serial parts in every program is what lets one launch do all of it without waiting on others.
+* **destination** (one program per tile): global position of each entry (entries of its expert on
+  lower source ranks + earlier tiles + rank in tile), binary search over the cumulative allocation
+  ``acum[e, :]`` for the destination, and the row inside that destination's group.
+
+``plan_rank_triton`` fuses layout and count into one launch (they are independent), so a rank
+plans in three launches, two when its entries fit in one tile (no scan); the group planner uses
+four. Ties break toward the smallest index everywhere, as in the reference.
+
+Data checks that need the device's data are not made here (they would synchronise): ids of real
+tokens outside ``[0, E)`` are not counted and are planned as ``-1`` (the reference raises
+instead), and ``plan_rank_triton`` trusts that the gathered histogram matches the local ids and
+sums to ``total_tokens * K``. Callers that need those checks run the reference planner or check
+on the device. Shapes, dtypes, devices and host integers are validated before any kernel runs.
+"""
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+
+from flatep.config import EPConfig, check_policy
+from flatep.plan.reference import _check_ids, _token_counts
+from flatep.plan.types import Plan, RankPlan
+
+MAX_RANKS = 64
+MAX_EXPERTS = 1024
+# Columns of the compare matrix handled at once: [TILE, 32] int32 keeps ~32 values per thread.
+_COMPARE_CHUNK = 32
+# Experts per program of the scan: 8 int32 = one 32-byte sector per row, and E/8 programs.
+_SCAN_EXPERTS = 8
+_SCAN_ROWS = 1024
+
+
+def _pow2(value: int) -> int:
+    return triton.next_power_of_2(max(int(value), 1))
+
+
+def _tile_size(entries: int) -> int:
+    """Entries per tile of the count kernel for ``entries = s*K`` per rank.
+
+    The compare matrix costs ``TILE`` operations per entry and the dense per-tile histogram
+    ``E/TILE`` words per entry: small tiles for small steps (latency), larger ones for big steps
+    so that the histogram rows stay a few words per entry.
+    """
+    if entries <= 4096:
+        return max(16, min(64, _pow2(entries)))
+    return 128 if entries <= 1 << 17 else 256
+
+
+# ----------------------------------------------------------------------------------------------
+# Device helpers
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _token_limit(tokens_ptr, token_limit, slab, PER_RANK: tl.constexpr):
+    """Real tokens of slab ``slab``: ``tokens[slab]`` in per-rank mode, else the scalar."""
+    if PER_RANK:
+        return tl.load(tokens_ptr + slab)
+    else:
+        return token_limit
+
+
+@triton.jit
+def _tile_keys(ids_ptr, start, n_entries, token_limit, top_k, experts, SIZE: tl.constexpr):
+    """Flat indices ``i``, comparison keys and validity of entries ``[start, start + SIZE)``.
+
+    A valid entry (``i < n_entries``, token ``i // K < token_limit``, id in ``[0, E)``) has its id
+    as key; any other gets the unique negative key ``-1 - i``, so it equals nothing but itself.
+    """
+    index = start + tl.arange(0, SIZE)
+    inside = index < n_entries
+    ids = tl.load(ids_ptr + index, mask=inside, other=-1)
+    valid = inside & (index // top_k < token_limit) & (ids >= 0) & (ids < experts)
+    key = tl.where(valid, ids, -1 - index).to(tl.int32)
+    return index, key, valid
+
+
+@triton.jit
+def _rank_in_tile(ids_ptr, start, n_entries, token_limit, top_k, experts, TILE: tl.constexpr, CHUNK: tl.constexpr):
+    """Per entry of a tile: ``earlier`` equal keys before it (its stable rank) and ``same`` in all."""
+    index, key, valid = _tile_keys(ids_ptr, start, n_entries, token_limit, top_k, experts, TILE)
+    earlier = tl.zeros([TILE], tl.int32)
+    same = tl.zeros([TILE], tl.int32)
+    for chunk in tl.static_range(TILE // CHUNK):
+        # Reloading the column keys (an L1 hit) is how Triton gets them in the other axis.
+        other, other_key, _ = _tile_keys(ids_ptr, start + chunk * CHUNK, n_entries, token_limit, top_k, experts, CHUNK)
+        equal = key[:, None] == other_key[None, :]
+        earlier += tl.sum((equal & (other[None, :] < index[:, None])).to(tl.int32), axis=1)
+        same += tl.sum(equal.to(tl.int32), axis=1)
+    return index, key, valid, earlier, same
+
+
+@triton.jit
+def _count_tile(
+    ids_ptr, counts_ptr, ranks_ptr, tile, n_entries, token_limit, top_k, experts,
+    TILE: tl.constexpr, CHUNK: tl.constexpr, BLOCK_E: tl.constexpr,
+):
+    """Stable rank of each entry of ``tile`` (into ``ranks_ptr``) and the tile's dense histogram.
+
+    ``ids_ptr``/``ranks_ptr`` point at one rank's flat entries, ``counts_ptr`` at that rank's
+    ``[tiles, E]`` rows.
+    """
+    index, key, valid, earlier, same = _rank_in_tile(
+        ids_ptr, tile * TILE, n_entries, token_limit, top_k, experts, TILE, CHUNK
+    )
+    tl.store(ranks_ptr + index, earlier, mask=valid)
+    row = counts_ptr + tile * experts
+    expert = tl.arange(0, BLOCK_E)
+    tl.store(row + expert, tl.zeros([BLOCK_E], tl.int32), mask=expert < experts)
+    # The zeros above and the counts below may hit one word from different threads.
+    tl.debug_barrier()
+    tl.store(row + key, same, mask=valid & (earlier == same - 1))
+
+
+@triton.jit
+def _split_donor(
+    remaining, quota, donor, me, alloc_ptr, experts_per_rank, ranks, max_steps,
+    STORE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_EPN: tl.constexpr,
+):
+    """Step B for one donor: its hottest remaining expert fills the receiver with most quota left.
+
+    ``remaining [BLOCK_EPN]``: the donor's expert counts (``-1`` beyond ``epn``); ``quota
+    [BLOCK_R]``: rows it owes each receiver (``-1`` beyond ``R``). With ``STORE`` every take is
+    written to ``alloc[donor*epn + j, receiver]`` (each pair is taken at most once). Returns the
+    counts left at home and ``mine [BLOCK_EPN]``, what receiver ``me`` took from each expert;
+    without ``STORE`` (receiver role) the loop stops as soon as ``me`` is served.
+    Arg-maxima pack ``(value, reversed index)`` into one int64 so that a single reduction breaks
+    ties toward the smallest index.
+    """
+    lane_r = tl.arange(0, BLOCK_R)
+    lane_j = tl.arange(0, BLOCK_EPN)
+    mine = tl.zeros([BLOCK_EPN], tl.int32)
+    top_quota = tl.max(quota.to(tl.int64) * BLOCK_R + (BLOCK_R - 1 - lane_r), axis=0)
+    owed = (top_quota // BLOCK_R).to(tl.int32)
+    steps = 0
+    waiting = 1
+    if not STORE:
+        waiting = tl.sum(tl.where(lane_r == me, quota, 0), axis=0)
+    # Each step empties a quota or an expert, so a consistent histogram stops within epn + R - 1
+    # steps; max_steps only bounds the loop when the histogram is inconsistent.
+    while (owed > 0) & (steps < max_steps) & (waiting > 0):
+        receiver = (BLOCK_R - 1 - top_quota % BLOCK_R).to(tl.int32)
+        top_expert = tl.max(remaining.to(tl.int64) * BLOCK_EPN + (BLOCK_EPN - 1 - lane_j), axis=0)
+        local = (BLOCK_EPN - 1 - top_expert % BLOCK_EPN).to(tl.int32)
+        take = tl.minimum((top_expert // BLOCK_EPN).to(tl.int32), owed)
+        remaining = tl.where(lane_j == local, remaining - take, remaining)
+        quota = tl.where(lane_r == receiver, quota - take, quota)
+        if STORE:
+            tl.store(alloc_ptr + (donor * experts_per_rank + local) * ranks + receiver, take)
+        mine = tl.where((lane_j == local) & (receiver == me), mine + take, mine)
+        if not STORE:
+            waiting -= tl.where(receiver == me, take, 0)
+        top_quota = tl.max(quota.to(tl.int64) * BLOCK_R + (BLOCK_R - 1 - lane_r), axis=0)
+        owed = (top_quota // BLOCK_R).to(tl.int32)
+        steps += 1
+    return remaining, mine
+
+
+@triton.jit
+def _layout(
+    d, hist_ptr, total_entries, experts, experts_per_rank, align,
+    alloc_ptr, acum_ptr, before_ptr, slots_ptr, groups_ptr, offsets_ptr, padding_ptr, received_ptr,
+    group_start_ptr,
+    RANKS: tl.constexpr, EXACT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_EPN: tl.constexpr,
+):
+    """Program ``d`` of the layout: every table row that belongs to rank ``d``.
+
+    Writes ``alloc[e, :]`` and ``acum[e, :]`` for ``d``'s home experts, ``before[d, :]`` (entries
+    of each expert on source ranks ``< d``) and rank ``d``'s rows of the slot and group tables,
+    offsets, padding, received and group_start (moonep-design.md §3.2 steps A-C).
+    """
+    lane_r = tl.arange(0, BLOCK_R)
+    lane_j = tl.arange(0, BLOCK_EPN)
+    in_r = lane_r < RANKS
+    in_j = lane_j < experts_per_rank
+    # [home rank, local expert] view of the E experts.
+    in_grid = in_r[:, None] & in_j[None, :]
+    expert = lane_r[:, None] * experts_per_rank + lane_j[None, :]
+    count = tl.zeros([BLOCK_R, BLOCK_EPN], tl.int32)
+    before = tl.zeros([BLOCK_R, BLOCK_EPN], tl.int32)
+    # Unrolled, so that the R loads are in flight together rather than one latency each.
+    for source in tl.static_range(RANKS):
+        row = tl.load(hist_ptr + source * experts + expert, mask=in_grid, other=0)
+        count += row
+        before += tl.where(source < d, row, 0)
+    tl.store(before_ptr + d * experts + expert, before, mask=in_grid)
+
+    donor_of = tl.full([BLOCK_R], -1, tl.int32)
+    quota_in = tl.zeros([BLOCK_R], tl.int32)
+    if EXACT:
+        # Step A: pair the most overloaded rank with the most underloaded one (smallest index on
+        # ties) and move the receiver's whole deficit; each receiver is filled once.
+        # Balances are packed as (balance + 2**30, index) into int64 keys (|balance| < 2**26), so
+        # one reduction gives both the extreme value and its smallest index.
+        capacity = total_entries // RANKS + (lane_r < total_entries % RANKS).to(tl.int32)
+        balance = tl.sum(count, axis=1) - capacity
+        top = tl.max(tl.where(in_r, (balance + 2**30).to(tl.int64) * BLOCK_R + (BLOCK_R - 1 - lane_r), -1), axis=0)
+        rounds = 0
+        while (top // BLOCK_R > 2**30) & (rounds < RANKS):
+            donor = (BLOCK_R - 1 - top % BLOCK_R).to(tl.int32)
+            bottom = tl.min(tl.where(in_r, (balance + 2**30).to(tl.int64) * BLOCK_R + lane_r, 2**62), axis=0)
+            receiver = (bottom % BLOCK_R).to(tl.int32)
+            low = (bottom // BLOCK_R - 2**30).to(tl.int32)
+            balance = tl.where(lane_r == donor, balance + low, balance)
+            balance = tl.where(lane_r == receiver, 0, balance)
+            donor_of = tl.where(lane_r == receiver, donor, donor_of)
+            quota_in = tl.where(lane_r == receiver, -low, quota_in)
+            top = tl.max(tl.where(in_r, (balance + 2**30).to(tl.int64) * BLOCK_R + (BLOCK_R - 1 - lane_r), -1), axis=0)
+            rounds += 1
+
+    # Step B, donor role: the rows of d's experts that move to each receiver. Zero the non-home
+    # columns first; the barrier orders those stores before the takes written in the loop.
+    max_steps = experts_per_rank + RANKS
+    own = tl.sum(tl.where(lane_r[:, None] == d, count, 0), axis=0)
+    own_quota = tl.where(in_r, tl.where(donor_of == d, quota_in, 0), -1)
+    block = alloc_ptr + (d * experts_per_rank + lane_j[:, None]) * RANKS + lane_r[None, :]
+    in_block = in_j[:, None] & in_r[None, :]
+    tl.store(block, tl.zeros([BLOCK_EPN, BLOCK_R], tl.int32), mask=in_block & (lane_r[None, :] != d))
+    tl.debug_barrier()
+    home, _ = _split_donor(
+        tl.where(in_j, own, -1), own_quota, d, d, alloc_ptr, experts_per_rank, RANKS, max_steps,
+        True, BLOCK_R, BLOCK_EPN,
+    )
+    home = tl.where(in_j, home, 0)
+    tl.store(alloc_ptr + (d * experts_per_rank + lane_j) * RANKS + d, home, mask=in_j)
+    tl.debug_barrier()
+    # Read back d's rows of alloc now; their prefix over destinations is stored at the end, so
+    # the load's latency hides behind the work in between.
+    alloc_rows = tl.load(block, mask=in_block, other=0)
+
+    # Step B, receiver role: repeat the split of d's donor (if any) to learn what d borrows.
+    my_donor = tl.sum(tl.where(lane_r == d, donor_of, 0), axis=0)
+    donor_quota = tl.where(in_r, tl.where((donor_of == my_donor) & (my_donor >= 0), quota_in, 0), -1)
+    donor_count = tl.sum(tl.where(lane_r[:, None] == my_donor, count, 0), axis=0)
+    _, mine = _split_donor(
+        tl.where(in_j, donor_count, -1), donor_quota, my_donor, d, alloc_ptr, experts_per_rank, RANKS,
+        max_steps, False, BLOCK_R, BLOCK_EPN,
+    )
+    mine = tl.where(in_j, mine, 0)
+
+    # Step C: groups = home experts, then borrowed experts ascending (all from one donor), each
+    # padded to a multiple of align; offsets are inclusive ends, empty groups take no rows.
+    groups = 2 * experts_per_rank
+    home_padded = (home + align - 1) // align * align
+    home_end = tl.cumsum(home_padded, axis=0)
+    home_start = home_end - home_padded
+    home_rows = tl.sum(home_padded, axis=0)
+    borrowed = mine > 0
+    slot = tl.cumsum(borrowed.to(tl.int32), axis=0) - 1
+    n_slots = tl.sum(borrowed.to(tl.int32), axis=0)
+    slot_padded = (mine + align - 1) // align * align
+    slot_end = home_rows + tl.cumsum(slot_padded, axis=0)
+    slot_start = slot_end - slot_padded
+    used_rows = home_rows + tl.sum(slot_padded, axis=0)
+    foreign_id = my_donor * experts_per_rank + lane_j
+    empty_slot = in_j & (lane_j >= n_slots)
+
+    group = d * groups + lane_j
+    tl.store(offsets_ptr + group, home_end, mask=in_j)
+    tl.store(groups_ptr + group, d * experts_per_rank + lane_j, mask=in_j)
+    home_pads = home_padded > home
+    tl.store(padding_ptr + 2 * group, tl.where(home_pads, home_start + home, 0), mask=in_j)
+    tl.store(padding_ptr + 2 * group + 1, tl.where(home_pads, home_padded - home, 0), mask=in_j)
+
+    slot_group = d * groups + experts_per_rank + slot
+    tl.store(offsets_ptr + slot_group, slot_end, mask=borrowed)
+    tl.store(groups_ptr + slot_group, foreign_id, mask=borrowed)
+    tl.store(slots_ptr + d * experts_per_rank + slot, foreign_id, mask=borrowed)
+    slot_pads = slot_padded > mine
+    tl.store(padding_ptr + 2 * slot_group, tl.where(slot_pads, slot_start + mine, 0), mask=borrowed)
+    tl.store(padding_ptr + 2 * slot_group + 1, tl.where(slot_pads, slot_padded - mine, 0), mask=borrowed)
+
+    empty_group = d * groups + experts_per_rank + lane_j
+    tl.store(offsets_ptr + empty_group, tl.zeros([BLOCK_EPN], tl.int32) + used_rows, mask=empty_slot)
+    tl.store(groups_ptr + empty_group, tl.full([BLOCK_EPN], -1, tl.int32), mask=empty_slot)
+    tl.store(slots_ptr + d * experts_per_rank + lane_j, tl.full([BLOCK_EPN], -1, tl.int32), mask=empty_slot)
+    tl.store(padding_ptr + 2 * empty_group, tl.zeros([BLOCK_EPN], tl.int32), mask=empty_slot)
+    tl.store(padding_ptr + 2 * empty_group + 1, tl.zeros([BLOCK_EPN], tl.int32), mask=empty_slot)
+
+    tl.store(received_ptr + d, tl.sum(home, axis=0) + tl.sum(mine, axis=0))
+    start = tl.where(
+        (lane_r[:, None] == d) & (home > 0)[None, :],
+        home_start[None, :],
+        tl.where((lane_r[:, None] == my_donor) & borrowed[None, :], slot_start[None, :], -1),
+    )
+    tl.store(group_start_ptr + d * experts + expert, start, mask=in_grid)
+    acum_block = acum_ptr + (d * experts_per_rank + lane_j[:, None]) * RANKS + lane_r[None, :]
+    tl.store(acum_block, tl.cumsum(alloc_rows, axis=1), mask=in_block)
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernels (one per launch)
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _histogram_kernel(ids_ptr, out_ptr, n_entries, token_limit, top_k, experts, TILE: tl.constexpr, CHUNK: tl.constexpr):
+    """Local histogram: one atomic add per distinct expert of a tile (on a zeroed ``out``)."""
+    _, key, valid, earlier, same = _rank_in_tile(
+        ids_ptr, tl.program_id(0) * TILE, n_entries, token_limit, top_k, experts, TILE, CHUNK
+    )
+    tl.atomic_add(out_ptr + key, same, mask=valid & (earlier == 0))
+
+
+@triton.jit
+def _count_kernel(
+    ids_ptr, counts_ptr, ranks_ptr, tokens_ptr, token_limit, n_entries, n_tiles, top_k, experts,
+    TILE: tl.constexpr, CHUNK: tl.constexpr, BLOCK_E: tl.constexpr, PER_RANK: tl.constexpr,
+):
+    """Group planner: tile ``program_id(0)`` of rank ``program_id(1)``."""
+    rank = tl.program_id(1)
+    _count_tile(
+        ids_ptr + rank * n_entries, counts_ptr + rank * n_tiles * experts, ranks_ptr + rank * n_entries,
+        tl.program_id(0), n_entries, _token_limit(tokens_ptr, token_limit, rank, PER_RANK), top_k, experts,
+        TILE, CHUNK, BLOCK_E,
+    )
+
+
+@triton.jit
+def _scan_kernel(
+    counts_ptr, hist_ptr, n_tiles, experts,
+    ROWS: tl.constexpr, BLOCK_EC: tl.constexpr, WRITE_HIST: tl.constexpr,
+):
+    """In place: tile rows of a rank -> exclusive prefix over tiles; totals -> ``hist[rank]``."""
+    rank = tl.program_id(1)
+    expert = tl.program_id(0) * BLOCK_EC + tl.arange(0, BLOCK_EC)
+    in_e = expert < experts
+    carry = tl.zeros([BLOCK_EC], tl.int32)
+    for first in range(0, n_tiles, ROWS):
+        tile = first + tl.arange(0, ROWS)
+        mask = (tile < n_tiles)[:, None] & in_e[None, :]
+        rows = counts_ptr + (rank * n_tiles + tile)[:, None] * experts + expert[None, :]
+        value = tl.load(rows, mask=mask, other=0)
+        tl.store(rows, tl.cumsum(value, axis=0) - value + carry[None, :], mask=mask)
+        carry += tl.sum(value, axis=0)
+    if WRITE_HIST:
+        tl.store(hist_ptr + rank * experts + expert, carry, mask=in_e)
+
+
+@triton.jit
+def _layout_kernel(
+    hist_ptr, total_entries, experts, experts_per_rank, align,
+    alloc_ptr, acum_ptr, before_ptr, slots_ptr, groups_ptr, offsets_ptr, padding_ptr, received_ptr,
+    group_start_ptr,
+    RANKS: tl.constexpr, EXACT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_EPN: tl.constexpr,
+):
+    """Group planner: the layout, one program per rank."""
+    _layout(
+        tl.program_id(0), hist_ptr, total_entries, experts, experts_per_rank, align,
+        alloc_ptr, acum_ptr, before_ptr, slots_ptr, groups_ptr, offsets_ptr, padding_ptr, received_ptr,
+        group_start_ptr, RANKS, EXACT, BLOCK_R, BLOCK_EPN,
+    )
+
+
+@triton.jit
+def _rank_prologue_kernel(
+    hist_ptr, total_entries, experts, experts_per_rank, align,
+    alloc_ptr, acum_ptr, before_ptr, slots_ptr, groups_ptr, offsets_ptr, padding_ptr, received_ptr,
+    group_start_ptr,
+    ids_ptr, counts_ptr, ranks_ptr, n_entries, token_limit, top_k,
+    RANKS: tl.constexpr, EXACT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_EPN: tl.constexpr,
+    TILE: tl.constexpr, CHUNK: tl.constexpr, BLOCK_E: tl.constexpr,
+):
+    """Rank planner, first launch: programs ``< R`` lay out rank ``pid``, the others count tiles.
+
+    The two jobs share no data, so one launch runs both.
+    """
+    pid = tl.program_id(0)
+    if pid < RANKS:
+        _layout(
+            pid, hist_ptr, total_entries, experts, experts_per_rank, align,
+            alloc_ptr, acum_ptr, before_ptr, slots_ptr, groups_ptr, offsets_ptr, padding_ptr, received_ptr,
+            group_start_ptr, RANKS, EXACT, BLOCK_R, BLOCK_EPN,
+        )
+    else:
+        _count_tile(
+            ids_ptr, counts_ptr, ranks_ptr, pid - RANKS, n_entries, token_limit, top_k, experts,
+            TILE, CHUNK, BLOCK_E,
+        )
+
+
+@triton.jit
+def _destination_kernel(
+    ids_ptr, counts_ptr, before_ptr, acum_ptr, group_start_ptr, dest_rank_ptr, dest_row_ptr, tokens_ptr,
+    token_limit, first_rank, n_entries, n_tiles, top_k, experts, ranks,
+    TILE: tl.constexpr, BLOCK_R: tl.constexpr, LOG_R: tl.constexpr, SCANNED: tl.constexpr,
+    PER_RANK: tl.constexpr,
+):
+    """Destination rank and row of every entry of tile ``program_id(0)`` of slab ``program_id(1)``.
+
+    Slab ``k`` holds the entries of source rank ``first_rank + k``. ``dest_row`` holds each valid
+    entry's rank in its tile on entry (from the count kernel) and the row on exit. With
+    ``SCANNED``, ``counts`` holds per tile the entries of each expert in earlier tiles; without,
+    a slab is a single tile and there are none.
+    """
+    tile = tl.program_id(0)
+    slab = tl.program_id(1)
+    source = first_rank + slab
+    ids_ptr += slab * n_entries
+    dest_rank_ptr += slab * n_entries
+    dest_row_ptr += slab * n_entries
+    counts_ptr += slab * n_tiles * experts
+    index, key, valid = _tile_keys(
+        ids_ptr, tile * TILE, n_entries, _token_limit(tokens_ptr, token_limit, slab, PER_RANK), top_k, experts,
+        TILE,
+    )
+    expert = tl.where(valid, key, 0)
+    position = tl.load(dest_row_ptr + index, mask=valid, other=0)
+    position += tl.load(before_ptr + source * experts + expert, mask=valid, other=0)
+    if SCANNED:
+        position += tl.load(counts_ptr + tile * experts + expert, mask=valid, other=0)
+    # Number of destinations whose cumulative allocation is <= position (binary lifting over the
+    # non-decreasing acum[e, :]): the first d with acum[e, d] > position.
+    dest = tl.zeros([TILE], tl.int32)
+    for level in tl.static_range(LOG_R):
+        step = BLOCK_R >> (level + 1)
+        probe = dest + step - 1
+        ok = valid & (probe < ranks)
+        bound = tl.load(acum_ptr + expert * ranks + probe, mask=ok, other=0)
+        dest = tl.where(ok & (bound <= position), dest + step, dest)
+    dest = tl.minimum(dest, ranks - 1)
+    chunk_start = tl.load(acum_ptr + expert * ranks + dest - 1, mask=valid & (dest > 0), other=0)
+    row = tl.load(group_start_ptr + dest * experts + expert, mask=valid, other=0) + position - chunk_start
+    inside = index < n_entries
+    tl.store(dest_rank_ptr + index, tl.where(valid, dest, -1), mask=inside)
+    tl.store(dest_row_ptr + index, tl.where(valid, row, -1), mask=inside)
+
+
+# ----------------------------------------------------------------------------------------------
+# Host wrappers
+# ----------------------------------------------------------------------------------------------
+
+_INTERPRETED = isinstance(_layout_kernel, InterpretedFunction)
+
+
+def _check_device(tensor: torch.Tensor, name: str) -> None:
+    if not _INTERPRETED and tensor.device.type != "cuda":
+        raise ValueError(
+            f"{name} must be on a CUDA device (or run with TRITON_INTERPRET=1 set before importing "
+            f"flatep.plan.triton), got {tensor.device}"
+        )
+
+
+def _check_config(config: EPConfig) -> None:
+    if config.ranks > MAX_RANKS:
+        raise ValueError(f"config.ranks must be <= {MAX_RANKS} for the Triton planner, got {config.ranks}")
+    if config.experts > MAX_EXPERTS:
+        raise ValueError(f"config.experts must be <= {MAX_EXPERTS} for the Triton planner, got {config.experts}")
+
+
+def _host_int(value: object, name: str) -> int:
+    """``value`` as a Python int; a tensor is refused, since reading it could synchronise."""
+    if isinstance(value, torch.Tensor) or isinstance(value, bool):
+        raise ValueError(f"{name} must be a host integer, got {type(value).__name__}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name} must be a host integer, got {value!r}") from None
+
+
+def _check_entries(config: EPConfig, step: int) -> None:
+    if config.ranks * step * config.top_k >= 2**31:
+        raise ValueError(f"topk_ids: R*s*K must be < 2**31 for int32 indexing, got {config.ranks * step * config.top_k}")
+
+
+class _Tables:
+    """The layout's output tensors plus the scratch the destination kernel reads."""
+
+    def __init__(self, config: EPConfig, device: torch.device) -> None:
+        ranks, experts, epn = config.ranks, config.experts, config.experts_per_rank
+
+        def empty(*shape: int) -> torch.Tensor:
+            return torch.empty(shape, dtype=torch.int32, device=device)
+
+        self.alloc = empty(experts, ranks)
+        self.acum = empty(experts, ranks)
+        self.before = empty(ranks, experts)
+        self.slot_experts = empty(ranks, epn)
+        self.group_experts = empty(ranks, 2 * epn)
+        self.offsets = empty(ranks, 2 * epn)
+        self.padding = empty(ranks, 2 * epn, 2)
+        self.received = empty(ranks)
+        self.group_start = empty(ranks, experts)
+
+    def args(self) -> tuple[torch.Tensor, ...]:
+        """Kernel arguments in the order of :func:`_layout`."""
+        return (
+            self.alloc, self.acum, self.before, self.slot_experts, self.group_experts, self.offsets,
+            self.padding, self.received, self.group_start,
+        )
+
+    def layout_fields(self) -> dict[str, torch.Tensor]:
+        return {
+            "alloc": self.alloc,
+            "slot_experts": self.slot_experts,
+            "group_experts": self.group_experts,
+            "offsets": self.offsets,
+            "padding": self.padding,
+            "received": self.received,
+            "group_start": self.group_start,
+        }
+
+
+def _layout_meta(config: EPConfig, policy: str) -> dict[str, int | bool]:
+    return {
+        "RANKS": config.ranks,
+        "EXACT": policy == "exact",
+        "BLOCK_R": _pow2(config.ranks),
+        "BLOCK_EPN": _pow2(config.experts_per_rank),
+    }
+
+
+def _search_meta(ranks: int) -> dict[str, int]:
+    block = _pow2(ranks)
+    return {"BLOCK_R": block, "LOG_R": block.bit_length() - 1}
+
+
+def _tile_meta(entries: int, experts: int) -> dict[str, int]:
+    tile = _tile_size(entries)
+    return {"TILE": tile, "CHUNK": min(tile, _COMPARE_CHUNK), "BLOCK_E": _pow2(experts)}
+
+
+def local_histogram_triton(topk_ids: torch.Tensor, experts: int, tokens: int | None = None) -> torch.Tensor:
+    """This rank's tokens per expert, the row it contributes to the histogram exchange.
+
+    Args:
+        topk_ids: ``[s, K]`` int32 or int64 expert ids on the GPU.
+        experts: ``E``.
+        tokens: real tokens (default ``s``); rows ``t >= tokens`` are padding and not counted.
+
+    Returns:
+        ``[E] int32`` on ``topk_ids.device``. Ids outside ``[0, E)`` are not counted (not checked).
+    """
+    if not isinstance(topk_ids, torch.Tensor) or topk_ids.dim() != 2:
+        raise ValueError(f"topk_ids must be a [s, K] tensor, got {getattr(topk_ids, 'shape', type(topk_ids))}")
+    if topk_ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
+    if not isinstance(experts, int) or not 1 <= experts <= MAX_EXPERTS:
+        raise ValueError(f"experts must be an int in [1, {MAX_EXPERTS}], got {experts!r}")
+    step, top_k = topk_ids.shape
+    if step < 1 or top_k < 1:
+        raise ValueError(f"topk_ids must have s >= 1 and K >= 1, got {list(topk_ids.shape)}")
+    limit = step if tokens is None else _host_int(tokens, "tokens")
+    if not 0 <= limit <= step:
+        raise ValueError(f"tokens must be in [0, s={step}], got {tokens}")
+    _check_device(topk_ids, "topk_ids")
+    ids = topk_ids.contiguous()
+    entries = ids.numel()
+    meta = _tile_meta(entries, experts)
+    out = torch.zeros(experts, dtype=torch.int32, device=ids.device)
+    _histogram_kernel[(triton.cdiv(entries, meta["TILE"]),)](
+        ids, out, entries, limit, top_k, experts, TILE=meta["TILE"], CHUNK=meta["CHUNK"], num_warps=4
+    )
+    return out
+
+
+def make_plan_triton(
+    topk_ids: torch.Tensor,
+    config: EPConfig,
+    policy: str = "exact",
+    tokens: Sequence[int] | torch.Tensor | None = None,
+) -> Plan:
+    """Plan one step of a whole group of virtual ranks on the GPU; equals :func:`flatep.plan.make_plan`.
+
+    Four launches, no host synchronisation (graph-capturable when ``tokens`` is None; per-rank
+    ``tokens`` are copied to the device, which a graph capture does not allow).
+
+    Args:
+        topk_ids: ``[R, s, K]`` int32 (or int64) expert ids of every rank on the GPU;
+            ``1 <= s <= capacity``. Ids of real tokens must be in ``[0, E)`` (not checked: others
+            are skipped and planned as ``-1``).
+        config: group sizes (``R <= 64``, ``E <= 1024``); ``R`` and ``K`` must match ``topk_ids``.
+        policy: ``exact`` (flat) or ``none`` (classic EP).
+        tokens: optional host ``[R]`` real tokens per rank (a list or CPU tensor); rows beyond are
+            padding, ignored and planned as ``-1``.
+
+    Returns:
+        The :class:`Plan`, int32 tensors on ``topk_ids.device``.
+    """
+    check_policy(policy)
+    _check_config(config)
+    if not isinstance(topk_ids, torch.Tensor):
+        raise ValueError(f"topk_ids must be a tensor, got {type(topk_ids).__name__}")
+    _check_ids(topk_ids, config, "topk_ids", (config.ranks,))
+    if isinstance(tokens, torch.Tensor) and tokens.device.type != "cpu":
+        raise ValueError(f"tokens must be a host sequence or CPU tensor (reading {tokens.device} would synchronise)")
+    step = topk_ids.shape[1]
+    counts = _token_counts(tokens, config.ranks, step)
+    _check_entries(config, step)
+    _check_device(topk_ids, "topk_ids")
+    device = topk_ids.device
+    ranks, experts = config.ranks, config.experts
+    ids = topk_ids.contiguous()
+    entries = step * config.top_k
+    meta = _tile_meta(entries, experts)
+    n_tiles = triton.cdiv(entries, meta["TILE"])
+    # Per-rank token counts go to the device (a small host-to-device copy); the common case of
+    # full ranks passes s as a scalar instead (and ids as an unread pointer), which keeps the
+    # call graph-capturable.
+    per_rank = tokens is not None
+    token_limits = torch.tensor(counts, dtype=torch.int32, device=device) if per_rank else ids
+
+    hist = torch.empty(ranks, experts, dtype=torch.int32, device=device)
+    tile_counts = torch.empty(ranks * n_tiles, experts, dtype=torch.int32, device=device)
+    dest_rank = torch.empty(ranks, step, config.top_k, dtype=torch.int32, device=device)
+    dest_row = torch.empty_like(dest_rank)
+    tables = _Tables(config, device)
+
+    _count_kernel[(n_tiles, ranks)](
+        ids, tile_counts, dest_row, token_limits, step, entries, n_tiles, config.top_k, experts,
+        **meta, PER_RANK=per_rank, num_warps=4,
+    )
+    _scan_kernel[(triton.cdiv(experts, _SCAN_EXPERTS), ranks)](
+        tile_counts, hist, n_tiles, experts,
+        ROWS=min(_pow2(n_tiles), _SCAN_ROWS), BLOCK_EC=_SCAN_EXPERTS, WRITE_HIST=True, num_warps=4,
+    )
+    _layout_kernel[(ranks,)](
+        hist, sum(counts) * config.top_k, experts, config.experts_per_rank, config.align,
+        *tables.args(), **_layout_meta(config, policy), num_warps=4,
+    )
+    _destination_kernel[(n_tiles, ranks)](
+        ids, tile_counts, tables.before, tables.acum, tables.group_start, dest_rank, dest_row, token_limits,
+        step, 0, entries, n_tiles, config.top_k, experts, ranks,
+        **_search_meta(ranks), TILE=meta["TILE"], SCANNED=True, PER_RANK=per_rank, num_warps=4,
+    )
+    return Plan(
+        policy=policy,
+        shard_rows=config.step_rows(ranks * step, policy),
+        total_tokens=sum(counts),
+        tokens_per_expert=hist,
+        **tables.layout_fields(),
+        dest_rank=dest_rank,
+        dest_row=dest_row,
+    )
+
+
+def plan_rank_triton(
+    rank: int,
+    topk_ids: torch.Tensor,
+    tokens_per_expert: torch.Tensor,
+    config: EPConfig,
+    policy: str = "exact",
+    total_tokens: int | None = None,
+    tokens: int | None = None,
+) -> RankPlan:
+    """One rank's plan on its GPU from the gathered histogram; equals :func:`flatep.plan.plan_rank`.
+
+    Three launches (two when ``s*K`` fits in one tile of the count kernel), no host
+    synchronisation, graph-capturable.
+
+    Args:
+        rank: this rank, in ``[0, R)``.
+        topk_ids: ``[s, K]`` int32 (or int64) ids of this rank on the GPU.
+        tokens_per_expert: ``[R, E]`` int32 (or int64) histogram gathered from every rank (row ``r``
+            = :func:`local_histogram_triton` of rank ``r``), on the same device. Trusted: it must
+            match every rank's ids and sum to ``total_tokens * K`` (not checked; the reference
+            planner checks).
+        config: group sizes (``R <= 64``, ``E <= 1024``).
+        policy: ``exact`` or ``none``.
+        total_tokens: tokens over the group (default ``R * s``).
+        tokens: this rank's real tokens (default ``s``); rows beyond are padding, planned as ``-1``.
+
+    Returns:
+        The :class:`RankPlan`, int32 tensors on ``topk_ids.device``.
+    """
+    check_policy(policy)
+    _check_config(config)
+    if not isinstance(rank, int) or not 0 <= rank < config.ranks:
+        raise ValueError(f"rank must be an int in [0, {config.ranks}), got {rank!r}")
+    if not isinstance(topk_ids, torch.Tensor):
+        raise ValueError(f"topk_ids must be a tensor, got {type(topk_ids).__name__}")
+    _check_ids(topk_ids, config, "topk_ids", ())
+    if not isinstance(tokens_per_expert, torch.Tensor) or tuple(tokens_per_expert.shape) != (config.ranks, config.experts):
+        raise ValueError(
+            f"tokens_per_expert must be a tensor of shape [{config.ranks}, {config.experts}], "
+            f"got {list(getattr(tokens_per_expert, 'shape', []))}"
+        )
+    if tokens_per_expert.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"tokens_per_expert must be int32 or int64, got {tokens_per_expert.dtype}")
+    if tokens_per_expert.device != topk_ids.device:
+        raise ValueError(f"tokens_per_expert must be on {topk_ids.device} like topk_ids, got {tokens_per_expert.device}")
+    step = topk_ids.shape[0]
+    limit = step if tokens is None else _host_int(tokens, "tokens")
+    if not 0 <= limit <= step:
+        raise ValueError(f"tokens must be in [0, s={step}], got {tokens}")
+    total = config.ranks * step if total_tokens is None else _host_int(total_tokens, "total_tokens")
+    if not 1 <= total <= config.ranks * step:
+        raise ValueError(f"total_tokens must be in [1, R*s = {config.ranks * step}], got {total_tokens}")
+    _check_entries(config, step)
+    _check_device(topk_ids, "topk_ids")
+    device = topk_ids.device
+    ranks, experts = config.ranks, config.experts
+    ids = topk_ids.contiguous()
+    hist = tokens_per_expert.to(torch.int32).contiguous()
+    entries = step * config.top_k
+    meta = _tile_meta(entries, experts)
+    n_tiles = triton.cdiv(entries, meta["TILE"])
+    scanned = n_tiles > 1
+
+    tile_counts = torch.empty(n_tiles, experts, dtype=torch.int32, device=device)
+    dest_rank = torch.empty(step, config.top_k, dtype=torch.int32, device=device)
+    dest_row = torch.empty_like(dest_rank)
+    tables = _Tables(config, device)
+
+    _rank_prologue_kernel[(ranks + n_tiles,)](
+        hist, total * config.top_k, experts, config.experts_per_rank, config.align, *tables.args(),
+        ids, tile_counts, dest_row, entries, limit, config.top_k,
+        **_layout_meta(config, policy), **meta, num_warps=4,
+    )
+    if scanned:
+        _scan_kernel[(triton.cdiv(experts, _SCAN_EXPERTS), 1)](
+            tile_counts, hist, n_tiles, experts,
+            ROWS=min(_pow2(n_tiles), _SCAN_ROWS), BLOCK_EC=_SCAN_EXPERTS, WRITE_HIST=False, num_warps=4,
+        )
+    _destination_kernel[(n_tiles, 1)](  # ids stands in for the unread per-rank tokens pointer
+        ids, tile_counts, tables.before, tables.acum, tables.group_start, dest_rank, dest_row, ids,
+        limit, rank, entries, n_tiles, config.top_k, experts, ranks,
+        **_search_meta(ranks), TILE=meta["TILE"], SCANNED=scanned, PER_RANK=False,
+        num_warps=4,
+    )
+    return RankPlan(
+        policy=policy,
+        shard_rows=config.step_rows(ranks * step, policy),
+        total_tokens=total,
+        tokens_per_expert=hist,
+        **tables.layout_fields(),
+        rank=rank,
+        dest_rank=dest_rank,
+        dest_row=dest_row,
+    )

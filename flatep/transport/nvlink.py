@@ -1,0 +1,276 @@
+"""One process per GPU: symmetric buffers mapped on every rank over NVLink or PCIe P2P, no multicast.
+
+Memory comes from PyTorch symmetric memory with its CUDA backend rather than from CUDA VMM driven
+through cuda-python. Both end in the same driver calls (``cuMemCreate``, a POSIX-fd export, import
+and ``cuMemMap`` of every peer's allocation), but PyTorch already does that dance, exchanges the fds
+through the process group's store (so a gloo group works as well as NCCL), supports several ranks
+on one GPU (``TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1``) and adds no dependency. FlatEP uses only
+the mapping: the peers' addresses (``handle.buffer_ptrs``) become the peer offset table of its own
+kernels, and the barrier is its own kernel (:mod:`flatep.transport.barrier`), because PyTorch's
+traps the whole CUDA context on a timeout instead of naming the ranks that did not arrive.
+Multicast is switched off (``TORCH_SYMM_MEM_DISABLE_MULTICAST=1``) and nothing here ever uses it.
+
+Every symmetric allocation is collective. Before it, ranks compare the shape and dtype they ask
+for through the process group and raise on every rank if they differ (a mismatched rendezvous
+could hang or map buffers of different sizes).
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import weakref
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import triton
+import triton.language as tl
+
+from flatep.transport.barrier import cross_rank_barrier
+from flatep.transport.base import Group
+
+
+@triton.jit
+def _scatter_to_peers_kernel(src_ptr, dst_ptr, dst_peers_ptr, rank, numel, RANKS: tl.constexpr, BLOCK: tl.constexpr):
+    offset = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offset < numel
+    values = tl.load(src_ptr + offset, mask=mask)
+    for peer in range(RANKS):
+        target = dst_ptr + tl.load(dst_peers_ptr + peer) + rank * numel
+        tl.store(target + offset, values, mask=mask)
+
+
+def scatter_to_peers(src: torch.Tensor, dst: torch.Tensor, dst_peers: torch.Tensor, rank: int) -> None:
+    """Write ``src`` into row ``rank`` of every rank's copy of ``dst`` (the send half of an all-gather).
+
+    Args:
+        src: ``[*shape]`` contiguous.
+        dst: this process's copy of a symmetric ``[R, *shape]`` buffer of ``src``'s dtype.
+        dst_peers: ``[R] int64`` element offsets of every rank's ``dst`` from this one.
+        rank: this process's rank (the row written).
+    """
+    numel = src.numel()
+    block = 1024
+    _scatter_to_peers_kernel[(triton.cdiv(numel, block),)](
+        src, dst, dst_peers, rank, numel, RANKS=dst.shape[0], BLOCK=block,
+    )
+
+
+@dataclass
+class _Allocation:
+    """One symmetric allocation: the handle that keeps the peers mapped, and where they are."""
+
+    handle: object
+    peer_pointers: list[int]  # byte address, in this process, of every rank's copy of the tensor
+    nbytes: int
+
+
+class NVLinkGroup(Group):
+    """One EP rank per process, each on a GPU; peers reached by plain loads and stores over P2P.
+
+    Buffers from :meth:`symmetric_empty` exist on every rank at mapped addresses, so the dispatch,
+    combine and push kernels of the local transport run unchanged, each process launching them
+    for its own rank. :meth:`barrier` is the cross-rank flag kernel; in eager mode it waits for the
+    GPU and raises :class:`TimeoutError` naming the ranks that did not arrive within
+    ``barrier_timeout`` seconds. While a CUDA graph is being captured it only launches the kernel:
+    call :meth:`check` after replays.
+
+    Args:
+        process_group: the EP ranks (default: the whole world). Only allocation, set-up and
+            :meth:`close` talk through it; every per-step exchange goes through symmetric memory.
+        device: this process's GPU (default: the current CUDA device); made the current device,
+            because Triton launches there.
+        barrier_timeout: seconds a barrier waits for the other ranks before giving up.
+        eager_check: synchronise and check after every eager barrier (default). ``False`` keeps
+            barriers asynchronous; a timeout then surfaces at the next :meth:`check`, and until
+            then later kernels run on whatever the late ranks had not yet written.
+    """
+
+    stacked = False
+
+    def __init__(
+        self,
+        process_group: dist.ProcessGroup | None = None,
+        device: torch.device | str | None = None,
+        barrier_timeout: float = 60.0,
+        eager_check: bool = True,
+    ) -> None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise ValueError("the nvlink transport needs torch.distributed initialised (e.g. run under torchrun)")
+        if not torch.cuda.is_available():
+            raise ValueError("the nvlink transport needs CUDA GPUs")
+        if not barrier_timeout > 0:
+            raise ValueError(f"barrier_timeout must be a positive number of seconds, got {barrier_timeout!r}")
+        self.process_group = process_group if process_group is not None else dist.group.WORLD
+        self.world = dist.get_world_size(self.process_group)
+        self.rank = dist.get_rank(self.process_group)
+        if self.rank < 0:
+            raise ValueError("this process is not a member of process_group")
+        self.local_ranks = (self.rank,)
+        self.device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+        if self.device.type != "cuda":
+            raise ValueError(f"device must be a CUDA device for the nvlink transport, got {self.device}")
+        if self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        torch.cuda.set_device(self.device)
+        self.barrier_timeout = float(barrier_timeout)
+        self.eager_check = eager_check
+        self._allocations: dict[int, _Allocation] = {}
+        self._peer_tables: dict[tuple[int, int], torch.Tensor] = {}
+        self._closed = False
+        _use_symmetric_memory_without_multicast(self.device)
+        self._flags = self.symmetric_empty((2, self.world), torch.int32)
+        self._flags.zero_()
+        self._state = torch.zeros(1, dtype=torch.int32, device=self.device)
+        self._missing = torch.zeros(self.world, dtype=torch.int32, device=self.device)
+        self.peer_offsets(self._flags)  # built now, so a barrier first seen inside graph capture copies nothing
+        torch.cuda.synchronize(self.device)
+        # No rank may set a flag in a peer's table before that peer has zeroed it.
+        dist.barrier(group=self.process_group)
+        atexit.register(self.close)
+
+    # -- memory -----------------------------------------------------------------------------
+
+    def symmetric_empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """``shape`` on this GPU, mapped on every rank; collective (every rank must ask alike).
+
+        Raises:
+            ValueError: on every rank, if the ranks ask for different shapes or dtypes.
+        """
+        from torch.distributed import _symmetric_memory as symm_mem
+
+        self._check_open()
+        shape = tuple(int(size) for size in shape)
+        requests = self._gather_object((shape, str(dtype)))
+        if any(request != requests[0] for request in requests):
+            raise ValueError(f"ranks asked for different symmetric buffers (shape, dtype) by rank: {requests}")
+        tensor = symm_mem.empty(shape, dtype=dtype, device=self.device)
+        handle = symm_mem.rendezvous(tensor, self.process_group)
+        bases = [int(pointer) for pointer in handle.buffer_ptrs]
+        # buffer_ptrs may be allocation bases rather than tensor addresses (PyTorch's symmetric
+        # memory pool places tensors inside larger allocations): every rank reports its own
+        # tensor's offset inside its allocation, and peers' tensors sit at base + that offset.
+        within = self._gather_object(tensor.data_ptr() - bases[self.rank])
+        pointers = [base + offset for base, offset in zip(bases, within)]
+        if pointers[self.rank] != tensor.data_ptr():
+            raise RuntimeError("symmetric memory reported an address table that does not contain this tensor")
+        self._allocations[tensor.data_ptr()] = _Allocation(handle, pointers, tensor.untyped_storage().nbytes())
+        # Forget the mapping with the tensor: its address may be reused by a later allocation.
+        weakref.finalize(tensor, self._forget, tensor.data_ptr())
+        return tensor
+
+    def _forget(self, pointer: int) -> None:
+        self._allocations.pop(pointer, None)
+        for key in [key for key in self._peer_tables if key[0] == pointer]:
+            del self._peer_tables[key]
+
+    def peer_offsets(self, buffer: torch.Tensor) -> torch.Tensor:
+        """``[R] int64`` element offsets of every rank's copy of ``buffer`` (cached per allocation).
+
+        ``buffer`` may be a view inside a symmetric allocation: every rank's copy lies at the same
+        offset inside its own allocation, so the differences of the allocations' addresses apply.
+        """
+        self._check_open()
+        pointer = buffer.data_ptr()
+        for base, allocation in self._allocations.items():
+            if base <= pointer < base + max(allocation.nbytes, 1):
+                break
+        else:
+            raise ValueError("buffer is not inside a symmetric buffer of this group (allocate it with symmetric_empty)")
+        element = buffer.element_size()
+        key = (base, element)
+        if key not in self._peer_tables:
+            distances = [peer - base for peer in allocation.peer_pointers]
+            if any(distance % element for distance in distances):
+                raise RuntimeError(f"peer copies are not {element}-byte aligned relative to this one: {distances}")
+            self._peer_tables[key] = torch.tensor(
+                [distance // element for distance in distances], dtype=torch.int64, device=self.device
+            )
+        return self._peer_tables[key]
+
+    # -- synchronisation -----------------------------------------------------------------------
+
+    def barrier(self) -> None:
+        """Cross-rank barrier on the current stream; see the class docstring for when it checks.
+
+        Raises:
+            TimeoutError: (eager mode) naming the ranks that did not arrive in time.
+        """
+        self._check_open()
+        cross_rank_barrier(
+            self._flags, self.peer_offsets(self._flags), self._state, self._missing, self.rank, self.barrier_timeout
+        )
+        if self.eager_check and not torch.cuda.is_current_stream_capturing():
+            self.check()
+
+    def check(self) -> None:
+        """Wait for the GPU and raise if any barrier so far timed out.
+
+        Raises:
+            TimeoutError: naming the ranks that did not arrive. The group is unusable afterwards
+                (the ranks' barrier counters no longer agree): close it.
+        """
+        self._check_open()
+        missing = self._missing.nonzero().flatten().tolist()
+        if missing:
+            raise TimeoutError(
+                f"rank {self.rank}: a barrier timed out after {self.barrier_timeout:g} s; "
+                f"rank(s) {missing} did not arrive (stopped, crashed or running a different step)"
+            )
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``[R, *shape]`` of every rank's ``tensor``, through a symmetric buffer (two barriers)."""
+        tensor = tensor.contiguous()
+        gathered = self.buffer("all_gather", (self.world, *tensor.shape), tensor.dtype)
+        self.barrier()  # every peer has copied out the previous gather from this buffer
+        scatter_to_peers(tensor, gathered, self.peer_offsets(gathered), self.rank)
+        self.barrier()  # every peer's row has landed here
+        return gathered.clone()
+
+    # -- control plane -------------------------------------------------------------------------
+
+    def _gather_object(self, value: object) -> list[object]:
+        gathered: list[object] = [None] * self.world
+        dist.all_gather_object(gathered, value, group=self.process_group)
+        return gathered
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError("this NVLinkGroup is closed")
+
+    def close(self) -> None:
+        """Wait for this GPU, then drop every buffer and mapping this group made (also run at exit).
+
+        Memory still referenced elsewhere (e.g. an :class:`ExpertPool`'s tensors) is freed when
+        those references go; peers that mapped it keep their mapping until they close.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self.close)
+        torch.cuda.synchronize(self.device)
+        super().close()
+        self._peer_tables.clear()
+        self._allocations.clear()
+        del self._flags, self._state, self._missing
+
+    def __repr__(self) -> str:
+        return f"NVLinkGroup(rank={self.rank}, world={self.world}, device={self.device})"
+
+
+def _use_symmetric_memory_without_multicast(device: torch.device) -> None:
+    """Select PyTorch symmetric memory's CUDA backend with multicast off, before the first allocation."""
+    from torch.distributed import _symmetric_memory as symm_mem
+
+    os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
+    if not hasattr(symm_mem, "set_backend"):
+        return  # older PyTorch: the CUDA backend is the only one
+    current = symm_mem.get_backend(device) if hasattr(symm_mem, "get_backend") else None
+    if current != "CUDA":
+        try:
+            symm_mem.set_backend("CUDA")
+        except RuntimeError as error:
+            raise RuntimeError(
+                f"FlatEP needs PyTorch symmetric memory's CUDA backend, but {symm_mem.get_backend(device)!r} is already "
+                "in use in this process"
+            ) from error

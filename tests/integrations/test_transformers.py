@@ -1,0 +1,158 @@
+"""Tiny transformers MoE models sharded with FlatEP generate exactly the unsharded model's greedy tokens.
+
+Virtual ranks on the CPU in fp32, every family (Qwen3-MoE, DeepSeek-V3, Kimi-K2, gpt-oss), R = 2 and
+4, both policies. The models are built from their configs (no downloads).
+"""
+from __future__ import annotations
+
+import functools
+import gc
+import weakref
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from flatep import init_group  # noqa: E402
+from flatep.integrations.tiny_models import TINY_FAMILIES, tiny_model  # noqa: E402
+from flatep.integrations.transformers import FlatEPExperts, shard_moe, sharded_experts  # noqa: E402
+
+NEW_TOKENS = 32
+# Three prompts of 11 tokens: prefill (T = 33) and decode (T = 3) both leave ranks with padding,
+# and at R = 4 one rank has no token at all while decoding.
+PROMPTS = torch.randint(0, 128, (3, 11), generator=torch.Generator().manual_seed(7))
+
+
+def greedy(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(sequences [B, 11 + 32], logits [B, 32, V])`` of greedy decoding with the KV cache."""
+    with torch.no_grad():
+        out = model.generate(
+            PROMPTS, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0,
+            output_logits=True, return_dict_in_generate=True,
+        )
+    return out.sequences, torch.stack(out.logits, 1)
+
+
+@functools.cache
+def unsharded(family: str, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The unsharded model's greedy sequences, their step logits and a full forward's logits."""
+    model = tiny_model(family, dtype=dtype)
+    sequences, logits = greedy(model)
+    with torch.no_grad():
+        full = model(sequences).logits
+    return sequences, logits, full
+
+
+def sparse_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    return [module for module in model.modules() if hasattr(module, "experts") and not isinstance(module, FlatEPExperts)]
+
+
+@pytest.mark.parametrize("policy", ["exact", "none"])
+@pytest.mark.parametrize("ranks", [2, 4])
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+def test_sharded_model_generates_the_unsharded_tokens(family, ranks, policy):
+    expected_sequences, expected_logits, expected_full = unsharded(family)
+    model = tiny_model(family)
+    routers = [getattr(block, "gate", None) or block.router for block in sparse_blocks(model)]
+    # A small capacity that the prefill must grow.
+    summary = shard_moe(model, init_group("local", ranks=ranks, device="cpu"), policy, capacity=4, backend="torch",
+                        record_routing=True)
+    assert [getattr(block, "gate", None) or block.router for block in sparse_blocks(model)] == routers
+    sequences, logits = greedy(model)
+    assert torch.equal(sequences, expected_sequences)
+    scale = expected_logits.abs().max()
+    assert (logits - expected_logits).abs().max() <= 1e-5 * scale
+    with torch.no_grad():
+        full = model(sequences).logits
+    assert (full - expected_full).abs().max() <= 1e-5 * scale
+
+    layers = sharded_experts(model)
+    assert [name for name, _ in layers] == list(summary.layers) and layers
+    for _, experts in layers:
+        calls = NEW_TOKENS + 1  # the prefill, 31 decode steps, the full forward
+        assert len(experts.maxvio()) == calls and all(value >= 0 for value in experts.maxvio())
+        rows = torch.stack(experts.received)
+        assert rows.shape == (calls, ranks)
+        assert rows.sum(1).tolist() == [t * experts.config.top_k for t in [33] + [3] * (NEW_TOKENS - 1) + [129]]
+        if policy == "exact":  # flat: every rank computes floor or ceil of T*K/R rows
+            assert (rows.max(1).values - rows.min(1).values).max() <= 1
+
+
+@pytest.mark.parametrize("family", ["qwen3-moe", "gpt-oss"])
+def test_bf16_native_precision_reproduces_the_unsharded_model_bit_for_bit(family):
+    """With bf16 route weights, ``precision="native"`` rounds as transformers' experts do (CPU GEMMs)."""
+    expected_sequences, expected_logits, expected_full = unsharded(family, torch.bfloat16)
+    model = tiny_model(family, dtype=torch.bfloat16)
+    shard_moe(model, init_group("local", ranks=4, device="cpu"), backend="torch")
+    sequences, logits = greedy(model)
+    assert torch.equal(sequences, expected_sequences) and torch.equal(logits, expected_logits)
+    with torch.no_grad():
+        assert torch.equal(model(sequences).logits, expected_full)
+
+
+@pytest.mark.parametrize("family", ["deepseek-v3", "gpt-oss"])
+def test_fp32_precision_generates_the_unsharded_tokens(family):
+    expected_sequences, expected_logits, _ = unsharded(family)
+    model = tiny_model(family)
+    shard_moe(model, init_group("local", ranks=4, device="cpu"), backend="torch", precision="fp32")
+    sequences, logits = greedy(model)
+    assert torch.equal(sequences, expected_sequences)
+    assert (logits - expected_logits).abs().max() <= 1e-5 * expected_logits.abs().max()
+
+
+@pytest.mark.parametrize("precision", ["native", "fp32"])
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+def test_experts_module_equals_the_original_on_the_routers_choice(family, precision):
+    model = tiny_model(family)
+    block = sparse_blocks(model)[-1]
+    router = getattr(block, "gate", None) or block.router
+    hidden = torch.randn(37, model.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        _, weights, ids = router(hidden)
+        expected = block.experts(hidden, ids, weights)
+        shard_moe(model, init_group("local", ranks=4, device="cpu"), backend="torch", precision=precision)
+        out = block.experts(hidden, ids, weights)
+    assert isinstance(block.experts, FlatEPExperts)
+    assert out.dtype == expected.dtype
+    assert (out - expected).norm() <= 1e-5 * expected.norm()
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_each_rank_keeps_only_its_experts_and_the_originals_are_released(ranks):
+    model = tiny_model("gpt-oss")
+    originals = [weakref.ref(p) for name, p in model.named_parameters() if ".experts." in name]
+    assert originals
+    summary = shard_moe(model, init_group("local", ranks=ranks, device="cpu"), backend="torch")
+    gc.collect()
+    assert all(ref() is None for ref in originals)
+    assert not any(".experts." in name for name, _ in model.named_parameters())
+    # Per rank: epn home experts + epn borrow slots of 2E/R experts, biases included.
+    assert summary.bytes_after * ranks == summary.bytes_before * 2
+    assert f"{summary.experts} experts -> {summary.experts_per_rank} home" in str(summary)
+
+
+def test_unsupported_family_is_named():
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    config = MixtralConfig(vocab_size=128, hidden_size=64, intermediate_size=32, num_hidden_layers=1,
+                           num_attention_heads=4, num_key_value_heads=2, num_local_experts=4)
+    with pytest.raises(ValueError, match=r"supports Qwen3-MoE .*gpt-oss.*got MixtralForCausalLM"):
+        shard_moe(MixtralForCausalLM(config), init_group("local", ranks=2, device="cpu"))
+
+
+def test_ranks_must_divide_the_experts():
+    with pytest.raises(ValueError, match="divisible by ranks"):
+        shard_moe(tiny_model("qwen3-moe"), init_group("local", ranks=3, device="cpu"))
+
+
+def test_unexpected_experts_module_is_refused():
+    model = tiny_model("qwen3-moe")
+    sparse_blocks(model)[0].experts = torch.nn.Linear(2, 2)  # as a quantized checkpoint's experts would be
+    with pytest.raises(ValueError, match=r"not Qwen3MoeExperts .*dequantized.*layers\.0\.mlp\.experts \(Linear\)"):
+        shard_moe(model, init_group("local", ranks=2, device="cpu"))
+
+
+def test_unknown_precision_is_refused():
+    with pytest.raises(ValueError, match="precision must be one of"):
+        shard_moe(tiny_model("qwen3-moe"), init_group("local", ranks=2, device="cpu"), precision="fp16")

@@ -1,0 +1,75 @@
+"""One rank of the multi-process transformers check, spawned by :mod:`tests.integrations.test_transformers_distributed`.
+
+Every rank builds the same tiny model of each family (same seed), greedy-decodes its own prompts
+with the unsharded model, shards the routed experts over the process group with
+``init_group(process_group=None, transport=...)``, decodes again and compares tokens and logits.
+Ranks have different prompts and batch sizes, so their token counts per MoE call differ (data-
+parallel attention, expert-parallel experts). Prints one ``RESULT`` line per family and policy and
+exits 1 when any check of this rank failed.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+from flatep import init_group
+from flatep.integrations.tiny_models import TINY_FAMILIES, tiny_model
+from flatep.integrations.transformers import shard_moe, sharded_experts
+
+NEW_TOKENS = 32
+
+
+def greedy(model: torch.nn.Module, prompts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    with torch.no_grad():
+        out = model.generate(
+            prompts, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0,
+            output_logits=True, return_dict_in_generate=True,
+        )
+    return out.sequences, torch.stack(out.logits, 1)
+
+
+def check(family: str, policy: str, transport: str, rank: int) -> bool:
+    # Rank r decodes r + 2 prompts of 11 - 2r tokens: the ranks' token counts differ at every step.
+    prompts = torch.randint(0, 128, (rank + 2, 11 - 2 * rank), generator=torch.Generator().manual_seed(100 + rank))
+    model = tiny_model(family)
+    expected, expected_logits = greedy(model, prompts)
+    group = init_group(process_group=None, transport=transport)
+    summary = shard_moe(model, group, policy, capacity=4, backend="torch", record_routing=True)
+    sequences, logits = greedy(model, prompts)
+    same = torch.equal(sequences, expected)
+    diff = float((logits - expected_logits).abs().max())
+    close = diff <= 1e-5 * float(expected_logits.abs().max())
+    layers = sharded_experts(model)
+    # Every rank sees the same gathered histogram, hence the same group-wide maxvio.
+    maxvio = [round(experts.maxvio(total=True)[0], 3) for _, experts in layers]
+    flat = all(
+        int(rows.max() - rows.min()) <= 1 for _, experts in layers for rows in experts.received
+    ) if policy == "exact" else True
+    halved = summary.bytes_after * group.world == summary.bytes_before * 2
+    print(f"RESULT rank={rank} family={family} policy={policy} tokens_equal={same} logits_max_diff={diff:.2e} "
+          f"flat={flat} memory={summary.bytes_before}->{summary.bytes_after} maxvio={maxvio}", flush=True)
+    return same and close and flat and halved
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--init-method", required=True)
+    parser.add_argument("--transport", default="collective")
+    parser.add_argument("--families", nargs="+", default=list(TINY_FAMILIES))
+    args = parser.parse_args()
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", init_method=args.init_method, rank=rank, world_size=world)
+    try:
+        results = [check(family, "exact", args.transport, rank) for family in args.families]
+        results.append(check(args.families[0], "none", args.transport, rank))
+    finally:
+        dist.destroy_process_group()
+    return 0 if all(results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

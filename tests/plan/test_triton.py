@@ -1,0 +1,266 @@
+"""The Triton planner is bit-equal to the reference planner on every field.
+
+Without a GPU the kernels run in Triton's interpreter on small shapes (it must be chosen before
+the kernels are defined, hence the environment variable before the import); with one, the same
+tests run on CUDA, plus large shapes and CUDA-graph capture.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+import flatep.plan.triton as planner  # noqa: E402
+from flatep import EPConfig  # noqa: E402
+from flatep.plan import make_plan, plan_rank  # noqa: E402
+from flatep.plan.triton import local_histogram_triton, make_plan_triton, plan_rank_triton  # noqa: E402
+from flatep.routing import ADVERSARIAL, adversarial_topk, skewed_topk  # noqa: E402
+from tests.plan.test_reference import padded_ids  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def config_for(ranks: int, experts: int, top_k: int, step: int, align: int = 4) -> EPConfig:
+    return EPConfig(ranks=ranks, experts=experts, top_k=top_k, hidden=8, intermediate=8, capacity=step, align=align)
+
+
+def assert_same(expected, got) -> None:
+    """Every field equal: host scalars, and tensors in shape, dtype and value."""
+    for name in ("policy", "shard_rows", "total_tokens"):
+        assert getattr(got, name) == getattr(expected, name), name
+    for name, tensor in expected.tensors().items():
+        mine = getattr(got, name)
+        assert mine.dtype == torch.int32 and mine.device.type == DEVICE.type, name
+        assert mine.shape == tensor.shape, name
+        assert torch.equal(mine, tensor.to(DEVICE)), name
+
+
+def check_group(ids: torch.Tensor, config: EPConfig, policy: str, tokens: list[int] | None = None):
+    """make_plan_triton == make_plan; returns the reference plan."""
+    expected = make_plan(ids, config, policy, tokens)
+    assert_same(expected, make_plan_triton(ids.to(DEVICE), config, policy, tokens))
+    return expected
+
+
+def check_rank(rank: int, ids: torch.Tensor, config: EPConfig, policy: str, tokens: list[int] | None, expected) -> None:
+    """local_histogram_triton and plan_rank_triton == plan_rank for one rank of ``expected``."""
+    total = sum(tokens) if tokens else None
+    own = tokens[rank] if tokens else None
+    local = local_histogram_triton(ids[rank].to(DEVICE), config.experts, own)
+    assert torch.equal(local, expected.tokens_per_expert[rank].to(DEVICE))
+    reference = plan_rank(rank, ids[rank], expected.tokens_per_expert, config, policy, total, own)
+    got = plan_rank_triton(rank, ids[rank].to(DEVICE), expected.tokens_per_expert.to(DEVICE), config, policy, total, own)
+    assert_same(reference, got)
+    assert got.rank == rank
+
+
+def check_all(ids: torch.Tensor, config: EPConfig, policy: str, tokens: list[int] | None = None, ranks=None) -> None:
+    expected = check_group(ids, config, policy, tokens)
+    for rank in range(config.ranks) if ranks is None else ranks:
+        check_rank(rank, ids, config, policy, tokens, expected)
+
+
+@st.composite
+def planner_cases(draw):
+    ranks = draw(st.sampled_from([1, 2, 3, 4]))
+    epn = draw(st.sampled_from([1, 2, 3, 5]))
+    experts = ranks * epn
+    top_k = draw(st.integers(1, min(experts, 4)))
+    step = draw(st.integers(1, 12))
+    align = draw(st.sampled_from([1, 2, 4, 128]))
+    config = config_for(ranks, experts, top_k, step, align)
+    kind = draw(st.sampled_from(["skewed", "uniform_repeats", *ADVERSARIAL]))
+    seed = draw(st.integers(0, 2**16))
+    if kind == "skewed":
+        ids = skewed_topk(ranks, experts, top_k, step, draw(st.sampled_from([0.0, 0.5, 3.0, 8.0])), seed=seed)
+    elif kind == "uniform_repeats":
+        generator = torch.Generator().manual_seed(seed)
+        ids = torch.randint(0, experts, (ranks, step, top_k), generator=generator, dtype=torch.int32)
+    else:
+        ids = adversarial_topk(kind, ranks, experts, top_k, step)
+    tokens = None
+    if draw(st.booleans()):
+        tokens = [draw(st.integers(0, step)) for _ in range(ranks)]
+        if sum(tokens) == 0:
+            tokens[0] = 1
+    policy = draw(st.sampled_from(["exact", "none"]))
+    rank = draw(st.integers(0, ranks - 1))
+    return padded_ids(ids, tokens), config, policy, tokens, rank
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(planner_cases())
+def test_random_cases_match_the_reference(case):
+    ids, config, policy, tokens, rank = case
+    expected = check_group(ids, config, policy, tokens)
+    check_rank(rank, ids, config, policy, tokens, expected)
+
+
+def test_worked_example_from_the_design_notes():
+    config = config_for(2, 4, 2, 4, align=4)
+    ids = torch.tensor([[[2, 3], [2, 0], [3, 2], [2, 1]], [[2, 3], [3, 2], [2, 0], [1, 2]]], dtype=torch.int32)
+    check_all(ids, config, "exact")
+
+
+@pytest.mark.parametrize("policy", ["exact", "none"])
+@pytest.mark.parametrize(
+    "ranks, experts, top_k, step, align, routing",
+    [
+        (4, 8, 2, 1, 4, 2.0),  # s = 1
+        (4, 8, 1, 16, 1, 0.0),  # K = 1, align = 1, balanced
+        (4, 4, 3, 6, 2, "uniform_repeats"),  # E = R, ids repeated within a token
+        (3, 9, 3, 7, 4, 0.0),  # uneven sizes, sigma 0
+        (3, 9, 3, 7, 4, 8.0),  # uneven sizes, very high sigma
+        (2, 6, 5, 5, 1, "local"),  # K > epn: local ids repeat within a token
+    ],
+)
+def test_edge_shapes(ranks, experts, top_k, step, align, routing, policy):
+    config = config_for(ranks, experts, top_k, step, align)
+    if routing == "uniform_repeats":
+        generator = torch.Generator().manual_seed(5)
+        ids = torch.randint(0, experts, (ranks, step, top_k), generator=generator, dtype=torch.int32)
+    elif isinstance(routing, str):
+        ids = adversarial_topk(routing, ranks, experts, top_k, step)
+    else:
+        ids = skewed_topk(ranks, experts, top_k, step, routing, seed=11)
+    check_all(ids, config, policy)
+
+
+@pytest.mark.parametrize("kind", ADVERSARIAL)
+def test_adversarial_routings(kind):
+    config = config_for(4, 8, 4, 8, align=4)
+    ids = adversarial_topk(kind, 4, 8, 4, 8)
+    for policy in ("exact", "none"):
+        check_all(ids, config, policy, ranks=[0, 3])
+
+
+def test_eight_ranks_skewed_with_per_rank_tokens():
+    config = config_for(8, 32, 4, 8, align=8)
+    tokens = [8, 0, 3, 8, 1, 7, 8, 2]
+    ids = padded_ids(skewed_topk(8, 32, 4, 8, 3.0, seed=2), tokens)
+    check_all(ids, config, "exact", tokens, ranks=[0, 1, 7])
+
+
+def test_int64_ids_are_accepted():
+    config = config_for(2, 4, 2, 3)
+    ids = skewed_topk(2, 4, 2, 3, 1.0, seed=1).long()
+    check_all(ids, config, "exact")
+
+
+@pytest.mark.parametrize("scan_rows", [1024, 2])
+def test_many_tiles_per_rank(monkeypatch, scan_rows):
+    """Tiles of 16 entries: several tiles per rank, prefixed by the scan launch in one pass or in
+    chunks of two tile rows."""
+    monkeypatch.setattr(planner, "_tile_size", lambda entries: 16)
+    monkeypatch.setattr(planner, "_SCAN_ROWS", scan_rows)
+    config = config_for(3, 6, 3, 20, align=4)
+    tokens = [20, 9, 14]
+    ids = padded_ids(skewed_topk(3, 6, 3, 20, 2.0, seed=4), tokens)
+    expected = check_group(ids, config, "exact", tokens)
+    check_rank(1, ids, config, "exact", tokens, expected)
+    check_rank(2, ids, config, "exact", tokens, expected)
+
+
+def test_out_of_range_ids_are_skipped_not_read():
+    """The documented no-sync behaviour: ids outside [0, E) of real tokens count nowhere."""
+    ids = torch.tensor([[0, 9], [-3, 1], [1, 1]], dtype=torch.int32)
+    assert local_histogram_triton(ids.to(DEVICE), 4).tolist() == [1, 3, 0, 0]
+    assert local_histogram_triton(ids.to(DEVICE), 4, tokens=2).tolist() == [1, 1, 0, 0]
+
+
+def test_bad_input_is_rejected_before_any_kernel():
+    config = config_for(2, 4, 2, 4)
+    ids = skewed_topk(2, 4, 2, 4, 1.0).to(DEVICE)
+    hist = make_plan(ids.cpu(), config).tokens_per_expert.to(DEVICE)
+    with pytest.raises(ValueError, match="policy must be one of"):
+        make_plan_triton(ids, config, "greedy")
+    with pytest.raises(ValueError, match="topk_ids must have shape"):
+        make_plan_triton(ids[0], config)
+    with pytest.raises(ValueError, match="int32 or int64"):
+        make_plan_triton(ids.float(), config)
+    with pytest.raises(ValueError, match="capacity"):
+        make_plan_triton(ids.repeat(1, 2, 1), config)
+    with pytest.raises(ValueError, match="tokens must hold 2 counts"):
+        make_plan_triton(ids, config, tokens=[5, 1])
+    with pytest.raises(ValueError, match="config.ranks must be <= 64"):
+        make_plan_triton(ids, EPConfig(ranks=128, experts=128, top_k=2, hidden=8, intermediate=8, capacity=4))
+    with pytest.raises(ValueError, match="config.experts must be <= 1024"):
+        make_plan_triton(ids, EPConfig(ranks=2, experts=2048, top_k=2, hidden=8, intermediate=8, capacity=4))
+    with pytest.raises(ValueError, match="rank must be"):
+        plan_rank_triton(2, ids[0], hist, config)
+    with pytest.raises(ValueError, match="tokens_per_expert must be a tensor of shape"):
+        plan_rank_triton(0, ids[0], hist[0], config)
+    with pytest.raises(ValueError, match="tokens_per_expert must be int32 or int64"):
+        plan_rank_triton(0, ids[0], hist.float(), config)
+    with pytest.raises(ValueError, match="total_tokens must be in"):
+        plan_rank_triton(0, ids[0], hist, config, total_tokens=9)
+    with pytest.raises(ValueError, match="tokens must be in"):
+        plan_rank_triton(0, ids[0], hist, config, tokens=5)
+    with pytest.raises(ValueError, match="experts must be an int"):
+        local_histogram_triton(ids[0], 0)
+    with pytest.raises(ValueError, match=r"\[s, K\]"):
+        local_histogram_triton(ids, 4)
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU only: real sizes and CUDA graphs
+# ----------------------------------------------------------------------------------------------
+
+
+@cuda_only
+@pytest.mark.parametrize("model", [(8, 384, 8), (8, 896, 16)], ids=["kimi-k2", "kimi-k3"])
+@pytest.mark.parametrize("sigma", [0.0, 1.0, 5.0])
+def test_large_shapes_on_cuda(model, sigma):
+    ranks, experts, top_k = model
+    step = 8192
+    config = EPConfig(ranks=ranks, experts=experts, top_k=top_k, hidden=8, intermediate=8, capacity=step, align=128)
+    ids = skewed_topk(ranks, experts, top_k, step, sigma, seed=3, device=DEVICE)
+    for policy in ("exact", "none"):
+        check_all(ids, config, policy, ranks=[0, ranks - 1] if policy == "none" else None)
+    tokens = [step, 1, 0, 5000, step, 77, 8191, 4096]
+    check_all(padded_ids(ids, tokens), config, "exact", tokens, ranks=[1, 3])
+
+
+@cuda_only
+def test_adversarial_routings_at_scale_on_cuda():
+    config = EPConfig(ranks=8, experts=896, top_k=16, hidden=8, intermediate=8, capacity=1024, align=128)
+    for kind in ADVERSARIAL:
+        ids = adversarial_topk(kind, 8, 896, 16, 1024, device=DEVICE)
+        check_all(ids, config, "exact", ranks=[0, 5])
+
+
+@cuda_only
+@pytest.mark.parametrize("step", [1, 128, 8192])
+def test_cuda_graph_replays_follow_new_ids(step):
+    ranks, experts, top_k = 8, 384, 8
+    config = EPConfig(ranks=ranks, experts=experts, top_k=top_k, hidden=8, intermediate=8, capacity=step, align=128)
+    ids = skewed_topk(ranks, experts, top_k, step, 1.0, seed=0, device=DEVICE)
+    hist = make_plan(ids, config).tokens_per_expert
+    rank = 3
+    # Compile outside the capture (the first call builds the kernels).
+    make_plan_triton(ids, config)
+    plan_rank_triton(rank, ids[rank], hist, config)
+    torch.cuda.synchronize()
+    group_graph, rank_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+    with torch.cuda.graph(group_graph):
+        group = make_plan_triton(ids, config)
+    with torch.cuda.graph(rank_graph):
+        mine = plan_rank_triton(rank, ids[rank], hist, config)
+    for seed, sigma in [(1, 0.0), (2, 5.0), (3, 1.0)]:
+        new_ids = skewed_topk(ranks, experts, top_k, step, sigma, seed=seed, device=DEVICE)
+        expected = make_plan(new_ids, config)
+        ids.copy_(new_ids)
+        hist.copy_(expected.tokens_per_expert)
+        group_graph.replay()
+        rank_graph.replay()
+        torch.cuda.synchronize()
+        assert_same(expected, group)
+        assert_same(plan_rank(rank, new_ids[rank], expected.tokens_per_expert, config), mine)

@@ -1,0 +1,138 @@
+"""The collective transport with 2 and 4 gloo processes equals the local transport bit for bit.
+
+Workers (:mod:`tests.transport.worker`) run ``ep_moe`` per process and save their outputs; this
+process computes the local-transport references once and compares. The local references are both
+the plain-torch path (bit-equal in bf16 and fp32) and, in fp32, the Triton kernels under the
+interpreter (the interpreter rounds fp32 to bf16 by truncation, unlike the GPU, so in bf16 the
+torch path stands in for the kernels' rounding).
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from flatep import EPConfig, dense_moe, ep_moe, init_group, make_plan, plan_rank
+from flatep.kernels.backend import interpreting
+from flatep.plan import histogram
+from flatep.routing import adversarial_topk, skewed_topk
+from flatep.transport.collective import receive_order, send_order
+from tests.helpers import relative_error, tolerance
+from tests.transport.worker import bits, cases, padded_case, padded_counts
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKER_TIMEOUT = 120
+
+
+def launch(world: int, directory: Path, *arguments: str) -> list[dict[str, object]]:
+    """Run ``world`` worker processes over a gloo group; return each rank's saved results ({} if none)."""
+    env = {**os.environ, "WORLD_SIZE": str(world), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    command = [sys.executable, "-m", "tests.transport.worker", "--backend", "gloo",
+               "--init-method", f"file://{directory}/store", "--out", str(directory), *arguments]
+    workers = [
+        subprocess.Popen(command, cwd=ROOT, env={**env, "RANK": str(rank)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for rank in range(world)
+    ]
+    logs = []
+    try:
+        for worker in workers:
+            logs.append(worker.communicate(timeout=WORKER_TIMEOUT)[0])
+    except subprocess.TimeoutExpired:
+        for worker in workers:
+            worker.kill()
+        pytest.fail(f"{world} workers did not finish within {WORKER_TIMEOUT} s:\n" + "\n".join(logs))
+    output = "\n".join(logs)
+    assert all(worker.returncode == 0 for worker in workers), output
+    return [torch.load(path) if (path := directory / f"rank{rank}.pt").exists() else {} for rank in range(world)]
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["2-processes", "4-processes"])
+def equivalence_run(request, tmp_path_factory):
+    world = request.param
+    # transport=auto: CPU processes must get the collective transport.
+    return world, launch(world, tmp_path_factory.mktemp(f"collective{world}"), "--transport", "auto", "--suite", "equivalence")
+
+
+def test_collective_equals_local_transport_and_dense(equivalence_run):
+    world, results = equivalence_run
+    assert all(result["group"].startswith("CollectiveGroup(") for result in results), [r["group"] for r in results]
+    group = init_group("local", ranks=world, device="cpu")
+    for case in cases(world, "small"):
+        x, ids, weights, w13, w2 = case.inputs(torch.device("cpu"))
+        torch_path = ep_moe(x, ids, weights, w13, w2, config=case.config, group=group, policy=case.policy, backend="torch")
+        dense = dense_moe(x, ids, weights, w13, w2)
+        kernels = None
+        if case.dtype == torch.float32 and interpreting():
+            kernels = ep_moe(x, ids, weights, w13, w2, config=case.config, group=group, policy=case.policy, backend="triton")
+        for rank in range(world):
+            out = results[rank][case.name]
+            assert out.shape == x[rank].shape and out.dtype == case.dtype
+            assert torch.equal(bits(out), bits(torch_path[rank])), f"{case.name} rank {rank}: differs from the local torch path"
+            if kernels is not None:
+                assert torch.equal(bits(out), bits(kernels[rank])), f"{case.name} rank {rank}: differs from the local kernels"
+            assert relative_error(out, dense[rank]) < tolerance(case.dtype), case.name
+
+
+def test_ranks_with_fewer_real_tokens_equal_the_local_transport(equivalence_run):
+    world, results = equivalence_run
+    case = padded_case(world, "small")
+    x, ids, weights, w13, w2 = case.inputs(torch.device("cpu"))
+    real = padded_counts(world, case.tokens)
+    group = init_group("local", ranks=world, device="cpu")
+    plan = make_plan(ids, case.config, case.policy, tokens=real)
+    local = ep_moe(x, ids, weights, w13, w2, config=case.config, group=group, policy=case.policy, plan=plan, backend="torch")
+    for rank in range(world):
+        assert torch.equal(bits(results[rank]["padded"]), bits(local[rank]))
+        assert not results[rank]["padded"][real[rank]:].any()
+
+
+def test_disagreement_and_bad_input_raise_on_every_rank(equivalence_run):
+    world, results = equivalence_run
+    for rank, result in enumerate(results):
+        assert "s [16, " in result["disagree-s"] and "every rank raises" in result["disagree-s"]
+        assert "align [4, 8" in result["disagree-config"]
+        if rank == world - 1:
+            assert "is not an expert id" in result["bad-ids"]
+        else:
+            assert f"rank(s) [{world - 1}] passed invalid inputs" in result["bad-ids"]
+        # The group is still usable afterwards: the same step gives the same output again.
+        assert torch.equal(result["after-errors"], result[result["after-errors/case"]])
+
+
+def test_a_rank_that_dies_makes_the_others_raise(tmp_path):
+    results = launch(2, tmp_path, "--transport", "collective", "--suite", "dead-rank", "--timeout", "10")
+    survivor = results[0]
+    assert survivor["dead/type"] != "none", "the step finished although a rank was gone"
+    assert survivor["dead/elapsed"] < 30
+
+
+@pytest.mark.parametrize("policy", ["exact", "none"])
+@pytest.mark.parametrize(
+    "ranks, experts, top_k, tokens, real, routing",
+    [(2, 4, 2, 8, [8, 8], 3.0), (4, 16, 4, 9, [9, 3, 0, 9], 1.0), (3, 3, 3, 5, [5, 5, 5], "one"), (4, 8, 1, 6, [6, 6, 6, 6], "next")],
+)
+def test_senders_and_receivers_derive_the_same_row_order(ranks, experts, top_k, tokens, real, routing, policy):
+    """Rows from source ``r`` arrive at ``d`` in exactly the order ``r`` sends them, from the plan alone."""
+    config = EPConfig(ranks=ranks, experts=experts, top_k=top_k, hidden=8, intermediate=8, capacity=tokens, align=4)
+    ids = (adversarial_topk(routing, ranks, experts, top_k, tokens) if isinstance(routing, str)
+           else skewed_topk(ranks, experts, top_k, tokens, routing))
+    plan = make_plan(ids, config, policy, tokens=real)
+    valid = torch.arange(tokens).view(1, -1, 1) < torch.tensor(real).view(-1, 1, 1)
+    gathered = histogram(ids, valid.expand_as(ids), experts)
+    sent = []
+    for source in range(ranks):
+        own = plan_rank(source, ids[source], gathered, config, policy, total_tokens=sum(real), tokens=real[source])
+        order, counts = send_order(own, ranks)
+        entries = order[: int(counts.sum())]
+        assert counts.tolist() == torch.bincount(own.dest_rank[own.dest_rank >= 0].long(), minlength=ranks).tolist()
+        sent.append((own.dest_rank.reshape(-1)[entries], own.dest_row.reshape(-1)[entries], counts))
+    for destination in range(ranks):
+        rows, counts = receive_order(plan, destination)
+        assert int(counts.sum()) == int(plan.received[destination])
+        expected = torch.cat([row[rank == destination] for rank, row, _ in sent])
+        assert torch.equal(rows[: int(counts.sum())], expected.long())
+        assert counts.tolist() == [int(source_counts[destination]) for _, _, source_counts in sent]

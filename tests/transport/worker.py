@@ -1,0 +1,241 @@
+"""One rank of a multi-process FlatEP check, run under torchrun or spawned by the CPU tests.
+
+Every rank builds the same global inputs (``[R, s, ...]``, from fixed seeds), runs ``ep_moe`` on its
+own slice with a per-process transport, and either saves what it got (``--out``: the CPU tests
+compare in the parent, which computes the local-transport references once) or compares in
+process against the local transport on the same device and the dense MoE (``--compare``: the GPU
+script). Suites:
+
+* ``equivalence``: every case of :func:`cases` (both policies, several maxvio, adversarial
+  routings, bf16 and fp32, one pool reused across steps), then ranks that disagree on ``s``, on
+  the config, or pass bad ids (every rank must raise ``ValueError``), then one more good step.
+* ``dead-rank``: after one good step the last rank exits; the others must raise within
+  ``--timeout`` seconds, naming it on the nvlink transport.
+
+Exit status 0 when every check this rank ran passed.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from flatep import EPConfig, ExpertPool, dense_moe, ep_moe, init_group, make_plan
+from flatep.layer import plan_step
+from flatep.routing import sigma_for_maxvio
+from tests.helpers import make_inputs
+
+WEIGHT_SEED = 7
+
+
+@dataclass(frozen=True)
+class Case:
+    """One step of the equivalence suite; ``routing`` is a maxvio target (float) or an adversarial kind."""
+
+    config: EPConfig
+    tokens: int
+    routing: float | str
+    policy: str
+    dtype: torch.dtype
+    seed: int
+
+    @property
+    def name(self) -> str:
+        dtype = str(self.dtype).removeprefix("torch.")
+        return f"R{self.config.ranks}-s{self.tokens}-{self.routing}-{self.policy}-{dtype}"
+
+    def inputs(self, device: torch.device) -> tuple[torch.Tensor, ...]:
+        """``x [R, s, H]``, ``topk_ids [R, s, K]``, ``topk_weights [R, s, K]``, ``w13``, ``w2`` on ``device``.
+
+        The weights depend on the config and dtype only, so one pool serves every case of a config.
+        """
+        config = self.config
+        routing = self.routing
+        if isinstance(routing, float):
+            routing, _ = sigma_for_maxvio(routing, config.ranks, config.experts, config.top_k, self.tokens, seed=self.seed)
+        x, ids, weights, _, _ = make_inputs(config, self.tokens, routing, self.dtype, seed=self.seed)
+        key = (config, self.dtype)
+        if key not in _WEIGHTS:  # make_inputs draws the weights after x, so fix s to keep them per config
+            _WEIGHTS[key] = make_inputs(config, config.capacity, 0.0, self.dtype, seed=WEIGHT_SEED)[3:]
+        return tuple(tensor.to(device) for tensor in (x, ids, weights, *_WEIGHTS[key]))
+
+
+_WEIGHTS: dict[tuple[EPConfig, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def cases(ranks: int, size: str) -> list[Case]:
+    """The equivalence cases for ``ranks`` processes; ``size`` ``small`` (CPU) or ``mid`` (GPU)."""
+    if size == "small":
+        config = EPConfig(ranks=ranks, experts=4 * ranks, top_k=3, hidden=32, intermediate=16, capacity=16, align=4)
+        steps = [(16, 0.0), (16, 2.0), (16, 8.0), (16, "one"), (5, "next")]
+    else:
+        config = EPConfig(ranks=ranks, experts=32, top_k=4, hidden=1024, intermediate=512, capacity=256, align=128)
+        steps = [(256, 0.0), (256, 1.0), (256, 4.0), (256, 10.0), (256, "one"), (256, "next"), (97, 4.0)]
+    return [
+        Case(config, tokens, routing, policy, dtype, seed=100 + index)
+        for dtype in (torch.bfloat16, torch.float32)
+        for index, (tokens, routing) in enumerate(steps)
+        for policy in ("exact", "none")
+    ]
+
+
+def padded_case(ranks: int, size: str) -> Case:
+    """A skewed step in which ranks pass fewer real tokens than ``s`` (:func:`padded_counts`)."""
+    return cases(ranks, size)[4]
+
+
+def padded_counts(ranks: int, tokens: int) -> list[int]:
+    """Real tokens of each rank in the padded step: rank ``r`` passes ``s - 2r`` (rank 1 none when R > 2)."""
+    return [0 if rank == 1 and ranks > 2 else tokens - 2 * rank for rank in range(ranks)]
+
+
+def bits(tensor: torch.Tensor) -> torch.Tensor:
+    """The raw bits of a bf16/fp32 tensor, for exact comparison (-0.0 differs from 0.0, NaN equals itself)."""
+    return tensor.view(torch.int16 if tensor.element_size() == 2 else torch.int32)
+
+
+def expect_value_error(step, pattern: str) -> str:
+    """Run ``step``; return the ``ValueError`` message if it contains ``pattern``, else a failure note."""
+    try:
+        step()
+    except ValueError as error:
+        return str(error) if pattern in str(error) else f"FAIL: wrong message: {error}"
+    return "FAIL: no error"
+
+
+def equivalence(group, rank: int, world: int, size: str, compare: bool, log) -> dict[str, object]:
+    results: dict[str, object] = {}
+    local = init_group("local", ranks=world, device=group.device) if compare else None
+    pools: dict[tuple[EPConfig, torch.dtype], ExpertPool] = {}
+    for case in cases(world, size):
+        x, ids, weights, w13, w2 = case.inputs(group.device)
+        key = (case.config, case.dtype)
+        if key not in pools:  # one pool per config: buffers, slots and barriers are reused across steps
+            pools[key] = ExpertPool.from_weights(w13, w2, case.config, group)
+        out = ep_moe(x[rank], ids[rank], weights[rank], config=case.config, group=group, policy=case.policy, pool=pools[key])
+        results[case.name] = out.cpu()
+        if compare:
+            reference = ep_moe(x, ids, weights, w13, w2, config=case.config, group=local, policy=case.policy)[rank]
+            dense = dense_moe(x[rank], ids[rank], weights[rank], w13, w2)
+            error = float((out.double() - dense.double()).norm() / dense.double().norm())
+            same = torch.equal(bits(out), bits(reference))
+            good = same and error < (1e-2 if case.dtype == torch.bfloat16 else 1e-5)
+            log(f"{'ok  ' if good else 'FAIL'} {case.name}: bit-equal to local={same}, relative error vs dense {error:.2e}")
+            results[f"{case.name}/ok"] = good
+    case = padded_case(world, size)
+    x, ids, weights, w13, w2 = case.inputs(group.device)
+    real = padded_counts(world, case.tokens)
+    plan = plan_step(ids[rank], case.config, group, case.policy, tokens=real[rank], dtype=case.dtype)
+    out = ep_moe(x[rank], ids[rank], weights[rank], w13, w2, config=case.config, group=group, policy=case.policy, plan=plan)
+    results["padded"] = out.cpu()
+    if compare:
+        whole = make_plan(ids, case.config, case.policy, tokens=real)
+        reference = ep_moe(x, ids, weights, w13, w2, config=case.config, group=local, policy=case.policy, plan=whole)[rank]
+        same = torch.equal(bits(out), bits(reference)) and not out[real[rank]:].any()
+        log(f"{'ok  ' if same else 'FAIL'} padded tokens {real}: bit-equal to local={same}")
+        results["padded/ok"] = same
+    case = cases(world, size)[0]
+    x, ids, weights, w13, w2 = case.inputs(group.device)
+    config, tokens = case.config, case.tokens
+    short = tokens - 1 if rank else tokens
+    results["disagree-s"] = expect_value_error(
+        lambda: ep_moe(x[rank, :short], ids[rank, :short], weights[rank, :short], w13, w2, config=config, group=group),
+        "disagree",
+    )
+    other = config.replace(align=config.align * 2) if rank else config
+    results["disagree-config"] = expect_value_error(
+        lambda: ep_moe(x[rank], ids[rank], weights[rank], w13, w2, config=other, group=group), "disagree"
+    )
+    broken = ids[rank].clone()
+    if rank == world - 1:
+        broken[0, 0] = config.experts
+    results["bad-ids"] = expect_value_error(
+        lambda: ep_moe(x[rank], broken, weights[rank], w13, w2, config=config, group=group), "expert id" if rank == world - 1 else "invalid inputs"
+    )
+    out = ep_moe(x[rank], ids[rank], weights[rank], w13, w2, config=config, group=group, policy=case.policy)
+    results["after-errors"] = out.cpu()
+    results["after-errors/case"] = case.name
+    for name in ("disagree-s", "disagree-config", "bad-ids"):
+        log(f"{'FAIL' if results[name].startswith('FAIL') else 'ok  '} {name}: {results[name]}")
+    if compare:
+        same = torch.equal(bits(out), bits(results[case.name].to(out.device)))
+        log(f"{'ok  ' if same else 'FAIL'} a good step after the errors equals the first run of {case.name}: {same}")
+        results["after-errors/ok"] = same
+    return results
+
+
+def dead_rank(group, rank: int, world: int, size: str, timeout: float, log) -> dict[str, object]:
+    case = cases(world, size)[0]
+    x, ids, weights, w13, w2 = case.inputs(group.device)
+    ep_moe(x[rank], ids[rank], weights[rank], w13, w2, config=case.config, group=group)
+    if group.device.type == "cuda":
+        torch.cuda.synchronize(group.device)
+    if rank == world - 1:
+        log(f"rank {rank}: exiting early, without telling anyone")
+        os._exit(0)
+    time.sleep(1.0)  # let the last rank be gone, not merely late
+    start = time.monotonic()
+    try:
+        ep_moe(x[rank], ids[rank], weights[rank], w13, w2, config=case.config, group=group)
+    except Exception as error:  # noqa: BLE001 - which exception is part of what is reported
+        elapsed = time.monotonic() - start
+        named = str(world - 1) in str(error)
+        log(f"rank {rank}: {type(error).__name__} after {elapsed:.1f} s (timeout {timeout:g} s): {error}")
+        return {"dead/type": type(error).__name__, "dead/message": str(error), "dead/elapsed": elapsed, "dead/named": named}
+    log(f"FAIL rank {rank}: the step finished although rank {world - 1} is gone")
+    return {"dead/type": "none", "dead/message": "", "dead/elapsed": time.monotonic() - start, "dead/named": False}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--transport", choices=["auto", "nvlink", "collective"], default="auto")
+    parser.add_argument("--suite", choices=["equivalence", "dead-rank"], default="equivalence")
+    parser.add_argument("--size", choices=["small", "mid"], default="small")
+    parser.add_argument("--backend", choices=["gloo", "nccl"], default="gloo", help="process group backend")
+    parser.add_argument("--init-method", default="env://")
+    parser.add_argument("--timeout", type=float, default=20.0, help="barrier timeout, seconds")
+    parser.add_argument("--out", type=Path, help="save this rank's results here (rank<r>.pt)")
+    parser.add_argument("--compare", action="store_true", help="compare with the local transport in process")
+    args = parser.parse_args(argv)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
+    dist.init_process_group(args.backend, init_method=args.init_method, rank=rank, world_size=world)
+
+    def log(message: str) -> None:
+        print(f"[rank {rank}/{world}] {message}", flush=True)
+
+    group = init_group(transport=args.transport, barrier_timeout=args.timeout)
+    log(f"group: {group!r}")
+    torch.manual_seed(0)
+    with torch.no_grad():
+        if args.suite == "equivalence":
+            results = equivalence(group, rank, world, args.size, args.compare, log)
+        else:
+            results = dead_rank(group, rank, world, args.size, args.timeout, log)
+    results["group"] = repr(group)
+    if args.out is not None:
+        torch.save(results, args.out / f"rank{rank}.pt")
+    failed = [name for name, value in results.items() if value is False or (isinstance(value, str) and value.startswith("FAIL"))]
+    if args.suite == "dead-rank":
+        expected = "TimeoutError" if args.transport == "nvlink" else None
+        if results["dead/type"] == "none" or (expected and (results["dead/type"] != expected or not results["dead/named"])):
+            failed.append("dead-rank")
+        # The process group still waits for the dead rank: leave without tearing it down.
+        log("FAILED: " + ", ".join(failed) if failed else "PASSED")
+        sys.stdout.flush()
+        os._exit(1 if failed else 0)
+    log("FAILED: " + ", ".join(failed) if failed else "PASSED")
+    group.close()
+    dist.destroy_process_group()
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
