@@ -15,7 +15,8 @@ from flatep.experts.pool import ExpertPool, check_expert_weights
 from flatep.kernels.backend import use_triton
 from flatep.kernels.combine import combine_torch, combine_triton
 from flatep.kernels.dispatch import dispatch_torch, dispatch_triton
-from flatep.plan.reference import histogram, make_plan, plan_rank
+from flatep.plan.reference import _valid_mask, histogram, make_plan, plan_rank
+from flatep.plan.triton import make_plan_triton, plan_rank_triton, supports_triton_planner
 from flatep.plan.types import Layout, Plan, RankPlan
 from flatep.transport.base import Group
 from flatep.transport.collective import CollectiveGroup
@@ -85,10 +86,19 @@ def plan_step(
         tokens: real tokens per rank, rows beyond are padding: ``[R]`` counts on the local
             transport, this rank's count on a per-process one (default ``s``).
         dtype: activation dtype the ranks must agree on (per-process groups; ``None``: not checked).
+
+    On CUDA the sync-free Triton planner plans (bit-equal to the reference planner, which plans on
+    CPU and for configs beyond the Triton planner's limits). Ids are range-checked first, which
+    costs one host sync, except while a CUDA graph is being captured.
     """
     check_policy(policy)
     if group.stacked:
-        return make_plan(topk_ids, config, policy, tokens)
+        if not (topk_ids.is_cuda and supports_triton_planner(config)):
+            return make_plan(topk_ids, config, policy, tokens)
+        if not torch.cuda.is_current_stream_capturing():
+            counts = [topk_ids.shape[1]] * config.ranks if tokens is None else list(tokens)
+            _valid_mask(topk_ids, counts, config.experts, "topk_ids")
+        return make_plan_triton(topk_ids, config, policy, tokens)
     if dtype not in _DTYPE_CODES:
         raise ValueError(f"dtype must be torch.bfloat16, torch.float32 or None, got {dtype}")
     if tokens is not None and not isinstance(tokens, int):
@@ -135,7 +145,8 @@ def _plan_this_rank(
         raise ValueError("no rank has tokens in this step")
     counts = histogram(topk_ids.unsqueeze(0), valid.unsqueeze(0), config.experts)[0]
     gathered = group.all_gather(counts)
-    return plan_rank(group.first_rank, topk_ids, gathered, config, policy, total_tokens=total, tokens=real)
+    planner = plan_rank_triton if topk_ids.is_cuda and supports_triton_planner(config) else plan_rank
+    return planner(group.first_rank, topk_ids, gathered, config, policy, total_tokens=total, tokens=real)
 
 
 def dispatch_step(

@@ -55,14 +55,16 @@ def test_kimi_k2_layer_equals_dense(kimi_k2, tokens, routing, policy):
     group.close()
 
 
-def test_cuda_graph_replay_is_bit_identical_to_eager(kimi_k2):
+@pytest.mark.parametrize("plan_inside", [False, True])
+def test_cuda_graph_replay_is_bit_identical_to_eager(kimi_k2, plan_inside):
+    """With the Triton planner the whole step, planning included, is captured; new routings replay."""
     config, _, _, pool = kimi_k2
     tokens = 512
     group = init_group("local", ranks=8, device="cuda")
     ids = skewed_topk(8, config.experts, config.top_k, tokens, 1.0).cuda()
     x = torch.randn(8, tokens, config.hidden, device="cuda").bfloat16()
     weights = torch.rand(8, tokens, config.top_k, device="cuda")
-    plan = make_plan(ids, config)  # the reference planner syncs, so it stays outside the graph
+    plan = None if plan_inside else make_plan(ids, config)  # the reference planner syncs: outside
 
     def step():
         return ep_moe(x, ids, weights, config=config, group=group, pool=pool, plan=plan)
@@ -81,8 +83,10 @@ def test_cuda_graph_replay_is_bit_identical_to_eager(kimi_k2):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(captured, eager)
-    # New tokens copied into the captured input give the eager result for those tokens.
+    # New tokens (and, with the plan inside, a new routing) replay to the eager result for them.
     x.copy_(torch.randn_like(x))
+    if plan_inside:
+        ids.copy_(skewed_topk(8, config.experts, config.top_k, tokens, 4.0, seed=99).cuda())
     graph.replay()
     assert torch.equal(captured, step())
     group.close()

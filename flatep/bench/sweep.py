@@ -26,6 +26,7 @@ from flatep.experts.grouped import grouped_swiglu
 from flatep.experts.pool import ExpertPool
 from flatep.layer import combine_step, dispatch_step, ep_moe
 from flatep.plan.reference import make_plan
+from flatep.plan.triton import make_plan_triton, supports_triton_planner
 from flatep.plan.types import Plan
 from flatep.routing import maxvio, sigma_for_maxvio, skewed_topk
 from flatep.transport.local import LocalGroup
@@ -172,8 +173,10 @@ def _ep_cell(sweep: Sweep, config: EPConfig, cell: Cell, arm: str, pool: ExpertP
     policy = ARMS[arm]
     group = LocalGroup(config.ranks, device)
     timing = dict(device=device, warmup=sweep.warmup, iters=sweep.iters)
-    plan_us = time_us(lambda: make_plan(cell.ids, config, policy), **timing)
-    plan = make_plan(cell.ids, config, policy)
+    # The planner ep_moe uses: sync-free Triton on the GPU, the reference on the CPU.
+    planner = make_plan_triton if device.type == "cuda" and supports_triton_planner(config) else make_plan
+    plan_us = time_us(lambda: planner(cell.ids, config, policy), **timing)
+    plan = planner(cell.ids, config, policy)
     if policy == "none":
         plan = _sized_to_step(plan, config.align)
     dispatch_us = time_us(lambda: dispatch_step(cell.x, cell.weights, plan, group, backend), **timing)

@@ -470,6 +470,11 @@ def _check_device(tensor: torch.Tensor, name: str) -> None:
         )
 
 
+def supports_triton_planner(config: EPConfig) -> bool:
+    """Whether the Triton planner handles ``config`` (``R <= 64``, ``E <= 1024``)."""
+    return config.ranks <= MAX_RANKS and config.experts <= MAX_EXPERTS
+
+
 def _check_config(config: EPConfig) -> None:
     if config.ranks > MAX_RANKS:
         raise ValueError(f"config.ranks must be <= {MAX_RANKS} for the Triton planner, got {config.ranks}")
