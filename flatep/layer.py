@@ -189,15 +189,23 @@ def experts_step(
     local_index: int,
     activation: Activation = swiglu,
     precision: str = "fp32",
+    out: torch.Tensor | None = None,
 ) -> None:
-    """Run one rank's experts over its shard and write the result back into the shard (in place)."""
+    """Run one rank's experts over its shard and write the result into ``out`` (default: the shard itself).
+
+    ``out`` is a symmetric buffer shaped like the shard, possibly of another dtype (fp32 rows keep
+    the route-weighted products unrounded until combine).
+    """
     rank = group.local_ranks[local_index]
     rows = shard[local_index] if group.stacked else shard
     weights = shard_weights[local_index] if group.stacked else shard_weights
+    target = shard if out is None else out
+    target = target[local_index] if group.stacked else target
     w13, w2 = pool.compute_view(local_index)
     b13, b2 = pool.bias_view(local_index)
-    rows.copy_(grouped_swiglu(
-        rows, weights, w13, w2, plan.offsets[rank], b13=b13, b2=b2, activation=activation, precision=precision
+    target.copy_(grouped_swiglu(
+        rows, weights, w13, w2, plan.offsets[rank], b13=b13, b2=b2, activation=activation, precision=precision,
+        out_dtype=target.dtype,
     ))
 
 
@@ -237,6 +245,7 @@ def ep_moe(
     b2: torch.Tensor | None = None,
     activation: Activation = swiglu,
     precision: str = "fp32",
+    combine_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """One expert-parallel MoE step.
 
@@ -259,6 +268,9 @@ def ep_moe(
             :class:`flatep.experts.ClampedSwiGLU` for gpt-oss).
         precision: ``fp32`` (activations in fp32, route weight before the down GEMM) or ``native``
             (the models' own rounding order: see :mod:`flatep.experts.grouped`).
+        combine_dtype: dtype of the expert outputs that combine sums (default ``x``'s). ``float32``
+            rounds each token once, after the sum, as models with fp32 route weights do (DeepSeek-V3,
+            Kimi-K2 in transformers), at twice the combine bytes.
 
     Returns:
         ``[R, s, H]`` (or ``[s, H]``) in ``x``'s dtype: ``sum_k w[t,k] * expert_{ids[t,k]}(x[t])``.
@@ -266,6 +278,8 @@ def ep_moe(
     check_policy(policy)
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    if combine_dtype not in (None, x.dtype, torch.float32):
+        raise ValueError(f"combine_dtype must be None, x's dtype or torch.float32, got {combine_dtype}")
     if torch.is_grad_enabled() and (x.requires_grad or (w13 is not None and w13.requires_grad)):
         raise NotImplementedError("ep_moe has no backward yet: run it under torch.no_grad() or on tensors without grad")
     x, topk_ids, topk_weights = check_inputs(x, topk_ids, topk_weights, config, group)
@@ -292,9 +306,12 @@ def ep_moe(
     shard, shard_weights = dispatch_step(x, topk_weights, plan, group, backend)
     pool.push(plan.slot_experts, backend)
     group.barrier()
+    out = shard
+    if combine_dtype not in (None, x.dtype):
+        out = group.buffer("expert_out", (plan.shard_rows, x.shape[-1]), combine_dtype)
     for local_index in range(len(group.local_ranks)):
-        experts_step(shard, shard_weights, pool, plan, group, local_index, activation, precision)
-    return combine_step(shard, plan, group, tokens, config.top_k, x.dtype, backend)
+        experts_step(shard, shard_weights, pool, plan, group, local_index, activation, precision, out=out)
+    return combine_step(out, plan, group, tokens, config.top_k, x.dtype, backend)
 
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:

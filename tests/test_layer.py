@@ -135,3 +135,19 @@ def test_autograd_is_refused_clearly():
     x, ids, weights, w13, w2 = make_inputs(config, 8, 1.0, torch.float32)
     with pytest.raises(NotImplementedError, match="no backward"):
         ep_moe(x.requires_grad_(), ids, weights, w13, w2, config=config, group=group)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_fp32_combine_rounds_each_token_once(backend):
+    config = EPConfig(ranks=4, experts=16, top_k=4, hidden=32, intermediate=16, capacity=8, align=4)
+    group = init_group("local", ranks=4, device=DEVICE)
+    x, ids, weights, w13, w2 = make_inputs(config, 8, 3.0, torch.bfloat16)
+    reference = dense_moe(x, ids, weights, w13, w2)
+    rounded_rows = ep_moe(x, ids, weights, w13, w2, config=config, group=group, backend=backend, precision="native")
+    fp32_rows = ep_moe(x, ids, weights, w13, w2, config=config, group=group, backend=backend, precision="native",
+                       combine_dtype=torch.float32)
+    assert fp32_rows.dtype == torch.bfloat16
+    assert relative_error(fp32_rows, reference) < 1e-2
+    assert not torch.equal(fp32_rows, rounded_rows)  # the per-row bf16 rounding is gone
+    with pytest.raises(ValueError, match="combine_dtype"):
+        ep_moe(x, ids, weights, w13, w2, config=config, group=group, combine_dtype=torch.float16)

@@ -93,6 +93,7 @@ def grouped_swiglu(
     b2: torch.Tensor | None = None,
     activation: Activation = swiglu,
     precision: str = "fp32",
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """The experts of one rank over its receive shard.
 
@@ -113,12 +114,15 @@ def grouped_swiglu(
         b2: optional ``[2*epn, H]`` down-projection bias.
         activation: ``act(gate, up)`` on the ``[rows, I]`` halves (default :func:`swiglu`).
         precision: ``fp32`` or ``native``.
+        out_dtype: dtype of the weighted rows (default the shard's). ``float32`` keeps the product
+            of a row and its fp32 route weight unrounded, so that combine rounds once per token.
 
     Returns:
-        ``[rows, H]`` in the shard's dtype; rows past ``offsets[-1]`` are undefined.
+        ``[rows, H]`` in ``out_dtype``; rows past ``offsets[-1]`` are undefined.
     """
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    out_dtype = out_dtype or shard.dtype
     intermediate = w2.shape[-1]
     groups = row_groups(offsets, shard.shape[0]) if b13 is not None or b2 is not None else None
     weights = torch.nan_to_num(route_weights, nan=0.0, posinf=0.0, neginf=0.0).unsqueeze(-1)
@@ -130,12 +134,12 @@ def grouped_swiglu(
         if b2 is not None:
             out = out + b2[groups]
         # A bf16 route weight times a bf16 row is exact in fp32: one rounding, as a bf16 product has.
-        return (out.float() * weights).to(shard.dtype)
+        return (out.float() * weights).to(out_dtype)
     hidden_states = hidden_states.float()
     if b13 is not None:
         hidden_states = hidden_states + b13[groups].float()
     activated = activation(hidden_states[:, :intermediate], hidden_states[:, intermediate:])
     out = _grouped_matmul((activated * weights).to(shard.dtype), w2, offsets)
     if b2 is None:
-        return out
-    return (out.float() + weights * b2[groups].float()).to(shard.dtype)
+        return out.to(out_dtype)
+    return (out.float() + weights * b2[groups].float()).to(out_dtype)

@@ -194,9 +194,12 @@ class FlatEPExperts(nn.Module):
                 f"expected hidden_states [T, H] and top_k_index [T, K={self.config.top_k}], got "
                 f"{list(hidden_states.shape)} and {list(top_k_index.shape)}"
             )
+        # transformers weights each row in promote(hidden dtype, route-weight dtype) and rounds once
+        # after the sum over k: fp32 route weights (DeepSeek-V3, Kimi-K2) need fp32 rows in combine.
+        combine_dtype = torch.promote_types(hidden_states.dtype, top_k_weights.dtype) if self.precision == "native" else None
         if self.group.stacked:
-            return self._forward_virtual_ranks(hidden_states, top_k_index, top_k_weights)
-        return self._forward_this_rank(hidden_states, top_k_index, top_k_weights)
+            return self._forward_virtual_ranks(hidden_states, top_k_index, top_k_weights, combine_dtype)
+        return self._forward_this_rank(hidden_states, top_k_index, top_k_weights, combine_dtype)
 
     def _config_for(self, step: int) -> EPConfig:
         """The config with a capacity of at least ``step`` tokens per rank (buffers are cached by shape)."""
@@ -204,7 +207,9 @@ class FlatEPExperts(nn.Module):
             self.config = self.config.replace(capacity=1 << (step - 1).bit_length())
         return self.config
 
-    def _forward_virtual_ranks(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def _forward_virtual_ranks(
+        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, combine_dtype: torch.dtype | None
+    ) -> torch.Tensor:
         """Local transport: rank ``r`` takes tokens ``[r*s, (r+1)*s)``; the tail is padding, left out of the plan."""
         tokens, hidden = x.shape
         ranks, top_k = self.group.world, self.config.top_k
@@ -214,10 +219,12 @@ class FlatEPExperts(nn.Module):
         x = F.pad(x, (0, 0, 0, pad)).view(ranks, step, hidden)
         ids = F.pad(ids, (0, 0, 0, pad), value=-1).view(ranks, step, top_k)
         weights = F.pad(weights.float(), (0, 0, 0, pad)).view(ranks, step, top_k)
-        out = self._step(x, ids, weights, step, counts)
+        out = self._step(x, ids, weights, step, counts, combine_dtype)
         return out.view(ranks * step, hidden)[:tokens]
 
-    def _forward_this_rank(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def _forward_this_rank(
+        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, combine_dtype: torch.dtype | None
+    ) -> torch.Tensor:
         """Per-process transports: every rank passes ``s`` = the largest token count of the group, its
         own tokens first and padding after (left out of the plan by this rank's token count)."""
         tokens = x.shape[0]
@@ -227,15 +234,19 @@ class FlatEPExperts(nn.Module):
         x = F.pad(x, (0, 0, 0, pad))
         ids = F.pad(ids, (0, 0, 0, pad), value=-1)
         weights = F.pad(weights.float(), (0, 0, 0, pad))
-        return self._step(x, ids, weights, step, tokens)[:tokens]
+        return self._step(x, ids, weights, step, tokens, combine_dtype)[:tokens]
 
-    def _step(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, step: int, tokens: list[int] | int) -> torch.Tensor:
+    def _step(
+        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, step: int, tokens: list[int] | int,
+        combine_dtype: torch.dtype | None,
+    ) -> torch.Tensor:
         """Plan (with the real token counts) and run one :func:`flatep.ep_moe` step of ``step`` tokens per rank."""
         config = self._config_for(step)
         plan = plan_step(ids, config, self.group, self.policy, tokens=tokens, dtype=x.dtype)
         out = ep_moe(
             x, ids, weights, config=config, group=self.group, policy=self.policy, pool=self.pool, plan=plan,
             backend=self.backend, activation=self.activation, precision=self.precision,
+            combine_dtype=combine_dtype,
         )
         if self.record_routing:
             self.tokens_per_expert.append(plan.tokens_per_expert.sum(0))

@@ -79,9 +79,10 @@ def test_sharded_model_generates_the_unsharded_tokens(family, ranks, policy):
             assert (rows.max(1).values - rows.min(1).values).max() <= 1
 
 
-@pytest.mark.parametrize("family", ["qwen3-moe", "gpt-oss"])
+@pytest.mark.parametrize("family", ["qwen3-moe", "gpt-oss", "deepseek-v3", "kimi-k2"])
 def test_bf16_native_precision_reproduces_the_unsharded_model_bit_for_bit(family):
-    """With bf16 route weights, ``precision="native"`` rounds as transformers' experts do (CPU GEMMs)."""
+    """``precision="native"`` rounds as transformers' experts do (CPU GEMMs): bf16 route weights give
+    bf16 rows; fp32 route weights (DeepSeek-V3, Kimi-K2) give fp32 rows rounded once after combine."""
     expected_sequences, expected_logits, expected_full = unsharded(family, torch.bfloat16)
     model = tiny_model(family, dtype=torch.bfloat16)
     shard_moe(model, init_group("local", ranks=4, device="cpu"), backend="torch")
