@@ -52,8 +52,8 @@ def summary_markdown(rows: list[dict[str, Any]]) -> str:
         "kernels' bytes read+written over the copy ceiling; GEMM% = slowest rank's expert TFLOP/s over the ceiling.",
         "",
         "| arm | s | maxvio (target) | plan | dispatch | push | experts max | experts mean | combine | layer | "
-        "link model | dispatch MB/rank | push MB | copy% disp/comb | GEMM% | rows max |",
-        "|" + "---|" * 16,
+        "layer w/o plan | link model | dispatch MB/rank | push MB | copy% disp/comb | GEMM% | rows max |",
+        "|" + "---|" * 17,
     ]
     for row in sorted(rows, key=lambda r: (r["arm"], r["tokens"], r["maxvio_target"])):
         copy = "-"
@@ -63,6 +63,7 @@ def summary_markdown(rows: list[dict[str, Any]]) -> str:
             f"| {row['arm']} | {row['tokens']} | {row['maxvio']:.2f} ({row['maxvio_target']:g}) | {_fmt(row['plan_us'])} | "
             f"{_fmt(row['dispatch_us'])} | {_fmt(row['push_us'])} | {_fmt(row['experts_us_max'])} | "
             f"{_fmt(row['experts_us_mean'])} | {_fmt(row['combine_us'])} | **{_fmt(row['layer_us'])}** | "
+            f"{_fmt(row['layer_us'] - row['plan_us'])} | "
             f"{_fmt(row.get('link_model_us'))} | {row['dispatch_bytes'] / 1e6:.1f} | {row['push_bytes'] / 1e6:.0f} | "
             f"{copy} | {100 * row['experts_gemm_fraction']:.0f} | {_fmt(row.get('rows_max'))} |"
         )
