@@ -1,6 +1,12 @@
 """Shared test inputs: fresh random data for every check, never zeros."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
 import torch
 
 from flatep import EPConfig
@@ -36,3 +42,29 @@ def relative_error(out: torch.Tensor, reference: torch.Tensor) -> float:
 
 def tolerance(dtype: torch.dtype) -> float:
     return 1e-2 if dtype == torch.bfloat16 else 1e-5
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def launch_workers(module: str, world: int, arguments: list[str], timeout: float) -> str:
+    """Run ``world`` copies of ``python -m module`` as ranks of one group; fail the test if any
+    times out or exits non-zero. Returns their output, rank by rank."""
+    env = {**os.environ, "WORLD_SIZE": str(world), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    command = [sys.executable, "-m", module, *arguments]
+    workers = [
+        subprocess.Popen(command, cwd=ROOT, env={**env, "RANK": str(rank)}, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True)
+        for rank in range(world)
+    ]
+    logs = []
+    try:
+        for worker in workers:
+            logs.append(worker.communicate(timeout=timeout)[0])
+    except subprocess.TimeoutExpired:
+        for worker in workers:
+            worker.kill()
+        pytest.fail(f"{world} workers did not finish within {timeout} s:\n" + "\n".join(logs))
+    output = "\n".join(logs)
+    assert all(worker.returncode == 0 for worker in workers), output
+    return output

@@ -25,6 +25,16 @@ from flatep.routing import skewed_topk
 from flatep.transport.local import LocalGroup
 
 
+def _time_push(group: LocalGroup, config, plan, ceiling: float) -> tuple[int, float, float]:
+    """Time the push of this plan's borrowed experts (w13 projection): slots, µs, copy fraction."""
+    pool = group.symmetric_empty((2 * config.experts_per_rank, 2 * config.intermediate, config.hidden), torch.bfloat16)
+    slots = int((plan.slot_experts >= 0).sum())
+    numel = pool[0, 0].numel()
+    device = pool.device
+    push_us = time_us(lambda: push_triton(pool, group.peer_offsets(pool), plan.slot_experts, 0, config.ranks, numel), device)
+    return slots, push_us, (2 * slots * numel * 2 / push_us / 1e3 / ceiling if slots else 0.0)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default="kimi-k2")
@@ -66,14 +76,9 @@ def main(argv: list[str] | None = None) -> int:
             records.append(record)
             print(f"s={tokens:5d} block_t={block_t:2d} block_h={block_h:4d} warps={warps}: dispatch {dispatch_us:8.1f} us "
                   f"({100 * record['dispatch_fraction']:.0f}%), combine {combine_us:8.1f} us ({100 * record['combine_fraction']:.0f}%)")
-        pool = group.symmetric_empty((2 * config.experts_per_rank, 2 * config.intermediate, config.hidden), torch.bfloat16)
-        slots = int((plan.slot_experts >= 0).sum())
-        numel = pool[0, 0].numel()
-        push_us = time_us(lambda: push_triton(pool, group.peer_offsets(pool), plan.slot_experts, 0, args.ranks, numel), device)
-        push_fraction = 2 * slots * numel * 2 / push_us / 1e3 / ceiling if slots else 0.0
+        slots, push_us, push_fraction = _time_push(group, config, plan, ceiling)
         print(f"s={tokens}: push of {slots} w13 experts {push_us:.1f} us ({100 * push_fraction:.0f}% of copy ceiling)")
         records.append(dict(tokens=tokens, push_us=push_us, push_slots=slots, push_fraction=push_fraction))
-        del pool
         group.close()
     if args.out:
         with open(args.out, "w") as handle:

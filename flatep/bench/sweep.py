@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 import yaml
 
 from flatep.bench.timing import copy_ceiling_gbps, device_name, gemm_ceiling_tflops, time_us
@@ -28,7 +27,7 @@ from flatep.layer import combine_step, dispatch_step, ep_moe
 from flatep.plan.reference import make_plan
 from flatep.plan.triton import make_plan_triton, supports_triton_planner
 from flatep.plan.types import Plan
-from flatep.routing import maxvio, sigma_for_maxvio, skewed_topk
+from flatep.routing import sigma_for_maxvio, skewed_topk
 from flatep.transport.local import LocalGroup
 
 ARMS = {"flat": "exact", "classic": "none", "dense": None}

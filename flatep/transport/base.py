@@ -17,6 +17,23 @@ from flatep.kernels.backend import use_triton
 from flatep.kernels.push import push_torch, push_triton
 
 
+def join_process_group(process_group, transport: str):
+    """``(process_group, world, rank)`` of this process in ``process_group`` (default: the world group).
+
+    Raises ``ValueError`` naming the transport if torch.distributed is not initialised or this
+    process is not a member.
+    """
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError(f"the {transport} transport needs torch.distributed initialised (e.g. run under torchrun)")
+    process_group = process_group if process_group is not None else dist.group.WORLD
+    rank = dist.get_rank(process_group)
+    if rank < 0:
+        raise ValueError("this process is not a member of process_group")
+    return process_group, dist.get_world_size(process_group), rank
+
+
 class Group(ABC):
     """A group of EP ranks as seen from one process.
 

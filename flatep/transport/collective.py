@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from flatep.plan.types import Layout, RankPlan
-from flatep.transport.base import Group
+from flatep.transport.base import Group, join_process_group
 
 
 def send_order(plan: RankPlan, ranks: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,13 +95,7 @@ class CollectiveGroup(Group):
     stacked = False
 
     def __init__(self, process_group: dist.ProcessGroup | None = None, device: torch.device | str | None = None) -> None:
-        if not dist.is_available() or not dist.is_initialized():
-            raise ValueError("the collective transport needs torch.distributed initialised (e.g. run under torchrun)")
-        self.process_group = process_group if process_group is not None else dist.group.WORLD
-        self.world = dist.get_world_size(self.process_group)
-        self.rank = dist.get_rank(self.process_group)
-        if self.rank < 0:
-            raise ValueError("this process is not a member of process_group")
+        self.process_group, self.world, self.rank = join_process_group(process_group, "collective")
         self.local_ranks = (self.rank,)
         backend = str(dist.get_backend(self.process_group)).lower()
         if device is None:

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from flatep.transport.barrier import cross_rank_barrier
-from flatep.transport.base import Group
+from flatep.transport.base import Group, join_process_group
 
 
 @triton.jit
@@ -95,17 +95,11 @@ class NVLinkGroup(Group):
         barrier_timeout: float = 60.0,
         eager_check: bool = True,
     ) -> None:
-        if not dist.is_available() or not dist.is_initialized():
-            raise ValueError("the nvlink transport needs torch.distributed initialised (e.g. run under torchrun)")
         if not torch.cuda.is_available():
             raise ValueError("the nvlink transport needs CUDA GPUs")
         if not barrier_timeout > 0:
             raise ValueError(f"barrier_timeout must be a positive number of seconds, got {barrier_timeout!r}")
-        self.process_group = process_group if process_group is not None else dist.group.WORLD
-        self.world = dist.get_world_size(self.process_group)
-        self.rank = dist.get_rank(self.process_group)
-        if self.rank < 0:
-            raise ValueError("this process is not a member of process_group")
+        self.process_group, self.world, self.rank = join_process_group(process_group, "nvlink")
         self.local_ranks = (self.rank,)
         self.device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
         if self.device.type != "cuda":

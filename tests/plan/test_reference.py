@@ -39,7 +39,7 @@ def check_against_oracle(ids: torch.Tensor, config: EPConfig, policy: str, token
 
 def check_guarantees(plan, ids: torch.Tensor, config: EPConfig, tokens: list[int] | None) -> None:
     """Every guarantee of DESIGN.md that a plan alone can show."""
-    ranks, epn, align, experts = config.ranks, config.experts_per_rank, config.align, config.experts
+    ranks, epn, align = config.ranks, config.experts_per_rank, config.align
     counts = tokens or [ids.shape[1]] * ranks
     total = sum(counts) * config.top_k
     valid = plan.dest_rank >= 0

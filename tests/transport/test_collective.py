@@ -8,9 +8,6 @@ torch path stands in for the kernels' rounding).
 """
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,7 +18,7 @@ from flatep.kernels.backend import interpreting
 from flatep.plan import histogram
 from flatep.routing import adversarial_topk, skewed_topk
 from flatep.transport.collective import receive_order, send_order
-from tests.helpers import relative_error, tolerance
+from tests.helpers import launch_workers, relative_error, tolerance
 from tests.transport.worker import bits, cases, padded_case, padded_counts
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -30,23 +27,11 @@ WORKER_TIMEOUT = 120
 
 def launch(world: int, directory: Path, *arguments: str) -> list[dict[str, object]]:
     """Run ``world`` worker processes over a gloo group; return each rank's saved results ({} if none)."""
-    env = {**os.environ, "WORLD_SIZE": str(world), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    command = [sys.executable, "-m", "tests.transport.worker", "--backend", "gloo",
-               "--init-method", f"file://{directory}/store", "--out", str(directory), *arguments]
-    workers = [
-        subprocess.Popen(command, cwd=ROOT, env={**env, "RANK": str(rank)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for rank in range(world)
-    ]
-    logs = []
-    try:
-        for worker in workers:
-            logs.append(worker.communicate(timeout=WORKER_TIMEOUT)[0])
-    except subprocess.TimeoutExpired:
-        for worker in workers:
-            worker.kill()
-        pytest.fail(f"{world} workers did not finish within {WORKER_TIMEOUT} s:\n" + "\n".join(logs))
-    output = "\n".join(logs)
-    assert all(worker.returncode == 0 for worker in workers), output
+    launch_workers(
+        "tests.transport.worker", world,
+        ["--backend", "gloo", "--init-method", f"file://{directory}/store", "--out", str(directory), *arguments],
+        WORKER_TIMEOUT,
+    )
     return [torch.load(path) if (path := directory / f"rank{rank}.pt").exists() else {} for rank in range(world)]
 
 
