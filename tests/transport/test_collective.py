@@ -21,7 +21,6 @@ from flatep.transport.collective import receive_order, send_order
 from tests.helpers import launch_workers, relative_error, tolerance
 from tests.transport.worker import bits, cases, padded_case, padded_counts
 
-ROOT = Path(__file__).resolve().parents[2]
 WORKER_TIMEOUT = 120
 
 
