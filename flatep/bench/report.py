@@ -5,7 +5,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-ARM_STYLE = {"flat": ("tab:blue", "o"), "classic": ("tab:red", "s"), "dense": ("tab:gray", "^")}
+ARM_STYLE = {"flat": ("tab:blue", "o"), "classic": ("tab:red", "s"), "dense": ("tab:gray", "^"), "a2a": ("tab:green", "v")}
 PHASES = ("plan_us", "dispatch_us", "push_us", "experts_us_max", "combine_us")
 
 
@@ -36,20 +36,28 @@ def summary_markdown(rows: list[dict[str, Any]]) -> str:
     if not rows:
         return "No results.\n"
     first = rows[0]
-    lines = [
-        f"# flatep bench: {first['model']} (H={first['hidden']}, E={first['experts']}, K={first['top_k']}, "
-        f"I={first['intermediate']}), R={first['ranks']} virtual ranks on {first['device']}",
-        "",
-        f"Ceilings measured in this run: device copy {first['copy_ceiling_gbps']:.0f} GB/s (read+write), "
-        f"dense bf16 GEMM {first['gemm_ceiling_tflops']:.0f} TFLOP/s.",
-        "",
+    processes = first.get("ranks_kind") == "processes"
+    meaning = (
+        "Times in µs (median), each the slowest of the R processes (one per rank). `layer` = a whole "
+        "`ep_moe` step of the slowest rank; for `a2a` (plain `all_to_all_single` of classic-EP rows, no "
+        "experts) dispatch + combine. Bytes: dispatch = logical s*K*H*2 per rank, local rows included."
+        if processes else
         "Times in µs (median). `layer` = slowest-rank layer time: planning + the per-rank share of the dispatch, "
         "push and combine launches (each covers all R virtual ranks) + the slowest rank's experts. `dense` = "
         "one device computing all tokens, shown as its per-rank share (total / R). Virtual ranks share one "
         "GPU: link time is not measured; `link model` = bytes that would cross the link at "
-        f"{first['link_gbps_model']:.0f} GB/s per direction (a model, not a measurement). Bytes: dispatch "
+        f"{first['link_gbps_model']} GB/s per direction (a model, not a measurement). Bytes: dispatch "
         "= logical s*K*H*2 per rank; push = expert-weight bytes moved in all; copy% = dispatch/combine "
-        "kernels' bytes read+written over the copy ceiling; GEMM% = slowest rank's expert TFLOP/s over the ceiling.",
+        "kernels' bytes read+written over the copy ceiling; GEMM% = slowest rank's expert TFLOP/s over the ceiling."
+    )
+    lines = [
+        f"# flatep bench: {first['model']} (H={first['hidden']}, E={first['experts']}, K={first['top_k']}, "
+        f"I={first['intermediate']}), R={first['ranks']} {'processes' if processes else 'virtual ranks'} on {first['device']}",
+        "",
+        f"Ceilings measured in this run: device copy {first['copy_ceiling_gbps']:.0f} GB/s (read+write), "
+        f"dense bf16 GEMM {first['gemm_ceiling_tflops']:.0f} TFLOP/s.",
+        "",
+        meaning,
         "",
         "| arm | s | maxvio (target) | plan | dispatch | push | experts max | experts mean | combine | layer | "
         "layer w/o plan | link model | dispatch MB/rank | push MB | copy% disp/comb | GEMM% | rows max |",
@@ -65,7 +73,7 @@ def summary_markdown(rows: list[dict[str, Any]]) -> str:
             f"{_fmt(row['experts_us_mean'])} | {_fmt(row['combine_us'])} | **{_fmt(row['layer_us'])}** | "
             f"{_fmt(row['layer_us'] - row['plan_us'])} | "
             f"{_fmt(row.get('link_model_us'))} | {row['dispatch_bytes'] / 1e6:.1f} | {row['push_bytes'] / 1e6:.0f} | "
-            f"{copy} | {100 * row['experts_gemm_fraction']:.0f} | {_fmt(row.get('rows_max'))} |"
+            f"{copy} | {100 * row.get('experts_gemm_fraction', 0.0):.0f} | {_fmt(row.get('rows_max'))} |"
         )
     lines += ["", "## Layer time relative to maxvio 0 (slowest rank)", "", "| arm | s | ratios by maxvio target |", "|---|---|---|"]
     for entry in flatness(rows):

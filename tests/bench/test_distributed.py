@@ -1,0 +1,26 @@
+"""`python -m flatep.bench` with one process per rank: 2 gloo processes on CPU, then the report."""
+from __future__ import annotations
+
+import json
+
+from flatep.bench.report import REQUIRED_FIELDS, write_report
+from tests.helpers import launch_workers
+
+
+def test_two_processes_write_results_for_every_arm(tmp_path):
+    out = tmp_path / "out"
+    launch_workers(
+        "flatep.bench", 2,
+        ["--init-method", f"file://{tmp_path}/store", "--model", "64,8,2,32", "--tokens", "8", "--maxvio", "0", "2",
+         "--warmup", "0", "--iters", "1", "--out", str(out)],
+        timeout=240,
+    )
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 * 3 and {row["arm"] for row in rows} == {"flat", "classic", "a2a"}
+    for row in rows:
+        assert not [name for name in REQUIRED_FIELDS if name not in row]
+        assert len(row["per_rank"]) == 2 and row["transport"] == "CollectiveGroup"
+        assert row["dispatch_us"] == max(rank["dispatch_us"] for rank in row["per_rank"])
+    assert all(row["rows_max"] == 8 * 2 for row in rows if row["arm"] == "flat")
+    paths = write_report(rows, tmp_path / "report")
+    assert "processes" in paths[0].read_text()
