@@ -335,9 +335,13 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool = True) -> tuple[t
 class EPMoE(nn.Module):
     """An expert-parallel MoE block: router, routed experts over an EP group, optional shared expert.
 
-    Parameters (vLLM layout): ``router [E, H]``, ``w13 [E, 2I, H]``, ``w2 [E, H, I]``, and with
-    ``shared_intermediate`` a shared SwiGLU expert ``shared_w13 [2Is, H]``, ``shared_w2 [H, Is]``.
-    The expert pool is rebuilt only when the routed weights change (tracked by their version counters).
+    Parameters (vLLM layout): ``router [E, H]``, routed experts ``w13 [n, 2I, H]`` and
+    ``w2 [n, H, I]`` with ``n`` = the experts homed on this process (all ``E`` on the local
+    transport, rank ``r``'s ``E/R`` experts ``[r*E/R, (r+1)*E/R)`` on a per-process one, so memory
+    per rank drops with ``R``), and with ``shared_intermediate`` a shared SwiGLU expert
+    ``shared_w13 [2Is, H]``, ``shared_w2 [H, Is]``. On a per-process group the replicated
+    parameters (router, shared expert) start equal on every rank (rank 0's values). The expert pool
+    is rebuilt only when the routed weights change (tracked by their version counters).
     """
 
     def __init__(
@@ -354,16 +358,24 @@ class EPMoE(nn.Module):
         check_policy(policy)
         self.config, self.group, self.policy = config, group, policy
         self.renormalize, self.backend = renormalize, backend
+        if config.ranks != group.world:
+            raise ValueError(f"config.ranks={config.ranks} must equal the group's size {group.world}")
         hidden, intermediate, experts = config.hidden, config.intermediate, config.experts
+        home_experts = len(group.local_ranks) * config.experts_per_rank
         factory = {"device": group.device, "dtype": dtype}
         self.router = nn.Parameter(torch.randn(experts, hidden, **factory) * hidden**-0.5)
-        self.w13 = nn.Parameter(torch.randn(experts, 2 * intermediate, hidden, **factory) * hidden**-0.5)
-        self.w2 = nn.Parameter(torch.randn(experts, hidden, intermediate, **factory) * intermediate**-0.5)
+        self.w13 = nn.Parameter(torch.randn(home_experts, 2 * intermediate, hidden, **factory) * hidden**-0.5)
+        self.w2 = nn.Parameter(torch.randn(home_experts, hidden, intermediate, **factory) * intermediate**-0.5)
         if shared_intermediate:
             self.shared_w13 = nn.Parameter(torch.randn(2 * shared_intermediate, hidden, **factory) * hidden**-0.5)
             self.shared_w2 = nn.Parameter(torch.randn(hidden, shared_intermediate, **factory) * shared_intermediate**-0.5)
         else:
             self.shared_w13 = self.shared_w2 = None
+        if not group.stacked:
+            with torch.no_grad():  # replicated parameters: every rank starts from rank 0's values
+                for parameter in (self.router, self.shared_w13, self.shared_w2):
+                    if parameter is not None:
+                        parameter.copy_(group.all_gather(parameter.detach().contiguous())[0])
         self._pool: ExpertPool | None = None
         self._pool_versions: tuple[int, ...] = ()
 
@@ -371,7 +383,8 @@ class EPMoE(nn.Module):
         """The layer's pool, rebuilt if ``w13`` or ``w2`` changed since it was built."""
         versions = (self.w13._version, self.w2._version, self.w13.data_ptr(), self.w2.data_ptr())
         if self._pool is None or versions != self._pool_versions:
-            self._pool = ExpertPool.from_weights(self.w13.detach(), self.w2.detach(), self.config, self.group)
+            self._pool = ExpertPool(self.config, self.group, self.w13.dtype)
+            self._pool.load_home(self.w13.detach(), self.w2.detach())
             self._pool_versions = versions
         return self._pool
 

@@ -73,9 +73,20 @@ class ExpertPool:
         epn = self.config.experts_per_rank
         first = self.group.first_rank * epn
         count = len(self.group.local_ranks) * epn
+        self.load_home(*(None if weights is None else weights[first : first + count] for weights in (w13, w2, b13, b2)))
+
+    def load_home(
+        self, w13: torch.Tensor, w2: torch.Tensor, b13: torch.Tensor | None = None, b2: torch.Tensor | None = None
+    ) -> None:
+        """Copy the experts homed on this process's ranks only: ``w13 [n*epn, 2I, H]``, ``w2 [n*epn, H, I]``
+        (``n`` = ranks this process drives; rank ``r``'s experts are ``[r*epn, (r+1)*epn)``), and biases alike."""
         for name, weights in zip(self.names, (w13, w2, b13, b2)):
-            mine = weights[first : first + count].to(self.home(name).device)
-            self.home(name).copy_(mine.view(self.home(name).shape))
+            home = self.home(name)
+            if weights is None or weights.numel() != home.numel():
+                raise ValueError(f"{name} must hold the {home.shape[-3] * (home.shape[0] if self.group.stacked else 1)} "
+                                 f"experts homed on this process, shape {[*home.shape]}, got "
+                                 f"{None if weights is None else list(weights.shape)}")
+            home.copy_(weights.to(home.device).reshape(home.shape))
 
     def push(self, slot_experts: torch.Tensor, backend: str = "auto") -> None:
         """Copy every borrowed expert of this step from its owner into the receiver's slot.

@@ -120,3 +120,8 @@ def test_senders_and_receivers_derive_the_same_row_order(ranks, experts, top_k, 
         expected = torch.cat([row[rank == destination] for rank, row, _ in sent])
         assert torch.equal(rows[: int(counts.sum())], expected.long())
         assert counts.tolist() == [int(source_counts[destination]) for _, _, source_counts in sent]
+
+
+def test_epmoe_per_process_holds_its_own_experts_and_equals_dense(tmp_path):
+    output = launch_workers("tests.transport.epmoe_worker", 2, [f"file://{tmp_path}/store"], WORKER_TIMEOUT)
+    assert output.count("equals the dense MoE") == 2, output
