@@ -93,6 +93,7 @@ def _non_negative(text: str) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``flatep`` argument parser: sub-commands ``plan`` and ``bench``."""
     parser = argparse.ArgumentParser(prog="flatep", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     plan = commands.add_parser("plan", help="plan one step and show per-rank load before and after balancing")
@@ -121,6 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``flatep``: returns the exit status (2 with a one-line message on a user error)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

@@ -107,6 +107,7 @@ def _summarize(per_rank: list[dict[str, Any]], config: EPConfig, tokens: int) ->
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the per-process benchmark (every rank of a torchrun job calls this); rank 0 writes results."""
     parser = argparse.ArgumentParser(prog="python -m flatep.bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="kimi-k2", help=f"one of {sorted(MODEL_SHAPES)} or 'hidden,experts,top_k,intermediate'")
     parser.add_argument("--tokens", type=int, nargs="+", default=[128, 1024, 4096, 8192])

@@ -36,6 +36,7 @@ def _time_push(group: LocalGroup, config, plan, ceiling: float) -> tuple[int, fl
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Sweep the kernels' launch parameters on one GPU and print their bandwidth against the copy ceiling."""
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default="kimi-k2")
     parser.add_argument("--ranks", type=int, default=8)

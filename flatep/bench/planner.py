@@ -134,6 +134,7 @@ def format_table(rows: Sequence[dict]) -> str:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    """The planner benchmark's command line."""
     parser = argparse.ArgumentParser(prog="python -m flatep.bench.planner", description=__doc__.split("\n")[0])
     parser.add_argument("--out", help="write the rows as a JSON list to this file")
     parser.add_argument("--smoke", action="store_true", help="tiny shape; runs on CPU through the Triton interpreter")
@@ -151,6 +152,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Time the planners (or, with ``--smoke``, a tiny CPU run) and print/write the table."""
     args = parse_args(argv)
     cuda = torch.cuda.is_available()
     if not cuda and not args.smoke:

@@ -96,6 +96,7 @@ class Sweep:
 
     @property
     def model_name(self) -> str:
+        """The preset name, or ``custom-h..-e..-k..-i..`` for a shape dict."""
         if isinstance(self.model, str):
             return self.model
         return "custom-h{hidden}-e{experts}-k{top_k}-i{intermediate}".format(**self.model)

@@ -189,6 +189,7 @@ class FlatEPExperts(nn.Module):
         )
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        """transformers' experts call: ``hidden_states [T, H]``, ``top_k_index [T, K]``, ``top_k_weights [T, K]`` -> ``[T, H]``."""
         if hidden_states.dim() != 2 or top_k_index.shape != (hidden_states.shape[0], self.config.top_k):
             raise ValueError(
                 f"expected hidden_states [T, H] and top_k_index [T, K={self.config.top_k}], got "

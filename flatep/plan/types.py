@@ -44,6 +44,7 @@ class Layout:
 
     @property
     def ranks(self) -> int:
+        """``R``, the ranks of the group."""
         return self.tokens_per_expert.shape[0]
 
     def donors(self) -> torch.Tensor:
