@@ -4,21 +4,12 @@ from __future__ import annotations
 import pytest
 import torch
 from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from flatep import EPConfig
 from flatep.plan import make_plan, plan_rank
 from flatep.routing import ADVERSARIAL, adversarial_topk, skewed_topk
+from tests.plan.cases import padded_ids, planner_cases
 from tests.plan.oracle import oracle_plan
-
-
-def padded_ids(ids: torch.Tensor, tokens: list[int] | None) -> torch.Tensor:
-    if tokens is None:
-        return ids
-    ids = ids.clone()
-    for rank, count in enumerate(tokens):
-        ids[rank, count:] = -1
-    return ids
 
 
 def check_against_oracle(ids: torch.Tensor, config: EPConfig, policy: str, tokens: list[int] | None) -> None:
@@ -89,34 +80,6 @@ def check_guarantees(plan, ids: torch.Tensor, config: EPConfig, tokens: list[int
     again = make_plan(ids, config, plan.policy, tokens)
     for name, tensor in plan.tensors().items():
         assert torch.equal(tensor, getattr(again, name)), name
-
-
-@st.composite
-def planner_cases(draw):
-    ranks = draw(st.sampled_from([1, 2, 3, 4, 8]))
-    epn = draw(st.sampled_from([1, 2, 3, 8]))
-    experts = ranks * epn
-    top_k = draw(st.integers(1, min(experts, 8)))
-    step = draw(st.integers(1, 24))
-    align = draw(st.sampled_from([1, 2, 4, 8, 128]))
-    config = EPConfig(ranks=ranks, experts=experts, top_k=top_k, hidden=8, intermediate=8, capacity=step, align=align)
-    kind = draw(st.sampled_from(["skewed", "uniform_repeats", *ADVERSARIAL]))
-    seed = draw(st.integers(0, 2**16))
-    if kind == "skewed":
-        sigma = draw(st.sampled_from([0.0, 0.5, 1.0, 3.0, 8.0]))
-        ids = skewed_topk(ranks, experts, top_k, step, sigma, seed=seed)
-    elif kind == "uniform_repeats":
-        generator = torch.Generator().manual_seed(seed)
-        ids = torch.randint(0, experts, (ranks, step, top_k), generator=generator, dtype=torch.int32)
-    else:
-        ids = adversarial_topk(kind, ranks, experts, top_k, step)
-    tokens = None
-    if draw(st.booleans()):
-        tokens = [draw(st.integers(0, step)) for _ in range(ranks)]
-        if sum(tokens) == 0:
-            tokens[0] = 1
-    policy = draw(st.sampled_from(["exact", "none"]))
-    return padded_ids(ids, tokens), config, policy, tokens
 
 
 @settings(max_examples=150, deadline=None)

@@ -22,7 +22,7 @@ from flatep import EPConfig  # noqa: E402
 from flatep.plan import make_plan, plan_rank  # noqa: E402
 from flatep.plan.triton import local_histogram_triton, make_plan_triton, plan_rank_triton  # noqa: E402
 from flatep.routing import ADVERSARIAL, adversarial_topk, skewed_topk  # noqa: E402
-from tests.plan.test_reference import padded_ids  # noqa: E402
+from tests.plan.cases import padded_ids, planner_cases  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -69,35 +69,16 @@ def check_all(ids: torch.Tensor, config: EPConfig, policy: str, tokens: list[int
 
 
 @st.composite
-def planner_cases(draw):
-    ranks = draw(st.sampled_from([1, 2, 3, 4]))
-    epn = draw(st.sampled_from([1, 2, 3, 5]))
-    experts = ranks * epn
-    top_k = draw(st.integers(1, min(experts, 4)))
-    step = draw(st.integers(1, 12))
-    align = draw(st.sampled_from([1, 2, 4, 128]))
-    config = config_for(ranks, experts, top_k, step, align)
-    kind = draw(st.sampled_from(["skewed", "uniform_repeats", *ADVERSARIAL]))
-    seed = draw(st.integers(0, 2**16))
-    if kind == "skewed":
-        ids = skewed_topk(ranks, experts, top_k, step, draw(st.sampled_from([0.0, 0.5, 3.0, 8.0])), seed=seed)
-    elif kind == "uniform_repeats":
-        generator = torch.Generator().manual_seed(seed)
-        ids = torch.randint(0, experts, (ranks, step, top_k), generator=generator, dtype=torch.int32)
-    else:
-        ids = adversarial_topk(kind, ranks, experts, top_k, step)
-    tokens = None
-    if draw(st.booleans()):
-        tokens = [draw(st.integers(0, step)) for _ in range(ranks)]
-        if sum(tokens) == 0:
-            tokens[0] = 1
-    policy = draw(st.sampled_from(["exact", "none"]))
-    rank = draw(st.integers(0, ranks - 1))
-    return padded_ids(ids, tokens), config, policy, tokens, rank
+def triton_cases(draw):
+    """A planner case at interpreter-friendly sizes, and one rank to plan on its own."""
+    ids, config, policy, tokens = draw(planner_cases(
+        ranks=(1, 2, 3, 4), experts_per_rank=(1, 2, 3, 5), max_top_k=4, max_tokens=12, aligns=(1, 2, 4, 128),
+        sigmas=(0.0, 0.5, 3.0, 8.0)))
+    return ids, config, policy, tokens, draw(st.integers(0, config.ranks - 1))
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(planner_cases())
+@given(triton_cases())
 def test_random_cases_match_the_reference(case):
     ids, config, policy, tokens, rank = case
     expected = check_group(ids, config, policy, tokens)
