@@ -113,19 +113,17 @@ def _plan_this_rank(
     step = topk_ids.shape[0]
     real = step if tokens is None else tokens
     valid = (torch.arange(step, device=topk_ids.device).unsqueeze(1) < real).expand_as(topk_ids)
-    problem: ValueError | None = None
     if not 0 <= real <= step:
-        problem = ValueError(f"tokens must be in [0, s={step}], got {tokens}")
+        bad = None
+        ok = torch.zeros(1, dtype=torch.int64, device=group.device)
     else:
+        # The validity flag travels in the header, so the happy path needs no sync of its own.
         bad = valid & ((topk_ids < 0) | (topk_ids >= config.experts))
-        if bool(bad.any()):
-            token, k = bad.nonzero()[0].tolist()
-            problem = ValueError(
-                f"topk_ids[{token}, {k}] = {int(topk_ids[token, k])} is not an expert id in [0, {config.experts})"
-            )
+        ok = (~bad.any()).to(torch.int64).view(1).to(group.device)
     header = [step, config.ranks, config.experts, config.top_k, config.hidden, config.intermediate,
-              config.capacity, config.align, POLICIES.index(policy), _DTYPE_CODES[dtype], real, problem is None]
-    everyone = group.all_gather(torch.tensor(header, dtype=torch.int64, device=group.device)).cpu()
+              config.capacity, config.align, POLICIES.index(policy), _DTYPE_CODES[dtype], real]
+    header = torch.cat([torch.tensor(header, dtype=torch.int64, device=group.device), ok])
+    everyone = group.all_gather(header).cpu()
     differing = [
         f"{name} {everyone[:, column].tolist()}"
         for column, name in enumerate(_AGREED)
@@ -135,8 +133,13 @@ def _plan_this_rank(
         raise ValueError(f"ranks disagree on the step (values by rank): {'; '.join(differing)}; every rank raises")
     failed = (everyone[:, -1] == 0).nonzero().flatten().tolist()
     if failed:
-        if problem is not None:
-            raise problem
+        if bad is None:
+            raise ValueError(f"tokens must be in [0, s={step}], got {tokens}")
+        if bad.any():
+            token, k = bad.nonzero()[0].tolist()
+            raise ValueError(
+                f"topk_ids[{token}, {k}] = {int(topk_ids[token, k])} is not an expert id in [0, {config.experts})"
+            )
         raise ValueError(f"rank(s) {failed} passed invalid inputs to this step (see their errors); every rank raises")
     if config.ranks != group.world:
         raise ValueError(f"config.ranks={config.ranks} must equal the group's size {group.world}")
