@@ -40,7 +40,7 @@ def combine_triton(
     dest_row: torch.Tensor,
     shard: torch.Tensor,
     shard_peers: torch.Tensor,
-    block_t: int = 4,
+    block_t: int = 1,
     block_h: int | None = None,
     num_warps: int = 4,
 ) -> None:
@@ -52,7 +52,11 @@ def combine_triton(
         dest_rank, dest_row: ``[n, s, K]`` int32 from the plan.
         shard: base of this process's shard buffer (``[.., rows, H]``).
         shard_peers: ``[R] int64`` element offsets of every rank's shard from ``shard``'s base.
-        block_t, block_h, num_warps: tuning (see ``python -m flatep.bench.kernels``).
+        block_t, block_h, num_warps: tuning (see ``python -m flatep.bench.kernels``). The defaults
+            (one token per program, 2 KiB column chunks, 4 warps) were the best or within 3% of it
+            on the H200 for Kimi-K2 and Kimi-K3 at s=1024 and 4096
+            (``bench/results/2026-12-02-h200-b/kernels-*.log``): more tokens per program hold
+            ``block_t*block_h`` fp32 sums in registers and spill.
     """
     ranks_here, tokens, hidden = out.shape
     top_k = dest_rank.shape[-1]

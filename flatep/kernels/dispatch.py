@@ -83,9 +83,9 @@ def dispatch_triton(
     shard_peers: torch.Tensor,
     weight_peers: torch.Tensor,
     first_rank: int,
-    block_t: int = 4,
+    block_t: int = 2,
     block_h: int | None = None,
-    num_warps: int = 4,
+    num_warps: int = 8,
 ) -> None:
     """Scatter token rows and route weights into the shards; zero the owned shards' padding.
 
@@ -100,7 +100,8 @@ def dispatch_triton(
             and ``shard_weights`` from those bases (the transport's peer table).
         first_rank: global rank of ``x[0]``.
         block_t, block_h, num_warps: tokens and columns per program step, warps per program
-            (tuning; see ``python -m flatep.bench.kernels``).
+            (tuning; see ``python -m flatep.bench.kernels``; on the H200 every setting with
+            ``block_t <= 8`` lies within 5% of the best, and the defaults are among the best).
     """
     ranks_here, tokens, hidden = x.shape
     top_k = dest_rank.shape[-1]
