@@ -16,6 +16,7 @@ from flatep.kernels.backend import use_triton
 from flatep.kernels.combine import combine_torch, combine_triton
 from flatep.kernels.dispatch import dispatch_torch, dispatch_triton
 from flatep.plan.reference import _valid_mask, histogram, make_plan, plan_rank
+from flatep.plan.split import split_slot_rows
 from flatep.plan.triton import make_plan_triton, plan_rank_triton, supports_triton_planner
 from flatep.plan.types import Layout, Plan, RankPlan
 from flatep.transport.base import Group
@@ -87,6 +88,9 @@ def plan_step(
             transport, this rank's count on a per-process one (default ``s``).
         dtype: activation dtype the ranks must agree on (per-process groups; ``None``: not checked).
 
+    The plan comes in the layer's split layout (:func:`flatep.plan.split.split_slot_rows`: slot
+    groups from row ``slot_base``), which dispatch, experts and combine expect.
+
     On CUDA the sync-free Triton planner plans (bit-equal to the reference planner, which plans on
     CPU and for configs beyond the Triton planner's limits). Ids are range-checked first, which
     costs one host sync, except while a CUDA graph is being captured.
@@ -94,16 +98,16 @@ def plan_step(
     check_policy(policy)
     if group.stacked:
         if not (topk_ids.is_cuda and supports_triton_planner(config)):
-            return make_plan(topk_ids, config, policy, tokens)
+            return split_slot_rows(make_plan(topk_ids, config, policy, tokens))
         if not torch.cuda.is_current_stream_capturing():
             counts = [topk_ids.shape[1]] * config.ranks if tokens is None else list(tokens)
             _valid_mask(topk_ids, counts, config.experts, "topk_ids")
-        return make_plan_triton(topk_ids, config, policy, tokens)
+        return split_slot_rows(make_plan_triton(topk_ids, config, policy, tokens))
     if dtype not in _DTYPE_CODES:
         raise ValueError(f"dtype must be torch.bfloat16, torch.float32 or None, got {dtype}")
     if tokens is not None and not isinstance(tokens, int):
         raise ValueError(f"tokens must be this rank's token count (an int) on a per-process group, got {tokens!r}")
-    return _plan_this_rank(topk_ids, config, group, policy, tokens, dtype)
+    return split_slot_rows(_plan_this_rank(topk_ids, config, group, policy, tokens, dtype))
 
 
 def _plan_this_rank(
@@ -196,20 +200,33 @@ def experts_step(
 ) -> None:
     """Run one rank's experts over its shard and write the result into ``out`` (default: the shard itself).
 
-    ``out`` is a symmetric buffer shaped like the shard, possibly of another dtype (fp32 rows keep
-    the route-weighted products unrounded until combine).
+    Two grouped GEMMs per projection: the layer's home experts over rows ``[0, slot_base)``, then
+    the process's shared slots over rows ``[slot_base, shard_rows)`` (the split layout of
+    :func:`flatep.plan.split.split_slot_rows`; a plan without borrowed experts runs only the
+    first). ``out`` is a symmetric buffer shaped like the shard, possibly of another dtype (fp32
+    rows keep the route-weighted products unrounded until combine).
+
+    Raises:
+        ValueError: if ``plan`` borrows experts but is not in the split layout.
     """
+    if plan.policy != "none" and not plan.slot_base:
+        raise ValueError("experts_step needs the split layout for plans that borrow experts: pass split_slot_rows(plan)")
     rank = group.local_ranks[local_index]
     rows = shard[local_index] if group.stacked else shard
     weights = shard_weights[local_index] if group.stacked else shard_weights
     target = shard if out is None else out
     target = target[local_index] if group.stacked else target
-    w13, w2 = pool.compute_view(local_index)
-    b13, b2 = pool.bias_view(local_index)
-    target.copy_(grouped_swiglu(
-        rows, weights, w13, w2, plan.offsets[rank], b13=b13, b2=b2, activation=activation, precision=precision,
-        out_dtype=target.dtype,
-    ))
+    epn = pool.config.experts_per_rank
+    offsets = plan.offsets[rank]
+    parts = [("home", 0, plan.slot_base or plan.shard_rows, offsets[:epn])]
+    if plan.slot_base:
+        parts.append(("slots", plan.slot_base, plan.shard_rows, offsets[epn:] - plan.slot_base))
+    for part, first, end, part_offsets in parts:
+        w13, w2, b13, b2 = pool.compute_view(local_index, part)
+        target[first:end].copy_(grouped_swiglu(
+            rows[first:end], weights[first:end], w13, w2, part_offsets, b13=b13, b2=b2, activation=activation,
+            precision=precision, out_dtype=target.dtype,
+        ))
 
 
 def combine_step(
@@ -303,12 +320,15 @@ def ep_moe(
         raise ValueError(f"plan was made with policy {plan.policy!r}, not {policy!r}")
     elif not group.stacked and not (isinstance(plan, RankPlan) and plan.rank == group.first_rank):
         raise ValueError(f"plan must be this rank's RankPlan (rank {group.first_rank}), from plan_step")
+    else:
+        plan = split_slot_rows(plan)
     if pool is None:
         pool = ExpertPool.from_weights(w13, w2, config, group, b13, b2)
     tokens = x.shape[-2]
     shard, shard_weights = dispatch_step(x, topk_weights, plan, group, backend)
-    pool.push(plan.slot_experts, backend)
-    group.barrier()
+    if plan.policy != "none":
+        pool.push(plan.slot_experts, backend)
+        group.barrier()
     out = shard
     if combine_dtype not in (None, x.dtype):
         out = group.buffer("expert_out", (plan.shard_rows, x.shape[-1]), combine_dtype)

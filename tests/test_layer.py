@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from flatep import EPConfig, EPMoE, ExpertPool, dense_moe, ep_moe, init_group, make_plan, route
+from flatep.plan.split import split_slot_rows
 from flatep.routing import ADVERSARIAL
-from tests.helpers import DEVICE, make_inputs, relative_error, tolerance
+from tests.helpers import DEVICE, TRITON_BACKENDS, make_inputs, relative_error, tolerance
 
 
 def run_case(ranks, experts_per_rank, top_k, tokens, routing, policy, backend, dtype, capacity=None):
@@ -17,8 +18,9 @@ def run_case(ranks, experts_per_rank, top_k, tokens, routing, policy, backend, d
                       capacity=capacity or tokens, align=8)
     group = init_group("local", ranks=ranks, device=DEVICE)
     x, ids, weights, w13, w2 = make_inputs(config, tokens, routing, dtype, seed=ranks * 100 + tokens)
-    plan = make_plan(ids, config, policy)
+    plan = split_slot_rows(make_plan(ids, config, policy))  # the layout ep_moe's buffers follow
     group.buffer("shard", (plan.shard_rows, config.hidden), dtype).fill_(float("nan"))  # poison
+    group.buffer("shard_weights", (plan.shard_rows,), torch.float32).fill_(float("nan"))
     out = ep_moe(x, ids, weights, w13, w2, config=config, group=group, policy=policy, backend=backend)
     reference = dense_moe(x, ids, weights, w13, w2)
     assert out.shape == x.shape and out.dtype == dtype
@@ -72,6 +74,26 @@ def test_pool_and_precomputed_plan_match_the_plain_call():
     plan = make_plan(ids, config)
     again = ep_moe(x, ids, weights, config=config, group=group, pool=pool, plan=plan, backend="torch")
     assert torch.equal(plain, again)
+
+
+@pytest.mark.parametrize("backend", TRITON_BACKENDS)
+def test_layers_share_one_set_of_slots(backend):
+    """Two layers, one set of slots per process: each step computes with the experts it pushed."""
+    config = EPConfig(ranks=4, experts=16, top_k=4, hidden=32, intermediate=16, capacity=12, align=4)
+    group = init_group("local", ranks=4, device=DEVICE)
+    layers = []
+    for seed in (1, 2):
+        *_, w13, w2 = make_inputs(config, 12, 0.0, torch.float32, seed=seed)
+        layers.append((w13, w2, ExpertPool.from_weights(w13, w2, config, group)))
+    for name in ("w13", "w2"):
+        assert layers[0][2].slots(name).data_ptr() == layers[1][2].slots(name).data_ptr()
+        assert layers[0][2].home(name).shape[:2] == (4, config.experts_per_rank)
+    # Alternate the layers with routings that borrow: a layer reading the other's slots would be wrong.
+    for step, (w13, w2, pool) in enumerate([layers[0], layers[1], layers[0], layers[1]]):
+        x, ids, weights, _, _ = make_inputs(config, 12, ("one", 4.0)[step % 2], torch.float32, seed=10 + step)
+        assert bool((make_plan(ids, config).slot_experts >= 0).any())
+        out = ep_moe(x, ids, weights, config=config, group=group, pool=pool, backend=backend)
+        assert relative_error(out, dense_moe(x, ids, weights, w13, w2)) < tolerance(torch.float32)
 
 
 def test_module_routes_and_adds_shared_expert():

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from flatep import ExpertPool, dense_moe, ep_moe, init_group, make_plan, preset
+from flatep.plan.split import split_slot_rows
 from flatep.routing import adversarial_topk, sigma_for_maxvio, skewed_topk
 from tests.helpers import relative_error
 
@@ -45,8 +46,9 @@ def test_kimi_k2_layer_equals_dense(kimi_k2, tokens, routing, policy):
     generator = torch.Generator(device="cuda").manual_seed(tokens)
     x = torch.randn(8, tokens, config.hidden, device="cuda", generator=generator).bfloat16()
     weights = torch.rand(8, tokens, config.top_k, device="cuda", generator=generator)
-    plan = make_plan(ids, config, policy)
+    plan = split_slot_rows(make_plan(ids, config, policy))
     group.buffer("shard", (plan.shard_rows, config.hidden), torch.bfloat16).fill_(float("nan"))
+    group.buffer("shard_weights", (plan.shard_rows,), torch.float32).fill_(float("nan"))
     out = ep_moe(x, ids, weights, config=config, group=group, policy=policy, pool=pool, plan=plan)
     reference = dense_moe(x, ids, weights, w13, w2)
     error = relative_error(out, reference)
@@ -89,4 +91,54 @@ def test_cuda_graph_replay_is_bit_identical_to_eager(kimi_k2, plan_inside):
         ids.copy_(skewed_topk(8, config.experts, config.top_k, tokens, 4.0, seed=99).cuda())
     graph.replay()
     assert torch.equal(captured, step())
+    group.close()
+
+
+def test_two_layers_sharing_slots_replay_in_one_graph():
+    """Two layers, one set of slots: one graph holds both steps (planning included) and matches
+    eager and the dense MoE, also after a new routing that borrows other experts."""
+    config = preset("kimi-k2", ranks=8, capacity=256).replace(hidden=1024, intermediate=512, experts=64)
+    group = init_group("local", ranks=8, device="cuda")
+    generator = torch.Generator(device="cuda").manual_seed(1)
+    layers = []
+    for _ in range(2):
+        w13 = (torch.randn(64, 1024, 1024, device="cuda", generator=generator) / 32).bfloat16()
+        w2 = (torch.randn(64, 1024, 512, device="cuda", generator=generator) / 512**0.5).bfloat16()
+        layers.append((w13, w2, ExpertPool.from_weights(w13, w2, config, group)))
+    assert layers[0][2].slots("w13").data_ptr() == layers[1][2].slots("w13").data_ptr()
+    x = torch.randn(8, 256, 1024, device="cuda", generator=generator).bfloat16()
+    ids = [skewed_topk(8, 64, config.top_k, 256, 3.0, seed=seed).cuda() for seed in (1, 2)]
+    weights = torch.rand(8, 256, config.top_k, device="cuda", generator=generator)
+
+    def step():
+        hidden = x
+        for (_, _, pool), layer_ids in zip(layers, ids):
+            hidden = ep_moe(hidden, layer_ids, weights, config=config, group=group, pool=pool)
+        return hidden
+
+    def dense():
+        hidden = x
+        for (w13, w2, _), layer_ids in zip(layers, ids):
+            hidden = dense_moe(hidden, layer_ids, weights, w13, w2).bfloat16()
+        return hidden
+
+    eager = step()
+    assert relative_error(eager, dense()) < 2e-2
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    captured.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, eager)
+    for layer_ids, seed in zip(ids, (3, 4)):
+        layer_ids.copy_(skewed_topk(8, 64, config.top_k, 256, 3.0, seed=seed).cuda())
+    graph.replay()
+    assert torch.equal(captured, step())
+    assert relative_error(captured, dense()) < 2e-2
     group.close()

@@ -23,9 +23,8 @@ import torch.distributed as dist
 
 from flatep.bench.timing import copy_ceiling_gbps, device_name, gemm_ceiling_tflops, time_us
 from flatep.config import MODEL_SHAPES, EPConfig, preset
-from flatep.experts.grouped import grouped_swiglu
 from flatep.experts.pool import ExpertPool
-from flatep.layer import combine_step, dispatch_step, ep_moe, plan_step
+from flatep.layer import combine_step, dispatch_step, ep_moe, experts_step, plan_step
 from flatep.routing import sigma_for_maxvio, skewed_topk
 from flatep.transport import init_group
 
@@ -70,9 +69,7 @@ def _ep_cell(group, pool: ExpertPool, x, ids, weights, config: EPConfig, policy:
     dispatch_us = time_us(lambda: dispatch_step(x, weights, plan, group), **timing)
     push_us = time_us(lambda: pool.push(plan.slot_experts), **timing)
     shard, shard_weights = dispatch_step(x, weights, plan, group)
-    w13, w2 = pool.compute_view(0)
-    offsets = plan.offsets[group.first_rank]
-    experts_us = time_us(lambda: grouped_swiglu(shard, shard_weights, w13, w2, offsets), **timing)
+    experts_us = time_us(lambda: experts_step(shard, shard_weights, pool, plan, group, 0), **timing)
     combine_us = time_us(lambda: combine_step(shard, plan, group, x.shape[0], config.top_k, x.dtype), **timing)
     step_us = time_us(lambda: ep_moe(x, ids, weights, config=config, group=group, policy=policy, pool=pool), **timing)
     remote = ((plan.dest_rank >= 0) & (plan.dest_rank != group.first_rank)).sum()

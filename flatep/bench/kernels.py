@@ -27,12 +27,15 @@ from flatep.transport.local import LocalGroup
 
 def _time_push(group: LocalGroup, config, plan, ceiling: float) -> tuple[int, float, float]:
     """Time the push of this plan's borrowed experts (w13 projection): slots, µs, copy fraction."""
-    pool = group.symmetric_empty((2 * config.experts_per_rank, 2 * config.intermediate, config.hidden), torch.bfloat16)
-    slots = int((plan.slot_experts >= 0).sum())
-    numel = pool[0, 0].numel()
-    device = pool.device
-    push_us = time_us(lambda: push_triton(pool, group.peer_offsets(pool), plan.slot_experts, 0, config.ranks, numel), device)
-    return slots, push_us, (2 * slots * numel * 2 / push_us / 1e3 / ceiling if slots else 0.0)
+    shape = (config.experts_per_rank, 2 * config.intermediate, config.hidden)
+    home = group.symmetric_empty(shape, torch.bfloat16)
+    slots = group.symmetric_empty(shape, torch.bfloat16)
+    pushed = int((plan.slot_experts >= 0).sum())
+    numel = home[0, 0].numel()
+    push_us = time_us(lambda: push_triton(
+        home, group.peer_offsets(home), slots, group.peer_offsets(slots), plan.slot_experts, 0, config.ranks, numel,
+    ), home.device)
+    return pushed, push_us, (2 * pushed * numel * 2 / push_us / 1e3 / ceiling if pushed else 0.0)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -23,8 +23,9 @@ from flatep.bench.timing import copy_ceiling_gbps, device_name, gemm_ceiling_tfl
 from flatep.config import MODEL_SHAPES, EPConfig, align_up, preset
 from flatep.experts.grouped import grouped_swiglu
 from flatep.experts.pool import ExpertPool
-from flatep.layer import combine_step, dispatch_step, ep_moe
+from flatep.layer import combine_step, dispatch_step, ep_moe, experts_step
 from flatep.plan.reference import make_plan
+from flatep.plan.split import split_slot_rows
 from flatep.plan.triton import make_plan_triton, supports_triton_planner
 from flatep.plan.types import Plan
 from flatep.routing import sigma_for_maxvio, skewed_topk
@@ -175,19 +176,17 @@ def _ep_cell(sweep: Sweep, config: EPConfig, cell: Cell, arm: str, pool: ExpertP
     timing = dict(device=device, warmup=sweep.warmup, iters=sweep.iters)
     # The planner ep_moe uses: sync-free Triton on the GPU, the reference on the CPU.
     planner = make_plan_triton if device.type == "cuda" and supports_triton_planner(config) else make_plan
-    plan_us = time_us(lambda: planner(cell.ids, config, policy), **timing)
-    plan = planner(cell.ids, config, policy)
+    plan_us = time_us(lambda: split_slot_rows(planner(cell.ids, config, policy)), **timing)
+    plan = split_slot_rows(planner(cell.ids, config, policy))
     if policy == "none":
         plan = _sized_to_step(plan, config.align)
     dispatch_us = time_us(lambda: dispatch_step(cell.x, cell.weights, plan, group, backend), **timing)
     push_us = time_us(lambda: pool.push(plan.slot_experts, backend), **timing)
     shard, shard_weights = dispatch_step(cell.x, cell.weights, plan, group, backend)
-    experts_us = []
-    for rank in range(config.ranks):
-        w13, w2 = pool.compute_view(rank)
-        offsets = plan.offsets[rank]
-        rows, route = shard[rank], shard_weights[rank]
-        experts_us.append(time_us(lambda: grouped_swiglu(rows, route, w13, w2, offsets), **timing))
+    experts_us = [
+        time_us(lambda: experts_step(shard, shard_weights, pool, plan, group, rank), **timing)
+        for rank in range(config.ranks)
+    ]
     combine_us = time_us(lambda: combine_step(shard, plan, group, cell.tokens, config.top_k, cell.x.dtype, backend), **timing)
     step_us = time_us(
         lambda: ep_moe(cell.x, cell.ids, cell.weights, config=config, group=group, policy=policy, pool=pool, plan=plan, backend=backend),
@@ -195,7 +194,7 @@ def _ep_cell(sweep: Sweep, config: EPConfig, cell: Cell, arm: str, pool: ExpertP
     )
     ranks, hidden, element = config.ranks, config.hidden, cell.x.element_size()
     entries = cell.tokens * config.top_k
-    padded_rows = plan.offsets[:, -1].double().cpu()
+    padded_rows = plan.padded_rows().double().cpu()
     flops_per_row = 2 * 3 * hidden * config.intermediate
     slowest = int(torch.tensor(experts_us).argmax())
     slots_per_rank = (plan.slot_experts >= 0).sum(1).cpu()

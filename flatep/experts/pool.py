@@ -1,9 +1,14 @@
-"""Expert weight pools: each rank's home experts followed by its borrow slots.
+"""Expert weight pools: each layer's home experts, and one set of borrow slots per process.
 
-Per projection a pool is a symmetric buffer whose per-rank part is ``[2*epn, ...]``: rows
-``[0, epn)`` hold the rank's own experts, rows ``[epn, 2*epn)`` the experts it borrows for the
-current step. That per-rank part is exactly the compute view that ``torch._grouped_mm`` takes with
-``offs = offsets``, so the experts run as one grouped GEMM per projection with no copy.
+Per projection a layer's pool is a symmetric buffer whose per-rank part ``[epn, ...]`` holds the
+rank's own experts. The experts a rank borrows for a step go into *slots*: a symmetric buffer
+``[epn, ...]`` per projection that every layer of the same shape and dtype shares (it lives in the
+group's buffer cache), because a rank computes one layer at a time. Memory per rank is therefore
+``epn`` experts per layer plus one layer's worth of slots, not ``2*epn`` per layer.
+
+Home experts and slots are separate tensors, so a rank's experts run as two grouped GEMMs
+(``torch._grouped_mm`` with ``offs``), one per tensor, over the two parts of the split shard
+layout (:mod:`flatep.plan.split`).
 """
 from __future__ import annotations
 
@@ -17,23 +22,44 @@ class ExpertPool:
     """Weights of one MoE layer laid out for expert parallelism.
 
     Attributes:
-        w13: pool of the fused gate/up projection, ``[n, 2*epn, 2I, H]`` on the local transport
-            (``n`` = ranks this process drives), ``[2*epn, 2I, H]`` otherwise.
-        w2: pool of the down projection, ``[n, 2*epn, H, I]`` (or ``[2*epn, H, I]``).
-        b13, b2: with ``biases=True``, pools of the gate/up bias ``[n, 2*epn, 2I]`` and the down
-            bias ``[n, 2*epn, H]`` (same layout, pushed with the weights); otherwise None.
+        w13: home experts of the fused gate/up projection, ``[n, epn, 2I, H]`` on the local
+            transport (``n`` = ranks this process drives), ``[epn, 2I, H]`` otherwise.
+        w2: home experts of the down projection, ``[n, epn, H, I]`` (or ``[epn, H, I]``).
+        b13, b2: with ``biases=True``, the gate/up bias ``[n, epn, 2I]`` and the down bias
+            ``[n, epn, H]`` of the home experts (pushed with the weights); otherwise None.
         names: the pool tensors that exist (``w13``, ``w2``, then ``b13``, ``b2`` with biases).
     """
 
     def __init__(self, config: EPConfig, group: Group, dtype: torch.dtype, biases: bool = False) -> None:
         self.config = config
         self.group = group
-        epn, hidden, intermediate = config.experts_per_rank, config.hidden, config.intermediate
-        self.w13 = group.symmetric_empty((2 * epn, 2 * intermediate, hidden), dtype)
-        self.w2 = group.symmetric_empty((2 * epn, hidden, intermediate), dtype)
-        self.b13 = group.symmetric_empty((2 * epn, 2 * intermediate), dtype) if biases else None
-        self.b2 = group.symmetric_empty((2 * epn, hidden), dtype) if biases else None
         self.names: tuple[str, ...] = ("w13", "w2", "b13", "b2") if biases else ("w13", "w2")
+        self.w13 = group.symmetric_empty(self.expert_shape("w13"), dtype)
+        self.w2 = group.symmetric_empty(self.expert_shape("w2"), dtype)
+        self.b13 = group.symmetric_empty(self.expert_shape("b13"), dtype) if biases else None
+        self.b2 = group.symmetric_empty(self.expert_shape("b2"), dtype) if biases else None
+        for name in self.names:  # allocated with the pool, where every rank of the group takes part
+            self.slots(name)
+
+    def expert_shape(self, name: str) -> tuple[int, ...]:
+        """``(epn, *one expert's shape)`` of the projection ``name`` per rank."""
+        epn, hidden, intermediate = self.config.experts_per_rank, self.config.hidden, self.config.intermediate
+        return {
+            "w13": (epn, 2 * intermediate, hidden),
+            "w2": (epn, hidden, intermediate),
+            "b13": (epn, 2 * intermediate),
+            "b2": (epn, hidden),
+        }[name]
+
+    def slots(self, name: str) -> torch.Tensor:
+        """The process's borrow slots of projection ``name``, shaped like its home pool.
+
+        One symmetric buffer per (projection, shape, dtype), from the group's buffer cache, so
+        every layer of this shape shares it. Its contents are valid only between a step's push
+        and the end of that step's experts.
+        """
+        home = getattr(self, name)
+        return self.group.buffer(f"slots.{name}", self.expert_shape(name), home.dtype)
 
     @classmethod
     def from_weights(
@@ -58,10 +84,10 @@ class ExpertPool:
         return pool
 
     def home(self, name: str) -> torch.Tensor:
-        """Home experts of the ranks this process drives: ``[n, epn, ...]`` (or ``[epn, ...]``)."""
-        epn = self.config.experts_per_rank
-        pool = getattr(self, name)
-        return pool[:, :epn] if self.group.stacked else pool[:epn]
+        """Home experts of projection ``name`` of the ranks this process drives: ``[n, epn, ...]`` (or ``[epn, ...]``)."""
+        if name not in self.names:
+            raise ValueError(f"this pool holds {self.names}, not {name!r}")
+        return getattr(self, name)
 
     def load(
         self, w13: torch.Tensor, w2: torch.Tensor, b13: torch.Tensor | None = None, b2: torch.Tensor | None = None
@@ -89,7 +115,7 @@ class ExpertPool:
             home.copy_(weights.to(home.device).reshape(home.shape))
 
     def push(self, slot_experts: torch.Tensor, backend: str = "auto") -> None:
-        """Copy every borrowed expert of this step from its owner into the receiver's slot.
+        """Copy every borrowed expert of this step from its owner's home pool into the receiver's slot.
 
         How the weights travel is the transport's business (:meth:`Group.push_experts`): the push
         kernel over peer addresses, or point-to-point messages on the collective transport.
@@ -99,21 +125,21 @@ class ExpertPool:
             backend: ``auto``, ``triton`` or ``torch`` (see :func:`flatep.kernels.backend.use_triton`).
         """
         for name in self.names:
-            self.group.push_experts(getattr(self, name), slot_experts, backend)
+            self.group.push_experts(self.home(name), self.slots(name), slot_experts, backend)
 
-    def compute_view(self, local_index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(w13 [2*epn, 2I, H], w2 [2*epn, H, I])`` of one rank this process drives."""
-        if self.group.stacked:
-            return self.w13[local_index], self.w2[local_index]
-        return self.w13, self.w2
-
-    def bias_view(self, local_index: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """``(b13 [2*epn, 2I], b2 [2*epn, H])`` of one rank this process drives, or ``(None, None)``."""
-        if self.b13 is None or self.b2 is None:
-            return None, None
-        if self.group.stacked:
-            return self.b13[local_index], self.b2[local_index]
-        return self.b13, self.b2
+    def compute_view(self, local_index: int, part: str = "home") -> tuple[torch.Tensor, ...]:
+        """``(w13 [epn, 2I, H], w2 [epn, H, I], b13 [epn, 2I] | None, b2 [epn, H] | None)`` of one
+        rank this process drives: its home experts (``part="home"``) or its slots (``"slots"``)."""
+        if part not in ("home", "slots"):
+            raise ValueError(f"part must be 'home' or 'slots', got {part!r}")
+        views = []
+        for name in ("w13", "w2", "b13", "b2"):
+            if name not in self.names:
+                views.append(None)
+                continue
+            tensor = self.home(name) if part == "home" else self.slots(name)
+            views.append(tensor[local_index] if self.group.stacked else tensor)
+        return tuple(views)
 
 
 def check_expert_weights(

@@ -294,7 +294,8 @@ class ShardSummary:
         layers: names of the replaced experts modules.
         experts, ranks, experts_per_rank: ``E``, ``R``, ``epn``.
         bytes_before: routed-expert weight bytes each rank held before (all ``E`` experts of every layer).
-        bytes_after: per rank after: ``epn`` home experts plus ``epn`` borrow slots of every layer.
+        bytes_after: per rank after: ``epn`` home experts of every layer plus the ``epn`` borrow
+            slots that all layers share.
     """
 
     family: str
@@ -310,7 +311,8 @@ class ShardSummary:
         return (
             f"{self.family}: {len(self.layers)} MoE layers sharded over {self.ranks} ranks; routed-expert weights "
             f"per rank {self.bytes_before / mib:.2f} MiB -> {self.bytes_after / mib:.2f} MiB "
-            f"({self.experts} experts -> {self.experts_per_rank} home + {self.experts_per_rank} slots per layer)"
+            f"({self.experts} experts per layer -> {self.experts_per_rank} home per layer + {self.experts_per_rank} "
+            f"slots shared by all layers)"
         )
 
 
@@ -370,20 +372,22 @@ def shard_moe(
     if align is None:
         align = 128 if group.device.type == "cuda" else 8
     bytes_before = bytes_after = 0
+    slot_bytes: dict[int, int] = {}  # by address: layers of one shape share their slots
     for name in targets:
         # One layer at a time: its original weights are released as soon as the module is replaced,
         # so the peak is the unsharded model plus one layer's pool.
         experts = model.get_submodule(name)
         config, pool, activation = _build_pool(family, experts, model.config, group, capacity, align)
         bytes_before += sum(p.numel() * p.element_size() for p in experts.parameters())
-        bytes_after += sum(getattr(pool, n).numel() * getattr(pool, n).element_size() for n in pool.names)
+        bytes_after += sum(pool.home(n).numel() * pool.home(n).element_size() for n in pool.names)
+        slot_bytes.update({pool.slots(n).data_ptr(): pool.slots(n).numel() * pool.slots(n).element_size() for n in pool.names})
         parent_name, _, child = name.rpartition(".")
         replacement = FlatEPExperts(pool, config, group, policy, activation, backend, record_routing, precision)
         setattr(model.get_submodule(parent_name), child, replacement)
         del experts
     return ShardSummary(
         family.name, tuple(targets), config.experts, config.ranks, config.experts_per_rank,
-        bytes_before, bytes_after // len(group.local_ranks),
+        bytes_before, (bytes_after + sum(slot_bytes.values())) // len(group.local_ranks),
     )
 
 

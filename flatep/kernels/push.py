@@ -1,6 +1,6 @@
 """Weight push: owners copy each borrowed expert into the receiver's slot for one step.
 
-Pools are symmetric buffers laid out ``[2*epn, numel]`` per rank: home experts, then slots. A
+Home pools and slots are symmetric buffers laid out ``[epn, numel]`` per rank. A
 one-program kernel first lists the slots this process must fill (a compaction of the plan's slot
 table, on the device); a persistent copy kernel then walks that list, every program copying a
 strided share of the chunks of each listed expert. Grid sizes depend only on the device, never on
@@ -26,7 +26,7 @@ def _list_pushes_kernel(slot_experts_ptr, pushes_ptr, count_ptr, first_rank, loc
 
 @triton.jit
 def _push_kernel(
-    pool_ptr, pool_peers_ptr, slot_experts_ptr, pushes_ptr, count_ptr, numel,
+    home_ptr, home_peers_ptr, slots_ptr, slot_peers_ptr, slot_experts_ptr, pushes_ptr, count_ptr, numel,
     EPN: tl.constexpr, BLOCK: tl.constexpr,
 ):
     program = tl.program_id(0)
@@ -40,8 +40,8 @@ def _push_kernel(
         expert = tl.load(slot_experts_ptr + slot)
         owner = expert // EPN
         receiver = slot // EPN
-        source = pool_ptr + tl.load(pool_peers_ptr + owner) + (expert - owner * EPN) * expert_stride
-        target = pool_ptr + tl.load(pool_peers_ptr + receiver) + (EPN + slot % EPN) * expert_stride
+        source = home_ptr + tl.load(home_peers_ptr + owner) + (expert - owner * EPN) * expert_stride
+        target = slots_ptr + tl.load(slot_peers_ptr + receiver) + (slot % EPN) * expert_stride
         for chunk in range(program, chunks, programs):
             column = chunk * BLOCK + tl.arange(0, BLOCK)  # one expert stays below 2**31 elements
             mask = column < numel
@@ -55,8 +55,10 @@ def _programs(device: torch.device) -> int:
 
 
 def push_triton(
-    pool: torch.Tensor,
-    pool_peers: torch.Tensor,
+    home: torch.Tensor,
+    home_peers: torch.Tensor,
+    slots: torch.Tensor,
+    slot_peers: torch.Tensor,
     slot_experts: torch.Tensor,
     first_rank: int,
     local_ranks: int,
@@ -65,28 +67,30 @@ def push_triton(
     """Copy every expert lent by this process's ranks into its receivers' slots.
 
     Args:
-        pool: base of this process's pool of one projection, ``[.., 2*epn, *expert_shape]``, contiguous.
-        pool_peers: ``[R] int64`` element offsets of every rank's pool from ``pool``'s base.
+        home: base of this process's home pool of one projection, ``[.., epn, *expert_shape]``, contiguous.
+        home_peers: ``[R] int64`` element offsets of every rank's home pool from ``home``'s base.
+        slots: base of this process's slots of that projection, shaped like ``home``.
+        slot_peers: ``[R] int64`` element offsets of every rank's slots from ``slots``' base.
         slot_experts: ``[R, epn]`` int32 global id borrowed into each slot (``-1`` empty).
         first_rank, local_ranks: the ranks this process drives, ``[first_rank, first_rank + local_ranks)``.
         expert_numel: elements of one expert in this projection.
     """
     ranks, epn = slot_experts.shape
-    pushes = torch.empty(ranks * epn, dtype=torch.int32, device=pool.device)
-    count = torch.empty(1, dtype=torch.int32, device=pool.device)
+    pushes = torch.empty(ranks * epn, dtype=torch.int32, device=home.device)
+    count = torch.empty(1, dtype=torch.int32, device=home.device)
     _list_pushes_kernel[(1,)](
         slot_experts, pushes, count, first_rank, local_ranks,
         SLOTS=ranks * epn, EPN=epn, BLOCK=triton.next_power_of_2(ranks * epn),
     )
-    block = 8192 if pool.device.type == "cuda" else 4096
-    _push_kernel[(_programs(pool.device),)](
-        pool, pool_peers, slot_experts, pushes, count, expert_numel, EPN=epn, BLOCK=block, num_warps=8,
+    block = 8192 if home.device.type == "cuda" else 4096
+    _push_kernel[(_programs(home.device),)](
+        home, home_peers, slots, slot_peers, slot_experts, pushes, count, expert_numel, EPN=epn, BLOCK=block, num_warps=8,
     )
 
 
-def push_torch(pools: torch.Tensor, slot_experts: torch.Tensor) -> None:
-    """Plain-torch push on stacked pools ``[R, 2*epn, ...]`` (host loop over occupied slots)."""
+def push_torch(homes: torch.Tensor, slots: torch.Tensor, slot_experts: torch.Tensor) -> None:
+    """Plain-torch push on stacked pools: ``homes [R, epn, ...]`` into ``slots [R, epn, ...]`` (host loop)."""
     epn = slot_experts.shape[1]
     for receiver, slot in (slot_experts >= 0).nonzero().tolist():
         expert = int(slot_experts[receiver, slot])
-        pools[receiver, epn + slot].copy_(pools[expert // epn, expert % epn])
+        slots[receiver, slot].copy_(homes[expert // epn, expert % epn])

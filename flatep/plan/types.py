@@ -1,7 +1,7 @@
 """The plan of one step: what every rank needs to move rows and weights."""
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -28,6 +28,10 @@ class Layout:
             multiple of ``align``; ``(0, 0)`` when none.
         received: ``[R]`` real rows each rank computes (``cap[d]`` under ``exact``).
         group_start: ``[R, E]`` first row of expert ``e``'s group on rank ``d``, ``-1`` if absent.
+        slot_base: ``0`` in the planner's layout, where each rank's slot groups follow its home
+            groups; otherwise the row where every shard's slot groups start (see
+            :func:`flatep.plan.split.split_slot_rows`), so that home and slot experts run as two
+            grouped GEMMs over weights kept apart.
     """
 
     policy: str
@@ -41,11 +45,19 @@ class Layout:
     padding: torch.Tensor
     received: torch.Tensor
     group_start: torch.Tensor
+    slot_base: int = field(default=0, kw_only=True)
 
     @property
     def ranks(self) -> int:
         """``R``, the ranks of the group."""
         return self.tokens_per_expert.shape[0]
+
+    def padded_rows(self) -> torch.Tensor:
+        """``[R] int32``: rows each rank's experts compute (its real rows plus group padding)."""
+        if not self.slot_base:
+            return self.offsets[:, -1]
+        epn = self.slot_experts.shape[1]
+        return self.offsets[:, epn - 1] + self.offsets[:, -1] - self.slot_base
 
     def donors(self) -> torch.Tensor:
         """``[R] int32``: the rank that lends rank ``d`` its borrowed experts, ``-1`` if none."""

@@ -90,23 +90,25 @@ class Group(ABC):
         Transports whose barriers cannot fail have nothing to check.
         """
 
-    def push_experts(self, pool: torch.Tensor, slot_experts: torch.Tensor, backend: str = "auto") -> None:
+    def push_experts(self, home: torch.Tensor, slots: torch.Tensor, slot_experts: torch.Tensor, backend: str = "auto") -> None:
         """Copy every expert lent by this process's ranks into its receivers' slots (one projection).
 
-        The default moves weights through the peer offset table (the push kernel); transports
+        The default moves weights through the peer offset tables (the push kernel); transports
         without addressable peers override it.
 
         Args:
-            pool: this process's pool of one projection, ``[n, 2*epn, *expert_shape]`` when
-                stacked, else ``[2*epn, *expert_shape]``; contiguous, from :meth:`symmetric_empty`.
+            home: this process's home pool of one projection, ``[n, epn, *expert_shape]`` when
+                stacked, else ``[epn, *expert_shape]``; contiguous, from :meth:`symmetric_empty`.
+            slots: the borrow slots of that projection, shaped like ``home`` (also symmetric).
             slot_experts: ``[R, epn]`` int32 from the plan (``-1`` = empty slot).
             backend: ``auto``, ``triton`` or ``torch`` (see :func:`flatep.kernels.backend.use_triton`).
         """
-        numel = pool[0, 0].numel() if self.stacked else pool[0].numel()
-        if use_triton(pool.device, backend):
-            push_triton(pool, self.peer_offsets(pool), slot_experts, self.first_rank, len(self.local_ranks), numel)
+        numel = home[0, 0].numel() if self.stacked else home[0].numel()
+        if use_triton(home.device, backend):
+            push_triton(home, self.peer_offsets(home), slots, self.peer_offsets(slots), slot_experts,
+                        self.first_rank, len(self.local_ranks), numel)
         elif self.stacked:
-            push_torch(pool, slot_experts)
+            push_torch(home, slots, slot_experts)
         else:
             raise ValueError("the torch push path needs the local transport (stacked pools)")
 

@@ -197,27 +197,28 @@ class CollectiveGroup(Group):
             total += returned[source[:, k]].float()
         return total.to(out_dtype)
 
-    def push_experts(self, pool: torch.Tensor, slot_experts: torch.Tensor, backend: str = "auto") -> None:
+    def push_experts(self, home: torch.Tensor, slots: torch.Tensor, slot_experts: torch.Tensor, backend: str = "auto") -> None:
         """Send each borrowed expert from its owner into the receiver's slot (one projection).
 
         Args:
-            pool: this rank's pool ``[2*epn, *expert_shape]``: home experts, then slots.
+            home: this rank's home pool ``[epn, *expert_shape]``.
+            slots: this rank's slots, shaped like ``home``.
             slot_experts: ``[R, epn]`` int32 from the plan (``-1`` = empty slot); read on the host.
             backend: ignored (no kernel runs here); accepted for the common interface.
         """
         epn = slot_experts.shape[1]
         operations = []
-        for receiver, slots in enumerate(slot_experts.tolist()):
-            for slot, expert in enumerate(slots):
+        for receiver, borrowed in enumerate(slot_experts.tolist()):
+            for slot, expert in enumerate(borrowed):
                 if expert < 0:
                     continue
                 owner = expert // epn  # never the receiver: the planner lends only across ranks
                 if owner == self.rank:
                     peer = dist.get_global_rank(self.process_group, receiver)
-                    operations.append(dist.P2POp(dist.isend, pool[expert % epn], peer, self.process_group, slot))
+                    operations.append(dist.P2POp(dist.isend, home[expert % epn], peer, self.process_group, slot))
                 elif receiver == self.rank:
                     peer = dist.get_global_rank(self.process_group, owner)
-                    operations.append(dist.P2POp(dist.irecv, pool[epn + slot], peer, self.process_group, slot))
+                    operations.append(dist.P2POp(dist.irecv, slots[slot], peer, self.process_group, slot))
         if operations:
             for request in dist.batch_isend_irecv(operations):
                 request.wait()

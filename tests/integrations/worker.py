@@ -49,10 +49,11 @@ def check(family: str, policy: str, transport: str, rank: int) -> bool:
     flat = all(
         int(rows.max() - rows.min()) <= 1 for _, experts in layers for rows in experts.received
     ) if policy == "exact" else True
-    halved = summary.bytes_after * group.world == summary.bytes_before * 2
+    # epn home experts per layer plus one set of epn slots shared by the L layers: (L+1)/(L*R) of before.
+    shrunk = summary.bytes_after * group.world * len(layers) == summary.bytes_before * (len(layers) + 1)
     print(f"RESULT rank={rank} family={family} policy={policy} tokens_equal={same} logits_max_diff={diff:.2e} "
           f"flat={flat} memory={summary.bytes_before}->{summary.bytes_after} maxvio={maxvio}", flush=True)
-    return same and close and flat and halved
+    return same and close and flat and shrunk
 
 
 def main() -> int:

@@ -6,6 +6,7 @@ import torch
 
 from flatep import EPConfig, ExpertPool, init_group, make_plan
 from flatep.layer import combine_step, dispatch_step
+from flatep.plan.split import split_slot_rows
 from tests.helpers import DEVICE, TRITON_BACKENDS, make_inputs
 
 POISON = 1e4
@@ -26,15 +27,20 @@ CASES = [
 ]
 
 
+# The planner's layout, and the layer's split layout (slot groups from a fixed row).
+LAYOUTS = [("exact", False), ("exact", True), ("none", False)]
+
+
 @pytest.mark.parametrize("backend", TRITON_BACKENDS)
-@pytest.mark.parametrize("policy", ["exact", "none"])
+@pytest.mark.parametrize("policy, split", LAYOUTS)
 @pytest.mark.parametrize("config, tokens, routing", CASES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_dispatch_puts_every_row_where_the_plan_says(config, tokens, routing, policy, backend, dtype):
+def test_dispatch_puts_every_row_where_the_plan_says(config, tokens, routing, policy, split, backend, dtype):
     group = init_group("local", ranks=config.ranks, device=DEVICE)
     _, ids, weights, _, _ = make_inputs(config, tokens, routing, dtype, seed=tokens)
     x = traceable_rows(config.ranks, tokens, config.hidden, dtype)
     plan = make_plan(ids, config, policy)
+    plan = split_slot_rows(plan) if split else plan
     shard = group.buffer("shard", (plan.shard_rows, config.hidden), dtype).fill_(POISON)
     shard_weights = group.buffer("shard_weights", (plan.shard_rows,), torch.float32).fill_(POISON)
     dispatch_step(x, weights, plan, group, backend)
@@ -54,12 +60,14 @@ def test_dispatch_puts_every_row_where_the_plan_says(config, tokens, routing, po
 
 
 @pytest.mark.parametrize("backend", TRITON_BACKENDS)
+@pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("config, tokens, routing", CASES)
-def test_combine_sums_the_k_rows_of_each_token(config, tokens, routing, backend):
+def test_combine_sums_the_k_rows_of_each_token(config, tokens, routing, split, backend):
     group = init_group("local", ranks=config.ranks, device=DEVICE)
     _, ids, weights, _, _ = make_inputs(config, tokens, routing, torch.bfloat16, seed=1)
     x = traceable_rows(config.ranks, tokens, config.hidden, torch.bfloat16)
     plan = make_plan(ids, config)
+    plan = split_slot_rows(plan) if split else plan
     group.buffer("shard", (plan.shard_rows, config.hidden), torch.bfloat16).fill_(float("nan"))  # tail poison
     shard, _ = dispatch_step(x, weights, plan, group, backend)
     out = combine_step(shard, plan, group, tokens, config.top_k, torch.float32, backend)
@@ -96,15 +104,14 @@ def test_push_copies_borrowed_experts_and_nothing_else(backend):
     x, ids, weights, w13, w2 = make_inputs(config, 16, "one", torch.bfloat16, seed=2)
     pool = ExpertPool.from_weights(w13, w2, config, group)
     for name in ("w13", "w2"):
-        getattr(pool, name)[:, config.experts_per_rank :] = POISON
+        pool.slots(name).fill_(POISON)
     plan = make_plan(ids, config)
     assert int((plan.slot_experts >= 0).sum()) > 0
     pool.push(plan.slot_experts, backend)
-    epn = config.experts_per_rank
     for name, weights_all in (("w13", w13), ("w2", w2)):
-        view = getattr(pool, name)
-        assert torch.equal(view[:, :epn].reshape(weights_all.shape), weights_all)
+        assert torch.equal(pool.home(name).reshape(weights_all.shape), weights_all)
+        slots = pool.slots(name)
         for rank in range(4):
             for slot, expert in enumerate(plan.slot_experts[rank].tolist()):
                 expected = weights_all[expert] if expert >= 0 else torch.full_like(weights_all[0], POISON)
-                assert torch.equal(view[rank, epn + slot], expected), (name, rank, slot)
+                assert torch.equal(slots[rank, slot], expected), (name, rank, slot)
