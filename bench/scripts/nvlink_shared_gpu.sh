@@ -8,6 +8,7 @@
 #   2. the last process exits early: the others must raise TimeoutError naming it within the
 #      barrier timeout (10 s).
 # Log: $OUT/nvlink_shared_gpu.log (OUT defaults to ./bench-out). Exit status 0 iff all passed.
+# PROCS (default "2 4") picks the process counts; SUITES (default "compare dead-rank") the parts.
 cd "$(dirname "$0")/../.."
 source bench/scripts/gpu_env.sh
 set -o pipefail
@@ -39,12 +40,16 @@ check() {  # check NAME SECONDS COMMAND...: run with a hard time limit, report, 
   fi
 }
 
-for procs in 2 4; do
+PROCS=${PROCS:-2 4}
+SUITES=${SUITES:-compare dead-rank}
+for procs in $PROCS; do
+  [[ " $SUITES " == *" compare "* ]] || continue
   check "ep_moe equals the local transport, $procs processes on GPU 0" 420 \
     torchrun --standalone --nproc-per-node "$procs" -m tests.transport.worker \
       --transport nvlink --backend gloo --size mid --compare --timeout 60
 done
-for procs in 2 4; do
+for procs in $PROCS; do
+  [[ " $SUITES " == *" dead-rank "* ]] || continue
   check "barrier timeout names a rank that stopped, $procs processes on GPU 0" 180 \
     torchrun --standalone --nproc-per-node "$procs" -m tests.transport.worker \
       --transport nvlink --backend gloo --size mid --suite dead-rank --timeout 10
