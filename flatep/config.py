@@ -92,7 +92,11 @@ class EPConfig:
         return 3 * self.hidden * self.intermediate * element_size
 
     def shard_bytes(self, policy: str = "exact", element_size: int = 2) -> int:
-        """Bytes of one rank's receive shard at full capacity."""
+        """Bytes of one rank's receive shard at full capacity, in the planner's layout.
+
+        The layer allocates twice this under ``exact``: its split layout
+        (:func:`flatep.plan.split.split_slot_rows`) gives slot groups their own half.
+        """
         return self.shard_rows(policy) * self.hidden * element_size
 
     def replace(self, **changes: int) -> "EPConfig":

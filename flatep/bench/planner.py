@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 from collections.abc import Callable, Sequence
 
@@ -37,27 +36,6 @@ MODELS = ("kimi-k2", "kimi-k3")
 STEPS = (1, 128, 1024, 8192)
 SIGMAS = (0.0, 1.0, 5.0)
 RANKS = 8
-
-
-def graph_time_us(fn: Callable[[], object], calls: int, replays: int) -> float:
-    """Median time of one ``fn()`` call inside a CUDA graph holding ``calls`` calls back to back."""
-    fn()  # compiles the kernels outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1e3 / calls)
-    return statistics.median(samples)
 
 
 def bench_case(
@@ -77,7 +55,7 @@ def bench_case(
 
     def timed(fn: Callable[[], object]) -> float:
         if graphs:
-            return graph_time_us(fn, args.calls, args.replays)
+            return time_us(fn, device, iters=args.replays, graph=True, calls=args.calls)
         return time_us(fn, device, warmup=1, iters=args.iters)
 
     rank_us = [timed(lambda r=r: plan_rank_triton(r, ids[r], hist, config, policy)) for r in range(ranks)]

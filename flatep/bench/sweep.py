@@ -173,10 +173,13 @@ class Cell:
 def _ep_cell(sweep: Sweep, config: EPConfig, cell: Cell, arm: str, pool: ExpertPool, device: torch.device, backend: str) -> dict[str, Any]:
     policy = ARMS[arm]
     group = LocalGroup(config.ranks, device)
-    timing = dict(device=device, warmup=sweep.warmup, iters=sweep.iters)
+    # On the GPU every phase is timed as CUDA-graph replays (as a serving step runs it): GPU time
+    # without host launch overhead, which would otherwise dominate at small s.
+    timing = dict(device=device, warmup=sweep.warmup, iters=sweep.iters, graph=device.type == "cuda")
     # The planner ep_moe uses: sync-free Triton on the GPU, the reference on the CPU.
-    planner = make_plan_triton if device.type == "cuda" and supports_triton_planner(config) else make_plan
-    plan_us = time_us(lambda: split_slot_rows(planner(cell.ids, config, policy)), **timing)
+    triton_planner = device.type == "cuda" and supports_triton_planner(config)
+    planner = make_plan_triton if triton_planner else make_plan
+    plan_us = time_us(lambda: split_slot_rows(planner(cell.ids, config, policy)), **{**timing, "graph": triton_planner})
     plan = split_slot_rows(planner(cell.ids, config, policy))
     if policy == "none":
         plan = _sized_to_step(plan, config.align)
@@ -365,6 +368,7 @@ def run(sweep: Sweep, out_dir: Path, device: torch.device, resume: bool = False,
                 peak_memory_gb=torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None,
                 weights_shared_across_virtual_ranks=state["shared"],
                 link_gbps_model=sweep.link_gbps,
+                timing="cuda_graph" if device.type == "cuda" and arm != "dense" else "eager",
             )
             for name in ("dispatch_copy_fraction", "combine_copy_fraction"):
                 if name in row:

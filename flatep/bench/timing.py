@@ -8,12 +8,20 @@ from collections.abc import Callable
 import torch
 
 
-def time_us(fn: Callable[[], object], device: torch.device, warmup: int = 3, iters: int = 10) -> float:
-    """Median wall time of ``fn`` in microseconds.
+def time_us(
+    fn: Callable[[], object], device: torch.device, warmup: int = 3, iters: int = 10, graph: bool = False, calls: int = 1
+) -> float:
+    """Median time of one ``fn()`` call in microseconds.
 
-    On CUDA each call is bracketed by CUDA events (GPU time, no host sync inside the timed region);
-    on CPU by ``time.perf_counter``.
+    With ``graph=True`` on CUDA, ``fn`` (which must be capturable: no host syncs) runs once eagerly
+    to compile its kernels, is captured ``calls`` times back to back into one CUDA graph, and each
+    of ``iters`` replays is bracketed by CUDA events and divided by ``calls``: GPU time with the
+    launch gaps inside the graph, without host launch overhead (what a CUDA-graph serving step
+    sees). Otherwise each eager call is bracketed by CUDA events (GPU time, which includes waiting
+    for the host when launches are slower than the kernels), or by ``time.perf_counter`` on CPU.
     """
+    if graph and device.type == "cuda":
+        return _graph_time_us(fn, calls, iters)
     for _ in range(warmup):
         fn()
     samples = []
@@ -31,6 +39,26 @@ def time_us(fn: Callable[[], object], device: torch.device, warmup: int = 3, ite
             start_time = time.perf_counter()
             fn()
             samples.append((time.perf_counter() - start_time) * 1e6)
+    return statistics.median(samples)
+
+
+def _graph_time_us(fn: Callable[[], object], calls: int, replays: int) -> float:
+    fn()  # compiles the kernels and allocates cached buffers outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) * 1e3 / calls)
     return statistics.median(samples)
 
 
