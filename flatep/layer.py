@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from flatep.config import POLICIES, EPConfig, check_policy
 from flatep.experts.grouped import PRECISIONS, Activation, grouped_swiglu, swiglu
 from flatep.experts.pool import ExpertPool, check_expert_weights
+from flatep.kernels.activation import copy_rows_triton
 from flatep.kernels.backend import use_triton
 from flatep.kernels.combine import combine_torch, combine_triton
 from flatep.kernels.dispatch import dispatch_torch, dispatch_triton
@@ -197,6 +198,7 @@ def experts_step(
     activation: Activation = swiglu,
     precision: str = "fp32",
     out: torch.Tensor | None = None,
+    backend: str = "auto",
 ) -> None:
     """Run one rank's experts over its shard and write the result into ``out`` (default: the shard itself).
 
@@ -204,7 +206,8 @@ def experts_step(
     the process's shared slots over rows ``[slot_base, shard_rows)`` (the split layout of
     :func:`flatep.plan.split.split_slot_rows`; a plan without borrowed experts runs only the
     first). ``out`` is a symmetric buffer shaped like the shard, possibly of another dtype (fp32
-    rows keep the route-weighted products unrounded until combine).
+    rows keep the route-weighted products unrounded until combine). With Triton (``backend``), only
+    each part's real rows (before its ``offsets[-1]``) are written; combine never reads the others.
 
     Raises:
         ValueError: if ``plan`` borrows experts but is not in the split layout.
@@ -223,10 +226,14 @@ def experts_step(
         parts.append(("slots", plan.slot_base, plan.shard_rows, offsets[epn:] - plan.slot_base))
     for part, first, end, part_offsets in parts:
         w13, w2, b13, b2 = pool.compute_view(local_index, part)
-        target[first:end].copy_(grouped_swiglu(
+        result = grouped_swiglu(
             rows[first:end], weights[first:end], w13, w2, part_offsets, b13=b13, b2=b2, activation=activation,
-            precision=precision, out_dtype=target.dtype,
-        ))
+            precision=precision, out_dtype=target.dtype, backend=backend,
+        )
+        if use_triton(target.device, backend):
+            copy_rows_triton(target[first:end], result, part_offsets[-1:])
+        else:
+            target[first:end].copy_(result)
 
 
 def combine_step(
@@ -333,7 +340,7 @@ def ep_moe(
     if combine_dtype not in (None, x.dtype):
         out = group.buffer("expert_out", (plan.shard_rows, x.shape[-1]), combine_dtype)
     for local_index in range(len(group.local_ranks)):
-        experts_step(shard, shard_weights, pool, plan, group, local_index, activation, precision, out=out)
+        experts_step(shard, shard_weights, pool, plan, group, local_index, activation, precision, out=out, backend=backend)
     return combine_step(out, plan, group, tokens, config.top_k, x.dtype, backend)
 
 

@@ -23,6 +23,9 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from flatep.kernels.activation import copy_rows_triton, swiglu_weighted_torch, swiglu_weighted_triton
+from flatep.kernels.backend import use_triton
+
 Activation = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 """``act(gate [rows, I], up [rows, I]) -> [rows, I]`` in their dtype (fp32, or the shard's under ``native``)."""
 
@@ -94,6 +97,7 @@ def grouped_swiglu(
     activation: Activation = swiglu,
     precision: str = "fp32",
     out_dtype: torch.dtype | None = None,
+    backend: str = "auto",
 ) -> torch.Tensor:
     """The experts of one rank over its receive shard.
 
@@ -116,6 +120,9 @@ def grouped_swiglu(
         precision: ``fp32`` or ``native``.
         out_dtype: dtype of the weighted rows (default the shard's). ``float32`` keeps the product
             of a row and its fp32 route weight unrounded, so that combine rounds once per token.
+        backend: ``auto``, ``triton`` or ``torch`` (:func:`flatep.kernels.backend.use_triton`). With
+            Triton, ``precision="fp32"``, no biases and :func:`swiglu`, the steps between the GEMMs
+            run over the rows before ``offsets[-1]`` only (read on the device: no sync).
 
     Returns:
         ``[rows, H]`` in ``out_dtype``; rows past ``offsets[-1]`` are undefined.
@@ -124,10 +131,23 @@ def grouped_swiglu(
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     out_dtype = out_dtype or shard.dtype
     intermediate = w2.shape[-1]
-    groups = row_groups(offsets, shard.shape[0]) if b13 is not None or b2 is not None else None
-    weights = torch.nan_to_num(route_weights, nan=0.0, posinf=0.0, neginf=0.0).unsqueeze(-1)
     hidden_states = _grouped_matmul(shard, w13, offsets)
+    biased = b13 is not None or b2 is not None
+    if precision == "fp32" and not biased and activation is swiglu and use_triton(shard.device, backend):
+        # Same function, but the elementwise steps skip rows past offsets[-1] (several times the
+        # real rows at small batch); those rows of the result stay undefined, as the GEMMs leave them.
+        end = offsets[-1:]
+        activated = torch.empty(shard.shape[0], intermediate, dtype=shard.dtype, device=shard.device)
+        swiglu_weighted_triton(hidden_states, route_weights, end, activated)
+        out = _grouped_matmul(activated, w2, offsets)
+        if out.dtype == out_dtype:
+            return out
+        converted = torch.empty(out.shape, dtype=out_dtype, device=out.device)
+        copy_rows_triton(converted, out, end)
+        return converted
+    groups = row_groups(offsets, shard.shape[0]) if biased else None
     if precision == "native":
+        weights = torch.nan_to_num(route_weights, nan=0.0, posinf=0.0, neginf=0.0).unsqueeze(-1)
         if b13 is not None:
             hidden_states = hidden_states + b13[groups]
         out = _grouped_matmul(activation(hidden_states[:, :intermediate], hidden_states[:, intermediate:]), w2, offsets)
@@ -138,8 +158,9 @@ def grouped_swiglu(
     hidden_states = hidden_states.float()
     if b13 is not None:
         hidden_states = hidden_states + b13[groups].float()
-    activated = activation(hidden_states[:, :intermediate], hidden_states[:, intermediate:])
-    out = _grouped_matmul((activated * weights).to(shard.dtype), w2, offsets)
+    activated = swiglu_weighted_torch(hidden_states, route_weights, shard.dtype, activation)
+    out = _grouped_matmul(activated, w2, offsets)
     if b2 is None:
         return out.to(out_dtype)
+    weights = torch.nan_to_num(route_weights, nan=0.0, posinf=0.0, neginf=0.0).unsqueeze(-1)
     return (out.float() + weights * b2[groups].float()).to(out_dtype)

@@ -1,4 +1,5 @@
-"""Triton kernels (dispatch, combine, weight push) and their plain-torch counterparts."""
+"""Triton kernels (dispatch, combine, weight push, the experts' row-bounded steps) and their plain-torch counterparts."""
+from flatep.kernels.activation import copy_rows_triton, swiglu_weighted_torch, swiglu_weighted_triton
 from flatep.kernels.backend import BACKENDS, use_triton
 from flatep.kernels.combine import combine_torch, combine_triton
 from flatep.kernels.dispatch import dispatch_torch, dispatch_triton
@@ -8,9 +9,12 @@ __all__ = [
     "BACKENDS",
     "combine_torch",
     "combine_triton",
+    "copy_rows_triton",
     "dispatch_torch",
     "dispatch_triton",
     "push_torch",
     "push_triton",
+    "swiglu_weighted_torch",
+    "swiglu_weighted_triton",
     "use_triton",
 ]

