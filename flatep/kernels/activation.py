@@ -21,6 +21,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from flatep.kernels.backend import column_block
+
 # Largest finite fp32: |w| <= it fails for NaN and +-inf (the kernels' nan_to_num).
 _FLOAT32_MAX = tl.constexpr(3.4028234663852886e38)
 
@@ -68,11 +70,6 @@ def _copy_rows_kernel(
     tl.store(target_ptr + row[:, None] * target_stride + column[None, :], values.to(target_ptr.dtype.element_ty), mask=mask)
 
 
-def _block_columns(columns: int, element_size: int) -> int:
-    # 16-byte vectors per thread; 2 KiB per row chunk keeps registers modest with several rows in flight.
-    return min(triton.next_power_of_2(columns), 2048 // element_size)
-
-
 def _check_rows(name: str, tensor: torch.Tensor, rows: int) -> None:
     if tensor.dim() != 2 or tensor.shape[0] != rows or tensor.stride(1) != 1:
         raise ValueError(f"{name} must be [{rows}, N] with unit column stride, got shape {tuple(tensor.shape)} "
@@ -115,7 +112,7 @@ def swiglu_weighted_triton(
         raise ValueError(f"hidden must have 2 * {intermediate} columns, got {hidden.shape[1]}")
     if route_weights.shape != (rows,) or route_weights.dtype != torch.float32 or not route_weights.is_contiguous():
         raise ValueError(f"route_weights must be a contiguous [{rows}] float32 tensor")
-    block_i = block_i or _block_columns(intermediate, hidden.element_size())
+    block_i = block_i or column_block(intermediate, hidden.element_size())
     _swiglu_weighted_kernel[(triton.cdiv(rows, block_m), triton.cdiv(intermediate, block_i))](
         hidden, route_weights, end, out, hidden.stride(0), out.stride(0),
         I=intermediate, BLOCK_M=block_m, BLOCK_I=block_i, num_warps=num_warps,
@@ -143,7 +140,7 @@ def copy_rows_triton(
     _check_end(end)
     if source.shape[1] != columns:
         raise ValueError(f"source must be shaped like target {tuple(target.shape)}, got {tuple(source.shape)}")
-    block_n = block_n or _block_columns(columns, max(source.element_size(), target.element_size()))
+    block_n = block_n or column_block(columns, max(source.element_size(), target.element_size()))
     _copy_rows_kernel[(triton.cdiv(rows, block_m), triton.cdiv(columns, block_n))](
         target, source, end, target.stride(0), source.stride(0),
         N=columns, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,

@@ -8,6 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
+from flatep.kernels.backend import column_block
+
 
 @triton.jit
 def _combine_kernel(
@@ -60,7 +62,7 @@ def combine_triton(
     """
     ranks_here, tokens, hidden = out.shape
     top_k = dest_rank.shape[-1]
-    block_h = block_h or min(triton.next_power_of_2(hidden), 2048 // shard.element_size())
+    block_h = block_h or column_block(hidden, shard.element_size())
     _combine_kernel[(ranks_here, triton.cdiv(tokens, block_t))](
         out, dest_rank, dest_row, shard, shard_peers,
         tokens, tokens * hidden, tokens * top_k,

@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from flatep.kernels.backend import column_block
+
 
 @triton.jit
 def _dispatch_kernel(
@@ -67,11 +69,6 @@ def _zero_padding_kernel(
             tl.store(shard + row.to(tl.int64)[:, None] * H + column[None, :], zeros, mask=mask)
 
 
-def _block_h(hidden: int, element_size: int) -> int:
-    # 16-byte vectors per thread; 2 KiB per row chunk keeps registers modest with several rows in flight.
-    return min(triton.next_power_of_2(hidden), 2048 // element_size)
-
-
 def dispatch_triton(
     x: torch.Tensor,
     route_weights: torch.Tensor,
@@ -105,7 +102,7 @@ def dispatch_triton(
     """
     ranks_here, tokens, hidden = x.shape
     top_k = dest_rank.shape[-1]
-    block_h = block_h or _block_h(hidden, x.element_size())
+    block_h = block_h or column_block(hidden, x.element_size())
     _dispatch_kernel[(ranks_here, triton.cdiv(tokens, block_t))](
         x, route_weights, dest_rank, dest_row, shard, shard_weights, shard_peers, weight_peers,
         tokens, tokens * hidden, tokens * top_k,
