@@ -42,7 +42,7 @@ def summary_markdown(rows: list[dict[str, Any]]) -> str:
         "`ep_moe` step of the slowest rank; for `a2a` (plain `all_to_all_single` of classic-EP rows, no "
         "experts) dispatch + combine. Bytes: dispatch = logical s*K*H*2 per rank, local rows included."
         if processes else
-        f"Times in µs (median{', EP phases as CUDA-graph replays, dense eager' if first.get('timing') == 'cuda_graph' else ''}). "
+        f"Times in µs (median{', every phase timed as CUDA-graph replays' if first.get('timing') == 'cuda_graph' else ''}). "
         "`layer` = slowest-rank layer time: planning + the per-rank share of the dispatch, "
         "push and combine launches (each covers all R virtual ranks) + the slowest rank's experts. `dense` = "
         "one device computing all tokens, shown as its per-rank share (total / R). Virtual ranks share one "
