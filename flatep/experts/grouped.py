@@ -111,11 +111,12 @@ def grouped_swiglu(
         shard: ``[rows, H]`` received rows (padding rows zero).
         route_weights: ``[rows]`` fp32 route weight of each row (padding rows zero; rows past the
             last group may hold stale values and are ignored).
-        w13: ``[2*epn, 2I, H]`` gate rows then up rows of each group's expert.
-        w2: ``[2*epn, H, I]``.
-        offsets: ``[2*epn]`` int32 inclusive padded end row of each group.
-        b13: optional ``[2*epn, 2I]`` gate then up bias of each group's expert.
-        b2: optional ``[2*epn, H]`` down-projection bias.
+        w13: ``[G, 2I, H]`` gate rows then up rows of each group's expert (the layer passes ``G =
+            epn``: a rank's home experts, or its slots).
+        w2: ``[G, H, I]``.
+        offsets: ``[G]`` int32 inclusive padded end row of each group.
+        b13: optional ``[G, 2I]`` gate then up bias of each group's expert.
+        b2: optional ``[G, H]`` down-projection bias.
         activation: ``act(gate, up)`` on the ``[rows, I]`` halves (default :func:`swiglu`).
         precision: ``fp32`` or ``native``.
         out_dtype: dtype of the weighted rows (default the shard's). ``float32`` keeps the product
