@@ -96,6 +96,19 @@ def test_layers_share_one_set_of_slots(backend):
         assert relative_error(out, dense_moe(x, ids, weights, w13, w2)) < tolerance(torch.float32)
 
 
+def test_slots_are_shared_by_shape_and_dtype_only():
+    config = EPConfig(ranks=2, experts=4, top_k=2, hidden=32, intermediate=16, capacity=4, align=4)
+    group = init_group("local", ranks=2, device=DEVICE)
+    first, same = (ExpertPool(config, group, torch.float32) for _ in range(2))
+    wider = ExpertPool(config.replace(intermediate=24), group, torch.float32)
+    bf16 = ExpertPool(config, group, torch.bfloat16)
+    assert first.slots("w2").data_ptr() == same.slots("w2").data_ptr()
+    assert first.home("w2").data_ptr() != same.home("w2").data_ptr()
+    for other in (wider, bf16):
+        assert other.slots("w2").data_ptr() != first.slots("w2").data_ptr()
+    assert first.slots("w13").shape == first.home("w13").shape == (2, 2, 32, 32)
+
+
 def test_module_routes_and_adds_shared_expert():
     config = EPConfig(ranks=2, experts=8, top_k=2, hidden=32, intermediate=16, capacity=8, align=4)
     group = init_group("local", ranks=2, device=DEVICE)
