@@ -53,7 +53,7 @@ def summary_markdown(rows: list[dict[str, Any]]) -> str:
     )
     lines = [
         f"# flatep bench: {first['model']} (H={first['hidden']}, E={first['experts']}, K={first['top_k']}, "
-        f"I={first['intermediate']}), R={first['ranks']} {'processes' if processes else 'virtual ranks'} on {first['device']}",
+        f"I={first['intermediate']}, align={first.get('align', 128)}), R={first['ranks']} {'processes' if processes else 'virtual ranks'} on {first['device']}",
         "",
         f"Ceilings measured in this run: device copy {first['copy_ceiling_gbps']:.0f} GB/s (read+write), "
         f"dense bf16 GEMM {first['gemm_ceiling_tflops']:.0f} TFLOP/s.",
