@@ -18,7 +18,7 @@ def _plan_command(args: argparse.Namespace) -> int:
     from flatep.plan.report import format_summary, plot_load, summarize
     from flatep.routing import ADVERSARIAL, adversarial_topk, maxvio, sigma_for_maxvio, skewed_topk
 
-    config = preset(args.model, ranks=args.ranks, capacity=args.tokens, align=args.align)
+    config = preset(args.model, ranks=args.ranks, capacity=args.tokens, align=args.align).replace(tolerance=args.tolerance)
     if args.routing in ADVERSARIAL:
         sigma = None
         ids = adversarial_topk(args.routing, config.ranks, config.experts, config.top_k, args.tokens)
@@ -104,6 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--routing", default="skewed", choices=["skewed", "local", "next", "one", "duplicate"])
     plan.add_argument("--policy", default="exact", choices=POLICIES)
     plan.add_argument("--align", type=_positive, default=128)
+    plan.add_argument("--tolerance", type=_non_negative, default=0.0,
+                      help="rank imbalance exact lets pass without moving weights (EPConfig.tolerance)")
     plan.add_argument("--seed", type=int, default=1234)
     plan.add_argument("--json", action="store_true", help="machine-readable output")
     plan.add_argument("--plot", metavar="FILE.png", help="draw per-rank load before/after")

@@ -25,6 +25,12 @@ class EPConfig:
         intermediate: expert intermediate size ``I`` (``w13`` is ``[E, 2I, H]``, ``w2`` is ``[E, H, I]``).
         capacity: token capacity per rank ``S``; a step passes ``1 <= s <= S`` tokens.
         align: every non-empty expert group of a shard is padded to a multiple of this.
+        tolerance: the rank imbalance the ``exact`` policy lets pass. A step is rebalanced only
+            when its busiest rank would compute more than :meth:`rebalance_limit` rows, about
+            ``(1 + tolerance)`` times the mean; otherwise every expert stays home and no weights
+            move. ``0`` (default) balances every uneven step; a larger value skips the weight
+            push on mildly skewed steps, at the price of shards that hold ``(1 + tolerance)``
+            times the mean rows.
     """
 
     ranks: int
@@ -34,11 +40,15 @@ class EPConfig:
     intermediate: int
     capacity: int
     align: int = 128
+    tolerance: float = 0.0
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if field.name == "tolerance":
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+                    raise ValueError(f"EPConfig.tolerance must be a finite number >= 0, got {value!r}")
+            elif not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"EPConfig.{field.name} must be a positive integer, got {value!r}")
         if self.experts % self.ranks:
             raise ValueError(
@@ -60,7 +70,8 @@ class EPConfig:
     def shard_rows(self, policy: str = "exact") -> int:
         """Rows of one rank's receive shard at full capacity.
 
-        ``exact``: ``NvS = align_up(S*K + (align-1)*2*epn, align)``.
+        ``exact``: ``NvS = align_up(S*K + (align-1)*2*epn, align)`` (with ``tolerance``, ``S*K``
+        becomes ``max(S*K, floor((1+tolerance)*S*K))``).
         ``none`` (classic EP): a rank may receive every entry of the group,
         ``align_up(R*S*K + (align-1)*epn, align)``.
         """
@@ -79,9 +90,19 @@ class EPConfig:
             )
         epn = self.experts_per_rank
         if policy == "exact":
-            real = math.ceil(total_tokens * self.top_k / self.ranks)
+            # A balanced rank computes at most ceil(T*K/R) rows; an unbalanced step that is let
+            # pass leaves every rank at most rebalance_limit rows.
+            real = max(math.ceil(total_tokens * self.top_k / self.ranks), self.rebalance_limit(total_tokens))
             return align_up(real + (self.align - 1) * 2 * epn, self.align)
         return align_up(total_tokens * self.top_k + (self.align - 1) * epn, self.align)
+
+    def rebalance_limit(self, total_tokens: int) -> int:
+        """Rows the busiest rank may compute before ``exact`` rebalances a step with ``total_tokens``
+        tokens over the group: ``floor((1 + tolerance) * T*K / R)``.
+
+        With ``tolerance = 0`` only perfectly even steps stay unbalanced (they need no move).
+        """
+        return math.floor((1 + self.tolerance) * total_tokens * self.top_k / self.ranks)
 
     def token_bytes(self, element_size: int = 2) -> int:
         """Bytes of one token row of width ``H``."""
@@ -99,7 +120,7 @@ class EPConfig:
         """
         return self.shard_rows(policy) * self.hidden * element_size
 
-    def replace(self, **changes: int) -> "EPConfig":
+    def replace(self, **changes: float) -> "EPConfig":
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)
 

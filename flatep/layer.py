@@ -24,7 +24,7 @@ from flatep.transport.base import Group
 from flatep.transport.collective import CollectiveGroup
 
 # What ranks of a per-process group must agree on before they exchange anything sized by it.
-_AGREED = ("s", "R", "E", "K", "H", "I", "capacity", "align", "policy", "dtype")
+_AGREED = ("s", "R", "E", "K", "H", "I", "capacity", "align", "tolerance", "policy", "dtype")
 _DTYPE_CODES = {None: 0, torch.bfloat16: 1, torch.float32: 2}
 
 
@@ -126,7 +126,8 @@ def _plan_this_rank(
         bad = valid & ((topk_ids < 0) | (topk_ids >= config.experts))
         ok = (~bad.any()).to(torch.int64).view(1).to(group.device)
     header = [step, config.ranks, config.experts, config.top_k, config.hidden, config.intermediate,
-              config.capacity, config.align, POLICIES.index(policy), _DTYPE_CODES[dtype], real]
+              config.capacity, config.align, round(config.tolerance * 2**20), POLICIES.index(policy),
+              _DTYPE_CODES[dtype], real]
     header = torch.cat([torch.tensor(header, dtype=torch.int64, device=group.device), ok])
     everyone = group.all_gather(header).cpu()
     differing = [

@@ -24,6 +24,9 @@ def test_derived_sizes():
         ({"hidden": 0}, "hidden must be a positive integer"),
         ({"capacity": -1}, "capacity must be a positive integer"),
         ({"align": 1.5}, "align must be a positive integer"),
+        ({"tolerance": -0.1}, "tolerance must be a finite number >= 0"),
+        ({"tolerance": float("inf")}, "tolerance must be a finite number >= 0"),
+        ({"tolerance": "1"}, "tolerance must be a finite number >= 0"),
     ],
 )
 def test_invalid_values_name_the_field(changes, message):
@@ -47,3 +50,13 @@ def test_presets():
     assert (k3.hidden, k3.experts, k3.top_k, k3.intermediate) == (3584, 896, 16, 3072)
     with pytest.raises(ValueError, match="model must be one of"):
         preset("llama")
+
+
+def test_tolerance_sets_the_rebalance_limit_and_grows_the_shard():
+    strict = EPConfig(ranks=8, experts=384, top_k=8, hidden=7168, intermediate=2048, capacity=1024)
+    loose = strict.replace(tolerance=0.5)
+    assert strict.rebalance_limit(8 * 1000) == 8000 and loose.rebalance_limit(8 * 1000) == 12000
+    assert strict.rebalance_limit(7) == 7 * 8 // 8  # floor(T*K/R): only even steps stay unbalanced
+    assert strict.step_rows(8 * 1024) == align_up(1024 * 8 + 127 * 96, 128)
+    assert loose.step_rows(8 * 1024) == align_up(1536 * 8 + 127 * 96, 128)
+    assert loose.step_rows(8 * 1024, "none") == strict.step_rows(8 * 1024, "none")

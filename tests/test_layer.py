@@ -109,6 +109,21 @@ def test_slots_are_shared_by_shape_and_dtype_only():
     assert first.slots("w13").shape == first.home("w13").shape == (2, 2, 32, 32)
 
 
+@pytest.mark.parametrize("imbalance_tolerance, moves", [(0.0, True), (0.5, True), (3.0, False)])
+def test_tolerance_lets_mild_skew_pass_without_moving_weights(imbalance_tolerance, moves):
+    """All tokens to rank 0's experts: load 4x the mean. Tolerance 3 lets it pass unbalanced."""
+    config = EPConfig(ranks=4, experts=16, top_k=2, hidden=32, intermediate=16, capacity=8, align=4,
+                      tolerance=imbalance_tolerance)
+    group = init_group("local", ranks=4, device=DEVICE)
+    x, ids, weights, w13, w2 = make_inputs(config, 8, "one", torch.float32, seed=7)
+    plan = make_plan(ids, config)
+    assert bool((plan.slot_experts >= 0).any()) == moves
+    expected = [16] * 4 if moves else [64, 0, 0, 0]
+    assert plan.received.tolist() == expected
+    out = ep_moe(x, ids, weights, w13, w2, config=config, group=group, backend="torch")
+    assert relative_error(out, dense_moe(x, ids, weights, w13, w2)) < tolerance(torch.float32)
+
+
 def test_module_routes_and_adds_shared_expert():
     config = EPConfig(ranks=2, experts=8, top_k=2, hidden=32, intermediate=16, capacity=8, align=4)
     group = init_group("local", ranks=2, device=DEVICE)

@@ -49,6 +49,8 @@ class Sweep:
         warmup, iters: timing repetitions (median of ``iters``).
         link_gbps: link bandwidth per direction used by the modelled link time.
         align: group padding of the shards (:attr:`flatep.EPConfig.align`).
+        tolerance: imbalance the flat arm lets pass without moving weights
+            (:attr:`flatep.EPConfig.tolerance`).
     """
 
     name: str
@@ -61,6 +63,7 @@ class Sweep:
     iters: int = 10
     link_gbps: float = 370.0
     align: int = 128
+    tolerance: float = 0.0
 
     @classmethod
     def load(cls, name_or_path: str) -> "Sweep":
@@ -109,11 +112,13 @@ class Sweep:
         if isinstance(self.model, str):
             if self.model not in MODEL_SHAPES:
                 raise ValueError(f"model must be one of {sorted(MODEL_SHAPES)} or a shape dict, got {self.model!r}")
-            return preset(self.model, ranks=self.ranks, capacity=capacity, align=self.align)
+            return preset(self.model, ranks=self.ranks, capacity=capacity, align=self.align).replace(
+                tolerance=self.tolerance
+            )
         needed = {"hidden", "experts", "top_k", "intermediate"}
         if set(self.model) != needed:
             raise ValueError(f"model dict must have exactly the keys {sorted(needed)}, got {sorted(self.model)}")
-        return EPConfig(ranks=self.ranks, capacity=capacity, align=self.align, **self.model)
+        return EPConfig(ranks=self.ranks, capacity=capacity, align=self.align, tolerance=self.tolerance, **self.model)
 
 
 def shipped_configs() -> list[str]:
@@ -368,7 +373,7 @@ def run(sweep: Sweep, out_dir: Path, device: torch.device, resume: bool = False,
                 sweep=sweep.name, model=sweep.model_name, ranks=sweep.ranks, tokens=tokens, maxvio_target=target,
                 maxvio=cell.maxvio, sigma=cell.sigma, arm=arm, device=hardware, backend=backend,
                 hidden=config.hidden, experts=config.experts, top_k=config.top_k, intermediate=config.intermediate,
-                align=config.align,
+                align=config.align, tolerance=config.tolerance,
                 **ceilings, **measured,
                 peak_memory_gb=torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None,
                 weights_shared_across_virtual_ranks=state["shared"],

@@ -5,7 +5,9 @@ computed on rank ``d``. Everything else in the plan (layout, destination of each
 from ``alloc`` and is shared by all policies.
 
 * ``exact`` (flat): MoonEP's balancer. Overloaded ranks hand their surplus to underloaded ranks
-  so that rank ``d`` computes exactly ``cap[d]`` rows; each receiver has one donor.
+  so that rank ``d`` computes exactly ``cap[d]`` rows; each receiver has one donor. A step whose
+  busiest rank stays within ``limit`` rows (:meth:`flatep.EPConfig.rebalance_limit`, set by the
+  config's ``tolerance``) is not rebalanced: every expert stays home, as under ``none``.
 * ``none`` (classic EP): every expert is computed on its home rank.
 """
 from __future__ import annotations
@@ -93,7 +95,12 @@ def split_quotas(counts: list[int], quotas: list[list[int]], experts_per_rank: i
 
 
 def allocate(
-    tokens_per_expert: torch.Tensor, experts_per_rank: int, top_k: int, total_tokens: int, policy: str
+    tokens_per_expert: torch.Tensor,
+    experts_per_rank: int,
+    top_k: int,
+    total_tokens: int,
+    policy: str,
+    limit: int | None = None,
 ) -> torch.Tensor:
     """Rows of each expert computed on each rank.
 
@@ -103,19 +110,24 @@ def allocate(
         top_k: ``K``.
         total_tokens: tokens over the group ``T`` (sets the capacities of ``exact``).
         policy: ``exact`` or ``none``.
+        limit: under ``exact``, leave the step unbalanced if no rank's load exceeds this many rows
+            (default: ``floor(T*K/R)``, i.e. balance every uneven step).
 
     Returns:
-        ``alloc [E, R] int64`` on the CPU; column sums equal ``cap`` under ``exact``.
+        ``alloc [E, R] int64`` on the CPU; column sums equal ``cap`` under ``exact`` when the step
+        is rebalanced.
     """
     check_policy(policy)
     ranks = tokens_per_expert.shape[0]
     counts = tokens_per_expert.sum(0).tolist()
-    if policy == "none":
+    load = [sum(counts[r * experts_per_rank : (r + 1) * experts_per_rank]) for r in range(ranks)]
+    if limit is None:
+        limit = total_tokens * top_k // ranks
+    if policy == "none" or max(load) <= limit:
         alloc = [[0] * ranks for _ in counts]
         for expert, count in enumerate(counts):
             alloc[expert][expert // experts_per_rank] = count
         return torch.tensor(alloc, dtype=torch.int64).view(len(counts), ranks)
-    load = [sum(counts[r * experts_per_rank : (r + 1) * experts_per_rank]) for r in range(ranks)]
     quotas = rank_quotas(load, rank_capacities(total_tokens, top_k, ranks))
     alloc = split_quotas(counts, quotas, experts_per_rank)
     return torch.tensor(alloc, dtype=torch.int64).view(len(counts), ranks)

@@ -77,7 +77,9 @@ def build_layout(
     check_policy(policy)
     device = tokens_per_expert.device
     ranks, experts, epn, align = config.ranks, config.experts, config.experts_per_rank, config.align
-    alloc = allocate(tokens_per_expert.cpu(), epn, config.top_k, total_tokens, policy)  # [E, R]
+    alloc = allocate(  # [E, R]
+        tokens_per_expert.cpu(), epn, config.top_k, total_tokens, policy, config.rebalance_limit(total_tokens)
+    )
     home = torch.arange(experts) // epn
     expert_ids = torch.arange(experts)
     foreign = (alloc > 0) & (home.view(-1, 1) != torch.arange(ranks).view(1, -1))  # [E, R]

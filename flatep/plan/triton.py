@@ -187,7 +187,7 @@ def _split_donor(
 
 @triton.jit
 def _layout(
-    d, hist_ptr, total_entries, experts, experts_per_rank, align,
+    d, hist_ptr, total_entries, rows_limit, experts, experts_per_rank, align,
     alloc_ptr, acum_ptr, before_ptr, slots_ptr, groups_ptr, offsets_ptr, padding_ptr, received_ptr,
     group_start_ptr,
     RANKS: tl.constexpr, EXACT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_EPN: tl.constexpr,
@@ -222,7 +222,11 @@ def _layout(
         # Balances are packed as (balance + 2**30, index) into int64 keys (|balance| < 2**26), so
         # one reduction gives both the extreme value and its smallest index.
         capacity = total_entries // RANKS + (lane_r < total_entries % RANKS).to(tl.int32)
-        balance = tl.sum(count, axis=1) - capacity
+        load = tl.sum(count, axis=1)
+        balance = load - capacity
+        # The config's tolerance: a step whose busiest rank stays within rows_limit is let pass.
+        busiest = tl.max(tl.where(in_r, load, 0), axis=0)
+        balance = tl.where(busiest > rows_limit, balance, 0)
         top = tl.max(tl.where(in_r, (balance + 2**30).to(tl.int64) * BLOCK_R + (BLOCK_R - 1 - lane_r), -1), axis=0)
         rounds = 0
         while (top // BLOCK_R > 2**30) & (rounds < RANKS):
@@ -368,14 +372,14 @@ def _scan_kernel(
 
 @triton.jit
 def _layout_kernel(
-    hist_ptr, total_entries, experts, experts_per_rank, align,
+    hist_ptr, total_entries, rows_limit, experts, experts_per_rank, align,
     alloc_ptr, acum_ptr, before_ptr, slots_ptr, groups_ptr, offsets_ptr, padding_ptr, received_ptr,
     group_start_ptr,
     RANKS: tl.constexpr, EXACT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_EPN: tl.constexpr,
 ):
     """Group planner: the layout, one program per rank."""
     _layout(
-        tl.program_id(0), hist_ptr, total_entries, experts, experts_per_rank, align,
+        tl.program_id(0), hist_ptr, total_entries, rows_limit, experts, experts_per_rank, align,
         alloc_ptr, acum_ptr, before_ptr, slots_ptr, groups_ptr, offsets_ptr, padding_ptr, received_ptr,
         group_start_ptr, RANKS, EXACT, BLOCK_R, BLOCK_EPN,
     )
@@ -383,7 +387,7 @@ def _layout_kernel(
 
 @triton.jit
 def _rank_prologue_kernel(
-    hist_ptr, total_entries, experts, experts_per_rank, align,
+    hist_ptr, total_entries, rows_limit, experts, experts_per_rank, align,
     alloc_ptr, acum_ptr, before_ptr, slots_ptr, groups_ptr, offsets_ptr, padding_ptr, received_ptr,
     group_start_ptr,
     ids_ptr, counts_ptr, ranks_ptr, n_entries, token_limit, top_k,
@@ -397,7 +401,7 @@ def _rank_prologue_kernel(
     pid = tl.program_id(0)
     if pid < RANKS:
         _layout(
-            pid, hist_ptr, total_entries, experts, experts_per_rank, align,
+            pid, hist_ptr, total_entries, rows_limit, experts, experts_per_rank, align,
             alloc_ptr, acum_ptr, before_ptr, slots_ptr, groups_ptr, offsets_ptr, padding_ptr, received_ptr,
             group_start_ptr, RANKS, EXACT, BLOCK_R, BLOCK_EPN,
         )
@@ -649,7 +653,7 @@ def make_plan_triton(
         ROWS=min(_pow2(n_tiles), _SCAN_ROWS), BLOCK_EC=_SCAN_EXPERTS, WRITE_HIST=True, num_warps=4,
     )
     _layout_kernel[(ranks,)](
-        hist, sum(counts) * config.top_k, experts, config.experts_per_rank, config.align,
+        hist, sum(counts) * config.top_k, config.rebalance_limit(sum(counts)), experts, config.experts_per_rank, config.align,
         *tables.args(), **_layout_meta(config, policy), num_warps=4,
     )
     _destination_kernel[(n_tiles, ranks)](
@@ -737,7 +741,8 @@ def plan_rank_triton(
     tables = _Tables(config, device)
 
     _rank_prologue_kernel[(ranks + n_tiles,)](
-        hist, total * config.top_k, experts, config.experts_per_rank, config.align, *tables.args(),
+        hist, total * config.top_k, config.rebalance_limit(total), experts, config.experts_per_rank, config.align,
+        *tables.args(),
         ids, tile_counts, dest_row, entries, limit, config.top_k,
         **_layout_meta(config, policy), **meta, num_warps=4,
     )

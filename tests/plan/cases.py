@@ -20,7 +20,7 @@ def padded_ids(ids: torch.Tensor, tokens: list[int] | None) -> torch.Tensor:
 
 @st.composite
 def planner_cases(draw, ranks=(1, 2, 3, 4, 8), experts_per_rank=(1, 2, 3, 8), max_top_k=8, max_tokens=24,
-                  aligns=(1, 2, 4, 8, 128), sigmas=(0.0, 0.5, 1.0, 3.0, 8.0)):
+                  aligns=(1, 2, 4, 8, 128), sigmas=(0.0, 0.5, 1.0, 3.0, 8.0), tolerances=(0.0, 0.0, 0.0, 0.2, 1.0, 4.0)):
     """``(topk_ids [R, s, K] int32, config, policy, tokens or None)``: skewed, uniform with repeated
     ids, or adversarial routings; per-rank token counts half of the time; both policies."""
     group = draw(st.sampled_from(ranks))
@@ -28,7 +28,7 @@ def planner_cases(draw, ranks=(1, 2, 3, 4, 8), experts_per_rank=(1, 2, 3, 8), ma
     top_k = draw(st.integers(1, min(experts, max_top_k)))
     step = draw(st.integers(1, max_tokens))
     config = EPConfig(ranks=group, experts=experts, top_k=top_k, hidden=8, intermediate=8, capacity=step,
-                      align=draw(st.sampled_from(aligns)))
+                      align=draw(st.sampled_from(aligns)), tolerance=draw(st.sampled_from(tolerances)))
     kind = draw(st.sampled_from(["skewed", "uniform_repeats", *ADVERSARIAL]))
     seed = draw(st.integers(0, 2**16))
     if kind == "skewed":

@@ -6,8 +6,9 @@ reference planner. Duplicate encoding (step E) is not part of FlatEP's plan and 
 from __future__ import annotations
 
 
-def oracle_plan(topk, tokens, ranks, experts, top_k, align, policy="exact"):
-    """topk: nested lists [R][s][K]; tokens: [R] real tokens per rank.
+def oracle_plan(topk, tokens, ranks, experts, top_k, align, policy="exact", limit=None):
+    """topk: nested lists [R][s][K]; tokens: [R] real tokens per rank; limit: FlatEP's tolerance
+    (no rebalancing while the busiest rank has at most ``limit`` rows; default ``floor(T*K/R)``).
 
     Returns dict with dest (list per rank of (rank, row) per flat entry, None if padded),
     offsets [R][2epn], padding [R][2epn][2], slots [R][epn], received [R].
@@ -27,7 +28,9 @@ def oracle_plan(topk, tokens, ranks, experts, top_k, align, policy="exact"):
     total = sum(tokens) * top_k
     cap = [total // ranks + (1 if d < total % ranks else 0) for d in range(ranks)]
     alloc = [[cnt[e] if d == e // epn else 0 for d in range(ranks)] for e in range(experts)]
-    if policy == "exact":
+    if limit is None:
+        limit = total // ranks
+    if policy == "exact" and max(load) > limit:
         bal = [load[h] - cap[h] for h in range(ranks)]
         z = [[0] * ranks for _ in range(ranks)]
         while True:
