@@ -323,6 +323,7 @@ def shard_moe(
     *,
     capacity: int = 64,
     align: int | None = None,
+    tolerance: float = 0.0,
     backend: str = "auto",
     record_routing: bool = False,
     precision: str = "native",
@@ -337,6 +338,8 @@ def shard_moe(
         capacity: initial tokens per rank per MoE call; grows by itself when a call passes more.
         align: rows each expert group is padded to (default 128 on CUDA for the grouped GEMM's tiles,
             8 elsewhere, where padding only costs time).
+        tolerance: rank imbalance ``exact`` lets pass without moving expert weights
+            (:attr:`flatep.EPConfig.tolerance`).
         backend: ``auto``, ``triton`` or ``torch`` (see :func:`flatep.ep_moe`).
         record_routing: make every :class:`FlatEPExperts` keep per-call routing statistics.
         precision: ``native`` (default: the model's own rounding order, so that bf16 outputs match the
@@ -377,7 +380,7 @@ def shard_moe(
         # One layer at a time: its original weights are released as soon as the module is replaced,
         # so the peak is the unsharded model plus one layer's pool.
         experts = model.get_submodule(name)
-        config, pool, activation = _build_pool(family, experts, model.config, group, capacity, align)
+        config, pool, activation = _build_pool(family, experts, model.config, group, capacity, align, tolerance)
         bytes_before += sum(p.numel() * p.element_size() for p in experts.parameters())
         bytes_after += sum(pool.home(n).numel() * pool.home(n).element_size() for n in pool.names)
         slot_bytes.update({pool.slots(n).data_ptr(): pool.slots(n).numel() * pool.slots(n).element_size() for n in pool.names})
@@ -393,7 +396,7 @@ def shard_moe(
 
 @torch.no_grad()
 def _build_pool(
-    family: Family, experts: nn.Module, model_config: object, group: Group, capacity: int, align: int
+    family: Family, experts: nn.Module, model_config: object, group: Group, capacity: int, align: int, tolerance: float
 ) -> tuple[EPConfig, ExpertPool, Activation]:
     """This process's ranks' pool of one experts module, converting only the experts they own."""
     first = family.convert(experts, 0, 1)  # shapes and dtype, at the cost of one expert
@@ -405,6 +408,7 @@ def _build_pool(
     config = EPConfig(
         ranks=group.world, experts=experts.gate_up_proj.shape[0], top_k=int(model_config.num_experts_per_tok),
         hidden=first.w13.shape[-1], intermediate=first.w2.shape[-1], capacity=capacity, align=align,
+        tolerance=tolerance,
     )
     pool = ExpertPool(config, group, dtype, biases=first.b13 is not None)
     epn = config.experts_per_rank

@@ -160,3 +160,17 @@ def test_unexpected_experts_module_is_refused():
 def test_unknown_precision_is_refused():
     with pytest.raises(ValueError, match="precision must be one of"):
         shard_moe(tiny_model("qwen3-moe"), init_group("local", ranks=2, device="cpu"), precision="fp16")
+
+
+def test_tolerance_keeps_the_tokens_and_skips_mild_rebalancing():
+    """With a tolerance above the routers' rank imbalance no call borrows, and greedy tokens still match."""
+    expected_sequences, _, _ = unsharded("qwen3-moe")
+    model = tiny_model("qwen3-moe")
+    shard_moe(model, init_group("local", ranks=2, device="cpu"), "exact", tolerance=1.0, backend="torch",
+              record_routing=True)
+    sequences, _ = greedy(model)
+    assert torch.equal(sequences, expected_sequences)
+    for _, experts in sharded_experts(model):
+        assert experts.config.tolerance == 1.0
+        # R = 2: the busiest rank has at most every row, i.e. (1 + 1.0) x the mean, so nothing moves.
+        assert experts.rank_imbalance() == experts.rank_imbalance(classic=True)
