@@ -26,6 +26,7 @@ from flatep.transport.collective import CollectiveGroup
 # What ranks of a per-process group must agree on before they exchange anything sized by it.
 _AGREED = ("s", "R", "E", "K", "H", "I", "capacity", "align", "tolerance", "policy", "dtype")
 _DTYPE_CODES = {None: 0, torch.bfloat16: 1, torch.float32: 2}
+_TOLERANCE_SCALE = 2**20  # the header is int64: tolerance travels in fixed point
 
 
 def _entries(plan: Layout, tokens: int, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -126,15 +127,17 @@ def _plan_this_rank(
         bad = valid & ((topk_ids < 0) | (topk_ids >= config.experts))
         ok = (~bad.any()).to(torch.int64).view(1).to(group.device)
     header = [step, config.ranks, config.experts, config.top_k, config.hidden, config.intermediate,
-              config.capacity, config.align, round(config.tolerance * 2**20), POLICIES.index(policy),
+              config.capacity, config.align, round(config.tolerance * _TOLERANCE_SCALE), POLICIES.index(policy),
               _DTYPE_CODES[dtype], real]
     header = torch.cat([torch.tensor(header, dtype=torch.int64, device=group.device), ok])
     everyone = group.all_gather(header).cpu()
-    differing = [
-        f"{name} {everyone[:, column].tolist()}"
-        for column, name in enumerate(_AGREED)
-        if not bool((everyone[:, column] == everyone[0, column]).all())
-    ]
+    differing = []
+    for column, name in enumerate(_AGREED):
+        if not bool((everyone[:, column] == everyone[0, column]).all()):
+            values = everyone[:, column].tolist()
+            if name == "tolerance":
+                values = [value / _TOLERANCE_SCALE for value in values]
+            differing.append(f"{name} {values}")
     if differing:
         raise ValueError(f"ranks disagree on the step (values by rank): {'; '.join(differing)}; every rank raises")
     failed = (everyone[:, -1] == 0).nonzero().flatten().tolist()

@@ -82,6 +82,7 @@ def test_disagreement_and_bad_input_raise_on_every_rank(equivalence_run):
     for rank, result in enumerate(results):
         assert "s [16, " in result["disagree-s"] and "every rank raises" in result["disagree-s"]
         assert "align [4, 8" in result["disagree-config"]
+        assert "tolerance [0.0, 0.5" in result["disagree-tolerance"]
         if rank == world - 1:
             assert "is not an expert id" in result["bad-ids"]
         else:

@@ -152,6 +152,10 @@ def equivalence(group, rank: int, world: int, size: str, compare: bool, log) -> 
     results["disagree-config"] = expect_value_error(
         lambda: ep_moe(x[rank], ids[rank], weights[rank], w13, w2, config=other, group=group), "disagree"
     )
+    loose = config.replace(tolerance=0.5) if rank else config
+    results["disagree-tolerance"] = expect_value_error(
+        lambda: ep_moe(x[rank], ids[rank], weights[rank], w13, w2, config=loose, group=group), "disagree"
+    )
     broken = ids[rank].clone()
     if rank == world - 1:
         broken[0, 0] = config.experts
@@ -161,7 +165,7 @@ def equivalence(group, rank: int, world: int, size: str, compare: bool, log) -> 
     out = ep_moe(x[rank], ids[rank], weights[rank], w13, w2, config=config, group=group, policy=case.policy)
     results["after-errors"] = out.cpu()
     results["after-errors/case"] = case.name
-    for name in ("disagree-s", "disagree-config", "bad-ids"):
+    for name in ("disagree-s", "disagree-config", "disagree-tolerance", "bad-ids"):
         log(f"{'FAIL' if results[name].startswith('FAIL') else 'ok  '} {name}: {results[name]}")
     if compare:
         same = torch.equal(bits(out), bits(results[case.name].to(out.device)))
