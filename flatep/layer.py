@@ -12,7 +12,6 @@ import torch.nn.functional as F
 from flatep.config import POLICIES, EPConfig, check_policy
 from flatep.experts.grouped import PRECISIONS, Activation, grouped_swiglu, swiglu
 from flatep.experts.pool import ExpertPool, check_expert_weights
-from flatep.kernels.activation import copy_rows_triton
 from flatep.kernels.backend import use_triton
 from flatep.kernels.combine import combine_torch, combine_triton
 from flatep.kernels.dispatch import dispatch_torch, dispatch_triton
@@ -230,14 +229,10 @@ def experts_step(
         parts.append(("slots", plan.slot_base, plan.shard_rows, offsets[epn:] - plan.slot_base))
     for part, first, end, part_offsets in parts:
         w13, w2, b13, b2 = pool.compute_view(local_index, part)
-        result = grouped_swiglu(
+        grouped_swiglu(
             rows[first:end], weights[first:end], w13, w2, part_offsets, b13=b13, b2=b2, activation=activation,
-            precision=precision, out_dtype=target.dtype, backend=backend,
+            precision=precision, backend=backend, out=target[first:end],
         )
-        if use_triton(target.device, backend):
-            copy_rows_triton(target[first:end], result, part_offsets[-1:])
-        else:
-            target[first:end].copy_(result)
 
 
 def combine_step(

@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from flatep.kernels.activation import copy_rows_triton, swiglu_weighted_torch, swiglu_weighted_triton
+from flatep.kernels.activation import copy_rows_triton, finite_weights, swiglu_weighted_torch, swiglu_weighted_triton
 from flatep.kernels.backend import use_triton
 
 Activation = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -98,6 +98,7 @@ def grouped_swiglu(
     precision: str = "fp32",
     out_dtype: torch.dtype | None = None,
     backend: str = "auto",
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The experts of one rank over its receive shard.
 
@@ -124,31 +125,56 @@ def grouped_swiglu(
         backend: ``auto``, ``triton`` or ``torch`` (:func:`flatep.kernels.backend.use_triton`). With
             Triton, ``precision="fp32"``, no biases and :func:`swiglu`, the steps between the GEMMs
             run over the rows before ``offsets[-1]`` only (read on the device: no sync).
+        out: optional ``[rows, H]`` tensor to write the result into (its dtype is then the
+            ``out_dtype``); with Triton only its rows before ``offsets[-1]`` are written.
 
     Returns:
-        ``[rows, H]`` in ``out_dtype``; rows past ``offsets[-1]`` are undefined.
+        ``out``, or a new ``[rows, H]`` tensor in ``out_dtype``; rows past ``offsets[-1]`` are
+        undefined.
     """
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
-    out_dtype = out_dtype or shard.dtype
+    out_dtype = out.dtype if out is not None else out_dtype or shard.dtype
     intermediate = w2.shape[-1]
     hidden_states = _grouped_matmul(shard, w13, offsets)
     biased = b13 is not None or b2 is not None
-    if precision == "fp32" and not biased and activation is swiglu and use_triton(shard.device, backend):
+    bounded = use_triton(shard.device, backend)
+    if precision == "fp32" and not biased and activation is swiglu and bounded:
         # Same function, but the elementwise steps skip rows past offsets[-1] (several times the
         # real rows at small batch); those rows of the result stay undefined, as the GEMMs leave them.
-        end = offsets[-1:]
         activated = torch.empty(shard.shape[0], intermediate, dtype=shard.dtype, device=shard.device)
-        swiglu_weighted_triton(hidden_states, route_weights, end, activated)
-        out = _grouped_matmul(activated, w2, offsets)
-        if out.dtype == out_dtype:
-            return out
-        converted = torch.empty(out.shape, dtype=out_dtype, device=out.device)
-        copy_rows_triton(converted, out, end)
-        return converted
-    groups = row_groups(offsets, shard.shape[0]) if biased else None
+        swiglu_weighted_triton(hidden_states, route_weights, offsets[-1:], activated)
+        result = _grouped_matmul(activated, w2, offsets)  # converted (real rows only) on delivery
+    else:
+        result = _torch_experts(hidden_states, route_weights, w2, offsets, b13, b2, activation, precision, out_dtype)
+    if out is None and result.dtype == out_dtype:
+        return result
+    if out is None:
+        out = torch.empty(result.shape, dtype=out_dtype, device=result.device)
+    if bounded:
+        copy_rows_triton(out, result, offsets[-1:])
+    else:
+        out.copy_(result)
+    return out
+
+
+def _torch_experts(
+    hidden_states: torch.Tensor,
+    route_weights: torch.Tensor,
+    w2: torch.Tensor,
+    offsets: torch.Tensor,
+    b13: torch.Tensor | None,
+    b2: torch.Tensor | None,
+    activation: Activation,
+    precision: str,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """:func:`grouped_swiglu` after the gate/up GEMM, in plain torch over every row: ``[rows, H]`` in ``out_dtype``."""
+    intermediate = w2.shape[-1]
+    dtype = hidden_states.dtype
+    groups = row_groups(offsets, hidden_states.shape[0]) if b13 is not None or b2 is not None else None
+    weights = finite_weights(route_weights).unsqueeze(-1)
     if precision == "native":
-        weights = torch.nan_to_num(route_weights, nan=0.0, posinf=0.0, neginf=0.0).unsqueeze(-1)
         if b13 is not None:
             hidden_states = hidden_states + b13[groups]
         out = _grouped_matmul(activation(hidden_states[:, :intermediate], hidden_states[:, intermediate:]), w2, offsets)
@@ -159,9 +185,8 @@ def grouped_swiglu(
     hidden_states = hidden_states.float()
     if b13 is not None:
         hidden_states = hidden_states + b13[groups].float()
-    activated = swiglu_weighted_torch(hidden_states, route_weights, shard.dtype, activation)
+    activated = swiglu_weighted_torch(hidden_states, route_weights, dtype, activation)
     out = _grouped_matmul(activated, w2, offsets)
     if b2 is None:
         return out.to(out_dtype)
-    weights = torch.nan_to_num(route_weights, nan=0.0, posinf=0.0, neginf=0.0).unsqueeze(-1)
     return (out.float() + weights * b2[groups].float()).to(out_dtype)

@@ -171,5 +171,9 @@ def swiglu_weighted_torch(
     hidden = hidden.float()
     gate, up = hidden[:, :intermediate], hidden[:, intermediate:]
     activated = F.silu(gate) * up if activation is None else activation(gate, up)
-    weights = torch.nan_to_num(route_weights.float(), nan=0.0, posinf=0.0, neginf=0.0).unsqueeze(-1)
-    return (activated * weights).to(out_dtype)
+    return (activated * finite_weights(route_weights).unsqueeze(-1)).to(out_dtype)
+
+
+def finite_weights(route_weights: torch.Tensor) -> torch.Tensor:
+    """Route weights in fp32 with NaN and +-inf as 0: stale rows past a shard's last group may hold anything."""
+    return torch.nan_to_num(route_weights.float(), nan=0.0, posinf=0.0, neginf=0.0)
