@@ -2,10 +2,15 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 
-POLICIES = ("exact", "none")
+POLICIES = ("exact", "none", "bounded")
+# Tolerances travel in fixed point so that the host, the reference planner and the GPU kernels
+# compute the same integer bound: ``tolerance_fixed = round(tolerance * TOLERANCE_SCALE)``.
+TOLERANCE_BITS = 20
+TOLERANCE_SCALE = 1 << TOLERANCE_BITS
+# Keeps ``entries * (TOLERANCE_SCALE + tolerance_fixed)`` inside int64 for ``entries < 2**31``.
+MAX_TOLERANCE = 1024
 
 
 def align_up(value: int, multiple: int) -> int:
@@ -25,12 +30,14 @@ class EPConfig:
         intermediate: expert intermediate size ``I`` (``w13`` is ``[E, 2I, H]``, ``w2`` is ``[E, H, I]``).
         capacity: token capacity per rank ``S``; a step passes ``1 <= s <= S`` tokens.
         align: every non-empty expert group of a shard is padded to a multiple of this.
-        tolerance: the rank imbalance the ``exact`` policy lets pass. A step is rebalanced only
-            when its busiest rank would compute more than :meth:`rebalance_limit` rows, about
-            ``(1 + tolerance)`` times the mean; otherwise every expert stays home and no weights
-            move. ``0`` (default) balances every uneven step; a larger value skips the weight
-            push on mildly skewed steps, at the price of shards that hold ``(1 + tolerance)``
-            times the mean rows.
+        tolerance: the rank imbalance a step may keep, in ``[0, 1024]``. Under ``exact`` a step
+            is rebalanced only when its busiest rank would compute more than
+            :meth:`rebalance_limit` rows, about ``(1 + tolerance)`` times the mean; otherwise
+            every expert stays home and no weights move. Under ``bounded`` it is the bound
+            itself: every rank computes at most :meth:`bounded_rows` rows and only the surplus
+            above it moves. ``0`` (default) balances every uneven step; a larger value moves
+            fewer experts, at the price of shards that hold ``(1 + tolerance)`` times the mean
+            rows. Planners use it in fixed point (:attr:`tolerance_fixed`).
     """
 
     ranks: int
@@ -46,8 +53,10 @@ class EPConfig:
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
             if field.name == "tolerance":
-                if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
-                    raise ValueError(f"EPConfig.tolerance must be a finite number >= 0, got {value!r}")
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= MAX_TOLERANCE:
+                    raise ValueError(
+                        f"EPConfig.tolerance must be a finite number >= 0 and <= {MAX_TOLERANCE}, got {value!r}"
+                    )
             elif not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"EPConfig.{field.name} must be a positive integer, got {value!r}")
         if self.experts % self.ranks:
@@ -70,8 +79,8 @@ class EPConfig:
     def shard_rows(self, policy: str = "exact") -> int:
         """Rows of one rank's receive shard at full capacity.
 
-        ``exact``: ``NvS = align_up(S*K + (align-1)*2*epn, align)`` (with ``tolerance``, ``S*K``
-        becomes ``max(S*K, floor((1+tolerance)*S*K))``).
+        ``exact`` and ``bounded``: ``NvS = align_up(S*K + (align-1)*2*epn, align)`` (with
+        ``tolerance``, ``S*K`` becomes ``max(S*K, floor((1+tolerance)*S*K))``).
         ``none`` (classic EP): a rank may receive every entry of the group,
         ``align_up(R*S*K + (align-1)*epn, align)``.
         """
@@ -89,20 +98,36 @@ class EPConfig:
                 f"got {total_tokens}"
             )
         epn = self.experts_per_rank
-        if policy == "exact":
-            # A balanced rank computes at most ceil(T*K/R) rows; an unbalanced step that is let
-            # pass leaves every rank at most rebalance_limit rows.
-            real = max(math.ceil(total_tokens * self.top_k / self.ranks), self.rebalance_limit(total_tokens))
+        if policy in ("exact", "bounded"):
+            # exact: a balanced rank computes at most ceil(T*K/R) rows, an unbalanced step that is
+            # let pass leaves every rank at most rebalance_limit rows; bounded: at most the same
+            # maximum of the two (bounded_rows). Slots may hold a borrowed group per home group.
+            real = self.bounded_rows(total_tokens)
             return align_up(real + (self.align - 1) * 2 * epn, self.align)
         return align_up(total_tokens * self.top_k + (self.align - 1) * epn, self.align)
 
+    @property
+    def tolerance_fixed(self) -> int:
+        """``round(tolerance * TOLERANCE_SCALE)``: the tolerance as the planners' kernels use it."""
+        return tolerance_fixed(self.tolerance)
+
     def rebalance_limit(self, total_tokens: int) -> int:
         """Rows the busiest rank may compute before ``exact`` rebalances a step with ``total_tokens``
-        tokens over the group: ``floor((1 + tolerance) * T*K / R)``.
+        tokens over the group: about ``floor((1 + tolerance) * T*K / R)``, exactly
+        :func:`rows_bound` ``(T*K, R, tolerance_fixed)``.
 
         With ``tolerance = 0`` only perfectly even steps stay unbalanced (they need no move).
         """
-        return math.floor((1 + self.tolerance) * total_tokens * self.top_k / self.ranks)
+        return rows_bound(total_tokens * self.top_k, self.ranks, self.tolerance_fixed)
+
+    def bounded_rows(self, total_tokens: int) -> int:
+        """``b``: the most real rows any rank computes under ``bounded`` (``T`` = ``total_tokens``).
+
+        ``max(ceil(T*K/R), rebalance_limit(T))``: the tolerance's bound, but never below the
+        mean rounded up, which the ``R`` ranks need to hold all ``T*K`` rows.
+        """
+        entries = total_tokens * self.top_k
+        return max(-(-entries // self.ranks), self.rebalance_limit(total_tokens))
 
     def token_bytes(self, element_size: int = 2) -> int:
         """Bytes of one token row of width ``H``."""
@@ -125,13 +150,31 @@ class EPConfig:
         return dataclasses.replace(self, **changes)
 
 
+def tolerance_fixed(tolerance: float) -> int:
+    """``round(tolerance * TOLERANCE_SCALE)``; ``tolerance`` must be in ``[0, MAX_TOLERANCE]``."""
+    if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or not 0 <= tolerance <= MAX_TOLERANCE:
+        raise ValueError(f"tolerance must be a finite number >= 0 and <= {MAX_TOLERANCE}, got {tolerance!r}")
+    return round(tolerance * TOLERANCE_SCALE)
+
+
+def rows_bound(entries: int, ranks: int, fixed: int) -> int:
+    """``floor(entries * (1 + fixed / TOLERANCE_SCALE) / ranks)`` in integers.
+
+    The one definition of the imbalance bound: ``(entries * (TOLERANCE_SCALE + fixed)) //
+    (ranks * TOLERANCE_SCALE)``. The Triton planner evaluates the same expression in int64 from
+    ``entries`` and ``fixed`` on the device (``entries < 2**31`` and ``fixed <= MAX_TOLERANCE *
+    TOLERANCE_SCALE`` keep the product below ``2**63``).
+    """
+    return entries * (TOLERANCE_SCALE + fixed) // (ranks * TOLERANCE_SCALE)
+
+
 def check_policy(policy: str) -> None:
     """Raise ``ValueError`` unless ``policy`` is a known balancing policy."""
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
 
 
-# Routed-expert shapes: (hidden, experts, top_k, intermediate), see shared/reference/anchors.md.
+# Routed-expert shapes: (hidden, experts, top_k, intermediate), from the models' published configs.
 MODEL_SHAPES: dict[str, tuple[int, int, int, int]] = {
     "deepseek-v3": (7168, 256, 8, 2048),
     "kimi-k2": (7168, 384, 8, 2048),

@@ -60,3 +60,37 @@ def test_tolerance_sets_the_rebalance_limit_and_grows_the_shard():
     assert strict.step_rows(8 * 1024) == align_up(1024 * 8 + 127 * 96, 128)
     assert loose.step_rows(8 * 1024) == align_up(1536 * 8 + 127 * 96, 128)
     assert loose.step_rows(8 * 1024, "none") == strict.step_rows(8 * 1024, "none")
+
+
+def test_rebalance_limit_is_the_fixed_point_formula():
+    from fractions import Fraction
+
+    from flatep.config import TOLERANCE_SCALE, rows_bound
+
+    for tolerance in (0.0, 0.1, 0.25, 1 / 3, 0.5, 1.0, 4.0, 1024):
+        config = EPConfig(ranks=8, experts=384, top_k=8, hidden=8, intermediate=8, capacity=8192, tolerance=tolerance)
+        fixed = round(tolerance * 2**20)
+        assert config.tolerance_fixed == fixed
+        for tokens in (1, 7, 999, 8 * 8192):
+            entries = tokens * 8
+            expected = (entries * (2**20 + fixed)) // (8 * 2**20)
+            assert config.rebalance_limit(tokens) == expected == rows_bound(entries, 8, fixed)
+            # The integer formula is the exact floor of the rational bound.
+            assert expected == int(Fraction(entries) * (1 + Fraction(fixed, TOLERANCE_SCALE)) / 8)
+            assert config.bounded_rows(tokens) == max(-(-entries // 8), expected)
+
+
+def test_bounded_shards_hold_the_bound():
+    config = EPConfig(ranks=8, experts=384, top_k=8, hidden=8, intermediate=8, capacity=1024, tolerance=0.5)
+    assert config.step_rows(8 * 1024, "bounded") == config.step_rows(8 * 1024, "exact")
+    assert config.step_rows(8 * 1024, "bounded") == align_up(1536 * 8 + 127 * 96, 128)
+    # Odd totals: b is never below ceil(T*K/R).
+    tight = EPConfig(ranks=3, experts=3, top_k=1, hidden=8, intermediate=8, capacity=4)
+    assert tight.bounded_rows(4) == 2 and tight.rebalance_limit(4) == 1
+
+
+def test_tolerance_above_the_fixed_point_range_is_rejected():
+    base = dict(ranks=2, experts=16, top_k=2, hidden=8, intermediate=8, capacity=4)
+    EPConfig(**base, tolerance=1024)
+    with pytest.raises(ValueError, match="tolerance must be a finite number >= 0 and <= 1024"):
+        EPConfig(**base, tolerance=1024.5)
