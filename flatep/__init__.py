@@ -3,9 +3,11 @@ from flatep.config import EPConfig, MODEL_SHAPES, preset
 from flatep.experts import ExpertPool, dense_moe
 from flatep.layer import EPMoE, ep_moe, route
 from flatep.plan import Plan, RankPlan, make_plan, plan_rank
+from flatep.plan.cost import CostProfile
 from flatep.transport import Group, init_group
 
 __all__ = [
+    "CostProfile",
     "EPConfig",
     "EPMoE",
     "ExpertPool",

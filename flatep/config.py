@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-POLICIES = ("exact", "none", "bounded")
+POLICIES = ("exact", "none", "bounded", "auto")
 # Tolerances travel in fixed point so that the host, the reference planner and the GPU kernels
 # compute the same integer bound: ``tolerance_fixed = round(tolerance * TOLERANCE_SCALE)``.
 TOLERANCE_BITS = 20
@@ -82,7 +82,8 @@ class EPConfig:
         ``exact`` and ``bounded``: ``NvS = align_up(S*K + (align-1)*2*epn, align)`` (with
         ``tolerance``, ``S*K`` becomes ``max(S*K, floor((1+tolerance)*S*K))``).
         ``none`` (classic EP): a rank may receive every entry of the group,
-        ``align_up(R*S*K + (align-1)*epn, align)``.
+        ``align_up(R*S*K + (align-1)*epn, align)``; ``auto`` likewise (the home half of its shard:
+        the slot half is sized by :func:`flatep.plan.auto.slot_rows`).
         """
         return self.step_rows(self.ranks * self.capacity, policy)
 

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from flatep.config import EPConfig, check_policy
+from flatep.plan.cost import CostProfile, check_cost
 from flatep.plan.policy import allocate
 from flatep.plan.types import Layout, Plan, RankPlan
 
@@ -63,7 +64,12 @@ def histogram(topk_ids: torch.Tensor, valid: torch.Tensor, experts: int) -> torc
 
 
 def build_layout(
-    tokens_per_expert: torch.Tensor, config: EPConfig, policy: str, total_tokens: int, step_tokens: int
+    tokens_per_expert: torch.Tensor,
+    config: EPConfig,
+    policy: str,
+    total_tokens: int,
+    step_tokens: int,
+    cost: CostProfile | None = None,
 ) -> Layout:
     """Layout tables from the gathered histogram (identical on every rank).
 
@@ -73,8 +79,14 @@ def build_layout(
         policy: ``exact`` or ``none``.
         total_tokens: tokens over the group ``T`` (sets each rank's share under ``exact``).
         step_tokens: ``s``, the tokens per rank of this step (sets ``shard_rows``).
+        cost: the cost profile of ``auto`` (default :meth:`flatep.CostProfile.default`).
     """
     check_policy(policy)
+    check_cost(policy, cost)
+    if policy == "auto":
+        from flatep.plan.auto import auto_layout  # auto plans its candidates with this module
+
+        return auto_layout(tokens_per_expert, config, total_tokens, step_tokens, cost)
     device = tokens_per_expert.device
     ranks, experts, epn, align = config.ranks, config.experts, config.experts_per_rank, config.align
     alloc = allocate(  # [E, R]
@@ -170,6 +182,7 @@ def make_plan(
     config: EPConfig,
     policy: str = "exact",
     tokens: Sequence[int] | torch.Tensor | None = None,
+    cost: CostProfile | None = None,
 ) -> Plan:
     """Plan one step of a whole group (all ranks at once, as the virtual-rank transport holds them).
 
@@ -179,6 +192,8 @@ def make_plan(
         policy: ``exact`` (flat: rank ``d`` computes ``cap[d]`` rows) or ``none`` (classic EP).
         tokens: optional ``[R]`` real tokens per rank (per-rank ``s`` mode); rows ``t >= tokens[r]``
             of rank ``r`` are padding (conventionally ``-1``), ignored, and planned as ``-1``.
+        cost: under ``policy="auto"`` (the cheapest candidate by the cost model,
+            :mod:`flatep.plan.auto`), the :class:`flatep.CostProfile` (default: the generic one).
 
     Returns:
         The :class:`Plan`, tensors on ``topk_ids.device``.
@@ -188,7 +203,7 @@ def make_plan(
     counts = _token_counts(tokens, config.ranks, topk_ids.shape[1])
     valid = _valid_mask(topk_ids, counts, config.experts, "topk_ids")
     tokens_per_expert = histogram(topk_ids, valid, config.experts)
-    layout = build_layout(tokens_per_expert, config, policy, sum(counts), topk_ids.shape[1])
+    layout = build_layout(tokens_per_expert, config, policy, sum(counts), topk_ids.shape[1], cost)
     dest_rank, dest_row = entry_destinations(topk_ids, valid, range(config.ranks), layout)
     return Plan(**vars(layout), dest_rank=dest_rank, dest_row=dest_row)
 
@@ -201,6 +216,7 @@ def plan_rank(
     policy: str = "exact",
     total_tokens: int | None = None,
     tokens: int | None = None,
+    cost: CostProfile | None = None,
 ) -> RankPlan:
     """One rank's plan from the gathered histogram and its own ids (one process per rank).
 
@@ -215,6 +231,7 @@ def plan_rank(
         policy: ``exact`` or ``none``.
         total_tokens: tokens over the group (default: ``R * s``, every rank passing ``s``).
         tokens: this rank's real tokens (default ``s``); rows beyond are padding.
+        cost: the :class:`flatep.CostProfile` of ``policy="auto"`` (every rank must pass the same).
     """
     check_policy(policy)
     if not 0 <= rank < config.ranks:
@@ -238,6 +255,6 @@ def plan_rank(
             f"total_tokens={total} disagrees with the gathered histogram ({int(tokens_per_expert.sum())} entries, "
             f"K={config.top_k}): ranks disagree on s or on the token counts"
         )
-    layout = build_layout(tokens_per_expert.long(), config, policy, total, step)
+    layout = build_layout(tokens_per_expert.long(), config, policy, total, step, cost)
     dest_rank, dest_row = entry_destinations(topk_ids.unsqueeze(0), valid, [rank], layout)
     return RankPlan(**vars(layout), rank=rank, dest_rank=dest_rank[0], dest_row=dest_row[0])

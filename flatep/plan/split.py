@@ -33,7 +33,8 @@ def split_slot_rows(plan: L) -> L:
 
     Returns:
         ``plan`` itself under policy ``none`` or if it is split already; otherwise a copy with
-        ``slot_base = plan.shard_rows``, ``shard_rows = 2 * plan.shard_rows`` and every slot row
+        ``slot_base = plan.shard_rows``, ``shard_rows = slot_base + (plan.slot_rows or
+        plan.shard_rows)`` and every slot row
         ``r`` of rank ``d`` moved to ``r - split[d] + slot_base``, ``split[d] = offsets[d, epn-1]``.
     """
     if plan.policy == "none" or plan.slot_base:
@@ -51,7 +52,9 @@ def split_slot_rows(plan: L) -> L:
     owner = torch.arange(experts, device=plan.group_start.device) // (experts // ranks)
     borrowed = (plan.group_start >= 0) & (owner.unsqueeze(0) != torch.arange(ranks, device=owner.device).unsqueeze(1))
     group_start = torch.where(borrowed, plan.group_start + shift.unsqueeze(1), plan.group_start)
-    changes = dict(offsets=offsets, padding=padding, group_start=group_start, shard_rows=2 * base, slot_base=base)
+    changes = dict(
+        offsets=offsets, padding=padding, group_start=group_start, shard_rows=base + (plan.slot_rows or base), slot_base=base
+    )
     dest_row = getattr(plan, "dest_row", None)
     if dest_row is not None:
         dest_rank = plan.dest_rank.long().clamp_min(0)

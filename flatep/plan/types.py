@@ -2,8 +2,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from flatep.plan.auto import AutoChoice
 
 
 @dataclass
@@ -13,7 +17,7 @@ class Layout:
     Every tensor is int32 on the plan's device.
 
     Attributes:
-        policy: balancing policy that made the plan (``exact`` or ``none``).
+        policy: balancing policy that made the plan (``exact``, ``bounded``, ``none`` or ``auto``).
         shard_rows: rows of each receive shard this step may use (depends on ``s`` only).
         total_tokens: tokens over the group ``T``.
         tokens_per_expert: ``[R, E]`` histogram of every rank's ids (row ``r`` = rank ``r``).
@@ -32,6 +36,10 @@ class Layout:
             groups; otherwise the row where every shard's slot groups start (see
             :func:`flatep.plan.split.split_slot_rows`), so that home and slot experts run as two
             grouped GEMMs over weights kept apart.
+        slot_rows: rows the slot half of the split layout needs; ``0``: as many as ``shard_rows``
+            (``auto`` plans size their home half like classic EP and their slot half smaller).
+        auto: under policy ``auto``, the candidates, the device-side choice and the cost model's
+            predictions (:class:`flatep.plan.auto.AutoChoice`); ``None`` otherwise.
     """
 
     policy: str
@@ -46,6 +54,8 @@ class Layout:
     received: torch.Tensor
     group_start: torch.Tensor
     slot_base: int = field(default=0, kw_only=True)
+    slot_rows: int = field(default=0, kw_only=True)
+    auto: "AutoChoice | None" = field(default=None, kw_only=True)
 
     @property
     def ranks(self) -> int:

@@ -1,0 +1,271 @@
+"""The cost model of one MoE layer step: predicted time of every rank for a candidate allocation.
+
+A :class:`CostProfile` holds measured constants of a device and its link (``flatep calibrate``).
+:meth:`CostProfile.constants` turns them, for one :class:`~flatep.EPConfig`, into integer
+femtosecond constants (:class:`CostConstants`) on the host; :func:`predict` evaluates the model with
+int64 tensor arithmetic only, so it gives the same integers on the CPU and on the GPU, never reads
+a device tensor on the host, and can be captured in a CUDA graph. ``docs/cost-model.md`` states the
+formula; in short, for rank ``d`` and a candidate ``alloc [E, R]`` (rows of expert ``e`` on rank
+``d``):
+
+* GEMM: every non-empty group ``g`` (an expert with ``n_g > 0`` rows on ``d``) costs
+  ``group + max(weight, ceil(n_g / tile) * tile * row)``: a fixed overhead, then the larger of
+  reading the expert's weights from HBM and computing its rows in whole tiles;
+* push: ``max(sent, received) * expert_bytes * link`` (a donor pays what it sends, a receiver
+  what it receives), plus ``push`` on every rank if the candidate moves any expert;
+* dispatch and combine: the entries that cross the link, ``max(out, in)`` per rank, times the
+  bytes of a dispatched row (``H`` activations and a route weight) plus a combined row.
+
+The layer is as slow as its busiest rank.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from flatep.config import EPConfig
+
+_FS_PER_US = 10**9
+_FS_PER_S = 10**15
+# Every link term is kept below 2**60 fs so that a few of them plus the GEMM terms fit int64.
+_LINK_FS_LIMIT = 2**60
+_PROFILES = Path(__file__).resolve().parent.parent / "bench" / "profiles"
+
+
+@dataclass(frozen=True)
+class CostProfile:
+    """Measured constants of one device and its expert-parallel link.
+
+    Attributes:
+        link_gbps: bandwidth of the link between EP ranks, per rank and direction, in GB/s
+            (``1e9`` bytes per second).
+        hbm_gbps: HBM read bandwidth of a grouped GEMM's weight reads, in GB/s.
+        gemm_tflops: grouped-GEMM throughput at many rows per group, in TFLOP/s (``1e12`` per second).
+        group_us: fixed time of every non-empty expert group of a grouped GEMM, in microseconds
+            (tile scheduling, prologue and epilogue; the GEMM of one group of ``tile_rows`` rows
+            costs about ``group_us + max(weight read, compute)``).
+        push_us: fixed time of a step that moves any expert's weights (push launches and the
+            barrier after them), in microseconds, charged to every rank.
+        tile_rows: rows of one GEMM tile: a group's rows are computed in whole tiles.
+        name: a label (the device it was measured on).
+    """
+
+    link_gbps: float
+    hbm_gbps: float
+    gemm_tflops: float
+    group_us: float
+    push_us: float
+    tile_rows: int
+    name: str = "custom"
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if field.name == "name":
+                if not isinstance(value, str):
+                    raise ValueError(f"CostProfile.name must be a string, got {value!r}")
+            elif field.name == "tile_rows":
+                if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                    raise ValueError(f"CostProfile.tile_rows must be a positive integer, got {value!r}")
+            elif isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+                raise ValueError(f"CostProfile.{field.name} must be a finite number > 0, got {value!r}")
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "CostProfile":
+        """A profile from a mapping of its fields; a missing or unknown field raises ``ValueError``."""
+        if not isinstance(values, dict):
+            raise ValueError(f"a cost profile must be a mapping of its fields, got {type(values).__name__}")
+        names = [field.name for field in dataclasses.fields(cls)]
+        required = [field.name for field in dataclasses.fields(cls) if field.default is dataclasses.MISSING]
+        missing = [name for name in required if name not in values]
+        if missing:
+            raise ValueError(f"cost profile is missing field(s) {missing} (fields: {names})")
+        unknown = sorted(set(values) - set(names))
+        if unknown:
+            raise ValueError(f"cost profile has unknown field(s) {unknown} (fields: {names})")
+        return cls(**values)
+
+    def to_dict(self) -> dict:
+        """The fields as a JSON-ready mapping."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def load(cls, path: str | Path) -> "CostProfile":
+        """Read a profile written by :meth:`save` (or ``flatep calibrate --out``)."""
+        try:
+            values = json.loads(Path(path).read_text())
+        except json.JSONDecodeError as error:
+            raise ValueError(f"cost profile {path} is not valid JSON: {error}") from None
+        return cls.from_dict(values)
+
+    def save(self, path: str | Path) -> None:
+        """Write the profile as JSON."""
+        Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+
+    @classmethod
+    def preset(cls, name: str) -> "CostProfile":
+        """A shipped profile: ``generic`` or ``h200`` (files in ``flatep/bench/profiles``)."""
+        shipped = sorted(path.stem for path in _PROFILES.glob("*.json"))
+        if name not in shipped:
+            raise ValueError(f"cost profile preset must be one of {shipped}, got {name!r}")
+        return cls.load(_PROFILES / f"{name}.json")
+
+    @classmethod
+    def default(cls) -> "CostProfile":
+        """The generic shipped profile (``preset("generic")``)."""
+        return cls.preset("generic")
+
+    def constants(self, config: EPConfig, weight_bytes: int | None = None, row_bytes: int | None = None) -> "CostConstants":
+        """The model's integer constants for ``config``.
+
+        Args:
+            config: the group's sizes.
+            weight_bytes: bytes of one expert's weights as stored and pushed (default bf16:
+                :meth:`~flatep.EPConfig.expert_bytes`; pass the packed size for fp8 or mxfp4 pools).
+            row_bytes: link bytes one entry costs in dispatch plus combine (default bf16 rows both
+                ways plus the fp32 route weight: ``2*H*2 + 4``).
+        """
+        weight_bytes = config.expert_bytes() if weight_bytes is None else weight_bytes
+        row_bytes = 2 * config.token_bytes() + 4 if row_bytes is None else row_bytes
+        for name, value in (("weight_bytes", weight_bytes), ("row_bytes", row_bytes)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        flops_per_row = 2 * 3 * config.hidden * config.intermediate
+        # The most link bytes one rank can see in a step: a donor lends at most epn experts to
+        # each other rank, and at most every entry of the group crosses.
+        link_bytes = (config.ranks - 1) * config.experts_per_rank * weight_bytes
+        link_bytes = max(link_bytes, config.ranks * config.capacity * config.top_k * row_bytes)
+        return CostConstants(
+            row_fs=round(flops_per_row * _FS_PER_S / (self.gemm_tflops * 1e12)),
+            tile_rows=self.tile_rows,
+            weight_fs=round(weight_bytes * _FS_PER_S / (self.hbm_gbps * 1e9)),
+            group_fs=round(self.group_us * _FS_PER_US),
+            push_fs=round(self.push_us * _FS_PER_US),
+            byte_fs=min(round(_FS_PER_S / (self.link_gbps * 1e9)), _LINK_FS_LIMIT // link_bytes),
+            weight_bytes=weight_bytes,
+            row_bytes=row_bytes,
+        )
+
+
+@dataclass(frozen=True)
+class CostConstants:
+    """Integer constants of the model for one config, in femtoseconds (host integers).
+
+    Attributes:
+        row_fs: compute time of one row of one expert (gate/up and down GEMMs).
+        tile_rows: rows of a GEMM tile.
+        weight_fs: time to read one expert's weights from HBM.
+        group_fs: fixed time of a non-empty group.
+        push_fs: fixed time of a step that moves weights.
+        byte_fs: link time of one byte (clamped so that no link term exceeds ``2**60``).
+        weight_bytes: bytes of one expert's weights.
+        row_bytes: link bytes of one entry (dispatch plus combine).
+    """
+
+    row_fs: int
+    tile_rows: int
+    weight_fs: int
+    group_fs: int
+    push_fs: int
+    byte_fs: int
+    weight_bytes: int
+    row_bytes: int
+
+
+@dataclass
+class Prediction:
+    """What the model predicts for each candidate (int64 tensors on the histogram's device).
+
+    Attributes:
+        rank_fs: ``[C, R]`` predicted layer time of each rank, in femtoseconds.
+        layer_fs: ``[C]`` the busiest rank's time.
+        experts_moved: ``[C]`` (expert, receiver) pairs whose weights move.
+        bytes_moved: ``[C]`` weight bytes pushed over the link in all.
+    """
+
+    rank_fs: torch.Tensor
+    layer_fs: torch.Tensor
+    experts_moved: torch.Tensor
+    bytes_moved: torch.Tensor
+
+
+def local_entries(tokens_per_expert: torch.Tensor, alloc: torch.Tensor) -> torch.Tensor:
+    """``[C, R] int64``: entries each rank both sends and computes (they cross no link).
+
+    Entries of expert ``e`` are ordered by source rank (``tokens_per_expert[r, e]`` from rank ``r``)
+    and cut into chunks by destination rank (``alloc[c, e, d]``), as the planners place them; the
+    local ones of rank ``d`` are the overlap of its source interval with its chunk.
+
+    Args:
+        tokens_per_expert: ``[R, E]`` integer histogram.
+        alloc: ``[C, E, R]`` integer allocation of each candidate.
+    """
+    counts = tokens_per_expert.long()
+    source_end = counts.cumsum(0)  # [R, E]
+    source_start = source_end - counts
+    chunk_end = alloc.long().cumsum(2).transpose(1, 2)  # [C, R, E]
+    chunk_start = chunk_end - alloc.long().transpose(1, 2)
+    overlap = torch.minimum(source_end, chunk_end) - torch.maximum(source_start, chunk_start)
+    return overlap.clamp_min(0).sum(2)
+
+
+def predict(tokens_per_expert: torch.Tensor, alloc: torch.Tensor, constants: CostConstants) -> Prediction:
+    """Evaluate the model for ``C`` candidate allocations of one step.
+
+    Args:
+        tokens_per_expert: ``[R, E]`` int32/int64 gathered histogram (row ``r`` = rank ``r``'s ids).
+        alloc: ``[C, E, R]`` int32/int64 rows of expert ``e`` computed on rank ``d`` per candidate
+            (home rank of ``e`` = ``e // (E/R)``), on the same device.
+        constants: from :meth:`CostProfile.constants`.
+
+    Returns:
+        The :class:`Prediction`; integer arithmetic only, no host synchronisation.
+    """
+    if alloc.dim() != 3 or tokens_per_expert.dim() != 2 or tuple(alloc.shape[1:]) != tuple(tokens_per_expert.shape[::-1]):
+        raise ValueError(
+            f"alloc must be [C, E, R] and tokens_per_expert [R, E] of the same E and R, got "
+            f"{list(alloc.shape)} and {list(tokens_per_expert.shape)}"
+        )
+    ranks, experts = tokens_per_expert.shape
+    epn = experts // ranks
+    rows = alloc.long()  # [C, E, R]
+    tiles = (rows + constants.tile_rows - 1) // constants.tile_rows
+    compute = torch.clamp_min(tiles * (constants.tile_rows * constants.row_fs), constants.weight_fs)
+    gemm = torch.where(rows > 0, compute + constants.group_fs, 0).sum(1)  # [C, R]
+
+    home = torch.arange(experts, device=rows.device) // epn
+    foreign = (rows > 0) & (home.view(1, -1, 1) != torch.arange(ranks, device=rows.device).view(1, 1, -1))
+    received = foreign.sum(1)  # [C, R] experts borrowed by each rank
+    lent = foreign.sum(2).view(-1, ranks, epn).sum(2)  # [C, R] (expert, receiver) pairs each donor sends
+    moved = received.sum(1)
+    push = torch.maximum(received, lent) * constants.weight_bytes * constants.byte_fs
+    push = push + torch.where(moved > 0, constants.push_fs, 0).unsqueeze(1)
+
+    local = local_entries(tokens_per_expert, rows)
+    sent = tokens_per_expert.long().sum(1).unsqueeze(0) - local  # [C, R]
+    arrived = rows.sum(1) - local
+    rows_link = torch.maximum(sent, arrived) * constants.row_bytes * constants.byte_fs
+
+    rank_fs = gemm + push + rows_link
+    return Prediction(
+        rank_fs=rank_fs,
+        layer_fs=rank_fs.max(1).values,
+        experts_moved=moved,
+        bytes_moved=moved * constants.weight_bytes,
+    )
+
+
+def check_cost(policy: str, cost: CostProfile | None) -> None:
+    """Raise ``ValueError`` unless ``cost`` is None or a :class:`CostProfile` passed with policy ``auto``."""
+    if cost is None:
+        return
+    if not isinstance(cost, CostProfile):
+        raise ValueError(f"cost must be a flatep.CostProfile or None, got {type(cost).__name__}")
+    if policy != "auto":
+        raise ValueError(f"cost is used by policy='auto' only, got policy={policy!r}")
+
