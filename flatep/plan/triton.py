@@ -47,6 +47,8 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 from flatep.config import EPConfig, check_policy
+from flatep.plan.auto import plan_candidates, select
+from flatep.plan.cost import CostProfile, check_cost
 from flatep.plan.reference import _check_ids, _token_counts
 from flatep.plan.types import Plan, RankPlan
 
@@ -597,6 +599,7 @@ def make_plan_triton(
     config: EPConfig,
     policy: str = "exact",
     tokens: Sequence[int] | torch.Tensor | None = None,
+    cost: CostProfile | None = None,
 ) -> Plan:
     """Plan one step of a whole group of virtual ranks on the GPU; equals :func:`flatep.plan.make_plan`.
 
@@ -608,14 +611,19 @@ def make_plan_triton(
             ``1 <= s <= capacity``. Ids of real tokens must be in ``[0, E)`` (not checked: others
             are skipped and planned as ``-1``).
         config: group sizes (``R <= 64``, ``E <= 1024``); ``R`` and ``K`` must match ``topk_ids``.
-        policy: ``exact`` (flat) or ``none`` (classic EP).
+        policy: ``exact`` (flat), ``none`` (classic EP) or ``auto`` (:mod:`flatep.plan.auto`).
         tokens: optional host ``[R]`` real tokens per rank (a list or CPU tensor); rows beyond are
             padding, ignored and planned as ``-1``.
+        cost: the :class:`flatep.CostProfile` of ``auto`` (default: the generic one).
 
     Returns:
         The :class:`Plan`, int32 tensors on ``topk_ids.device``.
     """
     check_policy(policy)
+    check_cost(policy, cost)
+    if policy == "auto":  # every candidate planned here, the choice gathered on the device
+        plans = plan_candidates(lambda candidate, name: make_plan_triton(topk_ids, candidate, name, tokens), config)
+        return select(plans, plans[0].tokens_per_expert, config, cost, plans[0].total_tokens)
     _check_config(config)
     if not isinstance(topk_ids, torch.Tensor):
         raise ValueError(f"topk_ids must be a tensor, got {type(topk_ids).__name__}")
@@ -680,6 +688,7 @@ def plan_rank_triton(
     policy: str = "exact",
     total_tokens: int | None = None,
     tokens: int | None = None,
+    cost: CostProfile | None = None,
 ) -> RankPlan:
     """One rank's plan on its GPU from the gathered histogram; equals :func:`flatep.plan.plan_rank`.
 
@@ -697,11 +706,19 @@ def plan_rank_triton(
         policy: ``exact`` or ``none``.
         total_tokens: tokens over the group (default ``R * s``).
         tokens: this rank's real tokens (default ``s``); rows beyond are padding, planned as ``-1``.
+        cost: the :class:`flatep.CostProfile` of ``auto`` (every rank must pass the same).
 
     Returns:
         The :class:`RankPlan`, int32 tensors on ``topk_ids.device``.
     """
     check_policy(policy)
+    check_cost(policy, cost)
+    if policy == "auto":
+        plans = plan_candidates(
+            lambda candidate, name: plan_rank_triton(rank, topk_ids, tokens_per_expert, candidate, name, total_tokens, tokens),
+            config,
+        )
+        return select(plans, plans[0].tokens_per_expert, config, cost, plans[0].total_tokens)
     _check_config(config)
     if not isinstance(rank, int) or not 0 <= rank < config.ranks:
         raise ValueError(f"rank must be an int in [0, {config.ranks}), got {rank!r}")
