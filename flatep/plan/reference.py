@@ -1,7 +1,6 @@
 """The reference planner: vectorised torch, the executable specification of a plan.
 
-It follows MoonEP's reference algorithm (``shared/reference/moonep-design.md`` §3.2): quotas and
-per-donor split (:mod:`flatep.plan.policy`), then the per-destination layout and the destination
+It follows MoonEP's planner (Kimi-K3 technical report, §5.2.1): quotas and per-donor split (:mod:`flatep.plan.policy`), then the per-destination layout and the destination
 row of each entry computed here. Ties break toward the smallest index; real rows of an expert
 follow its global order (source rank, then flat ``(t, k)`` entry order) cut into chunks in
 destination-rank order.
@@ -76,7 +75,7 @@ def build_layout(
     Args:
         tokens_per_expert: ``[R, E]`` integer histogram of every rank's ids.
         config: group sizes.
-        policy: ``exact`` or ``none``.
+        policy: ``exact``, ``bounded`` or ``none``.
         total_tokens: tokens over the group ``T`` (sets each rank's share under ``exact``).
         step_tokens: ``s``, the tokens per rank of this step (sets ``shard_rows``).
         cost: the cost profile of ``auto`` (default :meth:`flatep.CostProfile.default`).
@@ -89,9 +88,8 @@ def build_layout(
         return auto_layout(tokens_per_expert, config, total_tokens, step_tokens, cost)
     device = tokens_per_expert.device
     ranks, experts, epn, align = config.ranks, config.experts, config.experts_per_rank, config.align
-    alloc = allocate(  # [E, R]
-        tokens_per_expert.cpu(), epn, config.top_k, total_tokens, policy, config.rebalance_limit(total_tokens)
-    )
+    limit = config.bounded_rows(total_tokens) if policy == "bounded" else config.rebalance_limit(total_tokens)
+    alloc = allocate(tokens_per_expert.cpu(), epn, config.top_k, total_tokens, policy, limit)  # [E, R]
     home = torch.arange(experts) // epn
     expert_ids = torch.arange(experts)
     foreign = (alloc > 0) & (home.view(-1, 1) != torch.arange(ranks).view(1, -1))  # [E, R]
@@ -189,7 +187,9 @@ def make_plan(
     Args:
         topk_ids: ``[R, s, K]`` int32 (or int64) expert ids of every rank; ``1 <= s <= capacity``.
         config: group sizes; ``R`` and ``K`` must match ``topk_ids``.
-        policy: ``exact`` (flat: rank ``d`` computes ``cap[d]`` rows) or ``none`` (classic EP).
+        policy: ``exact`` (flat: rank ``d`` computes ``cap[d]`` rows), ``bounded`` (at most
+            :meth:`~flatep.EPConfig.bounded_rows` rows per rank; only the surplus moves) or
+            ``none`` (classic EP).
         tokens: optional ``[R]`` real tokens per rank (per-rank ``s`` mode); rows ``t >= tokens[r]``
             of rank ``r`` are padding (conventionally ``-1``), ignored, and planned as ``-1``.
         cost: under ``policy="auto"`` (the cheapest candidate by the cost model,
@@ -228,7 +228,7 @@ def plan_rank(
         topk_ids: ``[s, K]`` this rank's ids.
         tokens_per_expert: ``[R, E]`` histogram gathered from every rank (row ``r`` from rank ``r``).
         config: group sizes.
-        policy: ``exact`` or ``none``.
+        policy: ``exact``, ``bounded`` or ``none``.
         total_tokens: tokens over the group (default: ``R * s``, every rank passing ``s``).
         tokens: this rank's real tokens (default ``s``); rows beyond are padding.
         cost: the :class:`flatep.CostProfile` of ``policy="auto"`` (every rank must pass the same).

@@ -20,9 +20,9 @@ def padded_ids(ids: torch.Tensor, tokens: list[int] | None) -> torch.Tensor:
 
 @st.composite
 def planner_cases(draw, ranks=(1, 2, 3, 4, 8), experts_per_rank=(1, 2, 3, 8), max_top_k=8, max_tokens=24,
-                  aligns=(1, 2, 4, 8, 128), sigmas=(0.0, 0.5, 1.0, 3.0, 8.0), tolerances=(0.0, 0.0, 0.0, 0.2, 1.0, 4.0)):
+                  aligns=(1, 2, 4, 8, 128), sigmas=(0.0, 0.5, 1.0, 3.0, 8.0), tolerances=(0.0, 0.0, 0.0, 0.01, 0.2, 1 / 3, 1.0, 4.0)):
     """``(topk_ids [R, s, K] int32, config, policy, tokens or None)``: skewed, uniform with repeated
-    ids, or adversarial routings; per-rank token counts half of the time; both policies."""
+    ids, or adversarial routings; per-rank token counts half of the time; every policy."""
     group = draw(st.sampled_from(ranks))
     experts = group * draw(st.sampled_from(experts_per_rank))
     top_k = draw(st.integers(1, min(experts, max_top_k)))
@@ -43,5 +43,5 @@ def planner_cases(draw, ranks=(1, 2, 3, 4, 8), experts_per_rank=(1, 2, 3, 8), ma
         tokens = [draw(st.integers(0, step)) for _ in range(group)]
         if sum(tokens) == 0:
             tokens[0] = 1
-    policy = draw(st.sampled_from(["exact", "none"]))
+    policy = draw(st.sampled_from(["exact", "none", "bounded"]))
     return padded_ids(ids, tokens), config, policy, tokens

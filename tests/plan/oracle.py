@@ -1,14 +1,37 @@
-"""A literal, loop-by-loop transcription of MoonEP's reference planner (moonep-design.md §3.2).
+"""A literal, loop-by-loop transcription of MoonEP's planner (Kimi-K3 technical report, §5.2.1).
 
-Test-only and slow (Python loops over entries); used as an independent oracle for the vectorised
-reference planner. Duplicate encoding (step E) is not part of FlatEP's plan and is left out.
+Test-only and slow (Python loops over entries and rows); used as an independent oracle for the
+vectorised reference planner. Duplicate encoding is not part of FlatEP's plan and is left out.
+It computes its own imbalance bound (exact rationals, not the config's integer formula) and the
+``bounded`` targets by handing the surplus out one row at a time to the least loaded rank.
 """
 from __future__ import annotations
 
+import math
+from fractions import Fraction
 
-def oracle_plan(topk, tokens, ranks, experts, top_k, align, policy="exact", limit=None):
-    """topk: nested lists [R][s][K]; tokens: [R] real tokens per rank; limit: FlatEP's tolerance
-    (no rebalancing while the busiest rank has at most ``limit`` rows; default ``floor(T*K/R)``).
+
+def oracle_bound(entries, ranks, tolerance):
+    """``floor((1 + t) * entries / R)`` with ``t`` the tolerance rounded to a multiple of 2**-20."""
+    fixed = Fraction(round(tolerance * 2**20), 2**20)
+    return math.floor((1 + fixed) * Fraction(entries, ranks))
+
+
+def oracle_targets(load, bound):
+    """Bounded targets: overloaded ranks drop to ``bound``; their surplus goes one row at a time
+    to the rank with the fewest rows (ties: smallest index) among those below ``bound``."""
+    targets = [min(value, bound) for value in load]
+    for _ in range(sum(load) - sum(targets)):
+        open_ranks = [r for r in range(len(load)) if targets[r] < bound]
+        r = min(open_ranks, key=lambda i: (targets[i], i))
+        targets[r] += 1
+    return targets
+
+
+def oracle_plan(topk, tokens, ranks, experts, top_k, align, policy="exact", tolerance=0.0):
+    """topk: nested lists [R][s][K]; tokens: [R] real tokens per rank; tolerance: FlatEP's
+    tolerance (``exact``: no rebalancing while the busiest rank has at most ``(1+t)*mean`` rows;
+    ``bounded``: at most ``max(ceil(mean), floor((1+t)*mean))`` rows per rank).
 
     Returns dict with dest (list per rank of (rank, row) per flat entry, None if padded),
     offsets [R][2epn], padding [R][2epn][2], slots [R][epn], received [R].
@@ -28,9 +51,11 @@ def oracle_plan(topk, tokens, ranks, experts, top_k, align, policy="exact", limi
     total = sum(tokens) * top_k
     cap = [total // ranks + (1 if d < total % ranks else 0) for d in range(ranks)]
     alloc = [[cnt[e] if d == e // epn else 0 for d in range(ranks)] for e in range(experts)]
-    if limit is None:
-        limit = total // ranks
-    if policy == "exact" and max(load) > limit:
+    limit = oracle_bound(total, ranks, tolerance)
+    if policy == "bounded":
+        limit = max(limit, -(-total // ranks))
+        cap = oracle_targets(load, limit)
+    if policy in ("exact", "bounded") and max(load) > limit:
         bal = [load[h] - cap[h] for h in range(ranks)]
         z = [[0] * ranks for _ in range(ranks)]
         while True:
@@ -87,4 +112,7 @@ def oracle_plan(topk, tokens, ranks, experts, top_k, align, policy="exact", limi
             out.append((d, seg_start[(d, e)] + g - (acum[e][d - 1] if d > 0 else 0)))
         dest.append(out)
     received = [sum(alloc[e][d] for e in range(experts)) for d in range(ranks)]
-    return {"dest": dest, "offsets": offsets, "padding": padding, "slots": slots, "received": received}
+    lent = [sum(1 for e in range(h * epn, (h + 1) * epn) for d in range(ranks) if d != h and alloc[e][d] > 0)
+            for h in range(ranks)]
+    return {"dest": dest, "offsets": offsets, "padding": padding, "slots": slots, "received": received,
+            "alloc": alloc, "lent": lent}

@@ -7,16 +7,18 @@ from hypothesis import given, settings
 
 from flatep import EPConfig
 from flatep.plan import make_plan, plan_rank
+from flatep.plan.policy import bounded_targets
 from flatep.routing import ADVERSARIAL, adversarial_topk, skewed_topk
 from tests.plan.cases import padded_ids, planner_cases
-from tests.plan.oracle import oracle_plan
+from tests.plan.oracle import oracle_bound, oracle_plan, oracle_targets
 
 
 def check_against_oracle(ids: torch.Tensor, config: EPConfig, policy: str, tokens: list[int] | None) -> None:
     plan = make_plan(ids, config, policy, tokens)
     counts = tokens or [ids.shape[1]] * config.ranks
     expected = oracle_plan(ids.tolist(), counts, config.ranks, config.experts, config.top_k, config.align, policy,
-                           config.rebalance_limit(sum(counts)))
+                           config.tolerance)
+    assert plan.alloc.tolist() == expected["alloc"]
     assert plan.offsets.tolist() == expected["offsets"]
     assert plan.padding.tolist() == expected["padding"]
     assert plan.slot_experts.tolist() == expected["slots"]
@@ -42,13 +44,19 @@ def check_guarantees(plan, ids: torch.Tensor, config: EPConfig, tokens: list[int
     received = torch.bincount(plan.dest_rank[valid].long(), minlength=ranks)
     assert received.tolist() == plan.received.tolist()
     load = plan.tokens_per_expert.sum(0).view(ranks, epn).sum(1)
-    limit = config.rebalance_limit(sum(counts))
-    if plan.policy == "exact" and int(load.max()) <= limit:
-        # Within the config's tolerance: nothing moves, every rank computes its own load.
+    limit = oracle_bound(total, ranks, config.tolerance)
+    if plan.policy == "bounded":
+        limit = max(limit, -(-total // ranks))
+    if plan.policy != "none" and int(load.max()) <= limit:
+        # Within the bound: nothing moves, every rank computes its own load.
         assert bool((plan.slot_experts == -1).all()) and plan.received.tolist() == load.tolist()
-    elif plan.policy == "exact":
-        cap = [total // ranks + (1 if d < total % ranks else 0) for d in range(ranks)]
-        assert plan.received.tolist() == cap  # flat
+    elif plan.policy != "none":
+        if plan.policy == "exact":
+            cap = [total // ranks + (1 if d < total % ranks else 0) for d in range(ranks)]
+        else:
+            cap = oracle_targets(load.tolist(), limit)
+            assert max(cap) <= limit
+        assert plan.received.tolist() == cap  # flat, or bounded
         for d in range(ranks):
             borrowed = [e for e in plan.slot_experts[d].tolist() if e >= 0]
             assert len(borrowed) <= epn
@@ -57,6 +65,8 @@ def check_guarantees(plan, ids: torch.Tensor, config: EPConfig, tokens: list[int
             assert len({e // epn for e in borrowed}) <= 1  # one donor per receiver
     else:
         assert bool((plan.slot_experts == -1).all())
+    # Rows per rank within the shard sizing of the policy.
+    assert int(plan.received.max()) <= config.step_rows(ranks * ids.shape[1], plan.policy)
     # Groups: offsets monotone, non-empty segments multiples of align, within the shard.
     offsets = plan.offsets.long()
     lengths = torch.diff(offsets, dim=1, prepend=torch.zeros(ranks, 1, dtype=torch.long))
@@ -109,9 +119,9 @@ def test_worked_example_from_the_design_notes():
 
 
 @pytest.mark.parametrize("kind", ADVERSARIAL)
-@pytest.mark.parametrize("policy", ["exact", "none"])
-def test_adversarial_routings_at_moderate_size(kind, policy):
-    config = EPConfig(ranks=8, experts=64, top_k=8, hidden=8, intermediate=8, capacity=64, align=16)
+@pytest.mark.parametrize("policy, tolerance", [("exact", 0.0), ("none", 0.0), ("bounded", 0.0), ("bounded", 0.3)])
+def test_adversarial_routings_at_moderate_size(kind, policy, tolerance):
+    config = EPConfig(ranks=8, experts=64, top_k=8, hidden=8, intermediate=8, capacity=64, align=16, tolerance=tolerance)
     ids = adversarial_topk(kind, 8, 64, 8, 64)
     check_guarantees(make_plan(ids, config, policy), ids, config, None)
 
@@ -176,3 +186,46 @@ def test_bad_policy_and_token_counts():
         make_plan(ids, config, tokens=[5, 1])
     with pytest.raises(ValueError, match="positive sum"):
         make_plan(ids, config, tokens=[0, 0])
+
+
+@pytest.mark.parametrize(
+    "load, bound, expected",
+    [
+        ([10, 0, 0, 2], 4, [4, 3, 3, 2]),  # X = 6 = fill(3): ranks 1, 2 rise to level 3
+        ([10, 1, 3, 0], 4, [4, 4, 3, 3]),  # fill(3) = 5 <= 6 < fill(4): one row left -> rank 1 first
+        ([9, 0, 0, 0], 3, [3, 2, 2, 2]),  # X = 6 = fill(2): nothing left over
+        ([5, 5, 1, 1], 5, [5, 5, 1, 1]),  # nobody above the bound: nothing moves
+        ([8, 1, 2, 1], 3, [3, 3, 3, 3]),  # the level reaches the bound
+        ([12, 0, 0], 4, [4, 4, 4]),  # R*b = T*K: everybody ends at the bound
+        ([6, 6, 0, 0], 5, [5, 5, 1, 1]),  # two donors
+    ],
+)
+def test_bounded_targets_water_fill(load, bound, expected):
+    assert bounded_targets(load, bound) == expected == oracle_targets(load, bound)
+
+
+def test_bounded_targets_reject_a_bound_below_the_mean():
+    with pytest.raises(ValueError, match="bound must be >= ceil"):
+        bounded_targets([5, 0], 2)
+
+
+def test_bounded_moves_only_the_surplus():
+    config = EPConfig(ranks=4, experts=8, top_k=1, hidden=8, intermediate=8, capacity=16, align=1, tolerance=0.25)
+    ids = torch.zeros(4, 16, 1, dtype=torch.int32)  # all 64 rows on expert 0 (rank 0)
+    assert config.bounded_rows(64) == 20
+    plan = make_plan(ids, config, "bounded")
+    assert plan.received.tolist() == [20, 15, 15, 14]
+    assert plan.alloc[0].tolist() == [20, 15, 15, 14]
+    assert make_plan(ids, config, "exact").received.tolist() == [16, 16, 16, 16]
+
+
+def test_bounded_within_the_bound_equals_classic():
+    config = EPConfig(ranks=4, experts=8, top_k=1, hidden=8, intermediate=8, capacity=16, align=1, tolerance=0.25)
+    ids = (torch.arange(64) % 8).view(4, 16, 1).int()  # 16 rows homed on each rank ...
+    ids[0, 2:6] = 0  # ... then rank 0 takes 4 more (20 = the bound): loads [20, 14, 14, 16]
+    none, bounded = make_plan(ids, config, "none"), make_plan(ids, config, "bounded")
+    assert none.received.tolist()[0] == 20
+    for name, tensor in none.tensors().items():
+        assert torch.equal(tensor, getattr(bounded, name)), name
+    ids[1, 2] = 0  # loads [21, 13, 14, 16]: the one row above the bound fills rank 1 to level 14
+    assert make_plan(ids, config, "bounded").received.tolist() == [20, 14, 14, 16]
