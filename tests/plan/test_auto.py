@@ -122,3 +122,16 @@ def test_cost_is_for_auto_only():
         make_plan(ids, config, "exact", cost=CostProfile.default())
     with pytest.raises(ValueError, match="cost must be a flatep.CostProfile"):
         make_plan(ids, config, "auto", cost={"link_gbps": 1})
+
+
+@pytest.mark.parametrize("cost", [None, ROWS_ONLY, NO_LINK], ids=["default", "rows_only", "no_link"])
+def test_layer_equals_dense_under_auto(cost):
+    from flatep import dense_moe, ep_moe, init_group
+    from tests.helpers import DEVICE, make_inputs, relative_error
+
+    config = EPConfig(ranks=4, experts=8, top_k=2, hidden=32, intermediate=16, capacity=16, align=4)
+    group = init_group("local", ranks=4, device=DEVICE)
+    x, ids, weights, w13, w2 = make_inputs(config, 16, 3.0, torch.float32, seed=2)
+    with torch.no_grad():
+        out = ep_moe(x, ids, weights, w13, w2, config=config, group=group, policy="auto", cost=cost, backend="torch")
+    assert relative_error(out, dense_moe(x, ids, weights, w13, w2)) < 1e-5
