@@ -15,6 +15,7 @@ from flatep.experts.pool import ExpertPool, check_expert_weights
 from flatep.kernels.backend import use_triton
 from flatep.kernels.combine import combine_torch, combine_triton
 from flatep.kernels.dispatch import dispatch_torch, dispatch_triton
+from flatep.plan.cost import CostProfile, check_cost
 from flatep.plan.reference import _valid_mask, histogram, make_plan, plan_rank
 from flatep.plan.split import split_slot_rows
 from flatep.plan.triton import make_plan_triton, plan_rank_triton, supports_triton_planner
@@ -71,6 +72,7 @@ def plan_step(
     policy: str = "exact",
     tokens: list[int] | int | None = None,
     dtype: torch.dtype | None = None,
+    cost: CostProfile | None = None,
 ) -> Plan | RankPlan:
     """Plan one step: a :class:`Plan` of all ranks on the local transport, else this rank's :class:`RankPlan`.
 
@@ -84,10 +86,11 @@ def plan_step(
         topk_ids: ``[R, s, K]`` (local) or ``[s, K]`` int32 expert ids.
         config: group sizes.
         group: from :func:`flatep.init_group`.
-        policy: ``exact`` or ``none``.
+        policy: ``exact``, ``bounded``, ``none`` or ``auto``.
         tokens: real tokens per rank, rows beyond are padding: ``[R]`` counts on the local
             transport, this rank's count on a per-process one (default ``s``).
         dtype: activation dtype the ranks must agree on (per-process groups; ``None``: not checked).
+        cost: the :class:`flatep.CostProfile` of ``policy="auto"`` (per-process ranks must pass the same).
 
     The plan comes in the layer's split layout (:func:`flatep.plan.split.split_slot_rows`: slot
     groups from row ``slot_base``), which dispatch, experts and combine expect.
@@ -97,22 +100,24 @@ def plan_step(
     costs one host sync, except while a CUDA graph is being captured.
     """
     check_policy(policy)
+    check_cost(policy, cost)
     if group.stacked:
         if not (topk_ids.is_cuda and supports_triton_planner(config)):
-            return split_slot_rows(make_plan(topk_ids, config, policy, tokens))
+            return split_slot_rows(make_plan(topk_ids, config, policy, tokens, cost))
         if not torch.cuda.is_current_stream_capturing():
             counts = [topk_ids.shape[1]] * config.ranks if tokens is None else list(tokens)
             _valid_mask(topk_ids, counts, config.experts, "topk_ids")
-        return split_slot_rows(make_plan_triton(topk_ids, config, policy, tokens))
+        return split_slot_rows(make_plan_triton(topk_ids, config, policy, tokens, cost))
     if dtype not in _DTYPE_CODES:
         raise ValueError(f"dtype must be torch.bfloat16, torch.float32 or None, got {dtype}")
     if tokens is not None and not isinstance(tokens, int):
         raise ValueError(f"tokens must be this rank's token count (an int) on a per-process group, got {tokens!r}")
-    return split_slot_rows(_plan_this_rank(topk_ids, config, group, policy, tokens, dtype))
+    return split_slot_rows(_plan_this_rank(topk_ids, config, group, policy, tokens, dtype, cost))
 
 
 def _plan_this_rank(
-    topk_ids: torch.Tensor, config: EPConfig, group: Group, policy: str, tokens: int | None, dtype: torch.dtype | None
+    topk_ids: torch.Tensor, config: EPConfig, group: Group, policy: str, tokens: int | None, dtype: torch.dtype | None,
+    cost: CostProfile | None = None,
 ) -> RankPlan:
     """:func:`plan_step` on a per-process group (collective)."""
     step = topk_ids.shape[0]
@@ -157,7 +162,7 @@ def _plan_this_rank(
     counts = histogram(topk_ids.unsqueeze(0), valid.unsqueeze(0), config.experts)[0]
     gathered = group.all_gather(counts)
     planner = plan_rank_triton if topk_ids.is_cuda and supports_triton_planner(config) else plan_rank
-    return planner(group.first_rank, topk_ids, gathered, config, policy, total_tokens=total, tokens=real)
+    return planner(group.first_rank, topk_ids, gathered, config, policy, total_tokens=total, tokens=real, cost=cost)
 
 
 def dispatch_step(
@@ -272,6 +277,7 @@ def ep_moe(
     activation: Activation = swiglu,
     precision: str = "fp32",
     combine_dtype: torch.dtype | None = None,
+    cost: CostProfile | None = None,
 ) -> torch.Tensor:
     """One expert-parallel MoE step.
 
@@ -284,7 +290,8 @@ def ep_moe(
             borrows); copied into a fresh pool each call. Pass ``pool`` instead to avoid the copy.
         w2: ``[E, H, I]``.
         config: group sizes; group: from :func:`flatep.init_group`.
-        policy: ``exact`` (flat) or ``none`` (classic EP).
+        policy: ``exact`` (flat), ``bounded``, ``none`` (classic EP) or ``auto`` (the cheapest of
+            them by the cost model, chosen on the device: :mod:`flatep.plan.auto`).
         pool: an :class:`ExpertPool` holding the layer's weights (then ``w13``/``w2`` must be None).
         plan: a precomputed plan for these ``topk_ids`` (e.g. to keep planning outside a CUDA graph).
         backend: ``auto`` (Triton on CUDA or under ``TRITON_INTERPRET=1``), ``triton`` or ``torch``.
@@ -297,6 +304,7 @@ def ep_moe(
         combine_dtype: dtype of the expert outputs that combine sums (default ``x``'s). ``float32``
             rounds each token once, after the sum, as models with fp32 route weights do (DeepSeek-V3,
             Kimi-K2 in transformers), at twice the combine bytes.
+        cost: the :class:`flatep.CostProfile` of ``policy="auto"`` (default: the generic one).
 
     Returns:
         ``[R, s, H]`` (or ``[s, H]``) in ``x``'s dtype: ``sum_k w[t,k] * expert_{ids[t,k]}(x[t])``.
@@ -321,7 +329,7 @@ def ep_moe(
         raise ValueError(f"pool dtype {pool.w13.dtype} must match x dtype {x.dtype}")
     if plan is None:
         # Per-process ranks agree on the step while planning, before the pool's collective allocation.
-        plan = plan_step(topk_ids, config, group, policy, dtype=x.dtype)
+        plan = plan_step(topk_ids, config, group, policy, dtype=x.dtype, cost=cost)
     elif plan.policy != policy:
         raise ValueError(f"plan was made with policy {plan.policy!r}, not {policy!r}")
     elif not group.stacked and not (isinstance(plan, RankPlan) and plan.rank == group.first_rank):
@@ -382,10 +390,12 @@ class EPMoE(nn.Module):
         shared_intermediate: int | None = None,
         dtype: torch.dtype = torch.bfloat16,
         backend: str = "auto",
+        cost: CostProfile | None = None,
     ) -> None:
         super().__init__()
         check_policy(policy)
-        self.config, self.group, self.policy = config, group, policy
+        check_cost(policy, cost)
+        self.config, self.group, self.policy, self.cost = config, group, policy, cost
         self.renormalize, self.backend = renormalize, backend
         if config.ranks != group.world:
             raise ValueError(f"config.ranks={config.ranks} must equal the group's size {group.world}")
@@ -424,7 +434,7 @@ class EPMoE(nn.Module):
         with torch.no_grad():
             out = ep_moe(
                 x.detach(), topk_ids, topk_weights, config=self.config, group=self.group, policy=self.policy,
-                pool=self.expert_pool(), backend=self.backend,
+                pool=self.expert_pool(), backend=self.backend, cost=self.cost,
             )
         if self.shared_w13 is not None:
             intermediate = self.shared_w2.shape[-1]
