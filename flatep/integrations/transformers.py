@@ -39,6 +39,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from flatep.config import EPConfig, check_policy
+from flatep.plan.cost import CostProfile, check_cost
 from flatep.experts.grouped import PRECISIONS, Activation, ClampedSwiGLU, swiglu
 from flatep.experts.pool import ExpertPool
 from flatep.layer import ep_moe, plan_step
@@ -172,9 +173,10 @@ class FlatEPExperts(nn.Module):
         backend: str = "auto",
         record_routing: bool = False,
         precision: str = "native",
+        cost: CostProfile | None = None,
     ) -> None:
         super().__init__()
-        self.pool, self.config, self.group, self.policy = pool, config, group, policy
+        self.pool, self.config, self.group, self.policy, self.cost = pool, config, group, policy, cost
         self.activation, self.backend, self.record_routing = activation, backend, record_routing
         self.precision = precision
         self.tokens_per_expert: list[torch.Tensor] = []
@@ -243,7 +245,7 @@ class FlatEPExperts(nn.Module):
     ) -> torch.Tensor:
         """Plan (with the real token counts) and run one :func:`flatep.ep_moe` step of ``step`` tokens per rank."""
         config = self._config_for(step)
-        plan = plan_step(ids, config, self.group, self.policy, tokens=tokens, dtype=x.dtype)
+        plan = plan_step(ids, config, self.group, self.policy, tokens=tokens, dtype=x.dtype, cost=self.cost)
         out = ep_moe(
             x, ids, weights, config=config, group=self.group, policy=self.policy, pool=self.pool, plan=plan,
             backend=self.backend, activation=self.activation, precision=self.precision,
@@ -327,6 +329,7 @@ def shard_moe(
     backend: str = "auto",
     record_routing: bool = False,
     precision: str = "native",
+    cost: CostProfile | None = None,
 ) -> ShardSummary:
     """Make the routed experts of every sparse MoE block of ``model`` expert-parallel over ``group``, in place.
 
@@ -334,7 +337,7 @@ def shard_moe(
         model: a loaded transformers model of a supported family (see :data:`FAMILIES`), bfloat16 or
             float32, on ``group.device``; ``R`` must divide its expert count.
         group: from :func:`flatep.init_group`.
-        policy: ``exact`` (flat per-rank load) or ``none`` (classic EP).
+        policy: ``exact`` (flat per-rank load), ``bounded``, ``none`` (classic EP) or ``auto``.
         capacity: initial tokens per rank per MoE call; grows by itself when a call passes more.
         align: rows each expert group is padded to (default 128 on CUDA for the grouped GEMM's tiles,
             8 elsewhere, where padding only costs time).
@@ -345,6 +348,7 @@ def shard_moe(
         precision: ``native`` (default: the model's own rounding order, so that bf16 outputs match the
             unsharded model's as closely as the combine allows) or ``fp32`` (activations in fp32);
             see :mod:`flatep.experts.grouped`.
+        cost: the :class:`flatep.CostProfile` of ``policy="auto"`` (default: the generic one).
 
     Returns:
         A :class:`ShardSummary` (replaced layers, memory per rank before and after).
@@ -354,6 +358,7 @@ def shard_moe(
         ImportError: transformers older than 5.0.
     """
     check_policy(policy)
+    check_cost(policy, cost)
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     require_transformers_5()
@@ -385,7 +390,7 @@ def shard_moe(
         bytes_after += sum(pool.home(n).numel() * pool.home(n).element_size() for n in pool.names)
         slot_bytes.update({pool.slots(n).data_ptr(): pool.slots(n).numel() * pool.slots(n).element_size() for n in pool.names})
         parent_name, _, child = name.rpartition(".")
-        replacement = FlatEPExperts(pool, config, group, policy, activation, backend, record_routing, precision)
+        replacement = FlatEPExperts(pool, config, group, policy, activation, backend, record_routing, precision, cost)
         setattr(model.get_submodule(parent_name), child, replacement)
         del experts
     return ShardSummary(
