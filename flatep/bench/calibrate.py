@@ -1,0 +1,224 @@
+"""``flatep calibrate``: measure a :class:`flatep.CostProfile` on the current GPU.
+
+Measured, at the model's shapes:
+
+* the grouped GEMMs of the experts (``torch._grouped_mm`` gate/up, then down, bf16) over ``G``
+  groups of ``n`` rows each, for ``n`` from 1 to 4096: per-group time ``t(n)``;
+* HBM read bandwidth: a sum over a large bf16 tensor (reads only, as weight streaming does);
+* link bandwidth: a copy from this GPU to a peer GPU when one exists (otherwise the ``base``
+  profile's value is kept, and said so).
+
+Fitted (:func:`fit_profile`, plain arithmetic tested with a fake timer): ``hbm_gbps`` from the read;
+``gemm_tflops`` from the largest ``n``; ``tile_rows`` the tile among 64/128/256 that fits ``t(n)``
+best; ``group_us = t(1) - expert_bytes / hbm`` (at least 0.1 us), so the model matches the
+one-row GEMM. ``push_us`` is kept from ``base`` (it needs a multi-rank step to measure).
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from flatep.config import MODEL_SHAPES, EPConfig, preset
+
+# Rows that are not multiples of every candidate tile, so that the tile size shows in the times.
+ROWS = (1, 16, 64, 128, 256, 320, 512, 1024, 1088, 2048, 2112, 4096)
+TILES = (64, 128, 256)
+READ_BYTES = 2**30
+LINK_BYTES = 2**28
+MIN_GROUP_US = 0.1
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """One timed operation: ``kind`` (``gemm``, ``read``, ``link``), its parameters, and ``make()``,
+    which allocates its inputs and returns the function to time."""
+
+    kind: str
+    params: dict
+    make: Callable[[], Callable[[], object]]
+
+
+Timer = Callable[[Measurement], float]
+"""Microseconds of one call of a measurement's function (a fake in tests)."""
+
+
+def _event_timer(device) -> Timer:
+    from flatep.bench.timing import time_us
+
+    def timer(measurement: Measurement) -> float:
+        return time_us(measurement.make(), device, warmup=3, iters=20)
+
+    return timer
+
+
+def _gemm(config: EPConfig, groups: int, rows: int, device) -> Measurement:
+    import torch
+
+    def make() -> Callable[[], object]:
+        hidden, intermediate = config.hidden, config.intermediate
+        x = torch.randn(groups * rows, hidden, device=device, dtype=torch.bfloat16)
+        w13 = torch.randn(groups, 2 * intermediate, hidden, device=device, dtype=torch.bfloat16) * hidden**-0.5
+        w2 = torch.randn(groups, hidden, intermediate, device=device, dtype=torch.bfloat16) * intermediate**-0.5
+        offs = torch.arange(1, groups + 1, device=device, dtype=torch.int32) * rows
+
+        def run() -> object:
+            up = torch._grouped_mm(x, w13.transpose(-2, -1), offs=offs)
+            return torch._grouped_mm(up[:, :intermediate].contiguous(), w2.transpose(-2, -1), offs=offs)
+
+        return run
+
+    return Measurement("gemm", {"groups": groups, "rows": rows}, make)
+
+
+def _read(device) -> Measurement:
+    import torch
+
+    def make() -> Callable[[], object]:
+        data = torch.randn(READ_BYTES // 2, device=device).to(torch.bfloat16)
+        return lambda: data.sum(dtype=torch.float32)
+
+    return Measurement("read", {"bytes": READ_BYTES}, make)
+
+
+def _link(device, peer) -> Measurement:
+    import torch
+
+    def make() -> Callable[[], object]:
+        source = torch.randn(LINK_BYTES // 2, device=device).to(torch.bfloat16)
+        target = torch.empty_like(source, device=peer)
+        return lambda: target.copy_(source, non_blocking=True)
+
+    return Measurement("link", {"bytes": LINK_BYTES}, make)
+
+
+def fit_profile(
+    config: EPConfig,
+    gemm_us: dict[int, float],
+    groups: int,
+    read_gbps: float,
+    link_gbps: float | None,
+    base,
+    name: str,
+):
+    """The profile that the measurements imply.
+
+    Args:
+        config: the model's shapes.
+        gemm_us: rows per group ``n`` -> time of the grouped GEMMs over ``groups`` groups (us).
+        groups: groups per measured GEMM.
+        read_gbps: HBM read bandwidth (GB/s).
+        link_gbps: measured link bandwidth, or None to keep ``base``'s.
+        base: the :class:`flatep.CostProfile` whose unmeasured fields are kept.
+        name: the new profile's label.
+    """
+    from flatep.plan.cost import CostProfile
+
+    if 1 not in gemm_us or len(gemm_us) < 2:
+        raise ValueError(f"gemm_us must hold n=1 and at least one larger n, got {sorted(gemm_us)}")
+    per_group = {rows: us / groups for rows, us in gemm_us.items()}
+    flops_per_row = 2 * 3 * config.hidden * config.intermediate
+    weight_us = config.expert_bytes() / (read_gbps * 1e3)
+    group_us = max(per_group[1] - weight_us, MIN_GROUP_US)
+    largest = max(per_group)
+
+    def fit(tile: int) -> tuple[float, float]:
+        # Compute time per row from the largest n in whole tiles; error of the model over all n.
+        padded = math.ceil(largest / tile) * tile
+        row_us = max(per_group[largest] - group_us, 1e-9) / padded
+        error = sum(
+            (group_us + max(weight_us, math.ceil(rows / tile) * tile * row_us) - us) ** 2 / us**2
+            for rows, us in per_group.items()
+        )
+        return error, row_us
+
+    tile = min(TILES, key=lambda size: (fit(size)[0], size))
+    row_us = fit(tile)[1]
+    return CostProfile(
+        link_gbps=base.link_gbps if link_gbps is None else link_gbps,
+        hbm_gbps=read_gbps,
+        gemm_tflops=flops_per_row / (row_us * 1e6),
+        group_us=group_us,
+        push_us=base.push_us,
+        tile_rows=tile,
+        name=name,
+    )
+
+
+def calibrate(config: EPConfig, device, timer: Timer | None = None, base=None, log: Callable[[str], None] = print):
+    """Measure a :class:`flatep.CostProfile` on ``device`` at ``config``'s shapes.
+
+    Args:
+        config: the model's sizes (``H``, ``I``, ``E/R`` groups per GEMM).
+        device: a CUDA device (``torch.device`` or string).
+        timer: how to time a :class:`Measurement` (default: CUDA events, median of 20).
+        base: profile whose unmeasured fields are kept (default :meth:`flatep.CostProfile.default`).
+        log: where progress lines go.
+
+    Raises:
+        ValueError: on a CPU device with the default timer (nothing meaningful to measure there).
+    """
+    import torch
+
+    from flatep.plan.cost import CostProfile
+
+    device = torch.device(device)
+    if timer is None:
+        if device.type != "cuda":
+            raise ValueError(f"calibrate measures a GPU: device must be a CUDA device, got {device} "
+                             "(on CPU use CostProfile.default())")
+        timer = _event_timer(device)
+    base = CostProfile.default() if base is None else base
+    groups = min(config.experts_per_rank, 8)
+    gemm_us = {}
+    for rows in ROWS:
+        gemm_us[rows] = timer(_gemm(config, groups, rows, device))
+        log(f"grouped GEMM, {groups} groups x {rows:5d} rows: {gemm_us[rows]:9.1f} us")
+    read_us = timer(_read(device))
+    read_gbps = READ_BYTES / read_us / 1e3
+    log(f"HBM read: {read_gbps:.0f} GB/s")
+    link_gbps = None
+    peers = torch.cuda.device_count() if device.type == "cuda" else 0
+    peer = next((other for other in range(peers) if other != device.index and torch.cuda.can_device_access_peer(device.index or 0, other)), None)
+    if peer is not None:
+        link_gbps = LINK_BYTES / timer(_link(device, torch.device("cuda", peer))) / 1e3
+        log(f"link to cuda:{peer}: {link_gbps:.0f} GB/s")
+    else:
+        log(f"no peer GPU: link_gbps kept from the {base.name} profile ({base.link_gbps} GB/s)")
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else str(device)
+    return fit_profile(config, gemm_us, groups, read_gbps, link_gbps, base, name)
+
+
+def add_calibrate_command(commands) -> None:
+    """Register ``flatep calibrate`` on the CLI's sub-command parsers."""
+    parser = commands.add_parser("calibrate", help="measure a cost profile (for policy='auto') on this GPU")
+    parser.add_argument("--model", default="kimi-k2", choices=sorted(MODEL_SHAPES), help="shapes to measure at")
+    parser.add_argument("--ranks", type=int, default=8, help="EP ranks (sets experts per rank = groups per GEMM)")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--out", help="write the profile as JSON here (default: print it)")
+    parser.set_defaults(run=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    import json
+
+    profile = calibrate(preset(args.model, ranks=args.ranks), args.device)
+    if args.out:
+        profile.save(args.out)
+        print(f"wrote {args.out}")
+    else:
+        print(json.dumps(profile.to_dict(), indent=1))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m flatep.bench.calibrate``: the same as ``flatep calibrate``."""
+    from flatep.cli import main as cli_main
+
+    return cli_main(["calibrate", *(sys.argv[1:] if argv is None else argv)])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

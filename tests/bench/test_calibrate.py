@@ -1,0 +1,65 @@
+"""flatep calibrate: the fit's arithmetic with a fake timer, and a clear error without a GPU."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from flatep import CostProfile, EPConfig
+from flatep.bench.calibrate import calibrate, fit_profile
+from flatep.cli import main
+
+CONFIG = EPConfig(ranks=8, experts=64, top_k=8, hidden=1024, intermediate=512, capacity=64)
+TRUE = CostProfile(link_gbps=150.0, hbm_gbps=2000.0, gemm_tflops=400.0, group_us=3.0, push_us=30.0, tile_rows=128, name="x")
+
+
+def model_us(profile: CostProfile, rows: int) -> float:
+    """The cost model's per-group GEMM time, in floating point."""
+    weight = CONFIG.expert_bytes() / (profile.hbm_gbps * 1e3)
+    row = 6 * CONFIG.hidden * CONFIG.intermediate / (profile.gemm_tflops * 1e6)
+    return profile.group_us + max(weight, math.ceil(rows / profile.tile_rows) * profile.tile_rows * row)
+
+
+def fake_timer(measurement):
+    """Times the profile ``TRUE`` implies; never runs the measurement."""
+    if measurement.kind == "gemm":
+        return measurement.params["groups"] * model_us(TRUE, measurement.params["rows"])
+    if measurement.kind == "read":
+        return measurement.params["bytes"] / (TRUE.hbm_gbps * 1e3)
+    raise AssertionError(f"no peer on this machine, yet {measurement.kind} was timed")
+
+
+def test_calibrate_recovers_the_profile_from_fake_times():
+    lines = []
+    profile = calibrate(CONFIG, "cpu", timer=fake_timer, base=CostProfile.default(), log=lines.append)
+    assert profile.tile_rows == TRUE.tile_rows
+    for name in ("hbm_gbps", "gemm_tflops", "group_us"):
+        assert getattr(profile, name) == pytest.approx(getattr(TRUE, name), rel=1e-9), name
+    # Unmeasured here: kept from the base profile, and said so.
+    assert profile.link_gbps == CostProfile.default().link_gbps and profile.push_us == CostProfile.default().push_us
+    assert any("no peer GPU" in line for line in lines)
+
+
+def test_fit_takes_a_measured_link_and_rejects_too_few_samples():
+    gemm = {rows: 8 * model_us(TRUE, rows) for rows in (1, 64, 4096)}
+    profile = fit_profile(CONFIG, gemm, 8, TRUE.hbm_gbps, 321.0, CostProfile.default(), "m")
+    assert profile.link_gbps == 321.0 and profile.name == "m"
+    with pytest.raises(ValueError, match="gemm_us must hold n=1"):
+        fit_profile(CONFIG, {64: 1.0}, 8, 1000.0, None, CostProfile.default(), "m")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal")
+def test_calibrate_on_cpu_is_a_clear_error(capsys):
+    with pytest.raises(ValueError, match="must be a CUDA device"):
+        calibrate(CONFIG, "cpu")
+    assert main(["calibrate", "--device", "cpu"]) == 2
+    assert "must be a CUDA device" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_calibrate_on_the_gpu_writes_a_loadable_profile(tmp_path):
+    path = tmp_path / "profile.json"
+    assert main(["calibrate", "--model", "qwen3-235b", "--out", str(path)]) == 0
+    profile = CostProfile.load(path)
+    assert profile.gemm_tflops > 1 and profile.hbm_gbps > 10
