@@ -6,6 +6,7 @@ import json
 import sys
 from collections.abc import Sequence
 
+from flatep.bench.calibrate import add_calibrate_command
 from flatep.config import MODEL_SHAPES, POLICIES, preset
 
 
@@ -120,6 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--backend", default="auto", choices=["auto", "triton", "torch"])
     bench.add_argument("--quiet", action="store_true", help="no progress bar")
     bench.set_defaults(run=_bench_command)
+    add_calibrate_command(commands)
     return parser
 
 
