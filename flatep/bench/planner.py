@@ -116,7 +116,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m flatep.bench.planner", description=__doc__.split("\n")[0])
     parser.add_argument("--out", help="write the rows as a JSON list to this file")
     parser.add_argument("--smoke", action="store_true", help="tiny shape; runs on CPU through the Triton interpreter")
-    parser.add_argument("--policy", default="exact", choices=("exact", "none"))
+    parser.add_argument("--policy", default="exact", choices=("exact", "none", "bounded"))
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--calls", type=int, default=20, help="planner calls captured in one graph")
     parser.add_argument("--replays", type=int, default=50, help="graph replays; the median is reported")

@@ -8,7 +8,7 @@ bit for bit (``tests/plan/test_triton.py``).
 
 Nothing here reads a device tensor on the host: every shape follows from the config and ``s``,
 work is split into a few launches of fixed grids, and a call can be captured in a CUDA graph.
-The kernels (moonep-design.md §3.2, §3.10):
+The kernels (MoonEP's planner, Kimi-K3 technical report §5.2.1, made sync-free):
 
 * **count** (one program per tile of ``TILE`` entries of a rank): the stable rank of each entry
   among the equal ids of its tile (a compare matrix, ties by flat ``(t, k)`` index) and the tile's
@@ -46,12 +46,16 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
+from flatep.config import TOLERANCE_SCALE as _TOLERANCE_SCALE
 from flatep.config import EPConfig, check_policy
 from flatep.plan.auto import plan_candidates, select
 from flatep.plan.cost import CostProfile, check_cost
 from flatep.plan.reference import _check_ids, _token_counts
 from flatep.plan.types import Plan, RankPlan
 
+# Policy codes of the layout kernel's POLICY.
+_POLICY_CODES = {"none": 0, "exact": 1, "bounded": 2}
+TOLERANCE_SCALE: tl.constexpr = tl.constexpr(_TOLERANCE_SCALE)
 MAX_RANKS = 64
 MAX_EXPERTS = 1024
 # Columns of the compare matrix handled at once: [TILE, 32] int32 keeps ~32 values per thread.
@@ -189,16 +193,18 @@ def _split_donor(
 
 @triton.jit
 def _layout(
-    d, hist_ptr, total_entries, rows_limit, experts, experts_per_rank, align,
+    d, hist_ptr, total_entries, tol_fixed, experts, experts_per_rank, align,
     alloc_ptr, acum_ptr, before_ptr, slots_ptr, groups_ptr, offsets_ptr, padding_ptr, received_ptr,
     group_start_ptr,
-    RANKS: tl.constexpr, EXACT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_EPN: tl.constexpr,
+    RANKS: tl.constexpr, POLICY: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_EPN: tl.constexpr,
 ):
     """Program ``d`` of the layout: every table row that belongs to rank ``d``.
 
     Writes ``alloc[e, :]`` and ``acum[e, :]`` for ``d``'s home experts, ``before[d, :]`` (entries
     of each expert on source ranks ``< d``) and rank ``d``'s rows of the slot and group tables,
-    offsets, padding, received and group_start (moonep-design.md §3.2 steps A-C).
+    offsets, padding, received and group_start (steps A-C of :mod:`flatep.plan.policy`).
+    ``tol_fixed`` is the config's tolerance in fixed point: the kernel computes the bound of
+    :func:`flatep.config.rows_bound` from ``total_entries`` itself.
     """
     lane_r = tl.arange(0, BLOCK_R)
     lane_j = tl.arange(0, BLOCK_EPN)
@@ -218,29 +224,53 @@ def _layout(
 
     donor_of = tl.full([BLOCK_R], -1, tl.int32)
     quota_in = tl.zeros([BLOCK_R], tl.int32)
-    if EXACT:
+    if POLICY != 0:
+        # The imbalance bound from T on the device, in the fixed point of flatep.config.rows_bound.
+        entries = tl.zeros([], tl.int64) + total_entries
+        limit = (entries * (TOLERANCE_SCALE + tol_fixed) // (RANKS * TOLERANCE_SCALE)).to(tl.int32)
+        load = tl.sum(count, axis=1)
+        busiest = tl.max(tl.where(in_r, load, 0), axis=0)
+        if POLICY == 1:
+            # exact: every rank's share of T*K, unless the busiest rank stays within the limit.
+            capacity = total_entries // RANKS + (lane_r < total_entries % RANKS).to(tl.int32)
+            balance = tl.where(busiest > limit, load - capacity, 0)
+        else:
+            # bounded: ranks above b drop to b, their surplus X water-fills the least loaded
+            # ranks up to the largest level L <= b with fill(L) <= X, and what is left goes +1
+            # to the ranks at level L, smallest index first (flatep.plan.policy.bounded_targets).
+            bound = tl.maximum(limit, (total_entries + RANKS - 1) // RANKS)
+            surplus = tl.sum(tl.where(in_r & (load > bound), load - bound, 0).to(tl.int64), axis=0)
+            low = tl.zeros([], tl.int32)
+            high = bound
+            while low < high:
+                middle = low + (high - low + 1) // 2
+                fill = tl.sum(tl.where(in_r, tl.maximum(middle - load, 0), 0).to(tl.int64), axis=0)
+                fits = fill <= surplus
+                low = tl.where(fits, middle, low)
+                high = tl.where(fits, high, middle - 1)
+            level = low
+            target = tl.where(load > bound, bound, tl.maximum(load, level))
+            left = surplus - tl.sum(tl.where(in_r, tl.maximum(level - load, 0), 0).to(tl.int64), axis=0)
+            at_level = in_r & (target == level) & (level < bound)
+            order = tl.cumsum(at_level.to(tl.int32), axis=0)
+            target = tl.where(at_level & (order <= left), target + 1, target)
+            balance = tl.where(in_r, load - target, 0)
         # Step A: pair the most overloaded rank with the most underloaded one (smallest index on
         # ties) and move the receiver's whole deficit; each receiver is filled once.
-        # Balances are packed as (balance + 2**30, index) into int64 keys (|balance| < 2**26), so
+        # Balances are packed as (balance + 2**32, index) into int64 keys (|balance| < 2**31), so
         # one reduction gives both the extreme value and its smallest index.
-        capacity = total_entries // RANKS + (lane_r < total_entries % RANKS).to(tl.int32)
-        load = tl.sum(count, axis=1)
-        balance = load - capacity
-        # The config's tolerance: a step whose busiest rank stays within rows_limit is let pass.
-        busiest = tl.max(tl.where(in_r, load, 0), axis=0)
-        balance = tl.where(busiest > rows_limit, balance, 0)
-        top = tl.max(tl.where(in_r, (balance + 2**30).to(tl.int64) * BLOCK_R + (BLOCK_R - 1 - lane_r), -1), axis=0)
+        top = tl.max(tl.where(in_r, (balance.to(tl.int64) + 2**32) * BLOCK_R + (BLOCK_R - 1 - lane_r), -1), axis=0)
         rounds = 0
-        while (top // BLOCK_R > 2**30) & (rounds < RANKS):
+        while (top // BLOCK_R > 2**32) & (rounds < RANKS):
             donor = (BLOCK_R - 1 - top % BLOCK_R).to(tl.int32)
-            bottom = tl.min(tl.where(in_r, (balance + 2**30).to(tl.int64) * BLOCK_R + lane_r, 2**62), axis=0)
+            bottom = tl.min(tl.where(in_r, (balance.to(tl.int64) + 2**32) * BLOCK_R + lane_r, 2**62), axis=0)
             receiver = (bottom % BLOCK_R).to(tl.int32)
-            low = (bottom // BLOCK_R - 2**30).to(tl.int32)
+            low = (bottom // BLOCK_R - 2**32).to(tl.int32)
             balance = tl.where(lane_r == donor, balance + low, balance)
             balance = tl.where(lane_r == receiver, 0, balance)
             donor_of = tl.where(lane_r == receiver, donor, donor_of)
             quota_in = tl.where(lane_r == receiver, -low, quota_in)
-            top = tl.max(tl.where(in_r, (balance + 2**30).to(tl.int64) * BLOCK_R + (BLOCK_R - 1 - lane_r), -1), axis=0)
+            top = tl.max(tl.where(in_r, (balance.to(tl.int64) + 2**32) * BLOCK_R + (BLOCK_R - 1 - lane_r), -1), axis=0)
             rounds += 1
 
     # Step B, donor role: the rows of d's experts that move to each receiver. Zero the non-home
@@ -374,26 +404,26 @@ def _scan_kernel(
 
 @triton.jit
 def _layout_kernel(
-    hist_ptr, total_entries, rows_limit, experts, experts_per_rank, align,
+    hist_ptr, total_entries, tol_fixed, experts, experts_per_rank, align,
     alloc_ptr, acum_ptr, before_ptr, slots_ptr, groups_ptr, offsets_ptr, padding_ptr, received_ptr,
     group_start_ptr,
-    RANKS: tl.constexpr, EXACT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_EPN: tl.constexpr,
+    RANKS: tl.constexpr, POLICY: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_EPN: tl.constexpr,
 ):
     """Group planner: the layout, one program per rank."""
     _layout(
-        tl.program_id(0), hist_ptr, total_entries, rows_limit, experts, experts_per_rank, align,
+        tl.program_id(0), hist_ptr, total_entries, tol_fixed, experts, experts_per_rank, align,
         alloc_ptr, acum_ptr, before_ptr, slots_ptr, groups_ptr, offsets_ptr, padding_ptr, received_ptr,
-        group_start_ptr, RANKS, EXACT, BLOCK_R, BLOCK_EPN,
+        group_start_ptr, RANKS, POLICY, BLOCK_R, BLOCK_EPN,
     )
 
 
 @triton.jit
 def _rank_prologue_kernel(
-    hist_ptr, total_entries, rows_limit, experts, experts_per_rank, align,
+    hist_ptr, total_entries, tol_fixed, experts, experts_per_rank, align,
     alloc_ptr, acum_ptr, before_ptr, slots_ptr, groups_ptr, offsets_ptr, padding_ptr, received_ptr,
     group_start_ptr,
     ids_ptr, counts_ptr, ranks_ptr, n_entries, token_limit, top_k,
-    RANKS: tl.constexpr, EXACT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_EPN: tl.constexpr,
+    RANKS: tl.constexpr, POLICY: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_EPN: tl.constexpr,
     TILE: tl.constexpr, CHUNK: tl.constexpr, BLOCK_E: tl.constexpr,
 ):
     """Rank planner, first launch: programs ``< R`` lay out rank ``pid``, the others count tiles.
@@ -403,9 +433,9 @@ def _rank_prologue_kernel(
     pid = tl.program_id(0)
     if pid < RANKS:
         _layout(
-            pid, hist_ptr, total_entries, rows_limit, experts, experts_per_rank, align,
+            pid, hist_ptr, total_entries, tol_fixed, experts, experts_per_rank, align,
             alloc_ptr, acum_ptr, before_ptr, slots_ptr, groups_ptr, offsets_ptr, padding_ptr, received_ptr,
-            group_start_ptr, RANKS, EXACT, BLOCK_R, BLOCK_EPN,
+            group_start_ptr, RANKS, POLICY, BLOCK_R, BLOCK_EPN,
         )
     else:
         _count_tile(
@@ -544,7 +574,7 @@ class _Tables:
 def _layout_meta(config: EPConfig, policy: str) -> dict[str, int | bool]:
     return {
         "RANKS": config.ranks,
-        "EXACT": policy == "exact",
+        "POLICY": _POLICY_CODES[policy],
         "BLOCK_R": _pow2(config.ranks),
         "BLOCK_EPN": _pow2(config.experts_per_rank),
     }
@@ -611,7 +641,8 @@ def make_plan_triton(
             ``1 <= s <= capacity``. Ids of real tokens must be in ``[0, E)`` (not checked: others
             are skipped and planned as ``-1``).
         config: group sizes (``R <= 64``, ``E <= 1024``); ``R`` and ``K`` must match ``topk_ids``.
-        policy: ``exact`` (flat), ``none`` (classic EP) or ``auto`` (:mod:`flatep.plan.auto`).
+        policy: ``exact`` (flat), ``bounded`` (at most ``config.bounded_rows(T)`` rows per rank),
+            ``none`` (classic EP) or ``auto`` (:mod:`flatep.plan.auto`).
         tokens: optional host ``[R]`` real tokens per rank (a list or CPU tensor); rows beyond are
             padding, ignored and planned as ``-1``.
         cost: the :class:`flatep.CostProfile` of ``auto`` (default: the generic one).
@@ -661,7 +692,7 @@ def make_plan_triton(
         ROWS=min(_pow2(n_tiles), _SCAN_ROWS), BLOCK_EC=_SCAN_EXPERTS, WRITE_HIST=True, num_warps=4,
     )
     _layout_kernel[(ranks,)](
-        hist, sum(counts) * config.top_k, config.rebalance_limit(sum(counts)), experts, config.experts_per_rank, config.align,
+        hist, sum(counts) * config.top_k, config.tolerance_fixed, experts, config.experts_per_rank, config.align,
         *tables.args(), **_layout_meta(config, policy), num_warps=4,
     )
     _destination_kernel[(n_tiles, ranks)](
@@ -703,7 +734,7 @@ def plan_rank_triton(
             match every rank's ids and sum to ``total_tokens * K`` (not checked; the reference
             planner checks).
         config: group sizes (``R <= 64``, ``E <= 1024``).
-        policy: ``exact`` or ``none``.
+        policy: ``exact``, ``bounded``, ``none`` or ``auto``.
         total_tokens: tokens over the group (default ``R * s``).
         tokens: this rank's real tokens (default ``s``); rows beyond are padding, planned as ``-1``.
         cost: the :class:`flatep.CostProfile` of ``auto`` (every rank must pass the same).
@@ -758,7 +789,7 @@ def plan_rank_triton(
     tables = _Tables(config, device)
 
     _rank_prologue_kernel[(ranks + n_tiles,)](
-        hist, total * config.top_k, config.rebalance_limit(total), experts, config.experts_per_rank, config.align,
+        hist, total * config.top_k, config.tolerance_fixed, experts, config.experts_per_rank, config.align,
         *tables.args(),
         ids, tile_counts, dest_row, entries, limit, config.top_k,
         **_layout_meta(config, policy), **meta, num_warps=4,

@@ -91,7 +91,7 @@ def test_worked_example_from_the_design_notes():
     check_all(ids, config, "exact")
 
 
-@pytest.mark.parametrize("policy", ["exact", "none"])
+@pytest.mark.parametrize("policy", ["exact", "none", "bounded"])
 @pytest.mark.parametrize(
     "ranks, experts, top_k, step, align, routing",
     [
@@ -119,8 +119,17 @@ def test_edge_shapes(ranks, experts, top_k, step, align, routing, policy):
 def test_adversarial_routings(kind):
     config = config_for(4, 8, 4, 8, align=4)
     ids = adversarial_topk(kind, 4, 8, 4, 8)
-    for policy in ("exact", "none"):
+    for policy in ("exact", "none", "bounded"):
         check_all(ids, config, policy, ranks=[0, 3])
+    check_all(ids, config.replace(tolerance=0.3), "bounded", ranks=[1])
+
+
+@pytest.mark.parametrize("tolerance", [0.0, 0.01, 0.25, 1 / 3, 1.0, 4.0])
+def test_bounded_tolerances_with_per_rank_tokens(tolerance):
+    config = config_for(4, 8, 3, 9, align=2).replace(tolerance=tolerance)
+    tokens = [9, 2, 0, 7]
+    ids = padded_ids(skewed_topk(4, 8, 3, 9, 3.0, seed=9), tokens)
+    check_all(ids, config, "bounded", tokens, ranks=[0, 2])
 
 
 def test_eight_ranks_skewed_with_per_rank_tokens():
@@ -204,8 +213,9 @@ def test_large_shapes_on_cuda(model, sigma):
     step = 8192
     config = EPConfig(ranks=ranks, experts=experts, top_k=top_k, hidden=8, intermediate=8, capacity=step, align=128)
     ids = skewed_topk(ranks, experts, top_k, step, sigma, seed=3, device=DEVICE)
-    for policy in ("exact", "none"):
-        check_all(ids, config, policy, ranks=[0, ranks - 1] if policy == "none" else None)
+    for policy in ("exact", "none", "bounded"):
+        check_all(ids, config, policy, ranks=[0, ranks - 1] if policy != "exact" else None)
+    check_all(ids, config.replace(tolerance=0.2), "bounded", ranks=[0, 5])
     tokens = [step, 1, 0, 5000, step, 77, 8191, 4096]
     check_all(padded_ids(ids, tokens), config, "exact", tokens, ranks=[1, 3])
 
