@@ -35,7 +35,7 @@ def assert_same(expected, got) -> None:
         assert torch.equal(getattr(got.auto.prediction, name).cpu(), getattr(expected.auto.prediction, name)), name
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(planner_cases(ranks=(1, 2, 4), experts_per_rank=(1, 2), max_top_k=4, max_tokens=12), st.sampled_from(sorted(PROFILES)))
 def test_triton_auto_equals_reference(case, profile):
     ids, config, _, tokens = case
