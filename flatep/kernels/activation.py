@@ -3,9 +3,11 @@
 A shard has ``rows`` rows, of which only the first ``end = offsets[-1]`` are real; the grouped GEMMs
 skip the rest, but plain torch ops between them would run over all ``rows`` (several times the
 real rows at small batch). These kernels read ``end`` on the device (no host sync, so they can be
-captured in a CUDA graph): every program handles one block of rows and returns at once if its
-block starts at or after ``end``, so their cost scales with the real rows. Rows past ``end`` are
-neither read nor written.
+captured in a CUDA graph): a fixed number of programs (a few per SM, never more than the row
+blocks) walk the row blocks before ``end`` with a grid stride and stop there, so their cost scales
+with the real rows, and a launch over an empty part (``end = 0``, e.g. the slot half of a step
+that borrows nothing) is one short wave instead of one program per block of the whole part. Rows
+past ``end`` are neither read nor written.
 
 - :func:`swiglu_weighted_triton`: ``silu(gate) * up * route_weight`` in fp32, rounded once to the
   output dtype (the ``fp32`` precision of :func:`flatep.experts.grouped.grouped_swiglu`).
@@ -33,25 +35,23 @@ def _swiglu_weighted_kernel(
     I: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr,
 ):
     end = tl.load(end_ptr)
-    first = tl.program_id(0) * BLOCK_M
-    if first >= end:
-        return
-    row = first + tl.arange(0, BLOCK_M)
-    row_mask = row < end
-    # nan_to_num(w, nan=0, posinf=0, neginf=0): NaN and +-inf fail the comparison.
-    weight = tl.load(weight_ptr + row, mask=row_mask, other=0.0).to(tl.float32)
-    weight = tl.where(tl.abs(weight) <= _FLOAT32_MAX, weight, 0.0)
     column = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
-    mask = row_mask[:, None] & (column < I)[None, :]
-    # M * 2I exceeds 2**31 at real sizes: row offsets in int64.
-    hidden_rows = hidden_ptr + row.to(tl.int64)[:, None] * hidden_stride + column[None, :]
-    # Upcast right after loading: all arithmetic in fp32 (also, the interpreter's bf16 arithmetic is wrong).
-    gate = tl.load(hidden_rows, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(hidden_rows + I, mask=mask, other=0.0).to(tl.float32)
-    # torch's order: (silu(gate) * up) * weight, silu(g) = g / (1 + exp(-g)).
-    activated = gate / (1.0 + tl.exp(-gate)) * up * weight[:, None]
-    out_rows = out_ptr + row.to(tl.int64)[:, None] * out_stride + column[None, :]
-    tl.store(out_rows, activated.to(out_ptr.dtype.element_ty), mask=mask)
+    for first in range(tl.program_id(0) * BLOCK_M, end, tl.num_programs(0) * BLOCK_M):
+        row = first + tl.arange(0, BLOCK_M)
+        row_mask = row < end
+        # nan_to_num(w, nan=0, posinf=0, neginf=0): NaN and +-inf fail the comparison.
+        weight = tl.load(weight_ptr + row, mask=row_mask, other=0.0).to(tl.float32)
+        weight = tl.where(tl.abs(weight) <= _FLOAT32_MAX, weight, 0.0)
+        mask = row_mask[:, None] & (column < I)[None, :]
+        # M * 2I exceeds 2**31 at real sizes: row offsets in int64.
+        hidden_rows = hidden_ptr + row.to(tl.int64)[:, None] * hidden_stride + column[None, :]
+        # Upcast right after loading: all arithmetic in fp32 (also, the interpreter's bf16 arithmetic is wrong).
+        gate = tl.load(hidden_rows, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(hidden_rows + I, mask=mask, other=0.0).to(tl.float32)
+        # torch's order: (silu(gate) * up) * weight, silu(g) = g / (1 + exp(-g)).
+        activated = gate / (1.0 + tl.exp(-gate)) * up * weight[:, None]
+        out_rows = out_ptr + row.to(tl.int64)[:, None] * out_stride + column[None, :]
+        tl.store(out_rows, activated.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -60,14 +60,25 @@ def _copy_rows_kernel(
     N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     end = tl.load(end_ptr)
-    first = tl.program_id(0) * BLOCK_M
-    if first >= end:
-        return
-    row = (first + tl.arange(0, BLOCK_M)).to(tl.int64)
     column = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = (row < end)[:, None] & (column < N)[None, :]
-    values = tl.load(source_ptr + row[:, None] * source_stride + column[None, :], mask=mask)
-    tl.store(target_ptr + row[:, None] * target_stride + column[None, :], values.to(target_ptr.dtype.element_ty), mask=mask)
+    for first in range(tl.program_id(0) * BLOCK_M, end, tl.num_programs(0) * BLOCK_M):
+        row = (first + tl.arange(0, BLOCK_M)).to(tl.int64)
+        mask = (row < end)[:, None] & (column < N)[None, :]
+        values = tl.load(source_ptr + row[:, None] * source_stride + column[None, :], mask=mask)
+        tl.store(target_ptr + row[:, None] * target_stride + column[None, :], values.to(target_ptr.dtype.element_ty), mask=mask)
+
+
+def _row_programs(rows: int, block_m: int, columns: int, device: torch.device, programs: int | None) -> int:
+    """Programs along the rows: ``programs``, else enough for 8 per SM over all column blocks on
+    CUDA (every block when the interpreter runs them), never more than there are row blocks."""
+    blocks = triton.cdiv(rows, block_m)
+    if programs is None:
+        if device.type != "cuda":
+            return max(blocks, 1)
+        programs = triton.cdiv(8 * torch.cuda.get_device_properties(device).multi_processor_count, columns)
+    if isinstance(programs, bool) or not isinstance(programs, int) or programs < 1:
+        raise ValueError(f"programs must be a positive integer, got {programs!r}")
+    return max(min(programs, blocks), 1)
 
 
 def _check_rows(name: str, tensor: torch.Tensor, rows: int) -> None:
@@ -89,6 +100,7 @@ def swiglu_weighted_triton(
     block_m: int = 4,
     block_i: int | None = None,
     num_warps: int = 4,
+    programs: int | None = None,
 ) -> None:
     """``out[i] = silu(gate[i]) * up[i] * nan_to_num(route_weights[i])`` for rows ``i < end[0]``.
 
@@ -103,6 +115,7 @@ def swiglu_weighted_triton(
         out: ``[M, I]`` bf16 or fp32 (unit column stride); written.
         block_m, block_i, num_warps: rows and columns per program, warps per program (tuning; the
             defaults are untuned: 4 rows of 2 KiB column chunks, like dispatch's tiles).
+        programs: programs along the rows (default: 8 per SM in all, see :func:`_row_programs`).
     """
     rows, intermediate = out.shape
     _check_rows("hidden", hidden, rows)
@@ -113,7 +126,8 @@ def swiglu_weighted_triton(
     if route_weights.shape != (rows,) or route_weights.dtype != torch.float32 or not route_weights.is_contiguous():
         raise ValueError(f"route_weights must be a contiguous [{rows}] float32 tensor")
     block_i = block_i or column_block(intermediate, hidden.element_size())
-    _swiglu_weighted_kernel[(triton.cdiv(rows, block_m), triton.cdiv(intermediate, block_i))](
+    columns = triton.cdiv(intermediate, block_i)
+    _swiglu_weighted_kernel[(_row_programs(rows, block_m, columns, out.device, programs), columns)](
         hidden, route_weights, end, out, hidden.stride(0), out.stride(0),
         I=intermediate, BLOCK_M=block_m, BLOCK_I=block_i, num_warps=num_warps,
     )
@@ -126,6 +140,7 @@ def copy_rows_triton(
     block_m: int = 4,
     block_n: int | None = None,
     num_warps: int = 4,
+    programs: int | None = None,
 ) -> None:
     """``target[:end[0]] = source[:end[0]]`` converted to ``target``'s dtype; later rows untouched.
 
@@ -134,6 +149,7 @@ def copy_rows_triton(
         source: ``[M, N]`` (unit column stride), any dtype Triton converts (bf16, fp32).
         end: ``[1]`` int32 on the device: rows to copy.
         block_m, block_n, num_warps: rows and columns per program, warps per program (tuning; untuned).
+        programs: programs along the rows (default: 8 per SM in all).
     """
     rows, columns = target.shape
     _check_rows("source", source, rows)
@@ -141,7 +157,8 @@ def copy_rows_triton(
     if source.shape[1] != columns:
         raise ValueError(f"source must be shaped like target {tuple(target.shape)}, got {tuple(source.shape)}")
     block_n = block_n or column_block(columns, max(source.element_size(), target.element_size()))
-    _copy_rows_kernel[(triton.cdiv(rows, block_m), triton.cdiv(columns, block_n))](
+    column_blocks = triton.cdiv(columns, block_n)
+    _copy_rows_kernel[(_row_programs(rows, block_m, column_blocks, target.device, programs), column_blocks)](
         target, source, end, target.stride(0), source.stride(0),
         N=columns, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
     )

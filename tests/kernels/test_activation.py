@@ -121,3 +121,23 @@ def test_grouped_swiglu_triton_equals_torch_on_the_real_rows(dtype, out_dtype):
         torch.testing.assert_close(outs[1][:end], outs[0][:end], rtol=1e-5, atol=1e-6)
     else:  # the activated rows round to bf16 differently (by an ulp) before the down GEMM
         assert relative_error(outs[1][:end], outs[0][:end]) < 2**-7
+
+
+@pytest.mark.parametrize("programs", [1, 2, 3])
+@pytest.mark.parametrize("end", [0, 5, 23, 40])
+def test_few_programs_stride_over_every_real_row_block(programs, end):
+    # Fewer row programs than row blocks: each walks blocks first, first + programs*block, ...
+    hidden, weights = random_inputs(40, 8, torch.float32, seed=8 + end)
+    out = torch.full((40, 8), POISON, dtype=torch.float32, device=DEVICE)
+    swiglu_weighted_triton(hidden, weights, end_tensor(end), out, block_m=4, block_i=8, programs=programs)
+    check_rows(out, swiglu_weighted_torch(hidden, weights, torch.float32), end)
+    target = torch.full((40, 16), POISON, dtype=torch.float32, device=DEVICE)
+    source = hidden.float()[:, :16].contiguous()
+    copy_rows_triton(target, source, end_tensor(end), block_m=4, block_n=8, programs=programs)
+    check_rows(target, source, end)
+
+
+def test_programs_must_be_positive():
+    hidden, weights = random_inputs(8, 8, torch.float32, seed=9)
+    with pytest.raises(ValueError, match="programs must be a positive integer"):
+        swiglu_weighted_triton(hidden, weights, end_tensor(8), torch.empty(8, 8, device=DEVICE), programs=0)
