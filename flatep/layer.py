@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from flatep.config import POLICIES, EPConfig, check_policy
 from flatep.experts.grouped import PRECISIONS, Activation, grouped_swiglu, swiglu
 from flatep.experts.pool import ExpertPool, check_expert_weights
-from flatep.kernels.backend import use_triton
+from flatep.kernels.backend import interpreting, use_triton
 from flatep.kernels.combine import combine_torch, combine_triton
 from flatep.kernels.dispatch import dispatch_torch, dispatch_triton
 from flatep.plan.reference import _check_ids, _valid_mask, histogram, make_plan, plan_rank
@@ -247,18 +247,34 @@ def plan_step(
 
 
 def _invalid_ids(topk_ids: torch.Tensor, counts: list[int] | int, experts: int) -> torch.Tensor:
-    """``bool`` per entry: a real token's id outside ``[0, E)`` (device ops only)."""
-    step = topk_ids.shape[-2]
-    limit = torch.tensor(counts, device=topk_ids.device).view(-1, 1, 1) if isinstance(counts, list) else counts
-    real = torch.arange(step, device=topk_ids.device).view(-1, 1) < limit
+    """``bool`` per entry: a real token's id outside ``[0, E)``.
+
+    Device ops with host scalars only (no host-to-device copy), so it can be captured in a graph.
+    """
+    positions = torch.arange(topk_ids.shape[-2], device=topk_ids.device).view(-1, 1)
+    real = torch.stack([positions < count for count in counts]) if isinstance(counts, list) else positions < counts
     return real & ((topk_ids < 0) | (topk_ids >= experts))
 
 
-def _header(config: EPConfig, policy: str, dtype: torch.dtype | None, step: int, real: int, ok: torch.Tensor) -> torch.Tensor:
-    """``[len(_AGREED) + 2] int64`` on ``ok``'s device: what ranks must agree on, the real token count, ids valid."""
-    values = [step, config.ranks, config.experts, config.top_k, config.hidden, config.intermediate, config.capacity,
-              config.align, round(config.tolerance * _TOLERANCE_SCALE), POLICIES.index(policy), _DTYPE_CODES[dtype], real]
-    return torch.cat([torch.tensor(values, dtype=torch.int64, device=ok.device), ok.view(1).to(torch.int64)])
+def _header(
+    group: Group, config: EPConfig, policy: str, dtype: torch.dtype | None, step: int, real: int, ok: torch.Tensor
+) -> torch.Tensor:
+    """``[len(_AGREED) + 2] int64`` on the group's device: what ranks must agree on, the real token count, ids valid.
+
+    The config part is copied to the device once per (config, policy, dtype) and cached on the
+    group; ``s`` and the real count are filled by kernels, so building it never copies from the
+    host (a pageable host-to-device copy synchronises, and could not be captured).
+    """
+    constants = group.__dict__.setdefault("_header_constants", {})
+    key = (config, policy, dtype)
+    if key not in constants:
+        values = [config.ranks, config.experts, config.top_k, config.hidden, config.intermediate, config.capacity,
+                  config.align, round(config.tolerance * _TOLERANCE_SCALE), POLICIES.index(policy), _DTYPE_CODES[dtype]]
+        constants[key] = torch.tensor(values, dtype=torch.int64, device=group.device)
+    counts = torch.empty(2, dtype=torch.int64, device=group.device)
+    counts[0].fill_(step)
+    counts[1].fill_(real)
+    return torch.cat([counts[:1], constants[key], counts[1:], ok.view(1).to(torch.int64)])
 
 
 def _plan_this_rank(
@@ -273,8 +289,11 @@ def _plan_this_rank(
     in_range = 0 <= real <= step
     bad = _invalid_ids(topk_ids, real if in_range else 0, config.experts)
     ok = ~bad.any() if in_range else torch.zeros((), dtype=torch.bool, device=group.device)
-    everyone = group.all_gather(_header(config, policy, dtype, step, real, ok))  # [R, columns]
-    if _checks_now(group):
+    everyone = group.all_gather(_header(group, config, policy, dtype, step, real, ok))  # [R, columns]
+    on_device = supports_triton_planner(config) and (topk_ids.is_cuda or interpreting())
+    # The reference planner reads the tables on the host anyway (and raises for bad ids on its own
+    # rank only): reading the header there costs nothing more, and keeps every rank raising together.
+    if _checks_now(group) or not on_device:
         _raise_for_header(everyone.cpu(), topk_ids, bad, tokens, step, config.experts, in_range)
     else:
         agreed = (everyone[:, : len(_AGREED)] == everyone[:1, : len(_AGREED)]).all()
@@ -290,7 +309,7 @@ def _plan_this_rank(
     total = config.ranks * step if tokens is None else int(everyone[:, -2].sum())
     if total == 0:
         raise ValueError("no rank has tokens in this step")
-    planner = plan_rank_triton if topk_ids.is_cuda and supports_triton_planner(config) else plan_rank
+    planner = plan_rank_triton if on_device else plan_rank
     return planner(group.first_rank, topk_ids, gathered, config, policy, total_tokens=total, tokens=real)
 
 
