@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import operator
 from dataclasses import dataclass
 
 POLICIES = ("exact", "none", "bounded", "auto")
@@ -57,8 +58,14 @@ class EPConfig:
                     raise ValueError(
                         f"EPConfig.tolerance must be a finite number >= 0 and <= {MAX_TOLERANCE}, got {value!r}"
                     )
-            elif not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"EPConfig.{field.name} must be a positive integer, got {value!r}")
+            else:
+                try:  # numpy and other integer types count as integers; bool, float and str do not
+                    number = None if isinstance(value, bool) else operator.index(value)
+                except TypeError:
+                    number = None
+                if number is None or number < 1:
+                    raise ValueError(f"EPConfig.{field.name} must be a positive integer, got {value!r}")
+                object.__setattr__(self, field.name, number)
         if self.experts % self.ranks:
             raise ValueError(
                 f"EPConfig.experts must be divisible by ranks ({self.ranks}), got {self.experts}"

@@ -5,6 +5,8 @@ per-process transports it does not (``x [s, H]``). That is the only difference u
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -12,14 +14,14 @@ import torch.nn.functional as F
 from flatep.config import POLICIES, EPConfig, check_policy
 from flatep.experts.grouped import PRECISIONS, Activation, grouped_swiglu, swiglu
 from flatep.experts.pool import ExpertPool, check_expert_weights
-from flatep.kernels.backend import use_triton
+from flatep.kernels.backend import interpreting, use_triton
 from flatep.kernels.combine import combine_torch, combine_triton
 from flatep.kernels.dispatch import dispatch_torch, dispatch_triton
 from flatep.plan.cost import CostProfile, check_cost
-from flatep.plan.reference import _valid_mask, histogram, make_plan, plan_rank
+from flatep.plan.reference import _check_ids, _valid_mask, histogram, make_plan, plan_rank
 from flatep.plan.split import split_slot_rows
 from flatep.plan.triton import make_plan_triton, plan_rank_triton, supports_triton_planner
-from flatep.plan.types import Layout, Plan, RankPlan
+from flatep.plan.types import Layout, MadeFor, Plan, RankPlan, ids_fingerprint
 from flatep.transport.base import Group
 from flatep.transport.collective import CollectiveGroup
 
@@ -34,6 +36,116 @@ def _entries(plan: Layout, tokens: int, top_k: int) -> tuple[torch.Tensor, torch
     return plan.dest_rank.view(-1, tokens, top_k), plan.dest_row.view(-1, tokens, top_k)
 
 
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _checks_now(group: Group) -> bool:
+    """Whether this step may read back to the host to check itself (see :attr:`Group.eager_check`)."""
+    return group.eager_check and not _capturing()
+
+
+def _check_types(config: object, group: object, **tensors: object) -> None:
+    """Clear errors for arguments of the wrong type, before anything looks inside them."""
+    if not isinstance(config, EPConfig):
+        raise ValueError(f"config must be a flatep.EPConfig, got {type(config).__name__}: {config!r}")
+    if not isinstance(group, Group):
+        raise ValueError(f"group must be a flatep Group from flatep.init_group, got {type(group).__name__}: {group!r}")
+    for name, tensor in tensors.items():
+        if not isinstance(tensor, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+
+
+def refuse_autograd(**tensors: torch.Tensor | None) -> None:
+    """Raise if autograd would have to flow through a FlatEP step, which has no backward yet.
+
+    Raises:
+        NotImplementedError: with grad enabled, if any of ``tensors`` requires grad (the output
+            would otherwise silently carry no gradient to them).
+    """
+    if not torch.is_grad_enabled():
+        return
+    needing = [name for name, tensor in tensors.items() if tensor is not None and tensor.requires_grad]
+    if needing:
+        raise NotImplementedError(
+            f"ep_moe has no backward yet, but {', '.join(needing)} require grad: run it under torch.no_grad() "
+            "or torch.inference_mode() (or detach them)"
+        )
+
+
+def buffer_rows(config: EPConfig, policy: str) -> int:
+    """Rows of the receive buffers of a group for ``config`` and ``policy``: those of a full step (``s = S``).
+
+    Every step of any ``s`` uses the same buffers, so memory does not grow with the number of
+    distinct batch sizes a run sees. ``exact`` plans come in the split layout (twice the planner's
+    rows: home rows, then slot rows); ``none`` plans borrow nothing.
+    """
+    return config.shard_rows(policy) * (1 if policy == "none" else 2)
+
+
+def shard_buffers(group: Group, config: EPConfig, policy: str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The group's receive buffers for ``config``/``policy``/``dtype``: ``(shard [.., rows, H], weights [.., rows] fp32)``.
+
+    Allocated on first use (collectively, on the per-process transports) and reused by every layer
+    and step of that shape, ``rows`` = :func:`buffer_rows`.
+    """
+    rows = buffer_rows(config, policy)
+    return (group.buffer("shard", (rows, config.hidden), dtype), group.buffer("shard_weights", (rows,), torch.float32))
+
+
+def check_plan(plan: Layout, topk_ids: torch.Tensor, config: EPConfig, group: Group, policy: str) -> Layout:
+    """Refuse a plan that was not made for this step, before any kernel trusts its destinations.
+
+    Host facts (policy, ``s``, ``K``, config, token counts, rank) raise at once. On the device,
+    without synchronising: the ids' fingerprint must equal the plan's (plans from
+    :func:`plan_step`), and every planned entry must land inside the real rows of its own
+    expert's group on its destination; otherwise the group's ``plan`` error flag is set
+    (:meth:`Group.check`) and the destinations are clamped into the shard, so no kernel writes or
+    reads outside it.
+
+    Args:
+        plan: a plan (from :func:`plan_step`, or from the planner functions).
+        topk_ids: ``[R, s, K]`` (local) or ``[s, K]`` int32 ids of this step (checked already).
+
+    Returns:
+        The plan in the split layout, its destinations clamped.
+
+    Raises:
+        ValueError: for a plan made with other host-side facts.
+    """
+    if not isinstance(plan, Layout) or not hasattr(plan, "dest_rank"):
+        raise ValueError(f"plan must be a Plan or RankPlan from flatep.plan_step, got {type(plan).__name__}")
+    if plan.policy != policy:
+        raise ValueError(f"plan was made with policy {plan.policy!r}, not {policy!r}")
+    if not group.stacked and not (isinstance(plan, RankPlan) and plan.rank == group.first_rank):
+        raise ValueError(f"plan must be this rank's RankPlan (rank {group.first_rank}), from plan_step")
+    if tuple(plan.dest_rank.shape) != tuple(topk_ids.shape) or tuple(plan.tokens_per_expert.shape) != (config.ranks, config.experts):
+        raise ValueError(
+            f"plan was made for ids of shape {list(plan.dest_rank.shape)} and {list(plan.tokens_per_expert.shape)[::-1]} "
+            f"experts x ranks, not {list(topk_ids.shape)} with E={config.experts}, R={config.ranks}"
+        )
+    origin = plan.made_for
+    if origin is not None:
+        if origin.config != config:
+            raise ValueError(f"plan was made for {origin.config}, not {config}")
+        if origin.tokens != topk_ids.shape[-2]:
+            raise ValueError(f"plan was made for s={origin.tokens} tokens per rank, not {topk_ids.shape[-2]}")
+        group.flag("plan", ids_fingerprint(topk_ids) != origin.fingerprint)
+    plan = split_slot_rows(plan)
+    ranks, experts = config.ranks, config.experts
+    dest_rank, dest_row = plan.dest_rank.long(), plan.dest_row.long()
+    planned = dest_rank >= 0
+    rank = dest_rank.clamp(0, ranks - 1)
+    expert = topk_ids.long().clamp(0, experts - 1)
+    start = plan.group_start.long()[rank, expert]
+    count = plan.alloc.long()[expert, rank]
+    fits = (topk_ids >= 0) & (topk_ids < experts) & (dest_rank < ranks) & (start >= 0) & (dest_row >= start)
+    group.flag("plan", planned & ~(fits & (dest_row < start + count)))
+    safe_rank = torch.where(planned, rank, -1).to(torch.int32)
+    safe_row = torch.where(planned, dest_row.clamp(0, plan.shard_rows - 1), -1).to(torch.int32)
+    return dataclasses.replace(plan, dest_rank=safe_rank, dest_row=safe_row)
+
+
 def check_inputs(
     x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, config: EPConfig, group: Group
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -42,6 +154,7 @@ def check_inputs(
     Raises:
         ValueError: naming the argument and what was expected.
     """
+    _check_types(config, group, x=x, topk_ids=topk_ids, topk_weights=topk_weights)
     leading = (group.world,) if group.stacked else ()
     layout = "[R, s, H]" if group.stacked else "[s, H]"
     if x.dim() != len(leading) + 2 or tuple(x.shape[: len(leading)]) != leading or x.shape[-1] != config.hidden:
@@ -74,45 +187,98 @@ def plan_step(
     dtype: torch.dtype | None = None,
     cost: CostProfile | None = None,
 ) -> Plan | RankPlan:
-    """Plan one step: a :class:`Plan` of all ranks on the local transport, else this rank's :class:`RankPlan`.
+    """Plan one step, on any transport: THE way to plan outside :func:`ep_moe` (e.g. before a CUDA graph).
 
-    On a per-process group this is collective (every rank must call it): the ranks first gather a
+    Returns a :class:`Plan` of all ranks on the local transport, else this rank's
+    :class:`RankPlan`, in the layer's split layout (:func:`flatep.plan.split.split_slot_rows`),
+    carrying what it was made for (:class:`flatep.plan.types.MadeFor`: config, policy, ``s``,
+    token counts and a device fingerprint of the ids), so that :func:`ep_moe` refuses it for
+    other ids. ``make_plan``/``plan_rank`` are the reference planner itself (the specification).
+
+    On a per-process group this is collective (every rank must call it). The ranks gather a
     fixed-size header (``s``, the config, the policy, the activation dtype, their real token count
-    and whether their ids are valid) and all raise ``ValueError`` together if they disagree or any
-    rank's input is bad, so no rank is left waiting in an exchange sized differently from its
-    peers'. Then they gather the ``[E]`` histograms and each plans its own entries.
+    and whether their ids are valid), then the ``[E]`` histograms, and each plans its own
+    entries. With ``group.eager_check`` (outside CUDA-graph capture) every rank reads the header
+    and all raise ``ValueError`` together if they disagree or any rank's input is bad; otherwise
+    nothing is read back and a disagreement sets the ``step`` error flag (:meth:`Group.check`).
 
     Args:
-        topk_ids: ``[R, s, K]`` (local) or ``[s, K]`` int32 expert ids.
+        topk_ids: ``[R, s, K]`` (local) or ``[s, K]`` int32/int64 expert ids.
         config: group sizes.
         group: from :func:`flatep.init_group`.
         policy: ``exact``, ``bounded``, ``none`` or ``auto``.
         tokens: real tokens per rank, rows beyond are padding: ``[R]`` counts on the local
-            transport, this rank's count on a per-process one (default ``s``).
+            transport, this rank's count (an int) on a per-process one (default ``s``).
         dtype: activation dtype the ranks must agree on (per-process groups; ``None``: not checked).
         cost: the :class:`flatep.CostProfile` of ``policy="auto"`` (per-process ranks must pass the same).
 
-    The plan comes in the layer's split layout (:func:`flatep.plan.split.split_slot_rows`: slot
-    groups from row ``slot_base``), which dispatch, experts and combine expect.
-
     On CUDA the sync-free Triton planner plans (bit-equal to the reference planner, which plans on
-    CPU and for configs beyond the Triton planner's limits). Ids are range-checked first, which
-    costs one host sync, except while a CUDA graph is being captured.
+    CPU and for configs beyond the Triton planner's limits). Ids of real tokens outside ``[0, E)``
+    raise ``ValueError`` when the group checks eagerly; otherwise (and always under capture) they
+    set the ``ids`` error flag and their entries are left out of the plan.
+
+    Raises:
+        ValueError: for bad arguments (types, shapes, ids when checked eagerly, disagreeing ranks).
     """
+    _check_types(config, group, topk_ids=topk_ids)
     check_policy(policy)
     check_cost(policy, cost)
+    if topk_ids.device != group.device:
+        raise ValueError(f"topk_ids must be on the group's device {group.device}, got {topk_ids.device}")
+    if topk_ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
+    ids = topk_ids.contiguous()
     if group.stacked:
-        if not (topk_ids.is_cuda and supports_triton_planner(config)):
-            return split_slot_rows(make_plan(topk_ids, config, policy, tokens, cost))
-        if not torch.cuda.is_current_stream_capturing():
-            counts = [topk_ids.shape[1]] * config.ranks if tokens is None else list(tokens)
-            _valid_mask(topk_ids, counts, config.experts, "topk_ids")
-        return split_slot_rows(make_plan_triton(topk_ids, config, policy, tokens, cost))
-    if dtype not in _DTYPE_CODES:
-        raise ValueError(f"dtype must be torch.bfloat16, torch.float32 or None, got {dtype}")
-    if tokens is not None and not isinstance(tokens, int):
-        raise ValueError(f"tokens must be this rank's token count (an int) on a per-process group, got {tokens!r}")
-    return split_slot_rows(_plan_this_rank(topk_ids, config, group, policy, tokens, dtype, cost))
+        if not (ids.is_cuda and supports_triton_planner(config)):
+            plan = make_plan(ids, config, policy, tokens, cost)
+        else:
+            counts = [ids.shape[1]] * config.ranks if tokens is None else [int(count) for count in tokens]
+            if _checks_now(group):
+                _valid_mask(ids, counts, config.experts, "topk_ids")
+            else:
+                group.flag("ids", _invalid_ids(ids, counts, config.experts))
+            plan = make_plan_triton(ids, config, policy, tokens, cost)
+        counts = None if tokens is None else tuple(int(count) for count in tokens)
+    else:
+        if dtype not in _DTYPE_CODES:
+            raise ValueError(f"dtype must be torch.bfloat16, torch.float32 or None, got {dtype}")
+        if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int)):
+            raise ValueError(f"tokens must be this rank's token count (an int) on a per-process group, got {tokens!r}")
+        plan = _plan_this_rank(ids, config, group, policy, tokens, dtype, cost)
+        counts = tokens
+    made_for = MadeFor(config=config, policy=policy, tokens=ids.shape[-2], counts=counts, fingerprint=ids_fingerprint(ids))
+    return dataclasses.replace(split_slot_rows(plan), made_for=made_for)
+
+
+def _invalid_ids(topk_ids: torch.Tensor, counts: list[int] | int, experts: int) -> torch.Tensor:
+    """``bool`` per entry: a real token's id outside ``[0, E)``.
+
+    Device ops with host scalars only (no host-to-device copy), so it can be captured in a graph.
+    """
+    positions = torch.arange(topk_ids.shape[-2], device=topk_ids.device).view(-1, 1)
+    real = torch.stack([positions < count for count in counts]) if isinstance(counts, list) else positions < counts
+    return real & ((topk_ids < 0) | (topk_ids >= experts))
+
+
+def _header(
+    group: Group, config: EPConfig, policy: str, dtype: torch.dtype | None, step: int, real: int, ok: torch.Tensor
+) -> torch.Tensor:
+    """``[len(_AGREED) + 2] int64`` on the group's device: what ranks must agree on, the real token count, ids valid.
+
+    The config part is copied to the device once per (config, policy, dtype) and cached on the
+    group; ``s`` and the real count are filled by kernels, so building it never copies from the
+    host (a pageable host-to-device copy synchronises, and could not be captured).
+    """
+    constants = group.__dict__.setdefault("_header_constants", {})
+    key = (config, policy, dtype)
+    if key not in constants:
+        values = [config.ranks, config.experts, config.top_k, config.hidden, config.intermediate, config.capacity,
+                  config.align, round(config.tolerance * _TOLERANCE_SCALE), POLICIES.index(policy), _DTYPE_CODES[dtype]]
+        constants[key] = torch.tensor(values, dtype=torch.int64, device=group.device)
+    counts = torch.empty(2, dtype=torch.int64, device=group.device)
+    counts[0].fill_(step)
+    counts[1].fill_(real)
+    return torch.cat([counts[:1], constants[key], counts[1:], ok.view(1).to(torch.int64)])
 
 
 def _plan_this_rank(
@@ -120,21 +286,43 @@ def _plan_this_rank(
     cost: CostProfile | None = None,
 ) -> RankPlan:
     """:func:`plan_step` on a per-process group (collective)."""
+    if config.ranks != group.world:
+        raise ValueError(f"config.ranks={config.ranks} must equal the group's size {group.world}")
+    _check_ids(topk_ids, config, "topk_ids", ())
     step = topk_ids.shape[0]
     real = step if tokens is None else tokens
-    valid = (torch.arange(step, device=topk_ids.device).unsqueeze(1) < real).expand_as(topk_ids)
-    if not 0 <= real <= step:
-        bad = None
-        ok = torch.zeros(1, dtype=torch.int64, device=group.device)
+    in_range = 0 <= real <= step
+    bad = _invalid_ids(topk_ids, real if in_range else 0, config.experts)
+    ok = ~bad.any() if in_range else torch.zeros((), dtype=torch.bool, device=group.device)
+    everyone = group.all_gather(_header(group, config, policy, dtype, step, real, ok))  # [R, columns]
+    on_device = supports_triton_planner(config) and (topk_ids.is_cuda or interpreting())
+    # The reference planner reads the tables on the host anyway (and raises for bad ids on its own
+    # rank only): reading the header there costs nothing more, and keeps every rank raising together.
+    if _checks_now(group) or not on_device:
+        _raise_for_header(everyone.cpu(), topk_ids, bad, tokens, step, config.experts, in_range)
     else:
-        # The validity flag travels in the header, so the happy path needs no sync of its own.
-        bad = valid & ((topk_ids < 0) | (topk_ids >= config.experts))
-        ok = (~bad.any()).to(torch.int64).view(1).to(group.device)
-    header = [step, config.ranks, config.experts, config.top_k, config.hidden, config.intermediate,
-              config.capacity, config.align, round(config.tolerance * _TOLERANCE_SCALE), POLICIES.index(policy),
-              _DTYPE_CODES[dtype], real]
-    header = torch.cat([torch.tensor(header, dtype=torch.int64, device=group.device), ok])
-    everyone = group.all_gather(header).cpu()
+        agreed = (everyone[:, : len(_AGREED)] == everyone[:1, : len(_AGREED)]).all()
+        group.flag("step", ~agreed | (everyone[:, -1] == 0).any())
+        group.flag("ids", bad)
+        real = min(max(real, 0), step)  # out of range: every rank's step flag is set already
+    valid = (torch.arange(step, device=topk_ids.device).unsqueeze(1) < real).expand_as(topk_ids)
+    counts = histogram(topk_ids.unsqueeze(0), valid.unsqueeze(0), config.experts)[0]
+    gathered = group.all_gather(counts)
+    # Every rank passing s tokens (the steady state of a server) gives R*s tokens: no read-back.
+    # Real token counts need the gathered header's sum on the host until the Triton planner takes
+    # a device total.
+    total = config.ranks * step if tokens is None else int(everyone[:, -2].sum())
+    if total == 0:
+        raise ValueError("no rank has tokens in this step")
+    planner = plan_rank_triton if on_device else plan_rank
+    return planner(group.first_rank, topk_ids, gathered, config, policy, total_tokens=total, tokens=real, cost=cost)
+
+
+def _raise_for_header(
+    everyone: torch.Tensor, topk_ids: torch.Tensor, bad: torch.Tensor, tokens: int | None, step: int, experts: int,
+    in_range: bool,
+) -> None:
+    """Raise on every rank if the gathered headers ``[R, columns]`` (on the host) disagree or any rank failed."""
     differing = []
     for column, name in enumerate(_AGREED):
         if not bool((everyone[:, column] == everyone[0, column]).all()):
@@ -146,38 +334,40 @@ def _plan_this_rank(
         raise ValueError(f"ranks disagree on the step (values by rank): {'; '.join(differing)}; every rank raises")
     failed = (everyone[:, -1] == 0).nonzero().flatten().tolist()
     if failed:
-        if bad is None:
+        if not in_range:
             raise ValueError(f"tokens must be in [0, s={step}], got {tokens}")
         if bad.any():
             token, k = bad.nonzero()[0].tolist()
-            raise ValueError(
-                f"topk_ids[{token}, {k}] = {int(topk_ids[token, k])} is not an expert id in [0, {config.experts})"
-            )
+            raise ValueError(f"topk_ids[{token}, {k}] = {int(topk_ids[token, k])} is not an expert id in [0, {experts})")
         raise ValueError(f"rank(s) {failed} passed invalid inputs to this step (see their errors); every rank raises")
-    if config.ranks != group.world:
-        raise ValueError(f"config.ranks={config.ranks} must equal the group's size {group.world}")
-    total = int(everyone[:, -2].sum())
-    if total == 0:
-        raise ValueError("no rank has tokens in this step")
-    counts = histogram(topk_ids.unsqueeze(0), valid.unsqueeze(0), config.experts)[0]
-    gathered = group.all_gather(counts)
-    planner = plan_rank_triton if topk_ids.is_cuda and supports_triton_planner(config) else plan_rank
-    return planner(group.first_rank, topk_ids, gathered, config, policy, total_tokens=total, tokens=real, cost=cost)
 
 
 def dispatch_step(
-    x: torch.Tensor, topk_weights: torch.Tensor, plan: Layout, group: Group, backend: str = "auto"
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    plan: Layout,
+    group: Group,
+    backend: str = "auto",
+    *,
+    config: EPConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Scatter rows and route weights into the receive shards.
 
     Returns:
         ``(shard [n, rows, H], shard_weights [n, rows] fp32)`` (``n`` = ranks this process
-        drives; no leading dimension on per-process transports), ``rows = plan.shard_rows``.
+        drives; no leading dimension on per-process transports): the group's buffers of
+        :func:`shard_buffers`, ``rows = buffer_rows(config, policy) >= plan.shard_rows``, sized
+        from the capacity of ``config`` (default: the config the plan was made for; a plan from the
+        planner functions themselves, which does not say, gets buffers of its own ``plan.shard_rows``).
     """
     hidden = x.shape[-1]
     tokens, top_k = topk_weights.shape[-2:]
-    shard = group.buffer("shard", (plan.shard_rows, hidden), x.dtype)
-    shard_weights = group.buffer("shard_weights", (plan.shard_rows,), torch.float32)
+    config = config or (plan.made_for.config if plan.made_for is not None else None)
+    if config is not None:
+        shard, shard_weights = shard_buffers(group, config, plan.policy, x.dtype)
+    else:
+        shard = group.buffer("shard", (plan.shard_rows, hidden), x.dtype)
+        shard_weights = group.buffer("shard_weights", (plan.shard_rows,), torch.float32)
     dest_rank, dest_row = _entries(plan, tokens, top_k)
     # Peers may still be combining the previous step out of these shards: wait for them first.
     group.barrier()
@@ -266,56 +456,86 @@ def ep_moe(
     w13: torch.Tensor | None = None,
     w2: torch.Tensor | None = None,
     *,
-    config: EPConfig,
     group: Group,
-    policy: str = "exact",
+    config: EPConfig | None = None,
     pool: ExpertPool | None = None,
+    policy: str = "exact",
     plan: Plan | RankPlan | None = None,
-    backend: str = "auto",
     b13: torch.Tensor | None = None,
     b2: torch.Tensor | None = None,
     activation: Activation = swiglu,
     precision: str = "fp32",
     combine_dtype: torch.dtype | None = None,
     cost: CostProfile | None = None,
+    backend: str = "auto",
 ) -> torch.Tensor:
-    """One expert-parallel MoE step.
+    """One expert-parallel MoE step: ``out[t] = sum_k w[t,k] * expert_{ids[t,k]}(x[t])``.
+
+    The weights come one of two ways: ``w13``/``w2`` (all ``E`` experts, copied into a fresh pool
+    every call: for trying things out) or ``pool=`` (an :class:`ExpertPool` built once: for real
+    use). Everything after ``w2`` is keyword-only.
 
     Args:
         x: ``[R, s, H]`` (local transport) or ``[s, H]`` tokens, bfloat16 or float32;
             non-contiguous inputs are copied.
         topk_ids: ``[R, s, K]`` (or ``[s, K]``) int32/int64 expert ids in ``[0, E)``.
-        topk_weights: ``[R, s, K]`` (or ``[s, K]``) route weights (used in fp32).
+        topk_weights: ``[R, s, K]`` (or ``[s, K]``) route weights (used in fp32). NaN and infinite
+            weights propagate as in the dense MoE: that token's output is not finite.
         w13: ``[E, 2I, H]`` all experts' gate/up weights (each rank uses its own slice plus what it
-            borrows); copied into a fresh pool each call. Pass ``pool`` instead to avoid the copy.
-        w2: ``[E, H, I]``.
-        config: group sizes; group: from :func:`flatep.init_group`.
+            borrows); with ``w2 [E, H, I]``. Leave both out when passing ``pool``.
+        group: from :func:`flatep.init_group`.
+        config: group sizes (default: the pool's).
+        pool: an :class:`ExpertPool` holding the layer's weights.
         policy: ``exact`` (flat), ``bounded``, ``none`` (classic EP) or ``auto`` (the cheapest of
             them by the cost model, chosen on the device: :mod:`flatep.plan.auto`).
-        pool: an :class:`ExpertPool` holding the layer's weights (then ``w13``/``w2`` must be None).
-        plan: a precomputed plan for these ``topk_ids`` (e.g. to keep planning outside a CUDA graph).
-        backend: ``auto`` (Triton on CUDA or under ``TRITON_INTERPRET=1``), ``triton`` or ``torch``.
-        b13: optional ``[E, 2I]`` gate then up biases, with ``w13``/``w2`` (a ``pool`` brings its own).
-        b2: optional ``[E, H]`` down-projection biases (with ``b13``).
+
+    Advanced (keyword-only):
+        plan: a plan from :func:`plan_step` for exactly these ``topk_ids`` (to plan outside a
+            CUDA graph). A plan made for other ids, ``s``, config or policy is refused: host facts
+            raise ``ValueError`` at once; ids whose fingerprint differs, or entries the plan would
+            put outside their expert's rows, set the group's ``plan`` error flag (raised by
+            :meth:`Group.check`, at once when the group checks eagerly).
+        b13, b2: optional ``[E, 2I]`` gate/up and ``[E, H]`` down biases, with ``w13``/``w2``
+            (a pool brings its own).
         activation: ``act(gate, up)`` of the experts (default ``silu(gate) * up``;
             :class:`flatep.experts.ClampedSwiGLU` for gpt-oss).
         precision: ``fp32`` (activations in fp32, route weight before the down GEMM) or ``native``
             (the models' own rounding order: see :mod:`flatep.experts.grouped`).
-        combine_dtype: dtype of the expert outputs that combine sums (default ``x``'s). ``float32``
-            rounds each token once, after the sum, as models with fp32 route weights do (DeepSeek-V3,
-            Kimi-K2 in transformers), at twice the combine bytes.
+        combine_dtype: dtype of the rows that combine sums (default ``x``'s). ``torch.float32``
+            with bfloat16 ``x`` needs ``precision="native"``, where the route weight multiplies
+            the down GEMM's output in fp32: the products then reach combine unrounded and each
+            token is rounded once, after the sum, as models with fp32 route weights do
+            (DeepSeek-V3, Kimi-K2 in transformers), at twice the combine bytes. Under ``fp32``
+            precision the down GEMM's output is already rounded to bfloat16 (torch's grouped GEMM
+            has no fp32 output for bf16 inputs), so it is refused rather than paid for nothing.
+        backend: ``auto`` (Triton on CUDA or under ``TRITON_INTERPRET=1``), ``triton`` or ``torch``.
         cost: the :class:`flatep.CostProfile` of ``policy="auto"`` (default: the generic one).
 
     Returns:
-        ``[R, s, H]`` (or ``[s, H]``) in ``x``'s dtype: ``sum_k w[t,k] * expert_{ids[t,k]}(x[t])``.
+        ``[R, s, H]`` (or ``[s, H]``) in ``x``'s dtype.
+
+    Raises:
+        ValueError: for bad arguments, before any kernel runs.
+        NotImplementedError: with grad enabled, if ``x``, ``topk_weights``, a weight, a bias or the
+            pool's weights require grad (there is no backward yet).
     """
+    if config is None:
+        if pool is None:
+            raise ValueError("pass config= (or a pool=, whose config is used)")
+        config = pool.config
+    _check_types(config, group, x=x, topk_ids=topk_ids, topk_weights=topk_weights)
     check_policy(policy)
+    pool_tensors = {f"pool.{name}": pool.home(name) for name in pool.names} if pool is not None else {}
+    refuse_autograd(x=x, topk_weights=topk_weights, w13=w13, w2=w2, b13=b13, b2=b2, **pool_tensors)
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     if combine_dtype not in (None, x.dtype, torch.float32):
         raise ValueError(f"combine_dtype must be None, x's dtype or torch.float32, got {combine_dtype}")
-    if torch.is_grad_enabled() and (x.requires_grad or (w13 is not None and w13.requires_grad)):
-        raise NotImplementedError("ep_moe has no backward yet: run it under torch.no_grad() or on tensors without grad")
+    if combine_dtype == torch.float32 and x.dtype != torch.float32 and precision != "native":
+        raise ValueError(
+            "combine_dtype=torch.float32 with bfloat16 x needs precision='native': under precision='fp32' the down "
+            "GEMM's output is already bfloat16, so fp32 combine rows would cost twice the bytes for the same values"
+        )
     x, topk_ids, topk_weights = check_inputs(x, topk_ids, topk_weights, config, group)
     if pool is None:
         if w13 is None or w2 is None:
@@ -325,30 +545,33 @@ def ep_moe(
             raise ValueError(f"w13/w2 dtype {w13.dtype} must match x dtype {x.dtype}")
     elif w13 is not None or w2 is not None or b13 is not None or b2 is not None:
         raise ValueError("pass either w13 and w2 (and biases) or pool, not both")
+    elif any(getattr(pool.config, size) != getattr(config, size) for size in ("ranks", "experts", "hidden", "intermediate")):
+        raise ValueError(f"pool was built for {pool.config}, not for {config}")
     elif pool.w13.dtype != x.dtype:
         raise ValueError(f"pool dtype {pool.w13.dtype} must match x dtype {x.dtype}")
     if plan is None:
         # Per-process ranks agree on the step while planning, before the pool's collective allocation.
         plan = plan_step(topk_ids, config, group, policy, dtype=x.dtype, cost=cost)
-    elif plan.policy != policy:
-        raise ValueError(f"plan was made with policy {plan.policy!r}, not {policy!r}")
-    elif not group.stacked and not (isinstance(plan, RankPlan) and plan.rank == group.first_rank):
-        raise ValueError(f"plan must be this rank's RankPlan (rank {group.first_rank}), from plan_step")
     else:
-        plan = split_slot_rows(plan)
+        plan = check_plan(plan, topk_ids, config, group, policy)
+        if _checks_now(group):
+            group.check()  # a plan made for other ids raises before any kernel trusts it
     if pool is None:
         pool = ExpertPool.from_weights(w13, w2, config, group, b13, b2)
     tokens = x.shape[-2]
-    shard, shard_weights = dispatch_step(x, topk_weights, plan, group, backend)
+    shard, shard_weights = dispatch_step(x, topk_weights, plan, group, backend, config=config)
     if plan.policy != "none":
         pool.push(plan.slot_experts, backend)
         group.barrier()
     out = shard
     if combine_dtype not in (None, x.dtype):
-        out = group.buffer("expert_out", (plan.shard_rows, x.shape[-1]), combine_dtype)
+        out = group.buffer("expert_out", (shard.shape[-2], x.shape[-1]), combine_dtype)
     for local_index in range(len(group.local_ranks)):
         experts_step(shard, shard_weights, pool, plan, group, local_index, activation, precision, out=out, backend=backend)
-    return combine_step(out, plan, group, tokens, config.top_k, x.dtype, backend)
+    result = combine_step(out, plan, group, tokens, config.top_k, x.dtype, backend)
+    if _checks_now(group):
+        group.check()
+    return result
 
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
@@ -417,6 +640,7 @@ class EPMoE(nn.Module):
                         parameter.copy_(group.all_gather(parameter.detach().contiguous())[0])
         self._pool: ExpertPool | None = None
         self._pool_versions: tuple[int, ...] = ()
+        shard_buffers(group, config, policy, dtype)  # at set-up, where every rank allocates alike
 
     def expert_pool(self) -> ExpertPool:
         """The layer's pool, rebuilt if ``w13`` or ``w2`` changed since it was built."""
@@ -428,14 +652,22 @@ class EPMoE(nn.Module):
         return self._pool
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x [R, s, H]`` (local transport) or ``[s, H]`` -> same shape and dtype."""
+        """``x [R, s, H]`` (local transport) or ``[s, H]`` -> same shape and dtype.
+
+        Inference only until the backward exists: run it under ``torch.no_grad()`` or
+        ``torch.inference_mode()``.
+
+        Raises:
+            NotImplementedError: with grad enabled while ``x`` or a parameter requires grad (the
+                router and the routed experts would silently get no gradient).
+        """
+        refuse_autograd(x=x, **dict(self.named_parameters()))
         logits = x.float() @ self.router.float().T
         topk_ids, topk_weights = route(logits, self.config.top_k, self.renormalize)
-        with torch.no_grad():
-            out = ep_moe(
-                x.detach(), topk_ids, topk_weights, config=self.config, group=self.group, policy=self.policy,
-                pool=self.expert_pool(), backend=self.backend, cost=self.cost,
-            )
+        out = ep_moe(
+            x, topk_ids, topk_weights, config=self.config, group=self.group, policy=self.policy,
+            pool=self.expert_pool(), backend=self.backend, cost=self.cost,
+        )
         if self.shared_w13 is not None:
             intermediate = self.shared_w2.shape[-1]
             projected = x @ self.shared_w13.T

@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from flatep.kernels.activation import copy_rows_triton, finite_weights, swiglu_weighted_torch, swiglu_weighted_triton
+from flatep.kernels.activation import copy_rows_triton, swiglu_weighted_torch, swiglu_weighted_triton
 from flatep.kernels.backend import use_triton
 
 Activation = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -173,7 +173,7 @@ def _torch_experts(
     intermediate = w2.shape[-1]
     dtype = hidden_states.dtype
     groups = row_groups(offsets, hidden_states.shape[0]) if b13 is not None or b2 is not None else None
-    weights = finite_weights(route_weights).unsqueeze(-1)
+    weights = route_weights.float().unsqueeze(-1)  # NaN and +-inf propagate, as in a dense MoE
     if precision == "native":
         if b13 is not None:
             hidden_states = hidden_states + b13[groups]

@@ -1,5 +1,5 @@
 """Triton kernels (dispatch, combine, weight push, the experts' row-bounded steps) and their plain-torch counterparts."""
-from flatep.kernels.activation import copy_rows_triton, finite_weights, swiglu_weighted_torch, swiglu_weighted_triton
+from flatep.kernels.activation import copy_rows_triton, swiglu_weighted_torch, swiglu_weighted_triton
 from flatep.kernels.backend import BACKENDS, use_triton
 from flatep.kernels.combine import combine_torch, combine_triton
 from flatep.kernels.dispatch import dispatch_torch, dispatch_triton
@@ -12,7 +12,6 @@ __all__ = [
     "copy_rows_triton",
     "dispatch_torch",
     "dispatch_triton",
-    "finite_weights",
     "push_torch",
     "push_triton",
     "swiglu_weighted_torch",

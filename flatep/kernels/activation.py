@@ -25,10 +25,6 @@ import triton.language as tl
 
 from flatep.kernels.backend import column_block
 
-# Largest finite fp32: |w| <= it fails for NaN and +-inf (the kernels' nan_to_num).
-_FLOAT32_MAX = tl.constexpr(3.4028234663852886e38)
-
-
 @triton.jit
 def _swiglu_weighted_kernel(
     hidden_ptr, weight_ptr, end_ptr, out_ptr, hidden_stride, out_stride,
@@ -39,9 +35,8 @@ def _swiglu_weighted_kernel(
     for first in range(tl.program_id(0) * BLOCK_M, end, tl.num_programs(0) * BLOCK_M):
         row = first + tl.arange(0, BLOCK_M)
         row_mask = row < end
-        # nan_to_num(w, nan=0, posinf=0, neginf=0): NaN and +-inf fail the comparison.
+        # NaN and +-inf weights propagate into the row, as in a dense MoE.
         weight = tl.load(weight_ptr + row, mask=row_mask, other=0.0).to(tl.float32)
-        weight = tl.where(tl.abs(weight) <= _FLOAT32_MAX, weight, 0.0)
         mask = row_mask[:, None] & (column < I)[None, :]
         # M * 2I exceeds 2**31 at real sizes: row offsets in int64.
         hidden_rows = hidden_ptr + row.to(tl.int64)[:, None] * hidden_stride + column[None, :]
@@ -102,10 +97,11 @@ def swiglu_weighted_triton(
     num_warps: int = 4,
     programs: int | None = None,
 ) -> None:
-    """``out[i] = silu(gate[i]) * up[i] * nan_to_num(route_weights[i])`` for rows ``i < end[0]``.
+    """``out[i] = silu(gate[i]) * up[i] * route_weights[i]`` for rows ``i < end[0]``.
 
-    Computed in fp32 and rounded once to ``out``'s dtype; NaN and infinite route weights count as
-    0. Rows at and past ``end[0]`` are neither read nor written.
+    Computed in fp32 and rounded once to ``out``'s dtype; NaN and infinite route weights propagate
+    (the row is not finite, as a dense MoE's would be). Rows at and past ``end[0]`` are neither
+    read nor written.
 
     Args:
         hidden: ``[M, 2I]`` bf16 or fp32 output of the gate/up GEMM: gate columns ``[0, I)``, up
@@ -170,14 +166,14 @@ def swiglu_weighted_torch(
     out_dtype: torch.dtype,
     activation: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """Plain-torch twin over all rows: ``(act(gate, up) * nan_to_num(route_weights)).to(out_dtype)`` in fp32.
+    """Plain-torch twin over all rows: ``(act(gate, up) * route_weights).to(out_dtype)`` in fp32.
 
     The check for :func:`swiglu_weighted_triton`, and the torch path of the experts' ``fp32``
     precision (which passes its own activation).
 
     Args:
         hidden: ``[M, 2I]`` any float dtype (used in fp32).
-        route_weights: ``[M]`` (used in fp32; NaN and +-inf count as 0).
+        route_weights: ``[M]`` (used in fp32; NaN and +-inf propagate).
         out_dtype: dtype of the result.
         activation: ``act(gate, up)`` on the fp32 halves (default ``silu(gate) * up``, the kernel's).
 
@@ -188,9 +184,4 @@ def swiglu_weighted_torch(
     hidden = hidden.float()
     gate, up = hidden[:, :intermediate], hidden[:, intermediate:]
     activated = F.silu(gate) * up if activation is None else activation(gate, up)
-    return (activated * finite_weights(route_weights).unsqueeze(-1)).to(out_dtype)
-
-
-def finite_weights(route_weights: torch.Tensor) -> torch.Tensor:
-    """Route weights in fp32 with NaN and +-inf as 0: stale rows past a shard's last group may hold anything."""
-    return torch.nan_to_num(route_weights.float(), nan=0.0, posinf=0.0, neginf=0.0)
+    return (activated * route_weights.float().unsqueeze(-1)).to(out_dtype)

@@ -6,11 +6,58 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from flatep.config import EPConfig
+
 if TYPE_CHECKING:
     from flatep.plan.auto import AutoChoice
 
 
-@dataclass
+# Two independent position-weighted sums modulo the prime 2**31 - 1: every term stays below 2**62
+# and a sum of up to 2**32 terms below 2**63, so int64 never overflows. Changing one id, or swapping
+# two different ids, always changes both sums (the position weights are distinct modulo the prime).
+_PRIME = 2**31 - 1
+_MIXERS = ((48271, 12345), (69621, 40503))
+
+
+def ids_fingerprint(topk_ids: torch.Tensor) -> torch.Tensor:
+    """A cheap hash of each rank's ids, computed on their device without host synchronisation.
+
+    Args:
+        topk_ids: ``[n, s, K]`` (``n`` ranks) or ``[s, K]`` integer ids (any values, ``-1`` included).
+
+    Returns:
+        ``[n, 2]`` int64 (``n = 1`` for ``[s, K]``): equal for equal ids; different whenever one
+        id differs or two different ids trade places (and with probability about ``2**-62``
+        otherwise).
+    """
+    ranks = 1 if topk_ids.dim() == 2 else topk_ids.shape[0]
+    flat = topk_ids.reshape(ranks, -1).long().add(1).remainder(_PRIME)
+    position = torch.arange(flat.shape[-1], device=flat.device, dtype=torch.int64)
+    sums = [(flat * (position * a + b).remainder(_PRIME)).remainder(_PRIME).sum(-1) for a, b in _MIXERS]
+    return torch.stack(sums, dim=-1)
+
+
+@dataclass(eq=False)
+class MadeFor:
+    """What a plan from :func:`flatep.plan_step` was made for, so a step can refuse a plan made for other ids.
+
+    Attributes:
+        config: the group sizes it was planned with.
+        policy: the balancing policy.
+        tokens: ``s``, tokens per rank of the step.
+        counts: real tokens per rank as given to the planner (``None``: ``s`` everywhere).
+        fingerprint: :func:`ids_fingerprint` of the ids it was planned from, ``[n, 2]`` int64 on
+            their device (``n`` = ranks this process drives).
+    """
+
+    config: EPConfig
+    policy: str
+    tokens: int
+    counts: tuple[int, ...] | int | None
+    fingerprint: torch.Tensor
+
+
+@dataclass(repr=False)
 class Layout:
     """Tables identical on every rank of the group (a pure function of the gathered histogram).
 
@@ -32,6 +79,8 @@ class Layout:
             multiple of ``align``; ``(0, 0)`` when none.
         received: ``[R]`` real rows each rank computes (``cap[d]`` under ``exact``).
         group_start: ``[R, E]`` first row of expert ``e``'s group on rank ``d``, ``-1`` if absent.
+        made_for: what :func:`flatep.plan_step` made the plan for (``None`` from the planner
+            functions themselves); a step checks it against its ids.
         slot_base: ``0`` in the planner's layout, where each rank's slot groups follow its home
             groups; otherwise the row where every shard's slot groups start (see
             :func:`flatep.plan.split.split_slot_rows`), so that home and slot experts run as two
@@ -56,6 +105,7 @@ class Layout:
     slot_base: int = field(default=0, kw_only=True)
     slot_rows: int = field(default=0, kw_only=True)
     auto: "AutoChoice | None" = field(default=None, kw_only=True)
+    made_for: MadeFor | None = field(default=None, kw_only=True, repr=False, compare=False)
 
     @property
     def ranks(self) -> int:
@@ -75,12 +125,33 @@ class Layout:
         first = self.slot_experts[:, 0]
         return torch.where(first >= 0, first // epn, torch.full_like(first, -1))
 
+    def summary(self) -> str:
+        """A few lines for people: policy, ranks, rows per rank and the experts each rank borrows (host sync)."""
+        rows = self.received.tolist()
+        mean = sum(rows) / max(len(rows), 1)
+        imbalance = max(rows) / mean - 1 if mean else 0.0
+        lines = [
+            f"{type(self).__name__}(policy={self.policy!r}, ranks={self.ranks}, experts={self.tokens_per_expert.shape[1]}, "
+            f"total_tokens={self.total_tokens}, shard_rows={self.shard_rows}"
+            + (f", rank={self.rank}" if hasattr(self, "rank") else "")
+            + (f", s={self.made_for.tokens}" if self.made_for is not None else "")
+            + ")",
+            f"  rows per rank: {rows} (busiest {imbalance:+.1%} vs mean)",
+        ]
+        borrowed = {rank: [e for e in experts if e >= 0] for rank, experts in enumerate(self.slot_experts.tolist())}
+        lent = {rank: experts for rank, experts in borrowed.items() if experts}
+        lines.append(f"  borrowed experts by rank: {lent}" if lent else "  borrowed experts: none")
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return self.summary()
+
     def tensors(self) -> dict[str, torch.Tensor]:
         """Every tensor field by name (for comparisons and serialisation)."""
         return {f.name: getattr(self, f.name) for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)}
 
 
-@dataclass
+@dataclass(repr=False)
 class Plan(Layout):
     """The plan of a whole group (virtual ranks): layout plus every entry's destination.
 
@@ -94,7 +165,7 @@ class Plan(Layout):
     dest_row: torch.Tensor
 
 
-@dataclass
+@dataclass(repr=False)
 class RankPlan(Layout):
     """One rank's plan (one process per rank): the shared layout plus its own entries.
 

@@ -21,6 +21,7 @@ def init_group(
     ranks: int | None = None,
     device: torch.device | str | None = None,
     barrier_timeout: float = 60.0,
+    eager_check: bool = True,
 ) -> Group:
     """Make an EP group.
 
@@ -40,9 +41,23 @@ def init_group(
         ranks: ``R`` for the local transport; per-process transports take it from the group.
         device: local: where the buffers live (default CUDA if available, else CPU). nvlink: this
             process's GPU (default: the current device). collective: see :class:`CollectiveGroup`.
-        barrier_timeout: seconds an nvlink barrier waits for the other ranks before raising
-            :class:`TimeoutError`.
+        barrier_timeout: seconds an nvlink barrier waits for the other ranks before it gives up
+            (:meth:`Group.check` then raises :class:`TimeoutError`).
+        eager_check: ``True`` (default): every eager step checks itself before returning, so bad
+            input and dead ranks raise from the step that met them (costs host
+            synchronisations). ``False``: steps never read back to the host (what CUDA graphs and
+            latency-bound serving want); call :meth:`Group.check` after graph replays or every few
+            steps to raise what the device recorded. See :attr:`Group.eager_check`.
+
+    Raises:
+        ValueError: for arguments of the wrong type or value, naming the argument.
     """
+    if process_group is not None and not isinstance(process_group, (str, dist.ProcessGroup)):
+        raise ValueError(
+            f"process_group must be a torch.distributed ProcessGroup, a transport name or None, got {process_group!r}"
+        )
+    if not isinstance(transport, str):
+        raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
     if isinstance(process_group, str):
         if transport != "auto":
             raise ValueError(f"transport given twice: {process_group!r} and transport={transport!r}")
@@ -56,7 +71,7 @@ def init_group(
             raise ValueError("ranks is required for the local transport")
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
-        return LocalGroup(ranks, device)
+        return LocalGroup(ranks, device, eager_check)
     if ranks is not None:
         raise ValueError(f"ranks is only for the local transport; the {transport} transport takes R from the process group")
     if not dist.is_available() or not dist.is_initialized():
@@ -67,8 +82,8 @@ def init_group(
     if transport == "auto":
         transport = "nvlink" if nvlink_reachable(process_group, device) else "collective"
     if transport == "nvlink":
-        return NVLinkGroup(process_group, device, barrier_timeout)
-    return CollectiveGroup(process_group, device)
+        return NVLinkGroup(process_group, device, barrier_timeout, eager_check)
+    return CollectiveGroup(process_group, device, eager_check)
 
 
 def nvlink_reachable(process_group: dist.ProcessGroup | None = None, device: torch.device | str | None = None) -> bool:

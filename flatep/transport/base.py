@@ -34,6 +34,14 @@ def join_process_group(process_group, transport: str):
     return process_group, dist.get_world_size(process_group), rank
 
 
+# Errors a step can find only on the device; each sets its flag, which :meth:`Group.check` reads.
+DEVICE_ERRORS = {
+    "ids": "topk_ids held an expert id outside [0, E) for a real token (its entries were left out of the plan)",
+    "plan": "a plan passed to ep_moe was not made for these topk_ids, or routes an entry outside its expert's rows",
+    "step": "the ranks disagreed on a step (s, the config, the policy or the dtype), or a rank's inputs were invalid",
+}
+
+
 class Group(ABC):
     """A group of EP ranks as seen from one process.
 
@@ -43,12 +51,51 @@ class Group(ABC):
         local_ranks: the ranks this process drives (all ``R`` on the local transport, one rank on
             the per-process transports).
         stacked: whether tensors carry a leading rank dimension (true only on the local transport).
+        eager_check: whether every eager step checks itself before returning (see
+            :meth:`check`). ``True`` (default): bad ids, ranks that disagree and, on the nvlink
+            transport, barrier timeouts raise from the step that met them, at the price of host
+            synchronisations. ``False``: a step reads nothing back to the host (zero host
+            synchronisations, as inside a CUDA graph, where steps never check themselves); errors
+            found on the device set flags that the next :meth:`check` raises.
     """
 
     world: int
     device: torch.device
     local_ranks: tuple[int, ...]
     stacked: bool
+    eager_check: bool = True
+
+    def _start_checks(self, eager_check: bool) -> None:
+        """Set the checking mode and allocate the device error flags (at set-up: never inside a graph)."""
+        if not isinstance(eager_check, bool):
+            raise ValueError(f"eager_check must be True or False, got {eager_check!r}")
+        self.eager_check = eager_check
+        self._errors = torch.zeros(len(DEVICE_ERRORS), dtype=torch.int32, device=self.device)
+
+    def flag(self, error: str, condition: torch.Tensor) -> None:
+        """Record on the device that ``error`` (a key of ``DEVICE_ERRORS``) happened if any of ``condition`` is true.
+
+        Sticky until :meth:`check` reads it; no host synchronisation, so it may run inside a CUDA graph.
+        """
+        index = list(DEVICE_ERRORS).index(error)
+        self._errors[index : index + 1].bitwise_or_(condition.any().view(1).to(device=self.device, dtype=torch.int32))
+
+    def check(self) -> None:
+        """Raise for every error recorded on the device since the last check (one host synchronisation).
+
+        Call it after replaying a CUDA graph, or every few steps with ``eager_check=False``; with
+        ``eager_check=True`` every eager step calls it before returning. The flags are cleared
+        when read, so the group stays usable after bad input.
+
+        Raises:
+            ValueError: naming what went wrong (bad ids, a plan made for other ids, ranks that
+                disagreed on a step).
+        """
+        found = self._errors.tolist()
+        if any(found):
+            self._errors.zero_()
+            raised = [message for message, seen in zip(DEVICE_ERRORS.values(), found) if seen]
+            raise ValueError(f"{type(self).__name__} rank {self.first_rank}: since the last check, " + "; ".join(raised))
 
     def buffer(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A symmetric buffer cached by ``(name, shape, dtype)``: allocated once, reused every step.
@@ -60,6 +107,11 @@ class Group(ABC):
         if key not in cache:
             cache[key] = self.symmetric_empty(tuple(shape), dtype)
         return cache[key]
+
+    def buffer_bytes(self) -> int:
+        """Bytes this process holds in the group's buffer cache (what :meth:`buffer` allocated)."""
+        cache = self.__dict__.get("_buffers", {})
+        return sum(tensor.untyped_storage().nbytes() for tensor in cache.values())
 
     @property
     def first_rank(self) -> int:
@@ -83,12 +135,6 @@ class Group(ABC):
     @abstractmethod
     def barrier(self) -> None:
         """Wait until every rank has reached this point (stream-ordered on the GPU)."""
-
-    def check(self) -> None:
-        """Raise if an earlier barrier failed (e.g. after replaying a CUDA graph that holds barriers).
-
-        Transports whose barriers cannot fail have nothing to check.
-        """
 
     def push_experts(self, home: torch.Tensor, slots: torch.Tensor, slot_experts: torch.Tensor, backend: str = "auto") -> None:
         """Copy every expert lent by this process's ranks into its receivers' slots (one projection).

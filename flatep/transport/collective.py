@@ -90,11 +90,14 @@ class CollectiveGroup(Group):
         process_group: the EP ranks (default: the whole world).
         device: where this rank computes (default: the current CUDA device if the group's backend
             is NCCL, else CPU); must be one the backend can all-to-all on.
+        eager_check: see :attr:`Group.eager_check`.
     """
 
     stacked = False
 
-    def __init__(self, process_group: dist.ProcessGroup | None = None, device: torch.device | str | None = None) -> None:
+    def __init__(
+        self, process_group: dist.ProcessGroup | None = None, device: torch.device | str | None = None, eager_check: bool = True
+    ) -> None:
         self.process_group, self.world, self.rank = join_process_group(process_group, "collective")
         self.local_ranks = (self.rank,)
         backend = str(dist.get_backend(self.process_group)).lower()
@@ -109,6 +112,7 @@ class CollectiveGroup(Group):
             raise ValueError(
                 f"device {self.device} needs a process group with the {needed} backend for all_to_all, got {backend!r}"
             )
+        self._start_checks(eager_check)
 
     def symmetric_empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A plain local tensor: every rank holds one of the same shape; peers never address it."""

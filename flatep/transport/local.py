@@ -1,6 +1,8 @@
 """Virtual ranks: R ranks stacked on dim 0 of one tensor, in one process, on CPU or one GPU."""
 from __future__ import annotations
 
+import operator
+
 import torch
 
 from flatep.transport.base import Group
@@ -15,14 +17,19 @@ class LocalGroup(Group):
 
     stacked = True
 
-    def __init__(self, ranks: int, device: torch.device | str = "cpu") -> None:
-        if not isinstance(ranks, int) or ranks < 1:
+    def __init__(self, ranks: int, device: torch.device | str = "cpu", eager_check: bool = True) -> None:
+        try:  # numpy integers too
+            count = -1 if isinstance(ranks, bool) else operator.index(ranks)
+        except TypeError:
+            count = -1
+        if count < 1:
             raise ValueError(f"ranks must be a positive integer, got {ranks!r}")
-        self.world = ranks
+        self.world = count
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
-        self.local_ranks = tuple(range(ranks))
+        self.local_ranks = tuple(range(count))
+        self._start_checks(eager_check)
 
     def symmetric_empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return torch.empty((self.world, *shape), dtype=dtype, device=self.device)
@@ -39,4 +46,4 @@ class LocalGroup(Group):
         return tensor
 
     def __repr__(self) -> str:
-        return f"LocalGroup(ranks={self.world}, device={self.device})"
+        return f"LocalGroup(ranks={self.world}, device={self.device}, eager_check={self.eager_check})"

@@ -70,10 +70,10 @@ class NVLinkGroup(Group):
 
     Buffers from :meth:`symmetric_empty` exist on every rank at mapped addresses, so the dispatch,
     combine and push kernels of the local transport run unchanged, each process launching them
-    for its own rank. :meth:`barrier` is the cross-rank flag kernel; in eager mode it waits for the
-    GPU and raises :class:`TimeoutError` naming the ranks that did not arrive within
-    ``barrier_timeout`` seconds. While a CUDA graph is being captured it only launches the kernel:
-    call :meth:`check` after replays.
+    for its own rank. :meth:`barrier` is the cross-rank flag kernel; it never waits for the host: a
+    rank that does not arrive within ``barrier_timeout`` seconds is recorded on the device, and
+    :meth:`check` raises :class:`TimeoutError` naming it (each eager step checks before returning
+    when ``eager_check`` is on; after CUDA-graph replays, call :meth:`check`).
 
     Args:
         process_group: the EP ranks (default: the whole world). Only allocation, set-up and
@@ -81,9 +81,9 @@ class NVLinkGroup(Group):
         device: this process's GPU (default: the current CUDA device); made the current device,
             because Triton launches there.
         barrier_timeout: seconds a barrier waits for the other ranks before giving up.
-        eager_check: synchronise and check after every eager barrier (default). ``False`` keeps
-            barriers asynchronous; a timeout then surfaces at the next :meth:`check`, and until
-            then later kernels run on whatever the late ranks had not yet written.
+        eager_check: see :attr:`Group.eager_check`. With ``False``, a timeout surfaces at the next
+            :meth:`check`, and until then later kernels run on whatever the late ranks had not yet
+            written.
     """
 
     stacked = False
@@ -108,7 +108,7 @@ class NVLinkGroup(Group):
             self.device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(self.device)
         self.barrier_timeout = float(barrier_timeout)
-        self.eager_check = eager_check
+        self._start_checks(eager_check)
         self._allocations: dict[int, _Allocation] = {}
         self._peer_tables: dict[tuple[int, int], torch.Tensor] = {}
         self._closed = False
@@ -185,32 +185,28 @@ class NVLinkGroup(Group):
     # -- synchronisation -----------------------------------------------------------------------
 
     def barrier(self) -> None:
-        """Cross-rank barrier on the current stream; see the class docstring for when it checks.
-
-        Raises:
-            TimeoutError: (eager mode) naming the ranks that did not arrive in time.
-        """
+        """Cross-rank barrier on the current stream, asynchronous: a timeout is recorded for :meth:`check`."""
         self._check_open()
         cross_rank_barrier(
             self._flags, self.peer_offsets(self._flags), self._state, self._missing, self.rank, self.barrier_timeout
         )
-        if self.eager_check and not torch.cuda.is_current_stream_capturing():
-            self.check()
 
     def check(self) -> None:
-        """Wait for the GPU and raise if any barrier so far timed out.
+        """Wait for the GPU; raise if any barrier so far timed out, then as :meth:`Group.check`.
 
         Raises:
             TimeoutError: naming the ranks that did not arrive. The group is unusable afterwards
                 (the ranks' barrier counters no longer agree): close it.
+            ValueError: for the errors of :meth:`Group.check`.
         """
         self._check_open()
-        missing = self._missing.nonzero().flatten().tolist()
+        missing = [rank for rank, absent in enumerate(self._missing.tolist()) if absent]
         if missing:
             raise TimeoutError(
                 f"rank {self.rank}: a barrier timed out after {self.barrier_timeout:g} s; "
                 f"rank(s) {missing} did not arrive (stopped, crashed or running a different step)"
             )
+        super().check()
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """``[R, *shape]`` of every rank's ``tensor``, through a symmetric buffer (two barriers)."""
@@ -246,7 +242,7 @@ class NVLinkGroup(Group):
         super().close()
         self._peer_tables.clear()
         self._allocations.clear()
-        del self._flags, self._state, self._missing
+        del self._flags, self._state, self._missing, self._errors
 
     def __repr__(self) -> str:
         return f"NVLinkGroup(rank={self.rank}, world={self.world}, device={self.device})"

@@ -25,10 +25,13 @@ from tests.transport.worker import bits, cases, padded_case, padded_counts
 WORKER_TIMEOUT = 120
 
 
-def launch(world: int, directory: Path, *arguments: str) -> list[dict[str, object]]:
-    """Run ``world`` worker processes over a gloo group; return each rank's saved results ({} if none)."""
+def launch(world: int, directory: Path, *arguments: str, interpret: bool = False) -> list[dict[str, object]]:
+    """Run ``world`` worker processes over a gloo group; return each rank's saved results ({} if none).
+
+    Without ``interpret`` the experts take the plain-torch path (bit-equal to the local torch path).
+    """
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("TRITON_INTERPRET", "0")  # plain-torch experts: bit-equal to the local torch path
+        patch.setenv("TRITON_INTERPRET", "1" if interpret else "0")
         launch_workers(
             "tests.transport.worker", world,
             ["--backend", "gloo", "--init-method", f"file://{directory}/store", "--out", str(directory), *arguments],
@@ -129,3 +132,22 @@ def test_senders_and_receivers_derive_the_same_row_order(ranks, experts, top_k, 
 def test_epmoe_per_process_holds_its_own_experts_and_equals_dense(tmp_path):
     output = launch_workers("tests.transport.epmoe_worker", 2, [f"file://{tmp_path}/store"], WORKER_TIMEOUT)
     assert output.count("equals the dense MoE") == 2, output
+
+
+def test_steps_without_eager_checks_equal_the_local_transport_and_report_bad_ids_on_check(tmp_path):
+    """eager_check=False: nothing is read back per step; the Triton planner (interpreted) plans and
+    the results equal the local transport; bad ids on one rank surface at every rank's check()."""
+    world = 2
+    results = launch(world, tmp_path, "--transport", "collective", "--suite", "lazy", interpret=True)
+    group = init_group("local", ranks=world, device="cpu")
+    for case in cases(world, "small")[:4]:
+        x, ids, weights, w13, w2 = case.inputs(torch.device("cpu"))
+        local = ep_moe(x, ids, weights, w13, w2, config=case.config, group=group, policy=case.policy, backend="triton")
+        for rank in range(world):
+            # bf16: the interpreter rounds the experts' activations unlike torch (see the module docstring)
+            assert relative_error(results[rank][case.name], local[rank]) < tolerance(case.dtype), (case.name, rank)
+            assert relative_error(results[rank][case.name], dense_moe(x, ids, weights, w13, w2)[rank]) < tolerance(case.dtype)
+    for rank, result in enumerate(results):
+        assert "ranks disagreed on a step" in result["lazy-bad-ids"] and "or a rank's inputs were invalid" in result["lazy-bad-ids"]
+        assert ("expert id outside" in result["lazy-bad-ids"]) == (rank == world - 1)
+        assert torch.equal(result["lazy-after-errors"], result[result["lazy-after-errors/case"]])

@@ -9,6 +9,9 @@ script). Suites:
 * ``equivalence``: every case of :func:`cases` (both policies, several maxvio, adversarial
   routings, bf16 and fp32, one pool reused across steps), then ranks that disagree on ``s``, on
   the config, or pass bad ids (every rank must raise ``ValueError``), then one more good step.
+* ``lazy``: a group with ``eager_check=False`` (with ``TRITON_INTERPRET=1`` on CPU, so the
+  sync-free Triton planner plans): a few cases, then bad ids on the last rank that only
+  ``group.check()`` reports (on every rank), then a good step.
 * ``dead-rank``: after one good step the last rank exits; the others must raise within
   ``--timeout`` seconds, naming it on the nvlink transport.
 
@@ -174,6 +177,33 @@ def equivalence(group, rank: int, world: int, size: str, compare: bool, log) -> 
     return results
 
 
+def lazy(group, rank: int, world: int, size: str, log) -> dict[str, object]:
+    """Steps that read nothing back (``eager_check=False``, Triton planner): outputs, then bad input
+    on the last rank, which every rank's ``group.check()`` must report, then a good step again."""
+    results: dict[str, object] = {}
+    for case in cases(world, size)[:4]:
+        x, ids, weights, w13, w2 = case.inputs(group.device)
+        out = ep_moe(x[rank], ids[rank], weights[rank], w13, w2, config=case.config, group=group, policy=case.policy)
+        results[case.name] = out.clone()
+    group.check()
+    case = cases(world, size)[0]
+    x, ids, weights, w13, w2 = case.inputs(group.device)
+    broken = ids[rank].clone()
+    if rank == world - 1:
+        broken[0, 0] = case.config.experts
+    ep_moe(x[rank], broken, weights[rank], w13, w2, config=case.config, group=group)  # no error yet: nothing read back
+    try:
+        group.check()
+        results["lazy-bad-ids"] = "FAIL: check found nothing"
+    except ValueError as error:
+        results["lazy-bad-ids"] = str(error)
+    group.check()  # cleared
+    results["lazy-after-errors"] = ep_moe(x[rank], ids[rank], weights[rank], w13, w2, config=case.config, group=group).clone()
+    results["lazy-after-errors/case"] = case.name
+    log(f"lazy bad ids: {results['lazy-bad-ids']}")
+    return results
+
+
 def dead_rank(group, rank: int, world: int, size: str, timeout: float, log) -> dict[str, object]:
     case = cases(world, size)[0]
     x, ids, weights, w13, w2 = case.inputs(group.device)
@@ -199,7 +229,7 @@ def dead_rank(group, rank: int, world: int, size: str, timeout: float, log) -> d
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--transport", choices=["auto", "nvlink", "collective"], default="auto")
-    parser.add_argument("--suite", choices=["equivalence", "dead-rank"], default="equivalence")
+    parser.add_argument("--suite", choices=["equivalence", "lazy", "dead-rank"], default="equivalence")
     parser.add_argument("--size", choices=["small", "mid"], default="small")
     parser.add_argument("--backend", choices=["gloo", "nccl"], default="gloo", help="process group backend")
     parser.add_argument("--init-method", default="env://")
@@ -215,12 +245,14 @@ def main(argv: list[str] | None = None) -> int:
     def log(message: str) -> None:
         print(f"[rank {rank}/{world}] {message}", flush=True)
 
-    group = init_group(transport=args.transport, barrier_timeout=args.timeout)
+    group = init_group(transport=args.transport, barrier_timeout=args.timeout, eager_check=args.suite != "lazy")
     log(f"group: {group!r}")
     torch.manual_seed(0)
     with torch.no_grad():
         if args.suite == "equivalence":
             results = equivalence(group, rank, world, args.size, args.compare, log)
+        elif args.suite == "lazy":
+            results = lazy(group, rank, world, args.size, log)
         else:
             results = dead_rank(group, rank, world, args.size, args.timeout, log)
     results["group"] = repr(group)

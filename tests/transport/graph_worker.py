@@ -1,0 +1,131 @@
+"""One rank of the NVLink CUDA-graph check (spawned by test_nvlink_gpu.py; 2 processes may share one GPU).
+
+Each rank runs a two-layer MoE step over an ``nvlink`` group made with ``eager_check=False``:
+layer 2 routes on layer 1's output, so the whole step (routing, planning, dispatch, push,
+experts, combine, both layers) is on the device. Suites:
+
+* ``graph``: after one warm-up step, eager steps (several ``s`` and routings) run under
+  ``torch.cuda.set_sync_debug_mode("error")`` (any host synchronisation raises) and equal the
+  dense MoE layer by layer; then the step is captured in one CUDA graph and every replay, over
+  several new inputs (hence new routings), is bit-identical to the eager step on the same
+  inputs; ``group.check()`` finds nothing.
+* ``dead-rank``: after capture and one replay the last rank exits; the others replay again and
+  ``group.check()`` must raise ``TimeoutError`` naming it.
+
+Prints ``PASSED`` (exit 0) when every check of this rank passed.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from flatep import EPConfig, ExpertPool, dense_moe, ep_moe, init_group, route
+
+CONFIG = EPConfig(ranks=2, experts=8, top_k=2, hidden=256, intermediate=128, capacity=64, align=16)
+
+
+def make_layers(group):
+    generator = torch.Generator(device="cuda").manual_seed(5)  # the same weights on every rank
+    layers = []
+    for _ in range(2):
+        router = torch.randn(CONFIG.experts, CONFIG.hidden, device="cuda", generator=generator)
+        w13 = (torch.randn(CONFIG.experts, 2 * CONFIG.intermediate, CONFIG.hidden, device="cuda", generator=generator) / 16).bfloat16()
+        w2 = (torch.randn(CONFIG.experts, CONFIG.hidden, CONFIG.intermediate, device="cuda", generator=generator) / 11).bfloat16()
+        layers.append((router, w13, w2, ExpertPool.from_weights(w13, w2, CONFIG, group)))
+    return layers
+
+
+def step(x, layers, group, routing_bias):
+    """Two layers; each routes on its own input (layer 2 on layer 1's output). Returns every layer's (input, ids, weights, output)."""
+    trace = []
+    hidden = x
+    for index, (router, _, _, pool) in enumerate(layers):
+        ids, weights = route(hidden.float() @ router.T + routing_bias[index], CONFIG.top_k)
+        out = ep_moe(hidden, ids, weights, group=group, pool=pool)
+        trace.append((hidden, ids, weights, out))
+        hidden = out
+    return trace
+
+
+def main() -> int:
+    rank, world, suite = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), sys.argv[2]
+    torch.cuda.set_device(0)
+    dist.init_process_group("gloo", init_method=sys.argv[1], rank=rank, world_size=world)
+    group = init_group(transport="nvlink", barrier_timeout=5.0, eager_check=False)
+    failures = []
+
+    def log(message):
+        print(f"[rank {rank}] {message}", flush=True)
+
+    with torch.inference_mode():
+        layers = make_layers(group)
+        generator = torch.Generator(device="cuda").manual_seed(100 + rank)
+        bias = torch.zeros(2, CONFIG.experts, device="cuda")
+        step(torch.randn(CONFIG.capacity, CONFIG.hidden, device="cuda", generator=generator).bfloat16(), layers, group, bias)
+        torch.cuda.synchronize()
+        # Eager steps without a single host synchronisation, at several s and skews.
+        for tokens, skew in [(64, 0.0), (17, 4.0), (64, 8.0), (1, 2.0)]:
+            x = torch.randn(tokens, CONFIG.hidden, device="cuda", generator=generator).bfloat16()
+            bias.copy_(torch.linspace(skew, 0, CONFIG.experts, device="cuda").expand(2, -1))
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                trace = step(x, layers, group, bias)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            for layer, (hidden, ids, weights, out) in enumerate(trace):
+                dense = dense_moe(hidden, ids, weights, layers[layer][1], layers[layer][2])
+                error = float((out.double() - dense.double()).norm() / dense.double().norm())
+                if not error < 2e-2:
+                    failures.append(f"eager s={tokens} skew={skew} layer {layer}: relative error {error:.2e}")
+        group.check()
+        log(f"eager steps without host sync: {'ok' if not failures else failures}")
+        # One CUDA graph holds both layers; replays over new inputs equal eager steps bit for bit.
+        x = torch.randn(CONFIG.capacity, CONFIG.hidden, device="cuda", generator=generator).bfloat16()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            step(x, layers, group, bias)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = step(x, layers, group, bias)[-1][-1]
+        for replay in range(4):
+            x.copy_(torch.randn(x.shape, device="cuda", generator=generator))
+            bias.copy_(torch.randn(bias.shape, device="cuda", generator=generator) * 3)
+            captured.fill_(float("nan"))
+            graph.replay()
+            if suite == "dead-rank" and replay == 1:
+                torch.cuda.synchronize()
+                if rank == world - 1:
+                    log("exiting early, without telling anyone")
+                    os._exit(0)
+                time.sleep(1.0)  # let the last rank be gone, not merely late
+                graph.replay()
+                try:
+                    group.check()
+                except TimeoutError as error:
+                    named = str(world - 1) in str(error)
+                    log(f"TimeoutError after replay: {error}")
+                    print("PASSED" if named else "FAILED: rank not named", flush=True)
+                    os._exit(0 if named else 1)
+                print("FAILED: no TimeoutError after a replay with a dead rank", flush=True)
+                os._exit(1)
+            eager = step(x, layers, group, bias)[-1][-1]
+            if not torch.equal(captured, eager):
+                failures.append(f"replay {replay} differs from eager")
+            if replay and torch.equal(captured, previous):
+                failures.append(f"replay {replay} equals the previous one: the routing did not change")
+            previous = captured.clone()
+        group.check()
+    log("FAILED: " + "; ".join(failures) if failures else "PASSED")
+    group.close()
+    dist.destroy_process_group()
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,26 @@
+"""On one GPU shared by 2 processes: the NVLink transport's step has no host sync, captures in one CUDA graph
+with two layers, and a dead rank still raises (through ``group.check()`` after a replay)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.helpers import launch_workers
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.fixture
+def shared_gpu(monkeypatch):
+    monkeypatch.setenv("TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES", "1")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+
+
+def test_two_layer_step_is_sync_free_and_replays_bit_identically(shared_gpu, tmp_path):
+    output = launch_workers("tests.transport.graph_worker", 2, [f"file://{tmp_path}/store", "graph"], 600)
+    assert output.count("PASSED") == 2, output
+
+
+def test_dead_rank_raises_through_check_after_a_replay(shared_gpu, tmp_path):
+    output = launch_workers("tests.transport.graph_worker", 2, [f"file://{tmp_path}/store", "dead-rank"], 300)
+    assert "TimeoutError after replay" in output and output.count("PASSED") == 1, output
