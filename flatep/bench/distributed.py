@@ -1,4 +1,4 @@
-"""The benchmark with one process per rank: ``torchrun --nproc-per-node N -m flatep.bench ...``.
+"""The benchmark with one process per rank: ``torchrun --nproc-per-node N -m flatep.bench.distributed``.
 
 Every rank runs the same cells in lockstep and times its own phases (CUDA events on a GPU);
 rank 0 gathers them and writes one JSON object per cell with every rank's times and the slowest
@@ -103,26 +103,45 @@ def _summarize(per_rank: list[dict[str, Any]], config: EPConfig, tokens: int) ->
     return summary
 
 
+def _use_gpu(device: str, local_processes: int) -> bool:
+    """Whether each process gets its own GPU; ``device="cuda"`` without enough GPUs raises."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if device == "cuda" and gpus < local_processes:
+        raise SystemExit(f"--device cuda needs one GPU per local process: {local_processes} processes, {gpus} GPU(s)")
+    return device == "cuda" or (device == "auto" and gpus >= local_processes)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the per-process benchmark (every rank of a torchrun job calls this); rank 0 writes results."""
-    parser = argparse.ArgumentParser(prog="python -m flatep.bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="torchrun --nproc-per-node N -m flatep.bench.distributed",
+        description="The EP benchmark with one process per rank: every rank times its own phases; "
+        "rank 0 writes results.jsonl with every rank's times and the slowest rank's.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     parser.add_argument("--model", default="kimi-k2", help=f"one of {sorted(MODEL_SHAPES)} or 'hidden,experts,top_k,intermediate'")
-    parser.add_argument("--tokens", type=int, nargs="+", default=[128, 1024, 4096, 8192])
-    parser.add_argument("--maxvio", type=float, nargs="+", default=[0, 1, 5, 10, 20])
-    parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
-    parser.add_argument("--transport", default="auto", choices=["auto", "nvlink", "collective"])
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--tokens", type=int, nargs="+", default=[128, 1024, 4096, 8192], help="tokens per rank s")
+    parser.add_argument("--maxvio", type=float, nargs="+", default=[0, 1, 5, 10, 20], help="target router imbalance")
+    parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS), help="arms, run one after another in every cell")
+    parser.add_argument("--transport", default="auto", choices=["auto", "nvlink", "collective"], help="EP transport (flatep.init_group)")
+    parser.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"],
+                        help="auto: one GPU per process when the host has as many GPUs as local processes, else the CPU "
+                        "(gloo); several processes cannot share one GPU under NCCL")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed calls before timing")
+    parser.add_argument("--iters", type=int, default=10, help="timed calls (median reported)")
     parser.add_argument("--out", default="bench-out", help="folder for results.jsonl (written by rank 0)")
-    parser.add_argument("--init-method", default="env://")
+    parser.add_argument("--init-method", default="env://", help="torch.distributed init method")
     args = parser.parse_args(argv)
 
-    on_gpu = torch.cuda.is_available()
+    on_gpu = _use_gpu(args.device, int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"])))
     if on_gpu:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl" if on_gpu else "gloo", init_method=args.init_method,
                             rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
     rank, world = dist.get_rank(), dist.get_world_size()
+    if rank == 0 and not on_gpu and args.device == "auto" and torch.cuda.is_available():
+        print(f"flatep.bench.distributed: {torch.cuda.device_count()} GPU(s) for more local processes: running on the CPU "
+              "with gloo (NCCL needs one GPU per process)", flush=True)
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
     group = init_group(transport=args.transport)
     timing = dict(device=device, warmup=args.warmup, iters=args.iters)
@@ -158,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
                         intermediate=config.intermediate, link_gbps_model=None,
                         copy_ceiling_gbps=min(g["copy_ceiling_gbps"] for g in gathered),
                         gemm_ceiling_tflops=min(g["gemm_ceiling_tflops"] for g in gathered),
-                        command="torchrun -m flatep.bench " + " ".join(sys.argv[1:]),
+                        command="torchrun -m flatep.bench.distributed " + " ".join(sys.argv[1:]),
                         **_summarize(gathered, config, tokens),
                     )
                     row["experts_gemm_fraction"] = row["experts_tflops_slowest"] / row["gemm_ceiling_tflops"]
