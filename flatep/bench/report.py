@@ -168,15 +168,31 @@ def plot_tokens(rows: list[dict[str, Any]], path: Path) -> None:
     _save(figure, path)
 
 
+PLOTS_SKIPPED = "plots skipped: matplotlib is not installed (pip install 'flatep[plots]' to get them)"
+
+
+def have_matplotlib() -> bool:
+    """Whether the optional plotting dependency can be imported."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def write_report(rows: list[dict[str, Any]], out_dir: Path) -> list[Path]:
-    """Write ``summary.md`` and the three PNG plots into ``out_dir``; return their paths."""
+    """Write ``summary.md`` and, when matplotlib is installed, the three PNG plots into ``out_dir``.
+
+    Returns the paths written, ``summary.md`` first (only it when matplotlib is missing: the plots
+    are optional, see :data:`PLOTS_SKIPPED`).
+    """
     out_dir.mkdir(parents=True, exist_ok=True)
-    paths = [out_dir / "summary.md", out_dir / "layer_vs_maxvio.png", out_dir / "breakdown.png", out_dir / "layer_vs_tokens.png"]
+    paths = [out_dir / "summary.md"]
     paths[0].write_text(summary_markdown(rows))
-    if rows:
-        plot_headline(rows, paths[1])
-        plot_breakdown(rows, paths[2])
-        plot_tokens(rows, paths[3])
+    if rows and have_matplotlib():
+        for name, plot in (("layer_vs_maxvio.png", plot_headline), ("breakdown.png", plot_breakdown), ("layer_vs_tokens.png", plot_tokens)):
+            plot(rows, out_dir / name)
+            paths.append(out_dir / name)
     return paths
 
 

@@ -121,6 +121,37 @@ class Sweep:
         return EPConfig(ranks=self.ranks, capacity=capacity, align=self.align, tolerance=self.tolerance, **self.model)
 
 
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """The kernels a run uses: ``auto`` is Triton on a GPU and the plain-torch paths on the CPU.
+
+    Triton on the CPU works only under its interpreter (``TRITON_INTERPRET=1``, slow)."""
+    import os
+
+    if backend not in ("auto", "triton", "torch"):
+        raise ValueError(f"backend must be auto, triton or torch, got {backend!r}")
+    if backend == "auto":
+        return "triton" if device.type == "cuda" else "torch"
+    if backend == "triton" and device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("backend triton on the CPU needs TRITON_INTERPRET=1 (the Triton interpreter); use --backend torch")
+    return backend
+
+
+def maxvio_reached(target: float, reached: float) -> bool:
+    """Whether a routing's maxvio is close enough to its target to be reported under it
+    (within 10% of the target, or 0.1 absolute)."""
+    return abs(reached - target) <= max(0.1 * target, 0.1)
+
+
+def unreached_targets(rows: list[dict[str, Any]]) -> list[str]:
+    """One line per (model, tokens, target) whose routing missed its maxvio target."""
+    missed = sorted({(r["model"], r["tokens"], r["maxvio_target"], r["maxvio"]) for r in rows if not maxvio_reached(r["maxvio_target"], r["maxvio"])})
+    return [
+        f"note: {model}, s={tokens}: maxvio target {target:g} not reached (the routing has maxvio {value:.2f}); "
+        "its rows are listed under the maxvio reached"
+        for model, tokens, target, value in missed
+    ]
+
+
 def shipped_configs() -> list[str]:
     """Names of the sweep configs shipped with the package."""
     folder = resources.files("flatep.bench") / "configs"
