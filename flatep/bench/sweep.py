@@ -56,8 +56,8 @@ def arm_policy(arm: str) -> str | None:
 
 
 def known_arms() -> list[str]:
-    """Every arm a sweep may name: the named arms, then every planner policy not already one."""
-    return list(ARMS) + [policy for policy in POLICIES if policy not in ARMS.values()]
+    """Every arm a sweep may name: the named arms, then every planner policy by its own name."""
+    return list(ARMS) + [policy for policy in POLICIES if policy not in ARMS]
 
 
 @dataclass
