@@ -78,7 +78,7 @@ def _virtual_meaning(first: dict[str, Any]) -> str:
 
 
 def _mb(value: Any) -> str:
-    return "-" if value is None else f"{value / 1e6:.1f}"
+    return "-" if value is None else f"{value / 1e6:.3g}"
 
 
 def _link_cells(row: dict[str, Any]) -> str:
@@ -128,7 +128,7 @@ def summary_markdown(rows: list[dict[str, Any]]) -> str:
             f"{_fmt(row['dispatch_us'])} | {_fmt(row['push_us'])} | {_fmt(row['experts_us_max'])} | "
             f"{_fmt(row['experts_us_mean'])} | {_fmt(row['combine_us'])} | **{_spread(row, 'layer_us')}** | "
             f"{_fmt(row.get('link_model_us'))} | {_fmt(row.get('layer_with_link_model_us'))} | "
-            f"{row['dispatch_bytes'] / 1e6:.1f} | {_link_cells(row)} | {row['push_bytes'] / 1e6:.0f} | "
+            f"{_mb(row['dispatch_bytes'])} | {_link_cells(row)} | {row['push_bytes'] / 1e6:.0f} | "
             f"{copy} | {gemm} | {_fmt(row.get('rows_max'))} |"
         )
     lines += ["", "## Layer time relative to maxvio 0 (slowest rank)", "", "| arm | s | ratios by maxvio target |", "|---|---|---|"]
