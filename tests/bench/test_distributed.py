@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from flatep.bench.report import REQUIRED_FIELDS, write_report
@@ -20,7 +21,7 @@ def test_two_processes_write_results_for_every_arm(tmp_path):
     launch_workers(
         "flatep.bench.distributed", 2,
         ["--init-method", f"file://{tmp_path}/store", "--model", "64,8,2,32", "--tokens", "8", "--maxvio", "0", "2",
-         "--warmup", "0", "--iters", "1", "--out", str(out)],
+         "--warmup", "0", "--iters", "1", "--link-gbps", "100", "--out", str(out)],
         timeout=240,
     )
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
@@ -32,6 +33,17 @@ def test_two_processes_write_results_for_every_arm(tmp_path):
             assert row["transport"] == "CollectiveGroup" and row["device"].startswith("CPU")
         assert row["dispatch_us"] == max(rank["dispatch_us"] for rank in row["per_rank"])
     assert all(row["rows_max"] == 8 * 2 for row in rows if row["arm"] == "flat")
+    for row in rows:
+        if row["arm"] == "a2a":
+            continue
+        link = row["link_bytes"]
+        # What one rank sends over the link another receives; every entry is sent or stays local.
+        for phase in ("dispatch", "combine", "push"):
+            assert sum(link[phase]["egress"]) == sum(link[phase]["ingress"])
+        entry = 64 * 2 + 4
+        assert [out + local for out, local in zip(link["dispatch"]["egress"], link["dispatch"]["local"])] == [8 * 2 * entry] * 2
+        totals = [sum(max(link[p]["egress"][r], link[p]["ingress"][r]) for p in ("dispatch", "combine", "push")) / 1e5 for r in range(2)]
+        assert row["link_model_us"] == pytest.approx(max(totals))
     paths = write_report(rows, tmp_path / "report")
     assert "processes" in paths[0].read_text()
 
