@@ -28,7 +28,7 @@ for n in "${sizes[@]}"; do
     --transport nvlink --backend gloo --size mid --suite dead-rank --timeout 10 > "$dir/dead_rank.log" 2>&1
   echo "x$n barrier timeout on a dead rank: exit $?"
   for model in kimi-k2 kimi-k3; do
-    timeout 1800 torchrun --standalone --nproc-per-node "$n" -m flatep.bench --model "$model" \
+    timeout 1800 torchrun --standalone --nproc-per-node "$n" -m flatep.bench.distributed --model "$model" \
       --tokens 128 1024 4096 8192 --maxvio 0 1 5 10 20 --arms flat classic a2a --out "$dir/$model" \
       2>&1 | grep -v '^W' | tee "$dir/$model.log"
     python3 -m flatep bench --report "$dir/$model/results.jsonl" > /dev/null

@@ -1,6 +1,9 @@
-"""``torchrun --nproc-per-node N -m flatep.bench ...``: the benchmark with one process per rank."""
+"""``python -m flatep.bench`` is ambiguous: point to the two benchmark commands."""
 import sys
 
-from flatep.bench.distributed import main
-
-sys.exit(main())
+print(
+    "flatep.bench is a package. Run `flatep bench` (or `python -m flatep bench`) for the sweep on one device, "
+    "or `torchrun --nproc-per-node N -m flatep.bench.distributed` for the benchmark with one process per rank.",
+    file=sys.stderr,
+)
+sys.exit(2)

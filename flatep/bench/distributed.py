@@ -1,4 +1,4 @@
-"""The benchmark with one process per rank: ``torchrun --nproc-per-node N -m flatep.bench ...``.
+"""The benchmark with one process per rank: ``torchrun --nproc-per-node N -m flatep.bench.distributed``.
 
 Every rank runs the same cells in lockstep and times its own phases (CUDA events on a GPU);
 rank 0 gathers them and writes one JSON object per cell with every rank's times and the slowest
@@ -7,7 +7,11 @@ rank's (what the layer waits for). Arms: ``flat`` (policy ``exact``), ``classic`
 (dispatch and the reverse combine only, no experts), the baseline of any EP library.
 
 Bytes: ``dispatch_bytes`` is logical, ``s*K*H*2`` per rank (one copy per selected expert; local
-rows included); ``link_bytes_max`` counts the rows that leave the slowest rank for another rank.
+rows included); every rank's ``link_bytes`` (dispatch, combine, push: egress, ingress, and the
+local rows apart) come from its own plan (:func:`flatep.bench.accounting.rank_link_bytes`), and
+``link_bytes_max`` is the most any rank sends or receives in dispatch. With ``--link-gbps`` a
+labelled link model charges each rank ``max(egress, ingress) / link_gbps`` per phase
+(``link_model_us``: the busiest rank).
 """
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from flatep.bench.accounting import PHASES, link_model_us, rank_link_bytes
 from flatep.bench.timing import copy_ceiling_gbps, device_name, gemm_ceiling_tflops, time_us
 from flatep.config import MODEL_SHAPES, EPConfig, preset
 from flatep.experts.pool import ExpertPool
@@ -72,15 +77,32 @@ def _ep_cell(group, pool: ExpertPool, x, ids, weights, config: EPConfig, policy:
     experts_us = time_us(lambda: experts_step(shard, shard_weights, pool, plan, group, 0), **timing)
     combine_us = time_us(lambda: combine_step(shard, plan, group, x.shape[0], config.top_k, x.dtype), **timing)
     step_us = time_us(lambda: ep_moe(x, ids, weights, config=config, group=group, policy=policy, pool=pool), **timing)
-    remote = ((plan.dest_rank >= 0) & (plan.dest_rank != group.first_rank)).sum()
     return dict(
         plan_us=plan_us, dispatch_us=dispatch_us, push_us=push_us, experts_us=experts_us, combine_us=combine_us,
-        step_us=step_us, rows=int(plan.received[group.first_rank]), link_rows=int(remote),
+        step_us=step_us, rows=int(plan.received[group.first_rank]),
+        link_bytes=rank_link_bytes(plan, config.hidden * x.element_size(), config.expert_bytes(x.element_size())),
         borrowed=int((plan.slot_experts[group.first_rank] >= 0).sum()),
     )
 
 
-def _summarize(per_rank: list[dict[str, Any]], config: EPConfig, tokens: int) -> dict[str, Any]:
+def _link_summary(per_rank: list[dict[str, Any]], link_gbps: float | None) -> dict[str, Any]:
+    """Every rank's link bytes by phase (``{phase: {direction: [R]}}``) and, with a bandwidth, the model."""
+    if not all("link_bytes" in rank for rank in per_rank):
+        return {}
+    link = {
+        phase: {direction: [rank["link_bytes"][phase][direction] for rank in per_rank] for direction in per_rank[0]["link_bytes"][phase]}
+        for phase in PHASES
+    }
+    summary: dict[str, Any] = dict(
+        link_bytes=link, link_bytes_max=max(max(link["dispatch"]["egress"]), max(link["dispatch"]["ingress"])),
+    )
+    if link_gbps:
+        model = link_model_us(link, link_gbps)
+        summary.update(link_model_us_per_rank=model, link_model_us=max(model["total"]))
+    return summary
+
+
+def _summarize(per_rank: list[dict[str, Any]], config: EPConfig, tokens: int, link_gbps: float | None = None) -> dict[str, Any]:
     """The slowest rank's figures (the layer waits for it) plus every rank's."""
     def slowest(name: str) -> float:
         return max(rank.get(name, 0.0) for rank in per_rank)
@@ -95,7 +117,7 @@ def _summarize(per_rank: list[dict[str, Any]], config: EPConfig, tokens: int) ->
         push_bytes=sum(rank.get("borrowed", 0) for rank in per_rank) * config.expert_bytes(),
         dispatch_gbps_logical=logical / slowest("dispatch_us") / 1e3,
         combine_gbps_logical=logical / slowest("combine_us") / 1e3,
-        link_bytes_max=max(rank.get("link_rows", 0) for rank in per_rank) * config.hidden * 2,
+        **_link_summary(per_rank, link_gbps),
         rows_max=max(rank.get("rows", 0) for rank in per_rank),
         per_rank=per_rank,
     )
@@ -103,26 +125,47 @@ def _summarize(per_rank: list[dict[str, Any]], config: EPConfig, tokens: int) ->
     return summary
 
 
+def _use_gpu(device: str, local_processes: int) -> bool:
+    """Whether each process gets its own GPU; ``device="cuda"`` without enough GPUs raises."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if device == "cuda" and gpus < local_processes:
+        raise SystemExit(f"--device cuda needs one GPU per local process: {local_processes} processes, {gpus} GPU(s)")
+    return device == "cuda" or (device == "auto" and gpus >= local_processes)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the per-process benchmark (every rank of a torchrun job calls this); rank 0 writes results."""
-    parser = argparse.ArgumentParser(prog="python -m flatep.bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="torchrun --nproc-per-node N -m flatep.bench.distributed",
+        description="The EP benchmark with one process per rank: every rank times its own phases; "
+        "rank 0 writes results.jsonl with every rank's times and the slowest rank's.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     parser.add_argument("--model", default="kimi-k2", help=f"one of {sorted(MODEL_SHAPES)} or 'hidden,experts,top_k,intermediate'")
-    parser.add_argument("--tokens", type=int, nargs="+", default=[128, 1024, 4096, 8192])
-    parser.add_argument("--maxvio", type=float, nargs="+", default=[0, 1, 5, 10, 20])
-    parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
-    parser.add_argument("--transport", default="auto", choices=["auto", "nvlink", "collective"])
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--tokens", type=int, nargs="+", default=[128, 1024, 4096, 8192], help="tokens per rank s")
+    parser.add_argument("--maxvio", type=float, nargs="+", default=[0, 1, 5, 10, 20], help="target router imbalance")
+    parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS), help="arms, run one after another in every cell")
+    parser.add_argument("--transport", default="auto", choices=["auto", "nvlink", "collective"], help="EP transport (flatep.init_group)")
+    parser.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"],
+                        help="auto: one GPU per process when the host has as many GPUs as local processes, else the CPU "
+                        "(gloo); several processes cannot share one GPU under NCCL")
+    parser.add_argument("--link-gbps", type=float, default=None,
+                        help="bandwidth per direction of the labelled link model, GB/s (None: no model, bytes only)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed calls before timing")
+    parser.add_argument("--iters", type=int, default=10, help="timed calls (median reported)")
     parser.add_argument("--out", default="bench-out", help="folder for results.jsonl (written by rank 0)")
-    parser.add_argument("--init-method", default="env://")
+    parser.add_argument("--init-method", default="env://", help="torch.distributed init method")
     args = parser.parse_args(argv)
 
-    on_gpu = torch.cuda.is_available()
+    on_gpu = _use_gpu(args.device, int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"])))
     if on_gpu:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl" if on_gpu else "gloo", init_method=args.init_method,
                             rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
     rank, world = dist.get_rank(), dist.get_world_size()
+    if rank == 0 and not on_gpu and args.device == "auto" and torch.cuda.is_available():
+        print(f"flatep.bench.distributed: {torch.cuda.device_count()} GPU(s) for more local processes: running on the CPU "
+              "with gloo (NCCL needs one GPU per process)", flush=True)
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
     group = init_group(transport=args.transport)
     timing = dict(device=device, warmup=args.warmup, iters=args.iters)
@@ -155,11 +198,11 @@ def main(argv: list[str] | None = None) -> int:
                         model=args.model, ranks=world, ranks_kind="processes", transport=type(group).__name__,
                         tokens=tokens, maxvio_target=target, maxvio=reached, sigma=sigma, arm=arm,
                         device=device_name(device), hidden=config.hidden, experts=config.experts, top_k=config.top_k,
-                        intermediate=config.intermediate, link_gbps_model=None,
+                        intermediate=config.intermediate, link_gbps_model=args.link_gbps,
                         copy_ceiling_gbps=min(g["copy_ceiling_gbps"] for g in gathered),
                         gemm_ceiling_tflops=min(g["gemm_ceiling_tflops"] for g in gathered),
-                        command="torchrun -m flatep.bench " + " ".join(sys.argv[1:]),
-                        **_summarize(gathered, config, tokens),
+                        command="torchrun -m flatep.bench.distributed " + " ".join(sys.argv[1:]),
+                        **_summarize(gathered, config, tokens, args.link_gbps),
                     )
                     row["experts_gemm_fraction"] = row["experts_tflops_slowest"] / row["gemm_ceiling_tflops"]
                     results.write(json.dumps(row) + "\n")

@@ -5,7 +5,15 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-ARM_STYLE = {"flat": ("tab:blue", "o"), "classic": ("tab:red", "s"), "dense": ("tab:gray", "^"), "a2a": ("tab:green", "v")}
+ARM_STYLE = {"flat": ("tab:blue", "o"), "classic": ("tab:red", "s"), "dense": ("tab:gray", "^"), "a2a": ("tab:green", "v"),
+             "auto": ("tab:purple", "D"), "bounded": ("tab:orange", "P")}
+"""Colour and marker of each arm in the plots; an arm not listed is drawn in the next default colour."""
+
+
+def _arm_styles(rows: list[dict[str, Any]]) -> list[tuple[str, tuple[str | None, str]]]:
+    """``(arm, (colour, marker))`` of every arm in ``rows``, in the order they first appear."""
+    arms = list(dict.fromkeys(row["arm"] for row in rows))
+    return [(arm, ARM_STYLE.get(arm, (None, "x"))) for arm in arms]
 PHASES = ("plan_us", "dispatch_us", "push_us", "experts_us_max", "combine_us")
 
 
@@ -31,6 +39,57 @@ def flatness(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def _spread(row: dict[str, Any], name: str) -> str:
+    """``median (min-max)`` of a timed field, or the median alone when no spread was recorded."""
+    spread = row.get(f"{name}_spread")
+    if not spread:
+        return _fmt(row.get(name))
+    return f"{_fmt(row[name])} ({_fmt(spread[0])}-{_fmt(spread[1])})"
+
+
+def _ceilings(first: dict[str, Any]) -> str:
+    if first.get("copy_ceiling_gbps") is None:
+        return ("No ceilings on the CPU: the copy% and GEMM% fractions are GPU figures, not reported here; "
+                "times are CPU times of the plain-torch paths.")
+    return (f"Ceilings measured in this run: device copy {first['copy_ceiling_gbps']:.0f} GB/s (read+write), "
+            f"dense bf16 GEMM {first['gemm_ceiling_tflops']:.0f} TFLOP/s.")
+
+
+def _virtual_meaning(first: dict[str, Any]) -> str:
+    on_gpu = first.get("timing") == "cuda_graph"
+    where = "one GPU" if on_gpu else "the CPU"
+    return (
+        f"Times in µs: median over {first.get('iters', '?')} timed iterations, (min-max) beside it"
+        f"{', every phase timed as CUDA-graph replays' if on_gpu else ''}; the arms of a cell ran back to back. "
+        "A difference inside the spread is not a result. `layer` = slowest-rank layer time: planning + the "
+        "per-rank share of the dispatch, push and combine launches (each covers all R virtual ranks) + the "
+        "slowest rank's experts; its spread adds the phases' minima (maxima). `dense` = one device computing "
+        f"all tokens, shown as its per-rank share (total / R). The R virtual ranks share {where}: link time "
+        "is not measured. `link model` (a model, not a measurement) = per rank and phase (dispatch, push, "
+        "combine), max(bytes the rank sends, bytes it receives over the link) / "
+        f"{first.get('link_gbps_model')} GB/s, summed over phases, for the busiest rank; rows that stay on "
+        "their rank are not counted; a push is paid by its donor. `layer + link` = the largest over ranks "
+        "of the layer with that rank's experts and modelled link time. Bytes: dispatch = logical s*K*H*2 per rank; "
+        "push = expert-weight bytes moved in all; egress/ingress max = the busiest rank's link bytes in dispatch "
+        "and push (combine mirrors dispatch)"
+        + ("; copy% = dispatch/combine kernels' bytes read+written over the copy ceiling; GEMM% = slowest "
+           "rank's expert TFLOP/s over the ceiling." if on_gpu else ".")
+    )
+
+
+def _mb(value: Any) -> str:
+    return "-" if value is None else f"{value / 1e6:.3g}"
+
+
+def _link_cells(row: dict[str, Any]) -> str:
+    link = row.get("link_bytes")
+    if not link:
+        return "- | -"
+    dispatch = f"{_mb(max(link['dispatch']['egress']))}/{_mb(max(link['dispatch']['ingress']))}"
+    push = f"{_mb(max(link['push']['egress']))}/{_mb(max(link['push']['ingress']))}"
+    return f"{dispatch} | {push}"
+
+
 def summary_markdown(rows: list[dict[str, Any]]) -> str:
     """The sweep as a Markdown table, with the flatness ratios and what each column counts."""
     if not rows:
@@ -40,41 +99,37 @@ def summary_markdown(rows: list[dict[str, Any]]) -> str:
     meaning = (
         "Times in µs (median), each the slowest of the R processes (one per rank). `layer` = a whole "
         "`ep_moe` step of the slowest rank; for `a2a` (plain `all_to_all_single` of classic-EP rows, no "
-        "experts) dispatch + combine. Bytes: dispatch = logical s*K*H*2 per rank, local rows included."
-        if processes else
-        f"Times in µs (median{', every phase timed as CUDA-graph replays' if first.get('timing') == 'cuda_graph' else ''}). "
-        "`layer` = slowest-rank layer time: planning + the per-rank share of the dispatch, "
-        "push and combine launches (each covers all R virtual ranks) + the slowest rank's experts. `dense` = "
-        "one device computing all tokens, shown as its per-rank share (total / R). Virtual ranks share one "
-        "GPU: link time is not measured; `link model` = bytes that would cross the link at "
-        f"{first['link_gbps_model']} GB/s per direction (a model, not a measurement). Bytes: dispatch "
-        "= logical s*K*H*2 per rank; push = expert-weight bytes moved in all; copy% = dispatch/combine "
-        "kernels' bytes read+written over the copy ceiling; GEMM% = slowest rank's expert TFLOP/s over the ceiling."
+        "experts) dispatch + combine. Bytes: dispatch = logical s*K*H*2 per rank, local rows included; "
+        "egress/ingress max = the busiest rank's bytes over the link, local rows excluded."
+        if processes else _virtual_meaning(first)
     )
+    backend = f", kernels: {first['backend']}" if first.get("backend") else ""
     lines = [
         f"# flatep bench: {first['model']} (H={first['hidden']}, E={first['experts']}, K={first['top_k']}, "
-        f"I={first['intermediate']}, align={first.get('align', 128)}), R={first['ranks']} {'processes' if processes else 'virtual ranks'} on {first['device']}",
+        f"I={first['intermediate']}, align={first.get('align', 128)}), R={first['ranks']} "
+        f"{'processes' if processes else 'virtual ranks'} on {first['device']}{backend}",
         "",
-        f"Ceilings measured in this run: device copy {first['copy_ceiling_gbps']:.0f} GB/s (read+write), "
-        f"dense bf16 GEMM {first['gemm_ceiling_tflops']:.0f} TFLOP/s.",
+        _ceilings(first),
         "",
         meaning,
         "",
         "| arm | s | maxvio (target) | plan | dispatch | push | experts max | experts mean | combine | layer | "
-        "layer w/o plan | link model | dispatch MB/rank | push MB | copy% disp/comb | GEMM% | rows max |",
-        "|" + "---|" * 17,
+        "link model | layer + link | dispatch MB/rank | dispatch egress/ingress max MB | push egress/ingress max MB | "
+        "push MB | copy% disp/comb | GEMM% | rows max |",
+        "|" + "---|" * 19,
     ]
     for row in sorted(rows, key=lambda r: (r["arm"], r["tokens"], r["maxvio_target"])):
         copy = "-"
         if row.get("dispatch_copy_fraction") is not None:
             copy = f"{100 * row['dispatch_copy_fraction']:.0f}/{100 * row['combine_copy_fraction']:.0f}"
+        gemm = "-" if row.get("experts_gemm_fraction") is None else f"{100 * row['experts_gemm_fraction']:.0f}"
         lines.append(
             f"| {row['arm']} | {row['tokens']} | {row['maxvio']:.2f} ({row['maxvio_target']:g}) | {_fmt(row['plan_us'])} | "
             f"{_fmt(row['dispatch_us'])} | {_fmt(row['push_us'])} | {_fmt(row['experts_us_max'])} | "
-            f"{_fmt(row['experts_us_mean'])} | {_fmt(row['combine_us'])} | **{_fmt(row['layer_us'])}** | "
-            f"{_fmt(row['layer_us'] - row['plan_us'])} | "
-            f"{_fmt(row.get('link_model_us'))} | {row['dispatch_bytes'] / 1e6:.1f} | {row['push_bytes'] / 1e6:.0f} | "
-            f"{copy} | {100 * row.get('experts_gemm_fraction', 0.0):.0f} | {_fmt(row.get('rows_max'))} |"
+            f"{_fmt(row['experts_us_mean'])} | {_fmt(row['combine_us'])} | **{_spread(row, 'layer_us')}** | "
+            f"{_fmt(row.get('link_model_us'))} | {_fmt(row.get('layer_with_link_model_us'))} | "
+            f"{_mb(row['dispatch_bytes'])} | {_link_cells(row)} | {row['push_bytes'] / 1e6:.0f} | "
+            f"{copy} | {gemm} | {_fmt(row.get('rows_max'))} |"
         )
     lines += ["", "## Layer time relative to maxvio 0 (slowest rank)", "", "| arm | s | ratios by maxvio target |", "|---|---|---|"]
     for entry in flatness(rows):
@@ -101,7 +156,8 @@ def _save(figure, path: Path) -> None:
 
 def _title(rows: list[dict[str, Any]], what: str) -> str:
     first = rows[0]
-    return f"{what}\n{first['model']}, R={first['ranks']} virtual ranks, {first['device']}"
+    kind = "processes" if first.get("ranks_kind") == "processes" else "virtual ranks"
+    return f"{what}\n{first['model']}, R={first['ranks']} {kind}, {first['device']}"
 
 
 def plot_headline(rows: list[dict[str, Any]], path: Path) -> None:
@@ -110,7 +166,7 @@ def plot_headline(rows: list[dict[str, Any]], path: Path) -> None:
     tokens = sorted({r["tokens"] for r in rows})
     figure, axes = plt.subplots(1, len(tokens), figsize=(4.2 * len(tokens), 4), squeeze=False)
     for axis, count in zip(axes[0], tokens):
-        for arm, (color, marker) in ARM_STYLE.items():
+        for arm, (color, marker) in _arm_styles(rows):
             points = sorted((r["maxvio"], r["layer_us"]) for r in rows if r["arm"] == arm and r["tokens"] == count)
             if points:
                 axis.plot(*zip(*points), color=color, marker=marker, label=arm if arm != "dense" else "dense (total / R)")
@@ -125,10 +181,10 @@ def plot_headline(rows: list[dict[str, Any]], path: Path) -> None:
 
 
 def plot_breakdown(rows: list[dict[str, Any]], path: Path) -> None:
-    """Stacked per-phase time (per-rank share) for flat and classic at the largest s, per maxvio."""
+    """Stacked per-phase time (per-rank share) of every EP arm at the largest s, per maxvio."""
     plt = _pyplot()
     largest = max(r["tokens"] for r in rows)
-    arms = [a for a in ("flat", "classic") if any(r["arm"] == a for r in rows)]
+    arms = [arm for arm, _ in _arm_styles(rows) if arm not in ("dense", "a2a")]
     figure, axes = plt.subplots(1, max(len(arms), 1), figsize=(6 * max(len(arms), 1), 4), squeeze=False)
     for axis, arm in zip(axes[0], arms):
         cells = sorted((r for r in rows if r["arm"] == arm and r["tokens"] == largest), key=lambda r: r["maxvio_target"])
@@ -153,7 +209,7 @@ def plot_tokens(rows: list[dict[str, Any]], path: Path) -> None:
     targets = sorted({r["maxvio_target"] for r in rows})
     chosen = [targets[0], targets[-1]] if len(targets) > 1 else targets
     figure, axis = plt.subplots(figsize=(7, 4.5))
-    for arm, (color, marker) in ARM_STYLE.items():
+    for arm, (color, marker) in _arm_styles(rows):
         for target, style in zip(chosen, ("-", "--")):
             points = sorted((r["tokens"], r["layer_us"]) for r in rows if r["arm"] == arm and r["maxvio_target"] == target)
             if points:
@@ -168,15 +224,31 @@ def plot_tokens(rows: list[dict[str, Any]], path: Path) -> None:
     _save(figure, path)
 
 
+PLOTS_SKIPPED = "plots skipped: matplotlib is not installed (pip install 'flatep[plots]' to get them)"
+
+
+def have_matplotlib() -> bool:
+    """Whether the optional plotting dependency can be imported."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def write_report(rows: list[dict[str, Any]], out_dir: Path) -> list[Path]:
-    """Write ``summary.md`` and the three PNG plots into ``out_dir``; return their paths."""
+    """Write ``summary.md`` and, when matplotlib is installed, the three PNG plots into ``out_dir``.
+
+    Returns the paths written, ``summary.md`` first (only it when matplotlib is missing: the plots
+    are optional, see :data:`PLOTS_SKIPPED`).
+    """
     out_dir.mkdir(parents=True, exist_ok=True)
-    paths = [out_dir / "summary.md", out_dir / "layer_vs_maxvio.png", out_dir / "breakdown.png", out_dir / "layer_vs_tokens.png"]
+    paths = [out_dir / "summary.md"]
     paths[0].write_text(summary_markdown(rows))
-    if rows:
-        plot_headline(rows, paths[1])
-        plot_breakdown(rows, paths[2])
-        plot_tokens(rows, paths[3])
+    if rows and have_matplotlib():
+        for name, plot in (("layer_vs_maxvio.png", plot_headline), ("breakdown.png", plot_breakdown), ("layer_vs_tokens.png", plot_tokens)):
+            plot(rows, out_dir / name)
+            paths.append(out_dir / name)
     return paths
 
 

@@ -1,9 +1,14 @@
 """The ``flatep bench`` sweep: per-rank cost of an EP MoE layer as router skew grows.
 
 Arms: ``flat`` (policy ``exact``), ``classic`` (policy ``none``: the hottest rank carries the
-surplus) and ``dense`` (one device, no EP: permute by expert, grouped GEMM over all experts).
-All ranks are virtual ranks of one device, so link time is not measured; an optional link time
-is *modelled* from the bytes that would cross the link and is always labelled as a model.
+surplus), ``dense`` (one device, no EP: permute by expert, grouped GEMM over all experts), and
+any planner policy by its own name (``arms: [flat, classic, auto]`` runs an ``auto`` arm once
+:data:`flatep.config.POLICIES` has it). In every (tokens, maxvio) cell the arms run one after
+another on the same inputs, so drift of the machine hits every arm alike.
+
+All ranks are virtual ranks of one device, so link time is not measured; per rank and phase the
+bytes that would cross the link are counted from the plan (:mod:`flatep.bench.accounting`) and a
+link time is *modelled* from them, always labelled as a model.
 """
 from __future__ import annotations
 
@@ -19,8 +24,9 @@ from typing import Any
 import torch
 import yaml
 
-from flatep.bench.timing import copy_ceiling_gbps, device_name, gemm_ceiling_tflops, time_us
-from flatep.config import MODEL_SHAPES, EPConfig, align_up, preset
+from flatep.bench.accounting import link_model_us, plan_link_bytes
+from flatep.bench.timing import Timing, copy_ceiling_gbps, device_name, gemm_ceiling_tflops, time_stats
+from flatep.config import MODEL_SHAPES, POLICIES, EPConfig, align_up, preset
 from flatep.experts.grouped import grouped_swiglu
 from flatep.experts.pool import ExpertPool
 from flatep.layer import combine_step, dispatch_step, ep_moe, experts_step
@@ -32,7 +38,26 @@ from flatep.routing import sigma_for_maxvio, skewed_topk
 from flatep.transport.local import LocalGroup
 
 ARMS = {"flat": "exact", "classic": "none", "dense": None}
+"""Arms with their own names and the policy each plans with (``None``: the dense arm, no plan).
+Any other arm name must be a planner policy (:data:`flatep.config.POLICIES`) and plans with it."""
 CELL_KEY = ("model", "ranks", "tokens", "maxvio_target", "arm")
+IDENTITY = ("sweep", "model", "ranks", "hidden", "experts", "top_k", "intermediate", "align", "tolerance",
+            "link_gbps_model", "warmup", "iters", "device", "backend")
+"""Fields every row of one results file shares: ``--resume`` refuses a file whose rows differ."""
+
+
+def arm_policy(arm: str) -> str | None:
+    """The planner policy of an arm (``None`` for ``dense``)."""
+    if arm in ARMS:
+        return ARMS[arm]
+    if arm in POLICIES:
+        return arm
+    raise ValueError(f"arm must be one of {known_arms()}, got {arm!r}")
+
+
+def known_arms() -> list[str]:
+    """Every arm a sweep may name: the named arms, then every planner policy by its own name."""
+    return list(ARMS) + [policy for policy in POLICIES if policy not in ARMS]
 
 
 @dataclass
@@ -45,8 +70,9 @@ class Sweep:
         ranks: virtual EP ranks.
         tokens: ladder of tokens per rank ``s``.
         maxvio: ladder of target router imbalance.
-        arms: subset of ``flat``, ``classic``, ``dense``.
-        warmup, iters: timing repetitions (median of ``iters``).
+        arms: the arms, in the order each cell runs them: ``flat``, ``classic``, ``dense``, or a
+            planner policy by name (see :func:`arm_policy`).
+        warmup, iters: timing repetitions (median and min-max spread of ``iters``).
         link_gbps: link bandwidth per direction used by the modelled link time.
         align: group padding of the shards (:attr:`flatep.EPConfig.align`).
         tolerance: imbalance the flat arm lets pass without moving weights
@@ -91,9 +117,12 @@ class Sweep:
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the field on a bad value."""
-        bad_arms = set(self.arms) - set(ARMS)
-        if bad_arms:
-            raise ValueError(f"arms must be a subset of {list(ARMS)}, got {self.arms}")
+        if not self.arms or set(self.arms) - set(known_arms()) or len(set(self.arms)) != len(self.arms):
+            raise ValueError(f"arms must be distinct names from {known_arms()}, got {self.arms}")
+        if not isinstance(self.iters, int) or self.iters < 1 or not isinstance(self.warmup, int) or self.warmup < 0:
+            raise ValueError(f"iters must be >= 1 and warmup >= 0 (integers), got iters={self.iters}, warmup={self.warmup}")
+        if self.link_gbps <= 0:
+            raise ValueError(f"link_gbps must be > 0, got {self.link_gbps}")
         if not self.tokens or any(not isinstance(t, int) or t < 1 for t in self.tokens):
             raise ValueError(f"tokens must be a list of positive integers, got {self.tokens}")
         if not self.maxvio or any(v < 0 for v in self.maxvio):
@@ -119,6 +148,37 @@ class Sweep:
         if set(self.model) != needed:
             raise ValueError(f"model dict must have exactly the keys {sorted(needed)}, got {sorted(self.model)}")
         return EPConfig(ranks=self.ranks, capacity=capacity, align=self.align, tolerance=self.tolerance, **self.model)
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """The kernels a run uses: ``auto`` is Triton on a GPU and the plain-torch paths on the CPU.
+
+    Triton on the CPU works only under its interpreter (``TRITON_INTERPRET=1``, slow)."""
+    import os
+
+    if backend not in ("auto", "triton", "torch"):
+        raise ValueError(f"backend must be auto, triton or torch, got {backend!r}")
+    if backend == "auto":
+        return "triton" if device.type == "cuda" else "torch"
+    if backend == "triton" and device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("backend triton on the CPU needs TRITON_INTERPRET=1 (the Triton interpreter); use --backend torch")
+    return backend
+
+
+def maxvio_reached(target: float, reached: float) -> bool:
+    """Whether a routing's maxvio is close enough to its target to be reported under it
+    (within 10% of the target, or 0.1 absolute)."""
+    return abs(reached - target) <= max(0.1 * target, 0.1)
+
+
+def unreached_targets(rows: list[dict[str, Any]]) -> list[str]:
+    """One line per (model, tokens, target) whose routing missed its maxvio target."""
+    missed = sorted({(r["model"], r["tokens"], r["maxvio_target"], r["maxvio"]) for r in rows if not maxvio_reached(r["maxvio_target"], r["maxvio"])})
+    return [
+        f"note: {model}, s={tokens}: maxvio target {target:g} not reached (the routing has maxvio {value:.2f}); "
+        "its rows are listed under the maxvio reached"
+        for model, tokens, target, value in missed
+    ]
 
 
 def shipped_configs() -> list[str]:
@@ -149,12 +209,6 @@ def dense_step(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: t
     return out.to(x.dtype)
 
 
-def _remote_rows(plan: Plan) -> torch.Tensor:
-    """``[R]`` rows each source rank sends to another rank (what would cross the link)."""
-    source = torch.arange(plan.dest_rank.shape[0], device=plan.dest_rank.device).view(-1, 1, 1)
-    return ((plan.dest_rank >= 0) & (plan.dest_rank != source)).sum((1, 2))
-
-
 def _sized_to_step(plan: Plan, align: int) -> Plan:
     """Classic EP on one GPU: size shards to this step's hottest rank so R virtual shards fit.
 
@@ -179,8 +233,12 @@ class Cell:
         self.weights = torch.rand(ranks, tokens, top_k, generator=generator, device=device) / top_k
 
 
+def _spread(name: str, timing: Timing) -> dict[str, Any]:
+    return {name: timing.median, f"{name}_spread": [timing.min, timing.max]}
+
+
 def _ep_cell(sweep: Sweep, config: EPConfig, cell: Cell, arm: str, pool: ExpertPool, device: torch.device, backend: str) -> dict[str, Any]:
-    policy = ARMS[arm]
+    policy = arm_policy(arm)
     group = LocalGroup(config.ranks, device)
     # On the GPU every phase is timed as CUDA-graph replays (as a serving step runs it): GPU time
     # without host launch overhead, which would otherwise dominate at small s.
@@ -188,62 +246,76 @@ def _ep_cell(sweep: Sweep, config: EPConfig, cell: Cell, arm: str, pool: ExpertP
     # The planner ep_moe uses: sync-free Triton on the GPU, the reference on the CPU.
     triton_planner = device.type == "cuda" and supports_triton_planner(config)
     planner = make_plan_triton if triton_planner else make_plan
-    plan_us = time_us(lambda: split_slot_rows(planner(cell.ids, config, policy)), **{**timing, "graph": triton_planner})
+    plan_t = time_stats(lambda: split_slot_rows(planner(cell.ids, config, policy)), **{**timing, "graph": triton_planner})
     plan = split_slot_rows(planner(cell.ids, config, policy))
     if policy == "none":
         plan = _sized_to_step(plan, config.align)
-    dispatch_us = time_us(lambda: dispatch_step(cell.x, cell.weights, plan, group, backend), **timing)
-    push_us = time_us(lambda: pool.push(plan.slot_experts, backend), **timing)
+    dispatch_t = time_stats(lambda: dispatch_step(cell.x, cell.weights, plan, group, backend), **timing)
+    push_t = time_stats(lambda: pool.push(plan.slot_experts, backend), **timing)
     shard, shard_weights = dispatch_step(cell.x, cell.weights, plan, group, backend)
-    experts_us = [
-        time_us(lambda: experts_step(shard, shard_weights, pool, plan, group, rank), **timing)
+    experts_t = [
+        time_stats(lambda: experts_step(shard, shard_weights, pool, plan, group, rank), **timing)
         for rank in range(config.ranks)
     ]
-    combine_us = time_us(lambda: combine_step(shard, plan, group, cell.tokens, config.top_k, cell.x.dtype, backend), **timing)
-    step_us = time_us(
+    combine_t = time_stats(lambda: combine_step(shard, plan, group, cell.tokens, config.top_k, cell.x.dtype, backend), **timing)
+    step_t = time_stats(
         lambda: ep_moe(cell.x, cell.ids, cell.weights, config=config, group=group, policy=policy, pool=pool, plan=plan, backend=backend),
         **timing,
     )
+    group.close()
     ranks, hidden, element = config.ranks, config.hidden, cell.x.element_size()
     entries = cell.tokens * config.top_k
     padded_rows = plan.padded_rows().double().cpu()
     flops_per_row = 2 * 3 * hidden * config.intermediate
+    experts_us = [t.median for t in experts_t]
     slowest = int(torch.tensor(experts_us).argmax())
     slots_per_rank = (plan.slot_experts >= 0).sum(1).cpu()
-    push_bytes = int(slots_per_rank.sum()) * config.expert_bytes(element)
-    remote = _remote_rows(plan).cpu()
-    token_bytes = cell.tokens * hidden * element
+    link_bytes = plan_link_bytes(plan, hidden * element, config.expert_bytes(element))
+    link_us = link_model_us(link_bytes, sweep.link_gbps)
     # Bytes the dispatch and combine kernels read plus write, all virtual ranks together.
-    kernel_bytes = ranks * (token_bytes + entries * hidden * element)
-    link_us = (
-        2 * int(remote.max()) * hidden * element + int(slots_per_rank.max()) * config.expert_bytes(element)
-    ) / (sweep.link_gbps * 1e3)
+    kernel_bytes = ranks * (cell.tokens * hidden * element + entries * hidden * element)
     received = plan.received.double().cpu()
-    layer_us = plan_us + (dispatch_us + push_us + combine_us) / ranks + max(experts_us)
-    group.close()
+
+    def layer(pick) -> float:
+        """Slowest-rank layer time from one statistic (median, min or max) of every phase."""
+        shared = pick(plan_t) + (pick(dispatch_t) + pick(push_t) + pick(combine_t)) / ranks
+        return shared + max(pick(t) for t in experts_t)
+
+    def layer_with_link(rank: int) -> float:
+        """Rank ``rank``'s layer time with its modelled link time added (medians)."""
+        return layer(lambda t: t.median) - max(experts_us) + experts_us[rank] + link_us["total"][rank]
+
+    layer_us = layer(lambda t: t.median)
+    busiest = max(range(ranks), key=layer_with_link)
     return dict(
-        plan_us=plan_us,
-        dispatch_us=dispatch_us,
-        push_us=push_us,
+        **_spread("plan_us", plan_t),
+        **_spread("dispatch_us", dispatch_t),
+        **_spread("push_us", push_t),
         experts_us_max=max(experts_us),
         experts_us_mean=sum(experts_us) / ranks,
         experts_us=experts_us,
-        combine_us=combine_us,
-        step_us=step_us,
+        experts_us_spread=[[t.min, t.max] for t in experts_t],
+        **_spread("combine_us", combine_t),
+        **_spread("step_us", step_t),
         layer_us=layer_us,
+        layer_us_spread=[layer(lambda t: t.min), layer(lambda t: t.max)],
         dispatch_bytes=entries * hidden * element,
         combine_bytes=entries * hidden * element,
-        push_bytes=push_bytes,
+        push_bytes=int(slots_per_rank.sum()) * config.expert_bytes(element),
         borrowed_experts=int(slots_per_rank.sum()),
-        dispatch_copy_fraction=kernel_bytes / dispatch_us / 1e3,
-        combine_copy_fraction=kernel_bytes / combine_us / 1e3,
+        plan_policy=plan.policy,
+        dispatch_copy_fraction=kernel_bytes / dispatch_t.median / 1e3,
+        combine_copy_fraction=kernel_bytes / combine_t.median / 1e3,
         experts_tflops_slowest=float(padded_rows[slowest]) * flops_per_row / experts_us[slowest] / 1e6,
         rows_max=int(received.max()),
         rows_mean=float(received.mean()),
         padded_rows_max=int(padded_rows.max()),
-        remote_rows_max=int(remote.max()),
-        link_model_us=link_us,
-        layer_with_link_model_us=layer_us + link_us,
+        remote_rows_max=max(link_bytes["dispatch"]["egress"]) // (hidden * element + 4),
+        link_bytes=link_bytes,
+        link_model_us_per_rank=link_us,
+        link_model_us=max(link_us["total"]),
+        layer_with_link_model_us=layer_with_link(busiest),
+        layer_with_link_model_rank=busiest,
     )
 
 
@@ -252,13 +324,16 @@ def _dense_cell(sweep: Sweep, config: EPConfig, cell: Cell, weights: tuple[torch
     x = cell.x.reshape(-1, config.hidden)
     ids = cell.ids.reshape(-1, config.top_k)
     route = cell.weights.reshape(-1, config.top_k)
-    dense_us = time_us(lambda: dense_step(x, ids, route, w13, w2), device, sweep.warmup, sweep.iters, graph=device.type == "cuda")
+    dense = time_stats(lambda: dense_step(x, ids, route, w13, w2), device, sweep.warmup, sweep.iters, graph=device.type == "cuda")
+    share = [dense.min / config.ranks, dense.max / config.ranks]
     return dict(
         plan_us=0.0, dispatch_us=0.0, push_us=0.0, combine_us=0.0,
-        experts_us_max=dense_us / config.ranks, experts_us_mean=dense_us / config.ranks,
-        dense_us=dense_us, layer_us=dense_us / config.ranks, step_us=dense_us,
+        experts_us_max=dense.median / config.ranks, experts_us_mean=dense.median / config.ranks,
+        dense_us=dense.median, dense_us_spread=[dense.min, dense.max],
+        layer_us=dense.median / config.ranks, layer_us_spread=share,
+        step_us=dense.median, step_us_spread=[dense.min, dense.max],
         dispatch_bytes=0, combine_bytes=0, push_bytes=0,
-        experts_tflops_slowest=x.shape[0] * config.top_k * 2 * 3 * config.hidden * config.intermediate / dense_us / 1e6,
+        experts_tflops_slowest=x.shape[0] * config.top_k * 2 * 3 * config.hidden * config.intermediate / dense.median / 1e6,
     )
 
 
@@ -285,20 +360,36 @@ def _fill_random(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _pool_fits(config: EPConfig, device: torch.device) -> bool:
+    """Whether R copies of the pool fit (the dense arm computes with a view of them)."""
     if device.type != "cuda":
         return True
     free, _ = torch.cuda.mem_get_info(device)
     return 2 * config.experts * config.expert_bytes() < 0.6 * free
 
 
-def _random_pool(config: EPConfig, device: torch.device) -> tuple[ExpertPool, bool]:
-    """A bf16 pool with random weights; ``True`` if its weights are shared across virtual ranks."""
+def _random_weights(config: EPConfig, device: torch.device, arms: list[str]) -> tuple[ExpertPool | None, tuple[torch.Tensor, torch.Tensor] | None, bool]:
+    """A bf16 pool with random weights for the EP arms, the dense arm's ``w13 [E, 2I, H]`` and
+    ``w2 [E, H, I]``, and ``True`` if the pool's weights are shared across virtual ranks.
+
+    Both live for the whole sweep, so that every cell runs its arms back to back. Unshared, the
+    dense weights are a view of the pool's home experts (no second copy).
+    """
+    ep_arms = [arm for arm in arms if arm_policy(arm) is not None]
+    wants_dense = "dense" in arms
     shared = not _pool_fits(config, device)
-    group = (SharedWeightsGroup if shared else LocalGroup)(config.ranks, device)
-    pool = ExpertPool(config, group, torch.bfloat16)
-    for tensor in (pool.w13, pool.w2):
-        _fill_random(tensor[:1] if shared else tensor)
-    return pool, shared
+    pool = None
+    if ep_arms or (wants_dense and not shared):
+        group = (SharedWeightsGroup if shared else LocalGroup)(config.ranks, device)
+        pool = ExpertPool(config, group, torch.bfloat16)
+        for tensor in (pool.w13, pool.w2):
+            _fill_random(tensor[:1] if shared else tensor)
+    dense = None
+    if wants_dense:
+        if shared:
+            dense = _random_dense_weights(config, device)
+        else:
+            dense = (pool.w13.reshape(config.experts, *pool.w13.shape[2:]), pool.w2.reshape(config.experts, *pool.w2.shape[2:]))
+    return (pool if ep_arms else None), dense, shared
 
 
 def _random_dense_weights(config: EPConfig, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -315,75 +406,81 @@ def read_results(path: Path) -> list[dict[str, Any]]:
 
 
 def cells(sweep: Sweep) -> Iterator[tuple[str, int, float]]:
-    """``(arm, tokens, maxvio target)`` of every cell, arm-major so weights are built once per arm."""
-    for arm in sweep.arms:
-        for tokens in sweep.tokens:
-            for target in sweep.maxvio:
+    """``(arm, tokens, maxvio target)`` of every cell, cell by cell: every arm of one (tokens,
+    maxvio) point runs before the next point, on the same inputs."""
+    for tokens in sweep.tokens:
+        for target in sweep.maxvio:
+            for arm in sweep.arms:
                 yield arm, tokens, float(target)
+
+
+def _check_resumable(rows: list[dict[str, Any]], identity: dict[str, Any], path: Path) -> None:
+    """Refuse to append to results of another config (or an older flatep that did not record it)."""
+    for row in rows:
+        differ = {key: (row.get(key), value) for key, value in identity.items() if row.get(key) != value}
+        if differ:
+            shown = ", ".join(f"{key}: {old!r} there, {new!r} now" for key, (old, new) in sorted(differ.items()))
+            raise ValueError(f"--resume: {path} holds results of another sweep config ({shown}); use another --out or drop --resume")
 
 
 def run(sweep: Sweep, out_dir: Path, device: torch.device, resume: bool = False, progress: bool = True, backend: str = "auto") -> list[dict[str, Any]]:
     """Run the sweep, appending one JSON object per cell to ``out_dir/results.jsonl``.
 
-    With ``resume``, cells already in the file are skipped. Returns every row of the file.
+    With ``resume``, cells already in the file are skipped; a file written by another config
+    (any field of :data:`IDENTITY` differs) raises ``ValueError``. Returns every row of the file.
     """
     from tqdm import tqdm
 
+    backend = resolve_backend(backend, device)
+    on_gpu = device.type == "cuda"
+    hardware = device_name(device)
+    config = sweep.ep_config(max(sweep.tokens))
+    identity = dict(
+        sweep=sweep.name, model=sweep.model_name, ranks=sweep.ranks, hidden=config.hidden, experts=config.experts,
+        top_k=config.top_k, intermediate=config.intermediate, align=config.align, tolerance=config.tolerance,
+        link_gbps_model=sweep.link_gbps, warmup=sweep.warmup, iters=sweep.iters, device=hardware, backend=backend,
+    )
     out_dir.mkdir(parents=True, exist_ok=True)
     results_path = out_dir / "results.jsonl"
-    if not resume and results_path.exists():
+    if resume:
+        _check_resumable(read_results(results_path), identity, results_path)
+    elif results_path.exists():
         results_path.unlink()
     done = {tuple(row[k] for k in CELL_KEY) for row in read_results(results_path)}
-    config = sweep.ep_config(max(sweep.tokens))
-    if backend == "auto":
-        backend = "triton" if device.type == "cuda" else "torch"
-    on_gpu = device.type == "cuda"
+    # The fractions of a ceiling are GPU figures: a CPU's copy and GEMM rates at these sizes say
+    # little about its kernels (a 512^3 bf16 product can be slower than the experts' fp32 path).
     ceilings = dict(
-        copy_ceiling_gbps=copy_ceiling_gbps(device, 1024 if on_gpu else 64),
-        gemm_ceiling_tflops=gemm_ceiling_tflops(device, 8192 if on_gpu else 512),
+        copy_ceiling_gbps=copy_ceiling_gbps(device, 1024) if on_gpu else None,
+        gemm_ceiling_tflops=gemm_ceiling_tflops(device, 8192) if on_gpu else None,
     )
-    hardware = device_name(device)
     todo = [c for c in cells(sweep) if (sweep.model_name, sweep.ranks, c[1], c[2], c[0]) not in done]
-    state: dict[str, Any] = {"arm": None, "weights": None, "shared": False}
+    pool, dense_weights, shared = _random_weights(config, device, sweep.arms) if todo else (None, None, False)
     cell_cache: dict[tuple[int, float], Cell] = {}
     bar = tqdm(todo, desc=f"flatep bench {sweep.name}", disable=not progress, unit="cell")
     with results_path.open("a") as results:
         for arm, tokens, target in bar:
             bar.set_postfix(arm=arm, tokens=tokens, maxvio=target)
-            if state["arm"] != arm:
-                state["weights"] = None
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
-                if arm == "dense":
-                    state["weights"], state["shared"] = _random_dense_weights(config, device), False
-                else:
-                    state["weights"], state["shared"] = _random_pool(config, device)
-                state["arm"] = arm
             if (tokens, target) not in cell_cache:
                 cell_cache.clear()
                 cell_cache[(tokens, target)] = Cell(sweep, config, tokens, target, device)
             cell = cell_cache[(tokens, target)]
-            if device.type == "cuda":
+            if on_gpu:
                 torch.cuda.reset_peak_memory_stats(device)
             if arm == "dense":
-                measured = _dense_cell(sweep, config, cell, state["weights"], device)
+                measured = _dense_cell(sweep, config, cell, dense_weights, device)
             else:
-                measured = _ep_cell(sweep, config, cell, arm, state["weights"], device, backend)
+                measured = _ep_cell(sweep, config, cell, arm, pool, device, backend)
             row = dict(
-                sweep=sweep.name, model=sweep.model_name, ranks=sweep.ranks, tokens=tokens, maxvio_target=target,
-                maxvio=cell.maxvio, sigma=cell.sigma, arm=arm, device=hardware, backend=backend,
-                hidden=config.hidden, experts=config.experts, top_k=config.top_k, intermediate=config.intermediate,
-                align=config.align, tolerance=config.tolerance,
+                **identity, tokens=tokens, maxvio_target=target, maxvio=cell.maxvio, sigma=cell.sigma, arm=arm,
                 **ceilings, **measured,
-                peak_memory_gb=torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None,
-                weights_shared_across_virtual_ranks=state["shared"],
-                link_gbps_model=sweep.link_gbps,
-                timing="cuda_graph" if device.type == "cuda" else "eager",
+                peak_memory_gb=torch.cuda.max_memory_allocated(device) / 1e9 if on_gpu else None,
+                weights_shared_across_virtual_ranks=shared and arm != "dense",
+                timing="cuda_graph" if on_gpu else "eager",
             )
             for name in ("dispatch_copy_fraction", "combine_copy_fraction"):
                 if name in row:
-                    row[name] = row[name] / row["copy_ceiling_gbps"]
-            row["experts_gemm_fraction"] = row["experts_tflops_slowest"] / row["gemm_ceiling_tflops"]
+                    row[name] = row[name] / row["copy_ceiling_gbps"] if on_gpu else None
+            row["experts_gemm_fraction"] = row["experts_tflops_slowest"] / row["gemm_ceiling_tflops"] if on_gpu else None
             results.write(json.dumps({k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}) + "\n")
             results.flush()
     return read_results(results_path)

@@ -4,14 +4,31 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Median, fastest and slowest of ``iters`` timed calls, in µs."""
+
+    median: float
+    min: float
+    max: float
 
 
 def time_us(
     fn: Callable[[], object], device: torch.device, warmup: int = 3, iters: int = 10, graph: bool = False, calls: int = 1
 ) -> float:
-    """Median time of one ``fn()`` call in microseconds.
+    """Median time of one ``fn()`` call in microseconds (see :func:`time_stats`)."""
+    return time_stats(fn, device, warmup, iters, graph, calls).median
+
+
+def time_stats(
+    fn: Callable[[], object], device: torch.device, warmup: int = 3, iters: int = 10, graph: bool = False, calls: int = 1
+) -> Timing:
+    """Median and spread (min, max) over ``iters`` timed ``fn()`` calls, in microseconds.
 
     With ``graph=True`` on CUDA, ``fn`` (which must be capturable: no host syncs) runs once eagerly
     to compile its kernels, is captured ``calls`` times back to back into one CUDA graph, and each
@@ -20,8 +37,10 @@ def time_us(
     sees). Otherwise each eager call is bracketed by CUDA events (GPU time, which includes waiting
     for the host when launches are slower than the kernels), or by ``time.perf_counter`` on CPU.
     """
+    if iters < 1:
+        raise ValueError(f"iters must be >= 1, got {iters}")
     if graph and device.type == "cuda":
-        return _graph_time_us(fn, calls, iters)
+        return _summary(_graph_samples_us(fn, calls, iters))
     for _ in range(warmup):
         fn()
     samples = []
@@ -39,10 +58,14 @@ def time_us(
             start_time = time.perf_counter()
             fn()
             samples.append((time.perf_counter() - start_time) * 1e6)
-    return statistics.median(samples)
+    return _summary(samples)
 
 
-def _graph_time_us(fn: Callable[[], object], calls: int, replays: int) -> float:
+def _summary(samples: list[float]) -> Timing:
+    return Timing(statistics.median(samples), min(samples), max(samples))
+
+
+def _graph_samples_us(fn: Callable[[], object], calls: int, replays: int) -> list[float]:
     fn()  # compiles the kernels and allocates cached buffers outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -59,7 +82,7 @@ def _graph_time_us(fn: Callable[[], object], calls: int, replays: int) -> float:
         end.record()
         end.synchronize()
         samples.append(start.elapsed_time(end) * 1e3 / calls)
-    return statistics.median(samples)
+    return samples
 
 
 def copy_ceiling_gbps(device: torch.device, megabytes: int = 1024) -> float:
