@@ -317,8 +317,8 @@ def ep_moe(
             raise ValueError(f"w13/w2 dtype {w13.dtype} must match x dtype {x.dtype}")
     elif w13 is not None or w2 is not None or b13 is not None or b2 is not None:
         raise ValueError("pass either w13 and w2 (and biases) or pool, not both")
-    elif pool.w13.dtype != x.dtype:
-        raise ValueError(f"pool dtype {pool.w13.dtype} must match x dtype {x.dtype}")
+    elif pool.dtype != x.dtype:
+        raise ValueError(f"pool dtype {pool.dtype} must match x dtype {x.dtype}")
     if plan is None:
         # Per-process ranks agree on the step while planning, before the pool's collective allocation.
         plan = plan_step(topk_ids, config, group, policy, dtype=x.dtype)
