@@ -26,6 +26,7 @@ from flatep.quant.tensor import (
     QuantizedTensor,
     check_format,
     check_pool_dims,
+    expert_weight_nbytes,
     packed_layout,
 )
 
@@ -47,6 +48,7 @@ __all__ = [
     "dequantize_mxfp4",
     "e2m1_decode",
     "e2m1_encode",
+    "expert_weight_nbytes",
     "fp8_experts_from_checkpoint",
     "mxfp4_experts_from_checkpoint",
     "mxfp4_from_checkpoint",

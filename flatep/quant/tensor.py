@@ -1,6 +1,7 @@
 """A quantized weight tensor (packed values with their scales) and the weight formats' packed layouts."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +35,20 @@ def packed_layout(weights: str, rows: int, columns: int) -> tuple[tuple[tuple[in
             raise ValueError(f"mxfp4 needs the input dimension to be a multiple of {MX_BLOCK}, got {columns}")
         return ((rows, columns // 2), torch.uint8), ((rows, columns // MX_BLOCK), torch.uint8)
     raise ValueError(f"packed_layout takes a quantized format {QUANTIZED_FORMATS}, got {weights!r}")
+
+
+def expert_weight_nbytes(weights: str, hidden: int, intermediate: int, dtype: torch.dtype = torch.bfloat16) -> int:
+    """Bytes of one expert's ``w13 [2I, H]`` and ``w2 [H, I]`` in ``weights`` format, scales included
+    (``bf16``: plain weights of ``dtype``): what a push moves per borrowed expert, biases aside."""
+    check_format(weights)
+    total = 0
+    for rows, columns in ((2 * intermediate, hidden), (hidden, intermediate)):
+        if weights == "bf16":
+            total += rows * columns * dtype.itemsize
+            continue
+        for shape, element in packed_layout(weights, rows, columns):
+            total += math.prod(shape) * element.itemsize
+    return total
 
 
 def check_pool_dims(weights: str, hidden: int, intermediate: int) -> None:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from flatep import EPConfig, ExpertPool, dense_moe, ep_moe, init_group, make_plan
-from flatep.quant import QuantizedTensor, dequantize_fp8_activations, quantize_fp8_activations
+from flatep.quant import QuantizedTensor, dequantize_fp8_activations, expert_weight_nbytes, quantize_fp8_activations
 from flatep.routing import skewed_topk
 from tests.helpers import DEVICE, TRITON_BACKENDS, relative_error
 
@@ -99,7 +99,7 @@ def test_push_moves_packed_values_and_scales(format, backend):
             assert torch.equal(pool.slots(name)[receiver, slot].view(torch.uint8), tensor[expert].view(torch.uint8)), name
     assert (pool.slots("w13")[0, 1].view(torch.uint8) == 0xFF).all()  # empty slot untouched
     expert_bytes = (q13.nbytes + q2.nbytes) // config.experts
-    assert pool.expert_nbytes() == expert_bytes
+    assert pool.expert_nbytes() == expert_bytes == expert_weight_nbytes(format, 128, 128)
     # bf16 / packed bytes: fp8 = 1 byte a weight + one fp32 per 128x128 block (3 blocks); mxfp4 = 4.25 bits a weight.
     ratio = {"fp8": 2 * 3 * 128 * 128 / (3 * 128 * 128 + 4 * 3), "mxfp4": 16 / 4.25}[format]
     bf16_bytes = ExpertPool(config, group, torch.bfloat16).expert_nbytes()
