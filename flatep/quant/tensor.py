@@ -109,6 +109,11 @@ class QuantizedTensor:
         return self.values.device
 
     @property
+    def requires_grad(self) -> bool:
+        """Always False: packed weights take no gradients."""
+        return False
+
+    @property
     def nbytes(self) -> int:
         """Packed bytes: values plus scales."""
         return self.values.nbytes + self.scales.nbytes

@@ -146,3 +146,12 @@ def test_layer_rejects_activations_of_another_dtype():
     pool = ExpertPool.from_weights(w13.bfloat16(), w2.bfloat16(), CONFIG, group, weights="mxfp4")
     with pytest.raises(ValueError, match="pool dtype"):
         ep_moe(x.float(), ids, route_weights, config=CONFIG, group=group, pool=pool)
+
+
+def test_layer_takes_packed_weights_without_a_pool():
+    group = init_group("local", ranks=CONFIG.ranks, device=DEVICE)
+    x, ids, route_weights, w13, w2 = quantized_inputs(CONFIG, 6, 2.0, seed=5)
+    q13, q2 = QuantizedTensor.quantize(w13, "mxfp4"), QuantizedTensor.quantize(w2, "mxfp4")
+    out = ep_moe(x, ids, route_weights, q13, q2, config=CONFIG, group=group, backend="torch")
+    pool = ExpertPool.from_weights(q13, q2, CONFIG, group)
+    assert torch.equal(out, ep_moe(x, ids, route_weights, config=CONFIG, group=group, pool=pool, backend="torch"))
