@@ -281,7 +281,8 @@ def ep_moe(
         topk_ids: ``[R, s, K]`` (or ``[s, K]``) int32/int64 expert ids in ``[0, E)``.
         topk_weights: ``[R, s, K]`` (or ``[s, K]``) route weights (used in fp32).
         w13: ``[E, 2I, H]`` all experts' gate/up weights (each rank uses its own slice plus what it
-            borrows); copied into a fresh pool each call. Pass ``pool`` instead to avoid the copy.
+            borrows), float or packed (:class:`flatep.quant.QuantizedTensor`); copied into a fresh
+            pool each call. Pass ``pool`` instead to avoid the copy.
         w2: ``[E, H, I]``.
         config: group sizes; group: from :func:`flatep.init_group`.
         policy: ``exact`` (flat) or ``none`` (classic EP).
@@ -313,7 +314,7 @@ def ep_moe(
         if w13 is None or w2 is None:
             raise ValueError("pass either w13 and w2 or pool")
         check_expert_weights(w13, w2, config, b13, b2)
-        if w13.dtype != x.dtype:
+        if isinstance(w13, torch.Tensor) and w13.dtype != x.dtype:  # packed weights: a pool in x's dtype
             raise ValueError(f"w13/w2 dtype {w13.dtype} must match x dtype {x.dtype}")
     elif w13 is not None or w2 is not None or b13 is not None or b2 is not None:
         raise ValueError("pass either w13 and w2 (and biases) or pool, not both")
@@ -329,7 +330,7 @@ def ep_moe(
     else:
         plan = split_slot_rows(plan)
     if pool is None:
-        pool = ExpertPool.from_weights(w13, w2, config, group, b13, b2)
+        pool = ExpertPool.from_weights(w13, w2, config, group, b13, b2, dtype=x.dtype)
     tokens = x.shape[-2]
     shard, shard_weights = dispatch_step(x, topk_weights, plan, group, backend)
     if plan.policy != "none":
