@@ -7,7 +7,8 @@
   Kimi-K3 experts of one rank (``H=3584``, ``I=3072``, 112 experts at EP8) in mxfp4 against bf16,
   at 16, 128 and 1024 rows per expert: the gate/up GEMM and the down GEMM separately (bf16:
   ``torch._grouped_mm``; packed: the Triton kernels over a few tile configs, fp8 including its
-  activation quantization), and the whole experts step (:func:`flatep.experts.grouped_swiglu`).
+  activation quantization; fp8 also ``torch._scaled_grouped_mm`` with row-wise scales as a
+  reference point), and the whole experts step (:func:`flatep.experts.grouped_swiglu`).
   Each packed arm is first checked against the torch reference path (relative error recorded).
 - the weight push of one borrowed expert per format (local transport, two virtual ranks on one
   GPU: a device-memory copy, not a link; it shows the byte ratio, not NVLink time).
@@ -31,6 +32,7 @@ from flatep.quant.tensor import QuantizedTensor
 from flatep.transport import init_group
 
 ROWS_PER_EXPERT = (16, 128, 1024)
+REPLAYS = 10  # graph replays per round (CPU: eager calls)
 CANDIDATES = (
     GemmConfig(16, 128, num_warps=4, num_stages=4),
     GemmConfig(32, 128, num_warps=4, num_stages=4),
@@ -56,9 +58,26 @@ def _interleaved(arms: dict[str, Callable[[], object]], device: torch.device, ro
     samples: dict[str, list[float]] = {name: [] for name in arms}
     for _ in range(rounds):
         for name, fn in arms.items():
-            samples[name].append(time_us(fn, device, iters=10, graph=True, calls=4))
+            samples[name].append(time_us(fn, device, warmup=1, iters=REPLAYS, graph=True, calls=4))
     return {name: {"us": statistics.median(values), "min_us": min(values), "max_us": max(values)}
             for name, values in samples.items()}
+
+
+def _rowwise_fp8_arm(rows: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """``torch._scaled_grouped_mm`` on fp8 with row-wise scales (one per activation row, one per
+    weight output row): the layout it takes, not the checkpoints' 128x128 blocks, so a reference
+    point; activations are quantized once outside the timed call."""
+    scales, values = [], []
+    for expert in range(weights.shape[0]):
+        weight = weights[expert].float()
+        scale = weight.abs().amax(-1).clamp_min(1e-12) / 448.0
+        scales.append(scale)
+        values.append((weight / scale[:, None]).to(torch.float8_e4m3fn))
+    weight_scales, weight_values = torch.stack(scales), torch.stack(values)
+    row_scales = rows.float().abs().amax(-1).clamp_min(1e-12) / 448.0
+    row_values = (rows.float() / row_scales[:, None]).to(torch.float8_e4m3fn)
+    return lambda: torch._scaled_grouped_mm(row_values, weight_values.transpose(-2, -1), row_scales, weight_scales,
+                                            offs=offsets, out_dtype=torch.bfloat16)
 
 
 def _kernel(format: str):
@@ -93,11 +112,26 @@ def experts_cell(
                 arms[f"{format} m{config.block_m} n{config.block_n} w{config.num_warps} s{config.num_stages}"] = (
                     lambda rows_in=rows_in, packed=packed, config=config:
                     _kernel(format)(rows_in, packed.values, packed.scales, offsets, config))
+        rowwise = None
+        if format == "fp8":
+            try:
+                rowwise = _rowwise_fp8_arm(rows_in, plain, offsets)
+                check = rowwise()[:end].float()
+                exact = torch._grouped_mm(rows_in[:end], plain[:few].transpose(-2, -1), offs=offsets[:few]).float()
+                result[f"{name}_rowwise_relative_error"] = float((check - exact).norm() / exact.norm())
+                arms["scaled_grouped_mm rowwise"] = rowwise
+            except (RuntimeError, TypeError, NotImplementedError) as error:  # not every build has it
+                result[f"{name}_rowwise_error"] = str(error)[:300]
         times = _interleaved(arms, device, rounds)
-        best = min((arm for arm in times if arm != "bf16"), key=lambda arm: times[arm]["us"])
+        packed_arms = [arm for arm in times if arm not in ("bf16", "scaled_grouped_mm rowwise")]
+        best = min(packed_arms, key=lambda arm: times[arm]["us"])
         result[name] = {"bf16_us": times["bf16"], "packed_us": times[best], "best_config": best,
-                        "configs": {arm: times[arm]["us"] for arm in times if arm != "bf16"},
+                        "configs": {arm: times[arm]["us"] for arm in packed_arms},
                         "ratio": times[best]["us"] / times["bf16"]["us"]}
+        if "scaled_grouped_mm rowwise" in times:
+            result[name]["rowwise_scaled_grouped_mm_us"] = times["scaled_grouped_mm rowwise"]
+            result[name]["rowwise_ratio"] = times["scaled_grouped_mm rowwise"]["us"] / times["bf16"]["us"]
+        del rowwise
     result["default_config"] = str(default_config(rows, experts))
     step = _interleaved({
         "bf16": lambda: grouped_swiglu(x, route_weights, w13, w2, offsets, backend="triton"),
@@ -128,13 +162,21 @@ def model_cells(model: str, format: str, device: torch.device, rounds: int) -> l
     return cells
 
 
-def push_cells(device: torch.device, rounds: int, borrowed: int = 8) -> list[dict]:
-    """Push of ``borrowed`` experts from rank 1's home pool into rank 0's slots, per format."""
+PUSH_MODELS = (("kimi-k2", ("bf16", "fp8")), ("kimi-k3", ("bf16", "mxfp4")))
+
+
+def push_cells(
+    device: torch.device, rounds: int, borrowed: int = 8, models: tuple[tuple[str, tuple[str, ...]], ...] = PUSH_MODELS,
+    sizes: tuple[int, int] | None = None,
+) -> list[dict]:
+    """Push of ``borrowed`` experts from rank 1's home pool into rank 0's slots, per format (the
+    first format of each model is the baseline of its ratios); ``sizes`` ``(H, I)`` overrides the
+    models' shapes (for small checks)."""
     cells = []
-    for model, formats in (("kimi-k2", ("bf16", "fp8")), ("kimi-k3", ("bf16", "mxfp4"))):
+    for model, formats in models:
         shape = preset(model, ranks=8)
-        config = EPConfig(ranks=2, experts=2 * borrowed, top_k=2, hidden=shape.hidden, intermediate=shape.intermediate,
-                          capacity=16)
+        hidden, intermediate = sizes or (shape.hidden, shape.intermediate)
+        config = EPConfig(ranks=2, experts=2 * borrowed, top_k=2, hidden=hidden, intermediate=intermediate, capacity=16)
         group = init_group("local", ranks=2, device=device)
         slot_experts = torch.full((2, borrowed), -1, dtype=torch.int32, device=device)
         slot_experts[0] = torch.arange(borrowed, 2 * borrowed, dtype=torch.int32, device=device)
