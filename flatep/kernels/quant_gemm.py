@@ -4,8 +4,8 @@ Same contract as ``torch._grouped_mm(rows, weights.T, offs=offsets)``: ``offsets
 the inclusive end row of each group, group ``g`` owns rows ``[offsets[g-1], offsets[g])``, and
 rows at and past ``offsets[-1]`` are neither read nor written. Nothing is read on the host, so a
 call can be captured in a CUDA graph: the grid is sized from the shapes only (``cdiv(M, BLOCK_M) +
-G`` row tiles, an upper bound on the tiles of any grouping), and every program finds its group by
-walking ``offsets`` and returns at once if it has none.
+G`` row tiles, an upper bound on the tiles of any grouping), and every program finds its group
+from a running sum of the groups' tiles and returns at once if it has none.
 
 - fp8 (:func:`fp8_grouped_mm_triton`): the rows are first quantized per token per 128 columns
   (``scale = max(amax, 1e-10) / 448``, e4m3 rounded to nearest and saturated), as DeepSeek-V3 runs
@@ -60,23 +60,24 @@ def default_config(rows: int, groups: int) -> GemmConfig:
 
 
 @triton.jit
-def _group_tile(offsets_ptr, groups, BLOCK_M: tl.constexpr):
-    """``(group, first_row, end_row)`` of this program's row tile; group -1 if it has none."""
+def _group_tile(offsets_ptr, groups, BLOCK_M: tl.constexpr, GROUPS: tl.constexpr):
+    """``(group, first_row, end_row)`` of this program's row tile; group ``>= groups`` if it has none.
+
+    Vectorised over the groups (``GROUPS`` = ``groups`` rounded up to a power of two): the row tiles
+    of every group, their running sum, and the first group whose running sum passes this tile.
+    """
     tile = tl.program_id(0)
-    start = tl.zeros([], tl.int32)
-    base = tl.zeros([], tl.int32)
-    group = tl.full([], -1, tl.int32)
-    first = tl.zeros([], tl.int32)
-    last = tl.zeros([], tl.int32)
-    for g in range(groups):
-        end = tl.load(offsets_ptr + g)
-        tiles = tl.maximum(end - start + BLOCK_M - 1, 0) // BLOCK_M
-        hit = (tile >= base) & (tile < base + tiles)
-        group = tl.where(hit, g, group)
-        first = tl.where(hit, start + (tile - base) * BLOCK_M, first)
-        last = tl.where(hit, end, last)
-        base += tiles
-        start = end
+    g = tl.arange(0, GROUPS)
+    real = g < groups
+    ends = tl.load(offsets_ptr + g, mask=real, other=0)
+    starts = tl.load(offsets_ptr + g - 1, mask=real & (g > 0), other=0)
+    tiles = tl.where(real, (tl.maximum(ends - starts, 0) + BLOCK_M - 1) // BLOCK_M, 0)
+    passed = tl.cumsum(tiles, axis=0)
+    group = tl.sum((passed <= tile).to(tl.int32), axis=0)
+    mine = g == group
+    base = tl.sum(tl.where(mine, passed - tiles, 0), axis=0)
+    first = tl.sum(tl.where(mine, starts, 0), axis=0) + (tile - base) * BLOCK_M
+    last = tl.sum(tl.where(mine, ends, 0), axis=0)
     return group, first, last
 
 
@@ -121,10 +122,10 @@ def _act_quant_kernel(
 @triton.jit
 def _fp8_grouped_kernel(
     a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, offsets_ptr, groups, N, K, stride_om,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUPS: tl.constexpr, INTERPRET: tl.constexpr,
 ):
-    group, first, last = _group_tile(offsets_ptr, groups, BLOCK_M)
-    if group < 0:
+    group, first, last = _group_tile(offsets_ptr, groups, BLOCK_M, GROUPS)
+    if group >= groups:
         return
     k_blocks = K // BLOCK_K
     n_blocks = tl.cdiv(N, BLOCK_K)
@@ -167,10 +168,10 @@ def _e2m1_to_fp32(nibble):
 @triton.jit
 def _mxfp4_grouped_kernel(
     a_ptr, w_ptr, s_ptr, out_ptr, offsets_ptr, groups, N, K, stride_am, stride_om,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUPS: tl.constexpr, INTERPRET: tl.constexpr,
 ):
-    group, first, last = _group_tile(offsets_ptr, groups, BLOCK_M)
-    if group < 0:
+    group, first, last = _group_tile(offsets_ptr, groups, BLOCK_M, GROUPS)
+    if group >= groups:
         return
     HALF: tl.constexpr = BLOCK_K // 2
     packed_k = K // 2
@@ -233,7 +234,7 @@ def quantize_fp8_activations_triton(rows: torch.Tensor, end: torch.Tensor) -> tu
         raise ValueError(f"rows must be [M, K] with unit column stride and K a multiple of 128, got {list(rows.shape)}")
     values = torch.empty(count, columns, dtype=torch.float8_e4m3fn, device=rows.device)
     scales = torch.empty(count, columns // _FP8_BLOCK, dtype=torch.float32, device=rows.device)
-    block_m = 4
+    block_m = 16
     _act_quant_kernel[(triton.cdiv(count, block_m), columns // _FP8_BLOCK)](
         rows, values, scales, end, rows.stride(0), columns, columns // _FP8_BLOCK, BLOCK_M=block_m, GROUP=_FP8_BLOCK,
         ROUND_FIRST=interpreting(),
@@ -275,7 +276,8 @@ def fp8_grouped_mm_triton(
     out = torch.empty(rows.shape[0], columns, dtype=rows.dtype, device=rows.device)
     _fp8_grouped_kernel[_grid(rows.shape[0], groups, columns, config)](
         quantized, row_scales, values, scales, out, offsets, groups, columns, inner, out.stride(0),
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=_FP8_BLOCK, INTERPRET=interpreting(),
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=_FP8_BLOCK, GROUPS=triton.next_power_of_2(groups),
+        INTERPRET=interpreting(),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out
@@ -315,7 +317,8 @@ def mxfp4_grouped_mm_triton(
     out = torch.empty(rows.shape[0], columns, dtype=rows.dtype, device=rows.device)
     _mxfp4_grouped_kernel[_grid(rows.shape[0], groups, columns, config)](
         rows, values, scales, out, offsets, groups, columns, inner, rows.stride(0), out.stride(0),
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, INTERPRET=interpreting(),
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUPS=triton.next_power_of_2(groups),
+        INTERPRET=interpreting(),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out

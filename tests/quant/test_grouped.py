@@ -120,3 +120,16 @@ def test_fp8_activation_quantization_kernel_equals_torch():
     expected_values, expected_scales = quantize_fp8_activations(x[:10])
     assert torch.equal(scales[:10], expected_scales)
     assert torch.equal(values[:10].float(), expected_values.float())
+
+
+@needs_triton
+@pytest.mark.parametrize("format", ["fp8", "mxfp4"])
+def test_many_groups_with_empty_ones(format):
+    sizes = torch.randint(0, 40, (37,), generator=torch.Generator().manual_seed(11))
+    sizes[::5] = 0
+    in_features = 128
+    rows, packed, offsets = grouped_inputs(format, sizes.tolist(), 32, in_features, seed=12)
+    kernel = fp8_grouped_mm_triton if format == "fp8" else mxfp4_grouped_mm_triton
+    out = kernel(rows, packed.values, packed.scales, offsets, GemmConfig(16, 32, 128 if format == "fp8" else 64))
+    end = int(offsets[-1])
+    assert relative_error(out[:end], quantized_grouped_mm(rows, packed, offsets, backend="torch")[:end]) < 4e-3
