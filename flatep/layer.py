@@ -482,7 +482,7 @@ def ep_moe(
         topk_weights: ``[R, s, K]`` (or ``[s, K]``) route weights (used in fp32). NaN and infinite
             weights propagate as in the dense MoE: that token's output is not finite.
         w13: ``[E, 2I, H]`` all experts' gate/up weights (each rank uses its own slice plus what it
-            borrows); with ``w2 [E, H, I]``. Leave both out when passing ``pool``.
+            borrows), float or packed (:class:`flatep.quant.QuantizedTensor`); with ``w2 [E, H, I]``. Leave both out when passing ``pool``.
         group: from :func:`flatep.init_group`.
         config: group sizes (default: the pool's).
         pool: an :class:`ExpertPool` holding the layer's weights.
@@ -541,14 +541,14 @@ def ep_moe(
         if w13 is None or w2 is None:
             raise ValueError("pass either w13 and w2 or pool")
         check_expert_weights(w13, w2, config, b13, b2)
-        if w13.dtype != x.dtype:
+        if isinstance(w13, torch.Tensor) and w13.dtype != x.dtype:  # packed weights: a pool in x's dtype
             raise ValueError(f"w13/w2 dtype {w13.dtype} must match x dtype {x.dtype}")
     elif w13 is not None or w2 is not None or b13 is not None or b2 is not None:
         raise ValueError("pass either w13 and w2 (and biases) or pool, not both")
     elif any(getattr(pool.config, size) != getattr(config, size) for size in ("ranks", "experts", "hidden", "intermediate")):
         raise ValueError(f"pool was built for {pool.config}, not for {config}")
-    elif pool.w13.dtype != x.dtype:
-        raise ValueError(f"pool dtype {pool.w13.dtype} must match x dtype {x.dtype}")
+    elif pool.dtype != x.dtype:
+        raise ValueError(f"pool dtype {pool.dtype} must match x dtype {x.dtype}")
     if plan is None:
         # Per-process ranks agree on the step while planning, before the pool's collective allocation.
         plan = plan_step(topk_ids, config, group, policy, dtype=x.dtype, cost=cost)
@@ -557,7 +557,7 @@ def ep_moe(
         if _checks_now(group):
             group.check()  # a plan made for other ids raises before any kernel trusts it
     if pool is None:
-        pool = ExpertPool.from_weights(w13, w2, config, group, b13, b2)
+        pool = ExpertPool.from_weights(w13, w2, config, group, b13, b2, dtype=x.dtype)
     tokens = x.shape[-2]
     shard, shard_weights = dispatch_step(x, topk_weights, plan, group, backend, config=config)
     if plan.policy != "none":

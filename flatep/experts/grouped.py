@@ -25,6 +25,9 @@ import torch.nn.functional as F
 
 from flatep.kernels.activation import copy_rows_triton, swiglu_weighted_torch, swiglu_weighted_triton
 from flatep.kernels.backend import use_triton
+from flatep.kernels.quant_gemm import fp8_grouped_mm_triton, mxfp4_grouped_mm_triton
+from flatep.quant.fp8 import dequantize_fp8_activations, quantize_fp8_activations
+from flatep.quant.tensor import QuantizedTensor
 
 Activation = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 """``act(gate [rows, I], up [rows, I]) -> [rows, I]`` in their dtype (fp32, or the shard's under ``native``)."""
@@ -55,15 +58,21 @@ class ClampedSwiGLU:
         return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
 
 
-def _grouped_matmul(rows: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+def _grouped_matmul(
+    rows: torch.Tensor, weights: torch.Tensor | QuantizedTensor, offsets: torch.Tensor, backend: str = "auto"
+) -> torch.Tensor:
     """``out[i] = rows[i] @ weights[g(i)].T`` for the group ``g(i)`` holding row ``i``.
 
     Args:
         rows: ``[M, in]``.
-        weights: ``[G, out, in]`` (vLLM layout; passed transposed, no copy).
+        weights: ``[G, out, in]`` (vLLM layout; passed transposed, no copy), or packed weights of
+            that logical shape (:func:`quantized_grouped_mm`).
         offsets: ``[G]`` int32 inclusive end row of each group; rows past ``offsets[-1]`` are
             left unwritten.
+        backend: for packed weights, ``auto``, ``triton`` or ``torch``.
     """
+    if isinstance(weights, QuantizedTensor):
+        return quantized_grouped_mm(rows, weights, offsets, backend)
     if rows.is_cuda and rows.dtype != torch.bfloat16:
         # The CUDA grouped GEMM is bf16-only: fall back to one matmul per group (host sync; for checks).
         out = torch.empty(rows.shape[0], weights.shape[1], dtype=rows.dtype, device=rows.device)
@@ -73,6 +82,38 @@ def _grouped_matmul(rows: torch.Tensor, weights: torch.Tensor, offsets: torch.Te
             start = end
         return out
     return torch._grouped_mm(rows, weights.transpose(-2, -1), offs=offsets)
+
+
+def quantized_grouped_mm(
+    rows: torch.Tensor, weights: QuantizedTensor, offsets: torch.Tensor, backend: str = "auto"
+) -> torch.Tensor:
+    """``out[i] = rows[i] @ W[g(i)].T`` with packed ``W``: ``[M, out]`` in ``rows``' dtype.
+
+    - ``fp8``: the rows are quantized per token per 128-column group (as DeepSeek-V3 runs its
+      FP8 experts; :func:`flatep.quant.quantize_fp8_activations`), then block-scaled GEMM.
+    - ``mxfp4``: the rows as they are (bf16) times the dequantized weights (exact in bf16).
+
+    Triton (bf16 rows, ``backend`` allowing it) reads the packed weights and dequantizes in
+    registers, over rows before ``offsets[-1]`` only; the torch path dequantizes to fp32 and is the
+    exact reference of the same function (rows past ``offsets[-1]`` undefined on both).
+
+    Args:
+        rows: ``[M, K]`` bf16 (or fp32: torch path only).
+        weights: ``[G, N, K]`` fp8 or mxfp4.
+        offsets: ``[G]`` int32 inclusive end row of each group.
+    """
+    if rows.dim() != 2 or weights.shape[-1] != rows.shape[1] or len(weights.shape) != 3:
+        raise ValueError(f"rows [M, K] and weights [G, N, K] must agree on K, got {list(rows.shape)} and {list(weights.shape)}")
+    if offsets.dtype != torch.int32 or offsets.shape != (weights.shape[0],):
+        raise ValueError(f"offsets must be [{weights.shape[0]}] int32, got {list(offsets.shape)} {offsets.dtype}")
+    if use_triton(rows.device, backend) and rows.dtype == torch.bfloat16:
+        kernel = fp8_grouped_mm_triton if weights.format == "fp8" else mxfp4_grouped_mm_triton
+        return kernel(rows, weights.values, weights.scales, offsets)
+    if weights.format == "fp8":
+        activations = dequantize_fp8_activations(*quantize_fp8_activations(rows))
+    else:
+        activations = rows.float()
+    return _grouped_matmul(activations, weights.dequantize(torch.float32), offsets).to(rows.dtype)
 
 
 def row_groups(offsets: torch.Tensor, rows: int) -> torch.Tensor:
@@ -113,8 +154,9 @@ def grouped_swiglu(
         route_weights: ``[rows]`` fp32 route weight of each row (padding rows zero; rows past the
             last group may hold stale values and are ignored).
         w13: ``[G, 2I, H]`` gate rows then up rows of each group's expert (the layer passes ``G =
-            epn``: a rank's home experts, or its slots).
-        w2: ``[G, H, I]``.
+            epn``: a rank's home experts, or its slots); a float tensor, or packed fp8 / mxfp4
+            weights (:class:`flatep.quant.QuantizedTensor`, see :func:`quantized_grouped_mm`).
+        w2: ``[G, H, I]``, like ``w13``.
         offsets: ``[G]`` int32 inclusive padded end row of each group.
         b13: optional ``[G, 2I]`` gate then up bias of each group's expert.
         b2: optional ``[G, H]`` down-projection bias.
@@ -136,7 +178,7 @@ def grouped_swiglu(
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     out_dtype = out.dtype if out is not None else out_dtype or shard.dtype
     intermediate = w2.shape[-1]
-    hidden_states = _grouped_matmul(shard, w13, offsets)
+    hidden_states = _grouped_matmul(shard, w13, offsets, backend)
     biased = b13 is not None or b2 is not None
     bounded = use_triton(shard.device, backend)
     if precision == "fp32" and not biased and activation is swiglu and bounded:
@@ -144,9 +186,9 @@ def grouped_swiglu(
         # real rows at small batch); those rows of the result stay undefined, as the GEMMs leave them.
         activated = torch.empty(shard.shape[0], intermediate, dtype=shard.dtype, device=shard.device)
         swiglu_weighted_triton(hidden_states, route_weights, offsets[-1:], activated)
-        result = _grouped_matmul(activated, w2, offsets)  # converted (real rows only) on delivery
+        result = _grouped_matmul(activated, w2, offsets, backend)  # converted (real rows only) on delivery
     else:
-        result = _torch_experts(hidden_states, route_weights, w2, offsets, b13, b2, activation, precision, out_dtype)
+        result = _torch_experts(hidden_states, route_weights, w2, offsets, b13, b2, activation, precision, out_dtype, backend)
     if out is None and result.dtype == out_dtype:
         return result
     if out is None:
@@ -168,6 +210,7 @@ def _torch_experts(
     activation: Activation,
     precision: str,
     out_dtype: torch.dtype,
+    backend: str = "auto",
 ) -> torch.Tensor:
     """:func:`grouped_swiglu` after the gate/up GEMM, in plain torch over every row: ``[rows, H]`` in ``out_dtype``."""
     intermediate = w2.shape[-1]
@@ -177,7 +220,8 @@ def _torch_experts(
     if precision == "native":
         if b13 is not None:
             hidden_states = hidden_states + b13[groups]
-        out = _grouped_matmul(activation(hidden_states[:, :intermediate], hidden_states[:, intermediate:]), w2, offsets)
+        out = _grouped_matmul(activation(hidden_states[:, :intermediate], hidden_states[:, intermediate:]), w2, offsets,
+                              backend)
         if b2 is not None:
             out = out + b2[groups]
         # A bf16 route weight times a bf16 row is exact in fp32: one rounding, as a bf16 product has.
@@ -186,7 +230,7 @@ def _torch_experts(
     if b13 is not None:
         hidden_states = hidden_states + b13[groups].float()
     activated = swiglu_weighted_torch(hidden_states, route_weights, dtype, activation)
-    out = _grouped_matmul(activated, w2, offsets)
+    out = _grouped_matmul(activated, w2, offsets, backend)
     if b2 is None:
         return out.to(out_dtype)
     return (out.float() + weights * b2[groups].float()).to(out_dtype)

@@ -9,13 +9,23 @@ group's buffer cache), because a rank computes one layer at a time. Memory per r
 Home experts and slots are separate tensors, so a rank's experts run as two grouped GEMMs
 (``torch._grouped_mm`` with ``offs``), one per tensor, over the two parts of the split shard
 layout (:mod:`flatep.plan.split`).
+
+Weight formats (:mod:`flatep.quant`): a ``bf16`` pool holds plain weights in its dtype; an ``fp8``
+or ``mxfp4`` pool holds each projection packed (``w13``, ``w2``) with its scales beside it
+(``w13_scale``, ``w2_scale``), each a symmetric buffer with its own slots, so a push moves the
+packed bytes and the scales together. Biases stay in the pool's dtype.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 
 from flatep.config import EPConfig
+from flatep.quant.tensor import QuantizedTensor, check_pool_dims, packed_layout
 from flatep.transport.base import Group
+
+Weights = torch.Tensor | QuantizedTensor
 
 
 class ExpertPool:
@@ -27,29 +37,52 @@ class ExpertPool:
         w2: home experts of the down projection, ``[n, epn, H, I]`` (or ``[epn, H, I]``).
         b13, b2: with ``biases=True``, the gate/up bias ``[n, epn, 2I]`` and the down bias
             ``[n, epn, H]`` of the home experts (pushed with the weights); otherwise None.
-        names: the pool tensors that exist (``w13``, ``w2``, then ``b13``, ``b2`` with biases).
+        w13_scale, w2_scale: the scales of ``w13`` and ``w2`` in the ``fp8`` and ``mxfp4`` formats
+            (:func:`flatep.quant.packed_layout`), otherwise None.
+        names: the pool tensors that exist (``w13``, ``w2``, then ``w13_scale``, ``w2_scale`` when
+            quantized, then ``b13``, ``b2`` with biases).
+        dtype: the activations' dtype (and the plain weights' and biases').
+        weights: the weight format, ``bf16``, ``fp8`` or ``mxfp4``.
     """
 
-    def __init__(self, config: EPConfig, group: Group, dtype: torch.dtype, biases: bool = False) -> None:
-        self.config = config
-        self.group = group
-        self.names: tuple[str, ...] = ("w13", "w2", "b13", "b2") if biases else ("w13", "w2")
-        self.w13 = group.symmetric_empty(self.expert_shape("w13"), dtype)
-        self.w2 = group.symmetric_empty(self.expert_shape("w2"), dtype)
-        self.b13 = group.symmetric_empty(self.expert_shape("b13"), dtype) if biases else None
-        self.b2 = group.symmetric_empty(self.expert_shape("b2"), dtype) if biases else None
+    def __init__(
+        self, config: EPConfig, group: Group, dtype: torch.dtype, biases: bool = False, weights: str = "bf16"
+    ) -> None:
+        check_pool_dims(weights, config.hidden, config.intermediate)
+        if dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError(f"dtype (of activations and biases) must be torch.bfloat16 or torch.float32, got {dtype}")
+        self.config, self.group, self.dtype, self.weights = config, group, dtype, weights
+        scales = ("w13_scale", "w2_scale") if weights != "bf16" else ()
+        self.names: tuple[str, ...] = ("w13", "w2", *scales, *(("b13", "b2") if biases else ()))
+        for name in ("w13", "w2", "w13_scale", "w2_scale", "b13", "b2"):
+            setattr(self, name, group.symmetric_empty(*self._layout(name)) if name in self.names else None)
         for name in self.names:  # allocated with the pool, where every rank of the group takes part
             self.slots(name)
 
-    def expert_shape(self, name: str) -> tuple[int, ...]:
-        """``(epn, *one expert's shape)`` of the projection ``name`` per rank."""
+    def _layout(self, name: str) -> tuple[tuple[int, ...], torch.dtype]:
+        """``((epn, *one expert's shape), dtype)`` of pool tensor ``name`` per rank."""
         epn, hidden, intermediate = self.config.experts_per_rank, self.config.hidden, self.config.intermediate
-        return {
-            "w13": (epn, 2 * intermediate, hidden),
-            "w2": (epn, hidden, intermediate),
-            "b13": (epn, 2 * intermediate),
-            "b2": (epn, hidden),
-        }[name]
+        matrix = {"w13": (2 * intermediate, hidden), "w2": (hidden, intermediate)}
+        if name in ("b13", "b2"):
+            return (epn, 2 * intermediate if name == "b13" else hidden), self.dtype
+        projection = name.removesuffix("_scale")
+        if self.weights == "bf16":
+            return (epn, *matrix[projection]), self.dtype
+        shape, dtype = packed_layout(self.weights, *matrix[projection])[1 if name.endswith("_scale") else 0]
+        return (epn, *shape), dtype
+
+    def expert_shape(self, name: str) -> tuple[int, ...]:
+        """``(epn, *one expert's shape)`` of the pool tensor ``name`` per rank (packed shapes when quantized)."""
+        return self._layout(name)[0]
+
+    def expert_nbytes(self) -> int:
+        """Bytes of one expert over every pool tensor (packed values, scales, biases): what one push of
+        one borrowed expert moves."""
+        total = 0
+        for name in self.names:
+            shape, dtype = self._layout(name)
+            total += math.prod(shape[1:]) * dtype.itemsize
+        return total
 
     def slots(self, name: str) -> torch.Tensor:
         """The process's borrow slots of projection ``name``, shaped like its home pool.
@@ -58,28 +91,40 @@ class ExpertPool:
         every layer of this shape shares it. Its contents are valid only between a step's push
         and the end of that step's experts.
         """
-        home = getattr(self, name)
+        home = self.home(name)
         return self.group.buffer(f"slots.{name}", self.expert_shape(name), home.dtype)
 
     @classmethod
     def from_weights(
         cls,
-        w13: torch.Tensor,
-        w2: torch.Tensor,
+        w13: Weights,
+        w2: Weights,
         config: EPConfig,
         group: Group,
         b13: torch.Tensor | None = None,
         b2: torch.Tensor | None = None,
+        *,
+        weights: str | None = None,
+        dtype: torch.dtype | None = None,
     ) -> "ExpertPool":
         """Build a pool from all ``E`` experts' weights, keeping each rank's own slice.
 
         Args:
-            w13: ``[E, 2I, H]`` gate rows then up rows (vLLM layout).
-            w2: ``[E, H, I]``.
+            w13: ``[E, 2I, H]`` gate rows then up rows (vLLM layout): a float tensor, or a
+                :class:`flatep.quant.QuantizedTensor` (e.g. from a checkpoint loader).
+            w2: ``[E, H, I]``, like ``w13``.
             b13, b2: optional biases ``[E, 2I]`` and ``[E, H]`` (both or neither).
+            weights: the pool's format (default: the format of quantized ``w13``, else ``bf16``);
+                float weights are quantized into it.
+            dtype: the activations' dtype (default: float weights' dtype, else bfloat16).
         """
-        check_expert_weights(w13, w2, config, b13, b2)
-        pool = cls(config, group, w13.dtype, biases=b13 is not None)
+        given = w13.format if isinstance(w13, QuantizedTensor) else "bf16"
+        weights = weights or given
+        if given != "bf16" and weights != given:
+            raise ValueError(f"weights={weights!r} does not match the {given} tensors passed; dequantize them first")
+        dtype = dtype or (w13.dtype if isinstance(w13, torch.Tensor) else torch.bfloat16)
+        check_expert_weights(w13, w2, config, b13, b2, dtype)
+        pool = cls(config, group, dtype, biases=b13 is not None, weights=weights)
         pool.load(w13, w2, b13, b2)
         return pool
 
@@ -90,10 +135,11 @@ class ExpertPool:
         return getattr(self, name)
 
     def load(
-        self, w13: torch.Tensor, w2: torch.Tensor, b13: torch.Tensor | None = None, b2: torch.Tensor | None = None
+        self, w13: Weights, w2: Weights, b13: torch.Tensor | None = None, b2: torch.Tensor | None = None
     ) -> None:
         """Copy the slices of ``w13 [E, 2I, H]``, ``w2 [E, H, I]`` (and of the biases ``b13 [E, 2I]``,
-        ``b2 [E, H]`` when the pool has them) homed on this process's ranks."""
+        ``b2 [E, H]`` when the pool has them) homed on this process's ranks. Float weights are
+        quantized into a quantized pool's format; quantized weights must be in the pool's format."""
         if (b13 is not None) != (self.b13 is not None) or (b2 is not None) != (self.b2 is not None):
             raise ValueError(f"this pool holds {self.names}: pass b13 and b2 exactly when it has bias pools")
         epn = self.config.experts_per_rank
@@ -102,16 +148,33 @@ class ExpertPool:
         self.load_home(*(None if weights is None else weights[first : first + count] for weights in (w13, w2, b13, b2)))
 
     def load_home(
-        self, w13: torch.Tensor, w2: torch.Tensor, b13: torch.Tensor | None = None, b2: torch.Tensor | None = None
+        self, w13: Weights, w2: Weights, b13: torch.Tensor | None = None, b2: torch.Tensor | None = None
     ) -> None:
         """Copy the experts homed on this process's ranks only: ``w13 [n*epn, 2I, H]``, ``w2 [n*epn, H, I]``
-        (``n`` = ranks this process drives; rank ``r``'s experts are ``[r*epn, (r+1)*epn)``), and biases alike."""
-        for name, weights in zip(self.names, (w13, w2, b13, b2)):
+        (``n`` = ranks this process drives; rank ``r``'s experts are ``[r*epn, (r+1)*epn)``), and biases alike.
+
+        Float weights are quantized into the pool's format; quantized ones must be in it."""
+        tensors = {"w13": w13, "w2": w2, "b13": b13, "b2": b2}
+        for name in ("w13", "w2"):
+            weights = tensors[name]
+            if self.weights == "bf16":
+                if isinstance(weights, QuantizedTensor):
+                    raise ValueError(f"{name}: a bf16 pool takes float weights, got {weights.format} (dequantize them)")
+                continue
+            if not isinstance(weights, QuantizedTensor):
+                weights = QuantizedTensor.quantize(weights, self.weights)
+            if weights.format != self.weights:
+                raise ValueError(f"{name} is {weights.format}, but this pool holds {self.weights}")
+            tensors[name], tensors[f"{name}_scale"] = weights.values, weights.scales
+        for name in self.names:
+            weights = tensors[name]
             home = self.home(name)
             if weights is None or weights.numel() != home.numel():
                 raise ValueError(f"{name} must hold the {home.shape[-3] * (home.shape[0] if self.group.stacked else 1)} "
                                  f"experts homed on this process, shape {[*home.shape]}, got "
                                  f"{None if weights is None else list(weights.shape)}")
+            if weights.dtype != home.dtype and home.dtype in (torch.float8_e4m3fn, torch.uint8):
+                raise ValueError(f"{name} must be {home.dtype}, got {weights.dtype}")
             home.copy_(weights.to(home.device).reshape(home.shape))
 
     def push(self, slot_experts: torch.Tensor, backend: str = "auto") -> None:
@@ -125,39 +188,58 @@ class ExpertPool:
             backend: ``auto``, ``triton`` or ``torch`` (see :func:`flatep.kernels.backend.use_triton`).
         """
         for name in self.names:
-            self.group.push_experts(self.home(name), self.slots(name), slot_experts, backend)
+            home, slots = self.home(name), self.slots(name)
+            if home.dtype == torch.float8_e4m3fn:  # moved as bytes: no kernel or collective needs to know fp8
+                home, slots = home.view(torch.uint8), slots.view(torch.uint8)
+            self.group.push_experts(home, slots, slot_experts, backend)
 
-    def compute_view(self, local_index: int, part: str = "home") -> tuple[torch.Tensor, ...]:
+    def compute_view(self, local_index: int, part: str = "home") -> tuple[Weights | None, ...]:
         """``(w13 [epn, 2I, H], w2 [epn, H, I], b13 [epn, 2I] | None, b2 [epn, H] | None)`` of one
-        rank this process drives: its home experts (``part="home"``) or its slots (``"slots"``)."""
+        rank this process drives: its home experts (``part="home"``) or its slots (``"slots"``).
+        In a quantized pool ``w13`` and ``w2`` are :class:`flatep.quant.QuantizedTensor` views."""
         if part not in ("home", "slots"):
             raise ValueError(f"part must be 'home' or 'slots', got {part!r}")
-        views = []
-        for name in ("w13", "w2", "b13", "b2"):
+        views: dict[str, torch.Tensor | None] = {}
+        for name in ("w13", "w2", "w13_scale", "w2_scale", "b13", "b2"):
             if name not in self.names:
-                views.append(None)
+                views[name] = None
                 continue
             tensor = self.home(name) if part == "home" else self.slots(name)
-            views.append(tensor[local_index] if self.group.stacked else tensor)
-        return tuple(views)
+            views[name] = tensor[local_index] if self.group.stacked else tensor
+        w13, w2 = views["w13"], views["w2"]
+        if self.weights != "bf16":
+            w13 = QuantizedTensor(self.weights, w13, views["w13_scale"])
+            w2 = QuantizedTensor(self.weights, w2, views["w2_scale"])
+        return w13, w2, views["b13"], views["b2"]
 
 
 def check_expert_weights(
-    w13: torch.Tensor,
-    w2: torch.Tensor,
+    w13: Weights,
+    w2: Weights,
     config: EPConfig,
     b13: torch.Tensor | None = None,
     b2: torch.Tensor | None = None,
+    dtype: torch.dtype | None = None,
 ) -> None:
     """Raise ``ValueError`` unless ``w13 [E, 2I, H]``, ``w2 [E, H, I]`` (and the optional biases
-    ``b13 [E, 2I]``, ``b2 [E, H]``, both or neither, in the weights' dtype) match ``config``."""
+    ``b13 [E, 2I]``, ``b2 [E, H]``, both or neither, in ``dtype``: default the weights' dtype) match
+    ``config``. The weights are float tensors, or :class:`flatep.quant.QuantizedTensor` of one format."""
     experts, hidden, intermediate = config.experts, config.hidden, config.intermediate
     if tuple(w13.shape) != (experts, 2 * intermediate, hidden):
         raise ValueError(f"w13 must have shape [E, 2I, H] = {[experts, 2 * intermediate, hidden]}, got {list(w13.shape)}")
     if tuple(w2.shape) != (experts, hidden, intermediate):
         raise ValueError(f"w2 must have shape [E, H, I] = {[experts, hidden, intermediate]}, got {list(w2.shape)}")
-    if w13.dtype != w2.dtype or w13.dtype not in (torch.bfloat16, torch.float32):
-        raise ValueError(f"w13 and w2 must both be bfloat16 or float32, got {w13.dtype} and {w2.dtype}")
+    quantized = [isinstance(weights, QuantizedTensor) for weights in (w13, w2)]
+    if any(quantized):
+        if not all(quantized) or w13.format != w2.format:
+            kinds = [weights.format if isinstance(weights, QuantizedTensor) else str(weights.dtype) for weights in (w13, w2)]
+            raise ValueError(f"w13 and w2 must be in one weight format, got {kinds[0]} and {kinds[1]}")
+        check_pool_dims(w13.format, hidden, intermediate)
+        dtype = dtype or torch.bfloat16
+    else:
+        if w13.dtype != w2.dtype or w13.dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError(f"w13 and w2 must both be bfloat16 or float32, got {w13.dtype} and {w2.dtype}")
+        dtype = dtype or w13.dtype
     if (b13 is None) != (b2 is None):
         raise ValueError("pass both expert biases b13 and b2, or neither")
     if b13 is not None and b2 is not None:
@@ -165,5 +247,5 @@ def check_expert_weights(
             raise ValueError(f"b13 must have shape [E, 2I] = {[experts, 2 * intermediate]}, got {list(b13.shape)}")
         if tuple(b2.shape) != (experts, hidden):
             raise ValueError(f"b2 must have shape [E, H] = {[experts, hidden]}, got {list(b2.shape)}")
-        if b13.dtype != w13.dtype or b2.dtype != w13.dtype:
-            raise ValueError(f"b13 and b2 must have the weights' dtype {w13.dtype}, got {b13.dtype} and {b2.dtype}")
+        if b13.dtype != dtype or b2.dtype != dtype:
+            raise ValueError(f"b13 and b2 must have the weights' dtype {dtype}, got {b13.dtype} and {b2.dtype}")

@@ -1,19 +1,30 @@
-"""Triton kernels (dispatch, combine, weight push, the experts' row-bounded steps) and their plain-torch counterparts."""
-from flatep.kernels.activation import copy_rows_triton, swiglu_weighted_torch, swiglu_weighted_triton
+"""Triton kernels (dispatch, combine, weight push, the experts' row-bounded steps, packed grouped GEMMs) and their plain-torch counterparts."""
+from flatep.kernels.activation import copy_rows_triton, finite_weights, swiglu_weighted_torch, swiglu_weighted_triton
 from flatep.kernels.backend import BACKENDS, use_triton
 from flatep.kernels.combine import combine_torch, combine_triton
 from flatep.kernels.dispatch import dispatch_torch, dispatch_triton
 from flatep.kernels.push import push_torch, push_triton
+from flatep.kernels.quant_gemm import (
+    GemmConfig,
+    fp8_grouped_mm_triton,
+    mxfp4_grouped_mm_triton,
+    quantize_fp8_activations_triton,
+)
 
 __all__ = [
     "BACKENDS",
+    "GemmConfig",
     "combine_torch",
     "combine_triton",
     "copy_rows_triton",
     "dispatch_torch",
     "dispatch_triton",
+    "finite_weights",
+    "fp8_grouped_mm_triton",
+    "mxfp4_grouped_mm_triton",
     "push_torch",
     "push_triton",
+    "quantize_fp8_activations_triton",
     "swiglu_weighted_torch",
     "swiglu_weighted_triton",
     "use_triton",

@@ -1,0 +1,324 @@
+"""Grouped GEMMs over packed weights: fp8 e4m3 with 128x128 block scales, and mxfp4.
+
+Same contract as ``torch._grouped_mm(rows, weights.T, offs=offsets)``: ``offsets [G]`` int32 holds
+the inclusive end row of each group, group ``g`` owns rows ``[offsets[g-1], offsets[g])``, and
+rows at and past ``offsets[-1]`` are neither read nor written. Nothing is read on the host, so a
+call can be captured in a CUDA graph: the grid is sized from the shapes only (``cdiv(M, BLOCK_M) +
+G`` row tiles, an upper bound on the tiles of any grouping), and every program finds its group
+from a running sum of the groups' tiles and returns at once if it has none.
+
+- fp8 (:func:`fp8_grouped_mm_triton`): the rows are first quantized per token per 128 columns
+  (``scale = max(amax, 1e-10) / 448``, e4m3 rounded to nearest and saturated), as DeepSeek-V3 runs
+  its FP8 experts; the GEMM then multiplies e4m3 tiles (fp32 accumulation on the tensor cores) and
+  applies the row's activation scale and the column's weight block scale per 128-wide K step.
+- mxfp4 (:func:`mxfp4_grouped_mm_triton`): reads the packed bytes and their e8m0 scales,
+  decodes them in registers into bf16 (exact: e2m1 times a power of two), and multiplies with
+  bf16 tensor-core dots. The low and high nibbles of a byte are columns ``2j`` and ``2j+1``: the
+  kernel dots them with the even and the odd activation columns separately, so nothing is
+  interleaved in registers. An e8m0 byte 0 (``2**-127``) decodes to 0 (its values are below
+  ``6 * 2**-127`` anyway).
+
+Under ``TRITON_INTERPRET=1`` the operands are upcast to fp32 before the dots and results are rounded
+to the bf16 / e4m3 grids before the casts (the interpreter's low-precision arithmetic and casts are
+not the hardware's: it truncates); the products are exact either way. The outputs are bf16.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from flatep.kernels.backend import interpreting
+
+_FP8_BLOCK = 128
+_E4M3_MAX = tl.constexpr(448.0)
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """Tile sizes of a grouped GEMM launch (tuning; correctness does not depend on them).
+
+    ``block_m``, ``block_n``: output rows and columns per program (powers of two, at least 16);
+    ``block_k``: input columns per step (fp8: 128, one scale block; mxfp4: a multiple of 32).
+    """
+
+    block_m: int
+    block_n: int
+    block_k: int = 128
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def default_config(rows: int, groups: int) -> GemmConfig:
+    """Tiles for ``rows`` shard rows over ``groups`` groups: row tiles no taller than a group's
+    average (decode shards hold a few rows per expert), wider programs when rows are many."""
+    per_group = max(1, rows // max(groups, 1))
+    block_m = 16 if per_group <= 16 else 32 if per_group <= 32 else 64 if per_group <= 64 else 128
+    return GemmConfig(block_m=block_m, block_n=128, num_warps=4 if block_m <= 32 else 8)
+
+
+@triton.jit
+def _group_tile(offsets_ptr, groups, BLOCK_M: tl.constexpr, GROUPS: tl.constexpr):
+    """``(group, first_row, end_row)`` of this program's row tile; group ``>= groups`` if it has none.
+
+    Vectorised over the groups (``GROUPS`` = ``groups`` rounded up to a power of two): the row tiles
+    of every group, their running sum, and the first group whose running sum passes this tile.
+    """
+    tile = tl.program_id(0)
+    g = tl.arange(0, GROUPS)
+    real = g < groups
+    ends = tl.load(offsets_ptr + g, mask=real, other=0)
+    starts = tl.load(offsets_ptr + g - 1, mask=real & (g > 0), other=0)
+    tiles = tl.where(real, (tl.maximum(ends - starts, 0) + BLOCK_M - 1) // BLOCK_M, 0)
+    passed = tl.cumsum(tiles, axis=0)
+    group = tl.sum((passed <= tile).to(tl.int32), axis=0)
+    mine = g == group
+    base = tl.sum(tl.where(mine, passed - tiles, 0), axis=0)
+    first = tl.sum(tl.where(mine, starts, 0), axis=0) + (tile - base) * BLOCK_M
+    last = tl.sum(tl.where(mine, ends, 0), axis=0)
+    return group, first, last
+
+
+@triton.jit
+def _round_to_e4m3(x):
+    """``x`` (fp32 in [-448, 448]) rounded to nearest even on the e4m3 grid, in fp32: 3 mantissa
+    bits for normal values (a carry may bump the exponent), steps of 2**-9 below 2**-6."""
+    bits = x.to(tl.int32, bitcast=True)
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000).to(tl.float32, bitcast=True)
+    subnormal = (x + 24576.0) - 24576.0  # 1.5 * 2**14 has a unit in the last place of 2**-9
+    return tl.where(tl.abs(x) < 0.015625, subnormal, normal)
+
+
+@triton.jit
+def _round_to_bf16(x):
+    """fp32 ``x`` rounded to nearest even bf16, still in fp32 (the interpreter's cast truncates)."""
+    bits = x.to(tl.int32, bitcast=True)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) & -0x10000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _act_quant_kernel(
+    x_ptr, q_ptr, s_ptr, end_ptr, stride_x, K, GROUPS_K,
+    BLOCK_M: tl.constexpr, GROUP: tl.constexpr, ROUND_FIRST: tl.constexpr,
+):
+    end = tl.load(end_ptr)
+    first = tl.program_id(0) * BLOCK_M
+    if first >= end:
+        return
+    row = (first + tl.arange(0, BLOCK_M)).to(tl.int64)
+    row_mask = row < end
+    column = tl.program_id(1) * GROUP + tl.arange(0, GROUP)
+    x = tl.load(x_ptr + row[:, None] * stride_x + column[None, :], mask=row_mask[:, None], other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-10) / _E4M3_MAX
+    q = tl.minimum(tl.maximum(x / scale[:, None], -_E4M3_MAX), _E4M3_MAX)
+    if ROUND_FIRST:  # the interpreter's fp32 -> e4m3 cast drops carries (127.2 -> 64): round first
+        q = _round_to_e4m3(q)
+    tl.store(q_ptr + row[:, None] * K + column[None, :], q.to(q_ptr.dtype.element_ty), mask=row_mask[:, None])
+    tl.store(s_ptr + row * GROUPS_K + tl.program_id(1), scale, mask=row_mask)
+
+
+@triton.jit
+def _fp8_grouped_kernel(
+    a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, offsets_ptr, groups, N, K, stride_om,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUPS: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    group, first, last = _group_tile(offsets_ptr, groups, BLOCK_M, GROUPS)
+    if group >= groups:
+        return
+    k_blocks = K // BLOCK_K
+    n_blocks = tl.cdiv(N, BLOCK_K)
+    row = first + tl.arange(0, BLOCK_M)
+    row_mask = row < last
+    column = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    column_mask = column < N
+    inner = tl.arange(0, BLOCK_K)
+    expert = group.to(tl.int64)
+    # A group's weights exceed 2**31 bytes at real sizes: offsets in int64.
+    a_tile = a_ptr + row.to(tl.int64)[:, None] * K + inner[None, :]
+    w_tile = w_ptr + expert * N * K + column.to(tl.int64)[:, None] * K + inner[None, :]
+    a_scales = a_scale_ptr + row.to(tl.int64) * k_blocks
+    w_scales = w_scale_ptr + expert * n_blocks * k_blocks + (column // BLOCK_K) * k_blocks
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for step in range(0, k_blocks):
+        a = tl.load(a_tile + step * BLOCK_K, mask=row_mask[:, None], other=0.0)
+        w = tl.load(w_tile + step * BLOCK_K, mask=column_mask[:, None], other=0.0)
+        if INTERPRET:
+            a = a.to(tl.float32)
+            w = w.to(tl.float32)
+        a_scale = tl.load(a_scales + step, mask=row_mask, other=0.0)
+        w_scale = tl.load(w_scales + step, mask=column_mask, other=0.0)
+        acc += tl.dot(a, tl.trans(w)) * a_scale[:, None] * w_scale[None, :]
+    if INTERPRET:
+        acc = _round_to_bf16(acc)
+    out = out_ptr + row.to(tl.int64)[:, None] * stride_om + column[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & column_mask[None, :])
+
+
+@triton.jit
+def _e2m1_to_fp32(nibble):
+    """fp32 value of int32 e2m1 nibbles, built from bits: codes 2..7 are ``2**(e-1) * (1 + m/2)``,
+    whose fp32 pattern is ``(126 << 23) + (code << 22)``; code 1 is 0.5 (``126 << 23``), code 0 is 0."""
+    code = nibble & 7
+    magnitude = tl.where(code < 2, code * (126 << 23), (code << 22) + (126 << 23))
+    return (magnitude | ((nibble >> 3) << 31)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _mxfp4_grouped_kernel(
+    a_ptr, w_ptr, s_ptr, out_ptr, offsets_ptr, groups, N, K, stride_am, stride_om,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUPS: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    group, first, last = _group_tile(offsets_ptr, groups, BLOCK_M, GROUPS)
+    if group >= groups:
+        return
+    HALF: tl.constexpr = BLOCK_K // 2
+    packed_k = K // 2
+    scales_k = K // 32
+    row = first + tl.arange(0, BLOCK_M)
+    row_mask = row < last
+    column = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    column_mask = column < N
+    byte = tl.arange(0, HALF)
+    expert = group.to(tl.int64)
+    w_tile = w_ptr + expert * N * packed_k + column.to(tl.int64)[:, None] * packed_k + byte[None, :]
+    s_tile = s_ptr + expert * N * scales_k + column.to(tl.int64)[:, None] * scales_k + (byte // 16)[None, :]
+    a_even = a_ptr + row.to(tl.int64)[:, None] * stride_am + 2 * byte[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        inside = (k // 2 + byte) < packed_k
+        w_mask = column_mask[:, None] & inside[None, :]
+        packed = tl.load(w_tile + k // 2, mask=w_mask, other=0).to(tl.int32)
+        # 2**(byte - 127) is the fp32 with exponent field = byte (byte 0 gives 0, see the module docstring).
+        scale = (tl.load(s_tile + k // 32, mask=w_mask, other=0).to(tl.int32) << 23).to(tl.float32, bitcast=True)
+        low = (_e2m1_to_fp32(packed & 15) * scale).to(tl.bfloat16)
+        high = (_e2m1_to_fp32(packed >> 4) * scale).to(tl.bfloat16)
+        a_mask = row_mask[:, None] & inside[None, :]
+        even = tl.load(a_even + k, mask=a_mask, other=0.0)
+        odd = tl.load(a_even + k + 1, mask=a_mask, other=0.0)
+        if INTERPRET:
+            low, high, even, odd = low.to(tl.float32), high.to(tl.float32), even.to(tl.float32), odd.to(tl.float32)
+        acc += tl.dot(even, tl.trans(low))
+        acc += tl.dot(odd, tl.trans(high))
+    if INTERPRET:
+        acc = _round_to_bf16(acc)
+    out = out_ptr + row.to(tl.int64)[:, None] * stride_om + column[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & column_mask[None, :])
+
+
+def _check_common(rows: torch.Tensor, values: torch.Tensor, offsets: torch.Tensor) -> None:
+    if rows.dim() != 2 or rows.dtype != torch.bfloat16 or rows.stride(1) != 1:
+        raise ValueError(f"rows must be [M, K] bfloat16 with unit column stride, got {rows.dtype} {list(rows.shape)}")
+    if values.dim() != 3 or not values.is_contiguous():
+        raise ValueError(f"weight values must be a contiguous [G, N, ...] tensor, got {list(values.shape)}")
+    if offsets.dtype != torch.int32 or offsets.shape != (values.shape[0],) or not offsets.is_contiguous():
+        raise ValueError(f"offsets must be a contiguous [{values.shape[0]}] int32 tensor, got {offsets.dtype} "
+                         f"{list(offsets.shape)}")
+
+
+def _grid(rows: int, groups: int, columns: int, config: GemmConfig) -> tuple[int, int]:
+    return triton.cdiv(rows, config.block_m) + groups, triton.cdiv(columns, config.block_n)
+
+
+def quantize_fp8_activations_triton(rows: torch.Tensor, end: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token, per-128-column fp8 quantization of ``rows [M, K]`` (bf16, ``K`` a multiple of 128)
+    over rows before ``end[0]`` (``[1]`` int32 on the device); later rows of the results undefined.
+
+    Returns:
+        ``(values [M, K] float8_e4m3fn, scales [M, K/128] float32)``, as
+        :func:`flatep.quant.quantize_fp8_activations` computes them.
+    """
+    count, columns = rows.shape
+    if columns % _FP8_BLOCK or rows.stride(1) != 1:
+        raise ValueError(f"rows must be [M, K] with unit column stride and K a multiple of 128, got {list(rows.shape)}")
+    values = torch.empty(count, columns, dtype=torch.float8_e4m3fn, device=rows.device)
+    scales = torch.empty(count, columns // _FP8_BLOCK, dtype=torch.float32, device=rows.device)
+    block_m = 16
+    _act_quant_kernel[(triton.cdiv(count, block_m), columns // _FP8_BLOCK)](
+        rows, values, scales, end, rows.stride(0), columns, columns // _FP8_BLOCK, BLOCK_M=block_m, GROUP=_FP8_BLOCK,
+        ROUND_FIRST=interpreting(),
+    )
+    return values, scales
+
+
+def fp8_grouped_mm_triton(
+    rows: torch.Tensor,
+    values: torch.Tensor,
+    scales: torch.Tensor,
+    offsets: torch.Tensor,
+    config: GemmConfig | None = None,
+) -> torch.Tensor:
+    """``out[i] = q(rows[i]) @ W[g(i)].T`` with fp8 block-scaled ``W`` and per-token-group quantized rows.
+
+    Args:
+        rows: ``[M, K]`` bf16 (unit column stride), ``K`` a multiple of 128.
+        values: ``[G, N, K]`` float8_e4m3fn, contiguous.
+        scales: ``[G, ceil(N/128), K/128]`` float32, contiguous.
+        offsets: ``[G]`` int32 inclusive end row of each group.
+        config: tiles (default :func:`default_config`); ``block_k`` must be 128.
+
+    Returns:
+        ``[M, N]`` bf16; rows at and past ``offsets[-1]`` undefined.
+    """
+    _check_common(rows, values, offsets)
+    groups, columns, inner = values.shape
+    if values.dtype != torch.float8_e4m3fn or inner != rows.shape[1] or inner % _FP8_BLOCK:
+        raise ValueError(f"values must be [G, N, K={rows.shape[1]}] float8_e4m3fn with K a multiple of 128, got "
+                         f"{values.dtype} {list(values.shape)}")
+    expected = (groups, triton.cdiv(columns, _FP8_BLOCK), inner // _FP8_BLOCK)
+    if scales.dtype != torch.float32 or tuple(scales.shape) != expected or not scales.is_contiguous():
+        raise ValueError(f"scales must be a contiguous {list(expected)} float32 tensor, got {scales.dtype} {list(scales.shape)}")
+    config = config or default_config(rows.shape[0], groups)
+    if config.block_k != _FP8_BLOCK:
+        raise ValueError(f"fp8 block_k must be {_FP8_BLOCK} (one scale block), got {config.block_k}")
+    quantized, row_scales = quantize_fp8_activations_triton(rows, offsets[-1:])
+    out = torch.empty(rows.shape[0], columns, dtype=rows.dtype, device=rows.device)
+    _fp8_grouped_kernel[_grid(rows.shape[0], groups, columns, config)](
+        quantized, row_scales, values, scales, out, offsets, groups, columns, inner, out.stride(0),
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=_FP8_BLOCK, GROUPS=triton.next_power_of_2(groups),
+        INTERPRET=interpreting(),
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    return out
+
+
+def mxfp4_grouped_mm_triton(
+    rows: torch.Tensor,
+    values: torch.Tensor,
+    scales: torch.Tensor,
+    offsets: torch.Tensor,
+    config: GemmConfig | None = None,
+) -> torch.Tensor:
+    """``out[i] = rows[i] @ W[g(i)].T`` with mxfp4 ``W`` decoded in registers.
+
+    Args:
+        rows: ``[M, K]`` bf16 (unit column stride), ``K`` a multiple of 32.
+        values: ``[G, N, K/2]`` uint8 (low nibble = even column), contiguous.
+        scales: ``[G, N, K/32]`` uint8 e8m0, contiguous.
+        offsets: ``[G]`` int32 inclusive end row of each group.
+        config: tiles (default :func:`default_config`); ``block_k`` a multiple of 32.
+
+    Returns:
+        ``[M, N]`` bf16; rows at and past ``offsets[-1]`` undefined.
+    """
+    _check_common(rows, values, offsets)
+    groups, columns, half = values.shape
+    inner = rows.shape[1]
+    if values.dtype != torch.uint8 or 2 * half != inner or inner % 32:
+        raise ValueError(f"values must be [G, N, K/2={inner // 2}] uint8 with K a multiple of 32, got {values.dtype} "
+                         f"{list(values.shape)}")
+    if scales.dtype != torch.uint8 or tuple(scales.shape) != (groups, columns, inner // 32) or not scales.is_contiguous():
+        raise ValueError(f"scales must be a contiguous [{groups}, {columns}, {inner // 32}] uint8 tensor, got "
+                         f"{scales.dtype} {list(scales.shape)}")
+    config = config or default_config(rows.shape[0], groups)
+    if config.block_k % 32:
+        raise ValueError(f"mxfp4 block_k must be a multiple of 32, got {config.block_k}")
+    out = torch.empty(rows.shape[0], columns, dtype=rows.dtype, device=rows.device)
+    _mxfp4_grouped_kernel[_grid(rows.shape[0], groups, columns, config)](
+        rows, values, scales, out, offsets, groups, columns, inner, rows.stride(0), out.stride(0),
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUPS=triton.next_power_of_2(groups),
+        INTERPRET=interpreting(),
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    return out

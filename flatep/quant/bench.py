@@ -1,0 +1,232 @@
+"""GPU benchmark of the packed expert formats: grouped expert GEMMs and weight pushes.
+
+``python -m flatep.quant.bench --out quant.json`` measures, on one GPU, with CUDA-graph timing
+(median of replays, the arms interleaved cell by cell, the spread over rounds reported):
+
+- Kimi-K2 experts of one rank (``H=7168``, ``I=2048``, 48 experts) in fp8 against bf16, and
+  Kimi-K3 experts of one rank (``H=3584``, ``I=3072``, 112 experts at EP8) in mxfp4 against bf16,
+  at 16, 128 and 1024 rows per expert: the gate/up GEMM and the down GEMM separately (bf16:
+  ``torch._grouped_mm``; packed: the Triton kernels over a few tile configs, fp8 including its
+  activation quantization; fp8 also ``torch._scaled_grouped_mm`` with row-wise scales as a
+  reference point), and the whole experts step (:func:`flatep.experts.grouped_swiglu`).
+  Each packed arm is first checked against the torch reference path (relative error recorded).
+- the weight push of one borrowed expert per format (local transport, two virtual ranks on one
+  GPU: a device-memory copy, not a link; it shows the byte ratio, not NVLink time).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from flatep.bench.timing import copy_ceiling_gbps, device_name, time_us
+from flatep.config import EPConfig, preset
+from flatep.experts.grouped import grouped_swiglu, quantized_grouped_mm
+from flatep.experts.pool import ExpertPool
+from flatep.kernels.quant_gemm import GemmConfig, default_config, fp8_grouped_mm_triton, mxfp4_grouped_mm_triton
+from flatep.quant.tensor import QuantizedTensor
+from flatep.transport import init_group
+
+ROWS_PER_EXPERT = (16, 128, 1024)
+REPLAYS = 10  # graph replays per round (CPU: eager calls)
+STARTED = time.perf_counter()
+CANDIDATES = (
+    GemmConfig(16, 128, num_warps=4, num_stages=4),
+    GemmConfig(32, 128, num_warps=4, num_stages=4),
+    GemmConfig(64, 128, num_warps=4, num_stages=3),
+    GemmConfig(64, 64, num_warps=4, num_stages=4),
+    GemmConfig(128, 128, num_warps=8, num_stages=3),
+    GemmConfig(128, 256, num_warps=8, num_stages=3),
+)
+
+
+def _random_bf16(shape: tuple[int, ...], scale: float, device: torch.device) -> torch.Tensor:
+    return (torch.randn(shape, device=device) * scale).bfloat16()
+
+
+def _quantize_by_expert(weights: torch.Tensor, format: str) -> QuantizedTensor:
+    """Quantize ``[G, N, K]`` one expert at a time (bounded temporaries at real sizes)."""
+    parts = [QuantizedTensor.quantize(weights[expert], format) for expert in range(weights.shape[0])]
+    return QuantizedTensor(format, torch.stack([part.values for part in parts]), torch.stack([part.scales for part in parts]))
+
+
+def _interleaved(arms: dict[str, Callable[[], object]], device: torch.device, rounds: int) -> dict[str, dict[str, float]]:
+    """Median graph-replay time of each arm per round, arms alternating; median and spread over rounds."""
+    samples: dict[str, list[float]] = {name: [] for name in arms}
+    for _ in range(rounds):
+        for name, fn in arms.items():
+            samples[name].append(time_us(fn, device, warmup=1, iters=REPLAYS, graph=True, calls=4))
+    return {name: {"us": statistics.median(values), "min_us": min(values), "max_us": max(values)}
+            for name, values in samples.items()}
+
+
+def _rowwise_fp8_arm(rows: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """``torch._scaled_grouped_mm`` on fp8 with row-wise scales (one per activation row, one per
+    weight output row): the layout it takes, not the checkpoints' 128x128 blocks, so a reference
+    point; activations are quantized once outside the timed call."""
+    scales, values = [], []
+    for expert in range(weights.shape[0]):
+        weight = weights[expert].float()
+        scale = weight.abs().amax(-1).clamp_min(1e-12) / 448.0
+        scales.append(scale)
+        values.append((weight / scale[:, None]).to(torch.float8_e4m3fn))
+    weight_scales, weight_values = torch.stack(scales), torch.stack(values)
+    row_scales = rows.float().abs().amax(-1).clamp_min(1e-12) / 448.0
+    row_values = (rows.float() / row_scales[:, None]).to(torch.float8_e4m3fn)
+    return lambda: torch._scaled_grouped_mm(row_values, weight_values.transpose(-2, -1), row_scales, weight_scales,
+                                            offs=offsets, out_dtype=torch.bfloat16)
+
+
+def _kernel(format: str):
+    return fp8_grouped_mm_triton if format == "fp8" else mxfp4_grouped_mm_triton
+
+
+def experts_cell(
+    model: str, format: str, hidden: int, intermediate: int, experts: int, rows_per_expert: int,
+    w13: torch.Tensor, w2: torch.Tensor, q13: QuantizedTensor, q2: QuantizedTensor, device: torch.device, rounds: int,
+) -> dict:
+    """One (model, format, rows per expert) cell: per-GEMM and whole-step times, bf16 and packed."""
+    rows = experts * rows_per_expert
+    offsets = (torch.arange(1, experts + 1, device=device, dtype=torch.int32) * rows_per_expert).to(torch.int32)
+    x = _random_bf16((rows, hidden), 1.0, device)
+    activated = _random_bf16((rows, intermediate), 1.0, device)
+    route_weights = torch.rand(rows, device=device)
+    result: dict = {"model": model, "format": format, "hidden": hidden, "intermediate": intermediate,
+                    "experts": experts, "rows_per_expert": rows_per_expert, "rows": rows}
+    # Correctness of the GPU kernels against the torch reference on the first groups.
+    few = min(4, experts)
+    end = few * rows_per_expert
+    for name, rows_in, packed in (("w13", x, q13), ("w2", activated, q2)):
+        kernel_out = _kernel(format)(rows_in[:end], packed.values[:few], packed.scales[:few], offsets[:few])
+        reference = quantized_grouped_mm(rows_in[:end], packed[:few], offsets[:few], backend="torch")
+        result[f"{name}_relative_error"] = float((kernel_out.float() - reference.float()).norm() / reference.float().norm())
+    for name, rows_in, plain, packed in (("w13", x, w13, q13), ("w2", activated, w2, q2)):
+        arms: dict[str, Callable[[], object]] = {
+            "bf16": lambda rows_in=rows_in, plain=plain: torch._grouped_mm(rows_in, plain.transpose(-2, -1), offs=offsets),
+        }
+        for config in CANDIDATES:
+            # Row tiles taller than twice a group are mostly padding; mxfp4's 256-wide tiles hold
+            # too many decoded weights in registers.
+            if config.block_m <= max(16, 2 * rows_per_expert) and (format == "fp8" or config.block_n <= 128):
+                arms[f"{format} m{config.block_m} n{config.block_n} w{config.num_warps} s{config.num_stages}"] = (
+                    lambda rows_in=rows_in, packed=packed, config=config:
+                    _kernel(format)(rows_in, packed.values, packed.scales, offsets, config))
+        rowwise = None
+        if format == "fp8":
+            try:
+                rowwise = _rowwise_fp8_arm(rows_in, plain, offsets)
+                check = rowwise()[:end].float()
+                exact = torch._grouped_mm(rows_in[:end], plain[:few].transpose(-2, -1), offs=offsets[:few]).float()
+                result[f"{name}_rowwise_relative_error"] = float((check - exact).norm() / exact.norm())
+                arms["scaled_grouped_mm rowwise"] = rowwise
+            except (RuntimeError, TypeError, NotImplementedError) as error:  # not every build has it
+                result[f"{name}_rowwise_error"] = str(error)[:300]
+        times = _interleaved(arms, device, rounds)
+        packed_arms = [arm for arm in times if arm not in ("bf16", "scaled_grouped_mm rowwise")]
+        best = min(packed_arms, key=lambda arm: times[arm]["us"])
+        result[name] = {"bf16_us": times["bf16"], "packed_us": times[best], "best_config": best,
+                        "configs": {arm: times[arm]["us"] for arm in packed_arms},
+                        "ratio": times[best]["us"] / times["bf16"]["us"]}
+        if "scaled_grouped_mm rowwise" in times:
+            result[name]["rowwise_scaled_grouped_mm_us"] = times["scaled_grouped_mm rowwise"]
+            result[name]["rowwise_ratio"] = times["scaled_grouped_mm rowwise"]["us"] / times["bf16"]["us"]
+        del rowwise
+    result["default_config"] = str(default_config(rows, experts))
+    step = _interleaved({
+        "bf16": lambda: grouped_swiglu(x, route_weights, w13, w2, offsets, backend="triton"),
+        format: lambda: grouped_swiglu(x, route_weights, q13, q2, offsets, backend="triton"),
+    }, device, rounds)
+    result["experts_step"] = {"bf16_us": step["bf16"], "packed_us": step[format],
+                              "ratio": step[format]["us"] / step["bf16"]["us"]}
+    result["best_gemms_ratio"] = (result["w13"]["packed_us"]["us"] + result["w2"]["packed_us"]["us"]) / (
+        result["w13"]["bf16_us"]["us"] + result["w2"]["bf16_us"]["us"])
+    return result
+
+
+def model_cells(model: str, format: str, device: torch.device, rounds: int) -> list[dict]:
+    config = preset(model, ranks=8)
+    hidden, intermediate, experts = config.hidden, config.intermediate, config.experts_per_rank
+    w13 = _random_bf16((experts, 2 * intermediate, hidden), hidden**-0.5, device)
+    w2 = _random_bf16((experts, hidden, intermediate), intermediate**-0.5, device)
+    q13, q2 = _quantize_by_expert(w13, format), _quantize_by_expert(w2, format)
+    cells = []
+    for rows_per_expert in ROWS_PER_EXPERT:
+        cell = experts_cell(model, format, hidden, intermediate, experts, rows_per_expert, w13, w2, q13, q2, device, rounds)
+        print(f"[{time.perf_counter() - STARTED:.0f} s] {model} {format} rows/expert={rows_per_expert}: w13 {cell['w13']['ratio']:.2f}x, w2 "
+              f"{cell['w2']['ratio']:.2f}x, step {cell['experts_step']['ratio']:.2f}x of bf16 "
+              f"(errors {cell['w13_relative_error']:.1e}, {cell['w2_relative_error']:.1e})", flush=True)
+        cells.append(cell)
+    del w13, w2, q13, q2
+    torch.cuda.empty_cache()
+    return cells
+
+
+PUSH_MODELS = (("kimi-k2", ("bf16", "fp8")), ("kimi-k3", ("bf16", "mxfp4")))
+
+
+def push_cells(
+    device: torch.device, rounds: int, borrowed: int = 8, models: tuple[tuple[str, tuple[str, ...]], ...] = PUSH_MODELS,
+    sizes: tuple[int, int] | None = None,
+) -> list[dict]:
+    """Push of ``borrowed`` experts from rank 1's home pool into rank 0's slots, per format (the
+    first format of each model is the baseline of its ratios); ``sizes`` ``(H, I)`` overrides the
+    models' shapes (for small checks)."""
+    cells = []
+    for model, formats in models:
+        shape = preset(model, ranks=8)
+        hidden, intermediate = sizes or (shape.hidden, shape.intermediate)
+        config = EPConfig(ranks=2, experts=2 * borrowed, top_k=2, hidden=hidden, intermediate=intermediate, capacity=16)
+        group = init_group("local", ranks=2, device=device)
+        slot_experts = torch.full((2, borrowed), -1, dtype=torch.int32, device=device)
+        slot_experts[0] = torch.arange(borrowed, 2 * borrowed, dtype=torch.int32, device=device)
+        pools = {}
+        for format in formats:
+            pool = ExpertPool(config, group, torch.bfloat16, weights=format)
+            for name in pool.names:
+                pool.home(name).view(torch.uint8).random_(0, 120)  # finite bytes (values are not read)
+            pools[format] = pool
+        times = _interleaved({format: (lambda pool=pool: pool.push(slot_experts)) for format, pool in pools.items()},
+                             device, rounds)
+        for format, pool in pools.items():
+            cells.append({"model": model, "format": format, "expert_bytes": pool.expert_nbytes(),
+                          "us_per_expert": times[format]["us"] / borrowed,
+                          "min_us_per_expert": times[format]["min_us"] / borrowed,
+                          "max_us_per_expert": times[format]["max_us"] / borrowed})
+        base = cells[-len(formats)]
+        for cell in cells[-len(formats):]:
+            cell["time_ratio"] = cell["us_per_expert"] / base["us_per_expert"]
+            cell["byte_ratio"] = cell["expert_bytes"] / base["expert_bytes"]
+            print(f"[{time.perf_counter() - STARTED:.0f} s] push {model} {cell['format']}: {cell['expert_bytes'] / 1e6:.1f} MB/expert, "
+                  f"{cell['us_per_expert']:.1f} us/expert (time {cell['time_ratio']:.2f}x, bytes {cell['byte_ratio']:.2f}x)",
+                  flush=True)
+        del pools, group
+        torch.cuda.empty_cache()
+    return cells
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="quant_bench.json", help="JSON file to write")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds per cell")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("flatep.quant.bench needs a CUDA GPU")
+    device = torch.device("cuda")
+    started = STARTED
+    torch.manual_seed(0)
+    report = {"device": device_name(device), "copy_ceiling_gbps": copy_ceiling_gbps(device),
+              "timing": "CUDA graph of 4 calls, median of 10 replays per round; median and spread over rounds",
+              "experts": model_cells("kimi-k2", "fp8", device, args.rounds) + model_cells("kimi-k3", "mxfp4", device, args.rounds),
+              "push": push_cells(device, args.rounds)}
+    report["seconds"] = time.perf_counter() - started
+    with open(args.out, "w") as file:
+        json.dump(report, file, indent=1)
+    print(f"wrote {args.out} in {report['seconds']:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,146 @@
+"""A quantized weight tensor (packed values with their scales) and the weight formats' packed layouts."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from flatep.quant.fp8 import FP8_BLOCK, check_fp8_block, dequantize_fp8_block, fp8_scale_shape, quantize_fp8_block
+from flatep.quant.mxfp4 import MX_BLOCK, check_mxfp4, dequantize_mxfp4, quantize_mxfp4
+
+WEIGHT_FORMATS = ("bf16", "fp8", "mxfp4")
+"""``bf16``: plain weights in the pool's dtype (bfloat16, or float32 for checks); ``fp8``: e4m3 with
+128x128 fp32 block scales (:mod:`flatep.quant.fp8`); ``mxfp4``: e2m1 with e8m0 scales per 32
+(:mod:`flatep.quant.mxfp4`)."""
+QUANTIZED_FORMATS = ("fp8", "mxfp4")
+
+
+def check_format(weights: str) -> None:
+    """Raise ``ValueError`` unless ``weights`` is one of :data:`WEIGHT_FORMATS`."""
+    if weights not in WEIGHT_FORMATS:
+        raise ValueError(f"weights (the weight format) must be one of {WEIGHT_FORMATS}, got {weights!r}")
+
+
+def packed_layout(weights: str, rows: int, columns: int) -> tuple[tuple[tuple[int, ...], torch.dtype], ...]:
+    """``((values shape, dtype), (scales shape, dtype))`` of one quantized ``[rows, columns]`` matrix.
+
+    Raises:
+        ValueError: for ``bf16`` (nothing packed) or dimensions the format cannot hold.
+    """
+    if weights == "fp8":
+        return ((rows, columns), torch.float8_e4m3fn), (fp8_scale_shape(rows, columns), torch.float32)
+    if weights == "mxfp4":
+        if columns % MX_BLOCK:
+            raise ValueError(f"mxfp4 needs the input dimension to be a multiple of {MX_BLOCK}, got {columns}")
+        return ((rows, columns // 2), torch.uint8), ((rows, columns // MX_BLOCK), torch.uint8)
+    raise ValueError(f"packed_layout takes a quantized format {QUANTIZED_FORMATS}, got {weights!r}")
+
+
+def expert_weight_nbytes(weights: str, hidden: int, intermediate: int, dtype: torch.dtype = torch.bfloat16) -> int:
+    """Bytes of one expert's ``w13 [2I, H]`` and ``w2 [H, I]`` in ``weights`` format, scales included
+    (``bf16``: plain weights of ``dtype``): what a push moves per borrowed expert, biases aside."""
+    check_format(weights)
+    total = 0
+    for rows, columns in ((2 * intermediate, hidden), (hidden, intermediate)):
+        if weights == "bf16":
+            total += rows * columns * dtype.itemsize
+            continue
+        for shape, element in packed_layout(weights, rows, columns):
+            total += math.prod(shape) * element.itemsize
+    return total
+
+
+def check_pool_dims(weights: str, hidden: int, intermediate: int) -> None:
+    """Raise ``ValueError`` unless experts with these sizes can be held in ``weights`` format.
+
+    ``fp8`` needs ``H`` and ``I`` to be multiples of 128 (whole scale blocks, so that the fused
+    gate/up projection keeps the gate's and the up's blocks apart); ``mxfp4`` needs multiples of 32.
+    """
+    check_format(weights)
+    block = {"bf16": 1, "fp8": FP8_BLOCK, "mxfp4": MX_BLOCK}[weights]
+    for name, size in (("hidden", hidden), ("intermediate", intermediate)):
+        if size % block:
+            raise ValueError(f"{weights} experts need {name} to be a multiple of {block}, got {size}")
+
+
+@dataclass(frozen=True)
+class QuantizedTensor:
+    """Packed weights ``[..., N, K]`` (logical shape) of one format, with their scales.
+
+    Attributes:
+        format: ``fp8`` or ``mxfp4``.
+        values: fp8: ``[..., N, K]`` float8_e4m3fn; mxfp4: ``[..., N, K/2]`` uint8 (two nibbles per byte).
+        scales: fp8: ``[..., ceil(N/128), ceil(K/128)]`` float32; mxfp4: ``[..., N, K/32]`` uint8 e8m0.
+    """
+
+    format: str
+    values: torch.Tensor
+    scales: torch.Tensor
+
+    def __post_init__(self) -> None:
+        if self.format == "fp8":
+            check_fp8_block(self.values, self.scales)
+        elif self.format == "mxfp4":
+            check_mxfp4(self.values, self.scales)
+        else:
+            raise ValueError(f"format must be one of {QUANTIZED_FORMATS}, got {self.format!r}")
+        if self.values.shape[:-2] != self.scales.shape[:-2]:
+            raise ValueError(f"values {list(self.values.shape)} and scales {list(self.scales.shape)} must share leading dims")
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor, format: str) -> "QuantizedTensor":
+        """Quantize a float ``weight [..., N, K]`` into ``format``."""
+        if format == "fp8":
+            return cls("fp8", *quantize_fp8_block(weight))
+        if format == "mxfp4":
+            return cls("mxfp4", *quantize_mxfp4(weight))
+        raise ValueError(f"format must be one of {QUANTIZED_FORMATS}, got {format!r}")
+
+    @property
+    def shape(self) -> torch.Size:
+        """Logical shape ``[..., N, K]``."""
+        if self.format == "mxfp4":
+            return torch.Size([*self.values.shape[:-1], 2 * self.values.shape[-1]])
+        return self.values.shape
+
+    @property
+    def device(self) -> torch.device:
+        return self.values.device
+
+    @property
+    def requires_grad(self) -> bool:
+        """Always False: packed weights take no gradients."""
+        return False
+
+    @property
+    def nbytes(self) -> int:
+        """Packed bytes: values plus scales."""
+        return self.values.nbytes + self.scales.nbytes
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """``[..., N, K]`` in ``dtype``."""
+        if self.format == "fp8":
+            return dequantize_fp8_block(self.values, self.scales, dtype)
+        return dequantize_mxfp4(self.values, self.scales, dtype)
+
+    def __getitem__(self, index: int | slice) -> "QuantizedTensor":
+        """Index the leading (expert) dimensions only."""
+        if len(self.shape) < 3:
+            raise IndexError("only the leading dimensions of a QuantizedTensor [..., N, K] can be indexed")
+        return QuantizedTensor(self.format, self.values[index], self.scales[index])
+
+    def to(self, device: torch.device | str) -> "QuantizedTensor":
+        return QuantizedTensor(self.format, self.values.to(device), self.scales.to(device))
+
+    def cat(self, other: "QuantizedTensor") -> "QuantizedTensor":
+        """Rows of ``self`` then rows of ``other`` (``[..., N1 + N2, K]``): fuses gate and up projections.
+
+        fp8 needs ``N1`` to be a multiple of 128, so that no scale block straddles the seam.
+        """
+        if other.format != self.format or other.shape[:-2] != self.shape[:-2] or other.shape[-1] != self.shape[-1]:
+            raise ValueError(f"cannot stack {self.format} {list(self.shape)} and {other.format} {list(other.shape)} by rows")
+        if self.format == "fp8" and self.shape[-2] % FP8_BLOCK:
+            raise ValueError(f"fp8 rows can be stacked only at a block boundary: N={self.shape[-2]} is not a multiple of 128")
+        return QuantizedTensor(self.format, torch.cat([self.values, other.values], -2),
+                               torch.cat([self.scales, other.scales], -2))

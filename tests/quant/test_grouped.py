@@ -1,0 +1,135 @@
+"""Grouped GEMMs over packed weights: the Triton kernels (interpreter on CPU) against the torch path,
+and the torch path against its definition."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from flatep.experts.grouped import quantized_grouped_mm
+from flatep.kernels.quant_gemm import (
+    GemmConfig,
+    fp8_grouped_mm_triton,
+    mxfp4_grouped_mm_triton,
+    quantize_fp8_activations_triton,
+)
+from flatep.quant import QuantizedTensor, dequantize_fp8_activations, quantize_fp8_activations
+from tests.helpers import DEVICE, relative_error
+
+triton_available = DEVICE.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+needs_triton = pytest.mark.skipif(not triton_available, reason="needs CUDA or TRITON_INTERPRET=1")
+
+
+def grouped_inputs(format, sizes, out_features, in_features, seed, padding=3):
+    """Rows ``[sum(sizes) + padding, K]`` bf16 (the padding rows poisoned), weights ``[G, N, K]``, offsets."""
+    generator = torch.Generator().manual_seed(seed)
+    rows = torch.randn(sum(sizes) + padding, in_features, generator=generator)
+    rows[sum(sizes):] = float("nan")  # past offsets[-1]: must never be read into a real row
+    weight = torch.randn(len(sizes), out_features, in_features, generator=generator) * in_features**-0.5
+    offsets = torch.tensor(sizes, dtype=torch.int32).cumsum(0).to(torch.int32)
+    packed = QuantizedTensor.quantize(weight, format)
+    return rows.bfloat16().to(DEVICE), packed.to(DEVICE), offsets.to(DEVICE)
+
+
+def per_group_reference(rows, packed, offsets):
+    """One fp32 matmul per group over the dequantized weights (and fp8-quantized rows)."""
+    activations = rows.float()
+    if packed.format == "fp8":
+        activations = dequantize_fp8_activations(*quantize_fp8_activations(rows))
+    weights = packed.dequantize()
+    out = torch.full((rows.shape[0], weights.shape[1]), float("nan"), device=rows.device)
+    start = 0
+    for group, end in enumerate(offsets.tolist()):
+        out[start:end] = activations[start:end] @ weights[group].T
+        start = end
+    return out
+
+
+@pytest.mark.parametrize("format", ["fp8", "mxfp4"])
+def test_torch_path_is_the_per_group_definition(format):
+    rows, packed, offsets = grouped_inputs(format, [5, 0, 9, 2], 256, 256, seed=1)
+    out = quantized_grouped_mm(rows, packed, offsets, backend="torch")
+    end = int(offsets[-1])
+    reference = per_group_reference(rows, packed, offsets)
+    assert out.dtype == torch.bfloat16
+    assert relative_error(out[:end], reference[:end]) < 4e-3  # one bf16 rounding of the fp32 result
+
+
+CASES = [
+    # (group sizes, N, K, config): empty groups, groups straddling tiles, partial N tiles.
+    ([5, 0, 19, 2], 256, 256, GemmConfig(block_m=16, block_n=64)),
+    ([1, 33, 0, 0], 192, 128, GemmConfig(block_m=32, block_n=128)),
+    ([0, 0, 7], 128, 384, None),
+]
+
+
+@needs_triton
+@pytest.mark.parametrize("sizes, out_features, in_features, config", CASES)
+def test_fp8_triton_matches_torch(sizes, out_features, in_features, config):
+    rows, packed, offsets = grouped_inputs("fp8", sizes, out_features, in_features, seed=len(sizes) + out_features)
+    out = fp8_grouped_mm_triton(rows, packed.values, packed.scales, offsets, config)
+    end = int(offsets[-1])
+    reference = quantized_grouped_mm(rows, packed, offsets, backend="torch")
+    # Same quantized operands; only the order of the fp32 sums and the final bf16 rounding differ.
+    assert relative_error(out[:end], reference[:end]) < 4e-3
+
+
+@needs_triton
+@pytest.mark.parametrize("sizes, out_features, in_features, config", [
+    ([5, 0, 19, 2], 256, 96, GemmConfig(block_m=16, block_n=64, block_k=64)),
+    ([1, 33, 0, 0], 48, 64, GemmConfig(block_m=32, block_n=32, block_k=32)),
+    ([0, 0, 7], 64, 160, None),
+])
+def test_mxfp4_triton_matches_torch(sizes, out_features, in_features, config):
+    rows, packed, offsets = grouped_inputs("mxfp4", sizes, out_features, in_features, seed=len(sizes) + out_features)
+    out = mxfp4_grouped_mm_triton(rows, packed.values, packed.scales, offsets, config)
+    end = int(offsets[-1])
+    reference = quantized_grouped_mm(rows, packed, offsets, backend="torch")
+    assert relative_error(out[:end], reference[:end]) < 4e-3
+
+
+@needs_triton
+def test_triton_leaves_rows_past_the_last_group_unwritten():
+    rows, packed, offsets = grouped_inputs("mxfp4", [3, 4], 32, 64, seed=9, padding=20)
+    out = mxfp4_grouped_mm_triton(rows, packed.values, packed.scales, offsets, GemmConfig(16, 32, 32))
+    assert torch.isfinite(out[:7].float()).all()
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda r, p, o: fp8_grouped_mm_triton(r.float(), p.values, p.scales, o), "bfloat16"),
+    (lambda r, p, o: fp8_grouped_mm_triton(r, p.values, p.scales[..., :1], o), "scales must be"),
+    (lambda r, p, o: fp8_grouped_mm_triton(r, p.values, p.scales, o.long()), "int32"),
+    (lambda r, p, o: fp8_grouped_mm_triton(r[:, :128], p.values, p.scales, o), "K=128"),
+    (lambda r, p, o: fp8_grouped_mm_triton(r, p.values, p.scales, o, GemmConfig(16, 16, 64)), "block_k"),
+    (lambda r, p, o: quantized_grouped_mm(r[:, :128], p, o), "agree on K"),
+])
+def test_bad_input_raises(make, message):
+    rows, packed, offsets = grouped_inputs("fp8", [3, 4], 128, 256, seed=2)
+    with pytest.raises(ValueError, match=message):
+        make(rows, packed, offsets)
+
+
+@needs_triton
+def test_fp8_activation_quantization_kernel_equals_torch():
+    generator = torch.Generator().manual_seed(3)
+    x = (torch.randn(12, 256, generator=generator) * torch.logspace(-4, 1, 256)).bfloat16().to(DEVICE)
+    x[5] = 0
+    end = torch.tensor([10], dtype=torch.int32, device=DEVICE)
+    values, scales = quantize_fp8_activations_triton(x, end)
+    expected_values, expected_scales = quantize_fp8_activations(x[:10])
+    assert torch.equal(scales[:10], expected_scales)
+    assert torch.equal(values[:10].float(), expected_values.float())
+
+
+@needs_triton
+@pytest.mark.parametrize("format", ["fp8", "mxfp4"])
+def test_many_groups_with_empty_ones(format):
+    sizes = torch.randint(0, 40, (37,), generator=torch.Generator().manual_seed(11))
+    sizes[::5] = 0
+    in_features = 128
+    rows, packed, offsets = grouped_inputs(format, sizes.tolist(), 32, in_features, seed=12)
+    kernel = fp8_grouped_mm_triton if format == "fp8" else mxfp4_grouped_mm_triton
+    out = kernel(rows, packed.values, packed.scales, offsets, GemmConfig(16, 32, 128 if format == "fp8" else 64))
+    end = int(offsets[-1])
+    assert relative_error(out[:end], quantized_grouped_mm(rows, packed, offsets, backend="torch")[:end]) < 4e-3

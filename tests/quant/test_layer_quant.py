@@ -1,0 +1,157 @@
+"""The EP layer over quantized pools equals a dense fp32 MoE over the dequantized weights, under
+every policy, including steps that borrow (push) experts; pushes move packed values and scales."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flatep import EPConfig, ExpertPool, dense_moe, ep_moe, init_group, make_plan
+from flatep.quant import QuantizedTensor, dequantize_fp8_activations, expert_weight_nbytes, quantize_fp8_activations
+from flatep.routing import skewed_topk
+from tests.helpers import DEVICE, TRITON_BACKENDS, relative_error
+
+# Relative error of the layer against the dense fp32 MoE over the dequantized weights (bf16 x):
+# bf16 and mxfp4 weights are exact in bf16, so only bf16 roundings of the activations remain;
+# fp8 also quantizes the activations of both GEMMs to e4m3 per token per 128 columns (as the
+# models run), which costs about 4.5% here (0.24% against a dense MoE that quantizes alike).
+LAYER_ERROR = {"bf16": 1e-2, "mxfp4": 1e-2, "fp8": 6e-2}
+
+
+def quantized_inputs(config: EPConfig, tokens: int, skew: float, seed: int):
+    generator = torch.Generator().manual_seed(seed)
+    ids = skewed_topk(config.ranks, config.experts, config.top_k, tokens, skew, seed=seed)
+    x = torch.randn(config.ranks, tokens, config.hidden, generator=generator).bfloat16()
+    weights = torch.rand(config.ranks, tokens, config.top_k, generator=generator) + 0.1
+    w13 = torch.randn(config.experts, 2 * config.intermediate, config.hidden, generator=generator) * config.hidden**-0.5
+    w2 = torch.randn(config.experts, config.hidden, config.intermediate, generator=generator) * config.intermediate**-0.5
+    return x.to(DEVICE), ids.to(DEVICE), weights.to(DEVICE), w13.to(DEVICE), w2.to(DEVICE)
+
+
+def packed(weights: torch.Tensor, format: str):
+    return weights.bfloat16() if format == "bf16" else QuantizedTensor.quantize(weights, format)
+
+
+def dequantized(weights, format: str) -> torch.Tensor:
+    return weights.float() if format == "bf16" else weights.dequantize()
+
+
+def dense_fp8_activations(x, ids, route_weights, w13, w2):
+    """The fp8 experts' own function: dense, fp32, with both GEMMs' inputs quantized like the layer's."""
+    def quantized(rows):
+        return dequantize_fp8_activations(*quantize_fp8_activations(rows.bfloat16()))
+
+    tokens = x.reshape(-1, x.shape[-1])
+    ids, route_weights = ids.reshape(tokens.shape[0], -1), route_weights.reshape(tokens.shape[0], -1).float()
+    out = torch.zeros(tokens.shape, device=x.device)
+    intermediate = w2.shape[-1]
+    for expert in ids.unique().tolist():
+        token, slot = (ids == expert).nonzero(as_tuple=True)
+        hidden = quantized(tokens[token]) @ w13[expert].T
+        hidden = hidden.bfloat16().float()  # the gate/up GEMM's output is rounded to the shard's dtype
+        activated = torch.nn.functional.silu(hidden[:, :intermediate]) * hidden[:, intermediate:]
+        # The layer folds the route weight in before the down GEMM, so its rows are quantized weighted.
+        activated = (activated * route_weights[token, slot].unsqueeze(-1)).bfloat16()
+        out.index_add_(0, token, quantized(activated) @ w2[expert].T)
+    return out.view(x.shape)
+
+
+CONFIG = EPConfig(ranks=4, experts=8, top_k=2, hidden=128, intermediate=128, capacity=16, align=8)
+
+
+@pytest.mark.parametrize("backend", TRITON_BACKENDS)
+@pytest.mark.parametrize("policy", ["exact", "none"])
+@pytest.mark.parametrize("format", ["bf16", "fp8", "mxfp4"])
+def test_layer_equals_dense_over_dequantized_weights(format, policy, backend):
+    group = init_group("local", ranks=CONFIG.ranks, device=DEVICE)
+    x, ids, route_weights, w13, w2 = quantized_inputs(CONFIG, 12, skew=4.0, seed=7)
+    q13, q2 = packed(w13, format), packed(w2, format)
+    pool = ExpertPool.from_weights(q13, q2, CONFIG, group, dtype=torch.bfloat16)
+    assert pool.weights == format
+    plan = make_plan(ids, CONFIG, policy)
+    if policy == "exact":
+        assert (plan.slot_experts >= 0).sum() >= 2, "the step must borrow experts, so that packed weights are pushed"
+    out = ep_moe(x, ids, route_weights, config=CONFIG, group=group, policy=policy, pool=pool, plan=plan, backend=backend)
+    d13, d2 = dequantized(q13, format), dequantized(q2, format)
+    reference = dense_moe(x, ids, route_weights, d13, d2)
+    assert out.dtype == torch.bfloat16
+    assert relative_error(out, reference) < LAYER_ERROR[format]
+    if format == "fp8":  # against the fp8 experts' own function (quantized activations): bf16 tolerance
+        # The interpreter truncates fp32 -> bf16 casts (the activation kernel's among them), which
+        # moves some activations across e4m3 rounding boundaries; the hardware rounds to nearest.
+        interpreted = backend == "triton" and DEVICE.type == "cpu"
+        assert relative_error(out, dense_fp8_activations(x, ids, route_weights, d13, d2)) < (2.5e-2 if interpreted else 1e-2)
+
+
+@pytest.mark.parametrize("backend", TRITON_BACKENDS)
+@pytest.mark.parametrize("format", ["fp8", "mxfp4"])
+def test_push_moves_packed_values_and_scales(format, backend):
+    config = EPConfig(ranks=2, experts=4, top_k=2, hidden=128, intermediate=128, capacity=8, align=8)
+    group = init_group("local", ranks=2, device=DEVICE)
+    _, _, _, w13, w2 = quantized_inputs(config, 4, 1.0, seed=3)
+    q13, q2 = QuantizedTensor.quantize(w13, format), QuantizedTensor.quantize(w2, format)
+    pool = ExpertPool.from_weights(q13, q2, config, group)
+    for name in pool.names:
+        pool.slots(name).view(torch.uint8).fill_(0xFF)  # poison: NaN in fp8, 255 (NaN scale) in mxfp4
+    slots = torch.tensor([[2, -1], [0, 1]], dtype=torch.int32, device=DEVICE)
+    pool.push(slots, backend=backend)
+    for receiver, slot, expert in ((0, 0, 2), (1, 0, 0), (1, 1, 1)):
+        for name, tensor in (("w13", q13.values), ("w13_scale", q13.scales), ("w2", q2.values), ("w2_scale", q2.scales)):
+            assert torch.equal(pool.slots(name)[receiver, slot].view(torch.uint8), tensor[expert].view(torch.uint8)), name
+    assert (pool.slots("w13")[0, 1].view(torch.uint8) == 0xFF).all()  # empty slot untouched
+    expert_bytes = (q13.nbytes + q2.nbytes) // config.experts
+    assert pool.expert_nbytes() == expert_bytes == expert_weight_nbytes(format, 128, 128)
+    # bf16 / packed bytes: fp8 = 1 byte a weight + one fp32 per 128x128 block (3 blocks); mxfp4 = 4.25 bits a weight.
+    ratio = {"fp8": 2 * 3 * 128 * 128 / (3 * 128 * 128 + 4 * 3), "mxfp4": 16 / 4.25}[format]
+    bf16_bytes = ExpertPool(config, group, torch.bfloat16).expert_nbytes()
+    assert bf16_bytes == config.expert_bytes() and bf16_bytes / expert_bytes == pytest.approx(ratio)
+
+
+def test_bias_pools_stay_in_the_activation_dtype():
+    config = EPConfig(ranks=2, experts=4, top_k=2, hidden=64, intermediate=32, capacity=8, align=8)
+    group = init_group("local", ranks=2, device=DEVICE)
+    pool = ExpertPool(config, group, torch.bfloat16, biases=True, weights="mxfp4")
+    assert pool.names == ("w13", "w2", "w13_scale", "w2_scale", "b13", "b2")
+    assert pool.b13.dtype == torch.bfloat16 and pool.w13.dtype == torch.uint8 and pool.w13.shape == (2, 2, 64, 32)
+    assert pool.expert_nbytes() == 64 * 64 // 2 + 64 * 2 + 64 * 32 // 2 + 64 + 2 * (64 + 64)
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda g: ExpertPool(EPConfig(2, 4, 2, 192, 128, 8), g, torch.bfloat16, weights="fp8"), "hidden to be a multiple of 128"),
+    (lambda g: ExpertPool(EPConfig(2, 4, 2, 128, 48, 8), g, torch.bfloat16, weights="mxfp4"), "intermediate to be a multiple of 32"),
+    (lambda g: ExpertPool(EPConfig(2, 4, 2, 128, 128, 8), g, torch.bfloat16, weights="int4"), "weight format"),
+    (lambda g: ExpertPool(EPConfig(2, 4, 2, 128, 128, 8), g, torch.float16, weights="fp8"), "dtype"),
+    (lambda g: ExpertPool.from_weights(QuantizedTensor.quantize(torch.randn(4, 256, 128), "fp8"),
+                                       QuantizedTensor.quantize(torch.randn(4, 128, 128), "mxfp4"),
+                                       EPConfig(2, 4, 2, 128, 128, 8), g), "one weight format"),
+    (lambda g: ExpertPool.from_weights(QuantizedTensor.quantize(torch.randn(4, 256, 128), "fp8"),
+                                       QuantizedTensor.quantize(torch.randn(4, 128, 128), "fp8"),
+                                       EPConfig(2, 4, 2, 128, 128, 8), g, weights="mxfp4"), "does not match"),
+    (lambda g: ExpertPool.from_weights(QuantizedTensor.quantize(torch.randn(4, 128, 128), "fp8"),
+                                       QuantizedTensor.quantize(torch.randn(4, 128, 128), "fp8"),
+                                       EPConfig(2, 4, 2, 128, 128, 8), g), r"w13 must have shape"),
+    (lambda g: QuantizedTensor("fp8", torch.randn(4, 256, 128).to(torch.float8_e4m3fn), torch.ones(4, 2, 2)), "scales must have shape"),
+    (lambda g: ExpertPool(EPConfig(2, 4, 2, 128, 128, 8), g, torch.bfloat16, weights="fp8").load_home(
+        QuantizedTensor.quantize(torch.randn(4, 256, 128), "mxfp4"), QuantizedTensor.quantize(torch.randn(4, 128, 128), "mxfp4")),
+     "this pool holds fp8"),
+])
+def test_bad_input_raises(make, message):
+    group = init_group("local", ranks=2, device="cpu")
+    with pytest.raises(ValueError, match=message):
+        make(group)
+
+
+def test_layer_rejects_activations_of_another_dtype():
+    group = init_group("local", ranks=CONFIG.ranks, device=DEVICE)
+    x, ids, route_weights, w13, w2 = quantized_inputs(CONFIG, 4, 1.0, seed=1)
+    pool = ExpertPool.from_weights(w13.bfloat16(), w2.bfloat16(), CONFIG, group, weights="mxfp4")
+    with pytest.raises(ValueError, match="pool dtype"):
+        ep_moe(x.float(), ids, route_weights, config=CONFIG, group=group, pool=pool)
+
+
+def test_layer_takes_packed_weights_without_a_pool():
+    group = init_group("local", ranks=CONFIG.ranks, device=DEVICE)
+    x, ids, route_weights, w13, w2 = quantized_inputs(CONFIG, 6, 2.0, seed=5)
+    q13, q2 = QuantizedTensor.quantize(w13, "mxfp4"), QuantizedTensor.quantize(w2, "mxfp4")
+    out = ep_moe(x, ids, route_weights, q13, q2, config=CONFIG, group=group, backend="torch")
+    pool = ExpertPool.from_weights(q13, q2, CONFIG, group)
+    assert torch.equal(out, ep_moe(x, ids, route_weights, config=CONFIG, group=group, pool=pool, backend="torch"))

@@ -1,0 +1,44 @@
+"""On a GPU: the packed grouped GEMMs at real expert sizes against the torch reference, inside a
+CUDA graph and without host synchronisation."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flatep.experts.grouped import grouped_swiglu, quantized_grouped_mm
+from flatep.quant import QuantizedTensor
+from tests.helpers import relative_error
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.parametrize("format, hidden, intermediate", [("fp8", 7168, 2048), ("mxfp4", 3584, 3072), ("mxfp4", 2880, 2880)])
+@pytest.mark.parametrize("sizes", [[16, 0, 3, 16], [128, 1, 200, 64], [1024, 1024, 0, 7]])
+def test_packed_experts_at_real_sizes_in_a_graph(format, hidden, intermediate, sizes):
+    generator = torch.Generator(device="cuda").manual_seed(len(sizes) + sum(sizes))
+    groups = len(sizes)
+    w13 = torch.randn(groups, 2 * intermediate, hidden, device="cuda", generator=generator) * hidden**-0.5
+    w2 = torch.randn(groups, hidden, intermediate, device="cuda", generator=generator) * intermediate**-0.5
+    q13, q2 = QuantizedTensor.quantize(w13, format), QuantizedTensor.quantize(w2, format)
+    rows = sum(sizes) + 5
+    x = torch.randn(rows, hidden, device="cuda", generator=generator).bfloat16()
+    route_weights = torch.rand(rows, device="cuda", generator=generator)
+    offsets = torch.tensor(sizes, device="cuda").cumsum(0).to(torch.int32)
+    end = sum(sizes)
+    reference = grouped_swiglu(x, route_weights, q13, q2, offsets, backend="torch")
+    hidden_reference = quantized_grouped_mm(x, q13, offsets, backend="torch")
+    out = torch.full((rows, hidden), float("nan"), device="cuda", dtype=torch.bfloat16)
+    grouped_swiglu(x, route_weights, q13, q2, offsets, backend="triton", out=out)  # compile outside the capture
+    out.fill_(float("nan"))
+    graph = torch.cuda.CUDAGraph()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.cuda.graph(graph):
+            grouped_swiglu(x, route_weights, q13, q2, offsets, backend="triton", out=out)
+            hidden_out = quantized_grouped_mm(x, q13, offsets, backend="triton")
+        graph.replay()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert relative_error(hidden_out[:end], hidden_reference[:end]) < 4e-3
+    assert relative_error(out[:end], reference[:end]) < (2e-2 if format == "fp8" else 1e-2)
