@@ -1,5 +1,5 @@
 """Triton kernels (dispatch, combine, weight push, the experts' row-bounded steps, packed grouped GEMMs) and their plain-torch counterparts."""
-from flatep.kernels.activation import copy_rows_triton, finite_weights, swiglu_weighted_torch, swiglu_weighted_triton
+from flatep.kernels.activation import copy_rows_triton, swiglu_weighted_torch, swiglu_weighted_triton
 from flatep.kernels.backend import BACKENDS, use_triton
 from flatep.kernels.combine import combine_torch, combine_triton
 from flatep.kernels.dispatch import dispatch_torch, dispatch_triton
@@ -19,7 +19,6 @@ __all__ = [
     "copy_rows_triton",
     "dispatch_torch",
     "dispatch_triton",
-    "finite_weights",
     "fp8_grouped_mm_triton",
     "mxfp4_grouped_mm_triton",
     "push_torch",
