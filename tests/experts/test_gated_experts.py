@@ -70,13 +70,26 @@ def test_bad_biases_raise(change, message):
         ep_moe(x, ids, weights, w13, w2, config=config, group=group, backend="torch", b13=b13, b2=b2)
 
 
-def test_default_activation_is_unchanged_bit_for_bit():
+def test_default_activation_is_silu_gate_times_up():
+    """Without ``activation=`` every row is ``w * W2 (silu(gate) * up)``, gate = the first ``I`` rows of
+    ``w13``: checked against a per-entry loop written here in fp64, not against FlatEP's own ``swiglu``."""
     config = EPConfig(ranks=2, experts=4, top_k=2, hidden=32, intermediate=16, capacity=8, align=4)
     group = init_group("local", ranks=2, device=DEVICE)
     x, ids, weights, w13, w2 = make_inputs(config, 8, 1.0, torch.float32)
-    plain = ep_moe(x, ids, weights, w13, w2, config=config, group=group, backend="torch")
-    explicit = ep_moe(x, ids, weights, w13, w2, config=config, group=group, backend="torch", activation=swiglu)
-    assert torch.equal(plain, explicit)
+    out = ep_moe(x, ids, weights, w13, w2, config=config, group=group, backend="torch")
+    expected = torch.zeros(x.shape, dtype=torch.float64)
+    for rank in range(config.ranks):
+        for token in range(x.shape[1]):
+            for k in range(config.top_k):
+                expert = int(ids[rank, token, k])
+                projected = w13[expert].double().cpu() @ x[rank, token].double().cpu()
+                gate, up = projected[: config.intermediate], projected[config.intermediate:]
+                hidden = gate / (1 + torch.exp(-gate)) * up
+                expected[rank, token] += float(weights[rank, token, k]) * (w2[expert].double().cpu() @ hidden)
+    assert relative_error(out.cpu(), expected) < 1e-5
+    swapped = ep_moe(x, ids, weights, w13, w2, config=config, group=group, backend="torch",
+                     activation=lambda gate, up: torch.nn.functional.silu(up) * gate)
+    assert relative_error(swapped.cpu(), expected) > 1e-2  # the check can tell gate from up
 
 
 def test_native_precision_rounds_like_a_bf16_expert_loop():
