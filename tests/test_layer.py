@@ -292,6 +292,8 @@ def test_without_eager_checks_a_wrong_plan_sets_a_flag_that_check_raises(backend
 
 def test_bad_ids_raise_at_once_on_cpu_even_without_eager_checks():
     config, group, x, ids, weights, w13, w2 = small_case(eager_check=False)
+    group = init_group("local", ranks=config.ranks, device="cpu", eager_check=False)
+    x, ids, weights, w13, w2 = (tensor.cpu() for tensor in (x, ids, weights, w13, w2))
     bad = ids.clone()
     bad[1, 3, 0] = config.experts
     with pytest.raises(ValueError, match="not an expert id"):  # the CPU reference planner raises at once

@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"flatep.bench.distributed: {torch.cuda.device_count()} GPU(s) for more local processes: running on the CPU "
               "with gloo (NCCL needs one GPU per process)", flush=True)
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
-    group = init_group(transport=args.transport)
+    group = init_group(transport=args.transport, device=device)
     timing = dict(device=device, warmup=args.warmup, iters=args.iters)
     config = _config(args, world, max(args.tokens))
     ceilings = dict(copy_ceiling_gbps=copy_ceiling_gbps(device, 1024 if on_gpu else 64),

@@ -32,7 +32,10 @@ def _swiglu_weighted_kernel(
 ):
     end = tl.load(end_ptr)
     column = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
-    for first in range(tl.program_id(0) * BLOCK_M, end, tl.num_programs(0) * BLOCK_M):
+    # A while loop, not range(..., end, ...): Triton 3.6's interpreter cannot take a loaded value as
+    # a range bound.
+    first = tl.program_id(0) * BLOCK_M
+    while first < end:
         row = first + tl.arange(0, BLOCK_M)
         row_mask = row < end
         # NaN and +-inf weights propagate into the row, as in a dense MoE.
@@ -47,6 +50,7 @@ def _swiglu_weighted_kernel(
         activated = gate / (1.0 + tl.exp(-gate)) * up * weight[:, None]
         out_rows = out_ptr + row.to(tl.int64)[:, None] * out_stride + column[None, :]
         tl.store(out_rows, activated.to(out_ptr.dtype.element_ty), mask=mask)
+        first += tl.num_programs(0) * BLOCK_M
 
 
 @triton.jit
@@ -56,11 +60,13 @@ def _copy_rows_kernel(
 ):
     end = tl.load(end_ptr)
     column = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    for first in range(tl.program_id(0) * BLOCK_M, end, tl.num_programs(0) * BLOCK_M):
+    first = tl.program_id(0) * BLOCK_M
+    while first < end:  # a while loop for Triton 3.6's interpreter, as above
         row = (first + tl.arange(0, BLOCK_M)).to(tl.int64)
         mask = (row < end)[:, None] & (column < N)[None, :]
         values = tl.load(source_ptr + row[:, None] * source_stride + column[None, :], mask=mask)
         tl.store(target_ptr + row[:, None] * target_stride + column[None, :], values.to(target_ptr.dtype.element_ty), mask=mask)
+        first += tl.num_programs(0) * BLOCK_M
 
 
 def _row_programs(rows: int, block_m: int, columns: int, device: torch.device, programs: int | None) -> int:

@@ -32,6 +32,7 @@ def launch(world: int, directory: Path, *arguments: str, interpret: bool = False
     """
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("TRITON_INTERPRET", "1" if interpret else "0")
+        patch.setenv("CUDA_VISIBLE_DEVICES", "")  # CPU processes, also on a machine with a GPU
         launch_workers(
             "tests.transport.worker", world,
             ["--backend", "gloo", "--init-method", f"file://{directory}/store", "--out", str(directory), *arguments],
