@@ -9,9 +9,13 @@ Measured, at the model's shapes:
   profile's value is kept, and said so).
 
 Fitted (:func:`fit_profile`, plain arithmetic tested with a fake timer): ``hbm_gbps`` from the read;
-``gemm_tflops`` from the largest ``n``; ``tile_rows`` the tile among 64/128/256 that fits ``t(n)``
-best; ``group_us = t(1) - expert_bytes / hbm`` (at least 0.1 us), so the model matches the
-one-row GEMM. ``push_us`` is kept from ``base`` (it needs a multi-rank step to measure).
+then ``tile_rows`` (64/128/256) and ``group_us`` together, as the pair whose model has the least
+squared relative error over every measured ``n``, ``gemm_tflops`` following from the largest ``n``
+given them. ``group_us`` is searched between 0.1 us and the one-row time less the weight read
+(``t(1) - expert_bytes / hbm``, which alone would fit only ``n = 1``: on the H200
+``torch._grouped_mm`` streams weights faster at 128 rows per group than at 1). ``push_us`` is
+kept from ``base`` (it needs a multi-rank step to measure); ``base`` is the shipped profile of the
+device when there is one (``h200`` on an H200), else the generic one.
 """
 from __future__ import annotations
 
@@ -29,6 +33,7 @@ TILES = (64, 128, 256)
 READ_BYTES = 2**30
 LINK_BYTES = 2**28
 MIN_GROUP_US = 0.1
+GROUP_STEPS = 200  # candidate group times searched by the fit
 
 
 @dataclass(frozen=True)
@@ -121,10 +126,11 @@ def fit_profile(
     per_group = {rows: us / groups for rows, us in gemm_us.items()}
     flops_per_row = 2 * 3 * config.hidden * config.intermediate
     weight_us = config.expert_bytes() / (read_gbps * 1e3)
-    group_us = max(per_group[1] - weight_us, MIN_GROUP_US)
     largest = max(per_group)
+    one_row = max(per_group[1] - weight_us, MIN_GROUP_US)
+    group_choices = sorted({one_row, *(MIN_GROUP_US + (one_row - MIN_GROUP_US) * step / GROUP_STEPS for step in range(GROUP_STEPS))})
 
-    def fit(tile: int) -> tuple[float, float]:
+    def fit(tile: int, group_us: float) -> tuple[float, float]:
         # Compute time per row from the largest n in whole tiles; error of the model over all n.
         padded = math.ceil(largest / tile) * tile
         row_us = max(per_group[largest] - group_us, 1e-9) / padded
@@ -134,8 +140,10 @@ def fit_profile(
         )
         return error, row_us
 
-    tile = min(TILES, key=lambda size: (fit(size)[0], size))
-    row_us = fit(tile)[1]
+    # Ties (equal error) go to the smaller tile, then the larger group time.
+    tile, group_us = min(((size, group) for size in TILES for group in group_choices),
+                         key=lambda pair: (fit(*pair)[0], pair[0], -pair[1]))
+    row_us = fit(tile, group_us)[1]
     return CostProfile(
         link_gbps=base.link_gbps if link_gbps is None else link_gbps,
         hbm_gbps=read_gbps,
@@ -154,7 +162,8 @@ def calibrate(config: EPConfig, device, timer: Timer | None = None, base=None, l
         config: the model's sizes (``H``, ``I``, ``E/R`` groups per GEMM).
         device: a CUDA device (``torch.device`` or string).
         timer: how to time a :class:`Measurement` (default: CUDA events, median of 20).
-        base: profile whose unmeasured fields are kept (default :meth:`flatep.CostProfile.default`).
+        base: profile whose unmeasured fields are kept (default: the ``h200`` preset on an H200,
+            else :meth:`flatep.CostProfile.default`).
         log: where progress lines go.
 
     Raises:
@@ -170,7 +179,9 @@ def calibrate(config: EPConfig, device, timer: Timer | None = None, base=None, l
             raise ValueError(f"calibrate measures a GPU: device must be a CUDA device, got {device} "
                              "(on CPU use CostProfile.default())")
         timer = _event_timer(device)
-    base = CostProfile.default() if base is None else base
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else str(device)
+    if base is None:
+        base = CostProfile.preset("h200") if "H200" in name else CostProfile.default()
     groups = min(config.experts_per_rank, 8)
     gemm_us = {}
     for rows in ROWS:
@@ -187,7 +198,6 @@ def calibrate(config: EPConfig, device, timer: Timer | None = None, base=None, l
         log(f"link to cuda:{peer}: {link_gbps:.0f} GB/s")
     else:
         log(f"no peer GPU: link_gbps kept from the {base.name} profile ({base.link_gbps} GB/s)")
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else str(device)
     return fit_profile(config, gemm_us, groups, read_gbps, link_gbps, base, name)
 
 
