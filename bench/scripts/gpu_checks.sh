@@ -2,11 +2,13 @@
 # Result set: the correctness checks on one GPU, as logs.
 #   bash bench/scripts/gpu_checks.sh                (from the repository root)
 # Writes to $OUT (default ./bench-out):
-#   pytest_gpu.log         the whole test suite (`python -m pytest tests`), GPU tests included
+#   pytest_gpu.log         the whole test suite (`python -m pytest tests`), GPU tests included: the
+#                          large-memory GPU files one after another, the rest over $JOBS pytest-xdist
+#                          workers (default 8; JOBS=0 runs everything in one process)
 #   layer_gpu_tests.log    the layer at Kimi-K2 shape vs dense fp32, CUDA-graph replays, the kernels on the GPU
 #   nvlink_shared_gpu.log  the NVLink transport with 2 and 4 processes sharing GPU 0 (bench/scripts/nvlink_shared_gpu.sh)
 #   transformers_gpu.log   transformers models sharded over 8 virtual ranks (bench/scripts/transformers_gpu.py)
-# Exit status 0 iff every part passed.
+# PARTS (default "suite layer nvlink transformers") picks the parts. Exit status 0 iff every part passed.
 cd "$(dirname "$0")/../.."
 source bench/scripts/gpu_env.sh
 status=0
@@ -18,8 +20,19 @@ part() {  # part NAME LOG COMMAND...: run, keep the log, report the exit status
   echo "$name: exit $code ($(tail -1 "$OUT/$log"))"
   [ $code -eq 0 ] || status=1
 }
-part "test suite" pytest_gpu.log python3 -m pytest -o addopts="" -q tests
-part "layer GPU tests" layer_gpu_tests.log python3 -m pytest -o addopts="" -rA -s tests/test_layer_gpu.py tests/kernels
-part "NVLink, processes sharing one GPU" nvlink_driver.log bash bench/scripts/nvlink_shared_gpu.sh
-part "transformers models" transformers_driver.log python3 bench/scripts/transformers_gpu.py
+# Kimi-K2-sized GPU tests take tens of GB each: never two at once.
+HEAVY=(tests/test_layer_gpu.py tests/quant/test_quant_gpu.py tests/transport/test_nvlink_gpu.py)
+suite() {
+  if [ "${JOBS:-8}" -eq 0 ]; then python3 -m pytest -o addopts="" -q -p no:cacheprovider tests; return; fi
+  python3 -m pytest -o addopts="" -q -p no:cacheprovider "${HEAVY[@]}"
+  local heavy=$?
+  python3 -m pytest -o addopts="" -q -p no:cacheprovider -n "${JOBS:-8}" tests $(printf -- "--ignore=%s " "${HEAVY[@]}")
+  local rest=$?
+  return $(( heavy || rest ))
+}
+wanted() { [[ " ${PARTS:-suite layer nvlink transformers} " == *" $1 "* ]]; }
+wanted suite && part "test suite" pytest_gpu.log suite
+wanted layer && part "layer GPU tests" layer_gpu_tests.log python3 -m pytest -o addopts="" -rA -s tests/test_layer_gpu.py tests/kernels
+wanted nvlink && part "NVLink, processes sharing one GPU" nvlink_driver.log bash bench/scripts/nvlink_shared_gpu.sh
+wanted transformers && part "transformers models" transformers_driver.log python3 bench/scripts/transformers_gpu.py
 exit $status
