@@ -22,7 +22,7 @@ from typing import Callable, TypeVar
 import torch
 
 from flatep.config import EPConfig
-from flatep.plan.cost import CostProfile, Prediction, predict
+from flatep.plan.cost import CostConstants, CostProfile, Prediction, predict
 from flatep.plan.reference import build_layout
 from flatep.plan.types import Layout
 
@@ -113,6 +113,7 @@ def select(
     cost: CostProfile | None,
     total_tokens: int,
     candidates: tuple[Candidate, ...] = CANDIDATES,
+    predictor: Callable[[torch.Tensor, torch.Tensor, CostConstants], Prediction] = predict,
 ) -> L:
     """The auto plan from every candidate's plan: the model's choice, gathered on the device.
 
@@ -121,6 +122,8 @@ def select(
         tokens_per_expert: ``[R, E]`` the gathered histogram the plans were made from.
         config: group sizes; cost: the profile (default :meth:`CostProfile.default`).
         total_tokens: tokens over the group ``T``.
+        predictor: evaluates the model (:func:`flatep.plan.cost.predict`, or the one-launch
+            :func:`flatep.plan.cost_triton.predict_triton` of the Triton planners: the same integers).
 
     Returns:
         A plan of ``plans[0]``'s type: policy ``"auto"``, every tensor field the chosen
@@ -133,7 +136,7 @@ def select(
     if not isinstance(cost, CostProfile):
         raise ValueError(f"cost must be a flatep.CostProfile, got {type(cost).__name__}")
     alloc = torch.stack([plan.alloc for plan in plans])  # [C, E, R]
-    prediction = predict(tokens_per_expert.to(alloc.device), alloc, cost.constants(config))
+    prediction = predictor(tokens_per_expert.to(alloc.device), alloc, cost.constants(config))
     choice = choose(prediction)
     auto = AutoChoice(candidates=candidates, choice=choice, prediction=prediction)
     changes: dict[str, object] = {
