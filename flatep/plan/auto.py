@@ -92,6 +92,35 @@ class AutoChoice:
         }
 
 
+def moving_never_pays(config: EPConfig, cost: CostProfile, total_tokens: int) -> bool:
+    """Whether, for any routing of ``T`` tokens, the model puts no candidate that moves weights below classic.
+
+    A host-side bound from ``T`` alone (no device data): under classic the busiest rank is ``b``.
+    Moving weights can lower ``b``'s time only through experts ``b`` lends (the rows it sheds) or
+    borrows (its tokens that stop crossing the link), and each such expert costs ``b`` at least one
+    expert's push over the link, paired at worst with one lent and one borrowed expert (the push term
+    is ``max(lent, borrowed)``). With ``n <= T*K`` rows per expert, a lent expert saves at most
+    ``group + max(weight, ceil(n/tile)*tile*row) + n*row_bytes*link`` and a borrowed one at most
+    ``n*row_bytes*link``. When one push costs at least both savings together, every moving
+    candidate leaves ``b`` at least as slow, so its layer time is at least classic's, and classic
+    wins the tie. Then ``auto`` need not plan the other candidates: at decode sizes it plans
+    classic only, and pays classic's planning time. Exact in the model's integer arithmetic.
+    """
+    constants = cost.constants(config)
+    rows = total_tokens * config.top_k
+    tiles = -(-rows // constants.tile_rows)
+    row_link = rows * constants.row_bytes * constants.byte_fs
+    lent_saving = constants.group_fs + max(constants.weight_fs, tiles * constants.tile_rows * constants.row_fs) + row_link
+    return constants.weight_bytes * constants.byte_fs >= lent_saving + row_link
+
+
+def candidates_for(config: EPConfig, cost: CostProfile | None, total_tokens: int) -> tuple[Candidate, ...]:
+    """The candidates ``auto`` plans for a step of ``T`` tokens: classic alone when
+    :func:`moving_never_pays`, else all of :data:`CANDIDATES`."""
+    cost = CostProfile.default() if cost is None else cost
+    return CANDIDATES[:1] if moving_never_pays(config, cost, total_tokens) else CANDIDATES
+
+
 def choose(prediction: Prediction) -> torch.Tensor:
     """``[] int64``: the first candidate with the least busiest-rank time (``torch.argmin`` returns the first)."""
     return torch.argmin(prediction.layer_fs)
@@ -146,7 +175,8 @@ def select(
     changes.update(
         policy="auto",
         shard_rows=config.step_rows(total_tokens, "auto"),
-        slot_rows=slot_rows(config, total_tokens, candidates),
+        # Sized for every candidate, also when fewer were planned: the step's shapes stay those of auto.
+        slot_rows=slot_rows(config, total_tokens),
         auto=auto,
     )
     return dataclasses.replace(plans[0], **changes)
@@ -161,7 +191,8 @@ def auto_layout(
     tokens_per_expert: torch.Tensor, config: EPConfig, total_tokens: int, step_tokens: int, cost: CostProfile | None
 ) -> Layout:
     """:func:`flatep.plan.build_layout` under ``auto``: every candidate's layout by the reference, then :func:`select`."""
+    candidates = candidates_for(config, cost, total_tokens)
     layouts = plan_candidates(
-        lambda candidate, policy: build_layout(tokens_per_expert, candidate, policy, total_tokens, step_tokens), config
+        lambda candidate, policy: build_layout(tokens_per_expert, candidate, policy, total_tokens, step_tokens), config, candidates
     )
-    return select(layouts, tokens_per_expert, config, cost, total_tokens)
+    return select(layouts, tokens_per_expert, config, cost, total_tokens, candidates)

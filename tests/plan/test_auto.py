@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from flatep import CostProfile, EPConfig
 from flatep.plan import make_plan, plan_rank, split_slot_rows
-from flatep.plan.auto import CANDIDATES
+from flatep.plan.auto import CANDIDATES, candidates_for, moving_never_pays
 from flatep.plan.cost import predict
 from flatep.routing import skewed_topk
 from tests.plan.cases import planner_cases
@@ -57,7 +57,9 @@ def test_auto_is_the_first_cheapest_candidate_and_keeps_the_guarantees(case, pro
     layer = [int(predict(p.tokens_per_expert, p.alloc.unsqueeze(0), cost.constants(config)).layer_fs) for p in plans]
     choice = int(plan.auto.choice)
     assert choice == layer.index(min(layer))
-    assert plan.policy == "auto" and plan.auto.prediction.layer_fs.tolist() == layer
+    planned = len(candidates_for(config, cost, plan.total_tokens))
+    # Pruned (moving_never_pays): classic alone was planned, and it is the cheapest of all.
+    assert plan.policy == "auto" and plan.auto.prediction.layer_fs.tolist() == layer[:planned]
     chosen = plans[choice]
     for name, tensor in chosen.tensors().items():
         assert torch.equal(getattr(plan, name), tensor), name
@@ -135,3 +137,37 @@ def test_layer_equals_dense_under_auto(cost):
     with torch.no_grad():
         out = ep_moe(x, ids, weights, w13, w2, config=config, group=group, policy="auto", cost=cost, backend="torch")
     assert relative_error(out, dense_moe(x, ids, weights, w13, w2)) < 1e-5
+
+
+SLOW_LINK = CostProfile(link_gbps=10.0, hbm_gbps=2700.0, gemm_tflops=620.0, group_us=2.0, push_us=20.0, tile_rows=128)
+
+
+@pytest.mark.parametrize("routing", ["skewed", "one", "duplicate", "next"])
+@pytest.mark.parametrize("seed", range(6))
+def test_when_moving_never_pays_every_candidate_is_at_least_classic(routing, seed):
+    """The host-side bound is safe: on every routing, no candidate the model sees beats classic."""
+    from flatep.routing import adversarial_topk
+
+    config = EPConfig(ranks=4, experts=16, top_k=2, hidden=256, intermediate=128, capacity=8)
+    tokens = 1 + seed
+    assert moving_never_pays(config, SLOW_LINK, config.ranks * tokens)
+    if routing == "skewed":
+        ids = skewed_topk(config.ranks, config.experts, config.top_k, tokens, 3.0, seed=seed)
+    else:
+        ids = adversarial_topk(routing, config.ranks, config.experts, config.top_k, tokens)
+    plans = candidate_plans(ids, config, None)
+    layer = [int(predict(p.tokens_per_expert, p.alloc.unsqueeze(0), SLOW_LINK.constants(config)).layer_fs) for p in plans]
+    assert min(layer) == layer[0], layer
+    plan = make_plan(ids, config, "auto", cost=SLOW_LINK)
+    assert len(plan.auto.candidates) == 1 and plan.auto.report()["choice"] == "classic"
+    assert torch.equal(plan.dest_row, plans[0].dest_row) and torch.equal(plan.alloc, plans[0].alloc)
+
+
+def test_moving_never_pays_at_decode_only():
+    """Kimi-K2 bf16 on the H200 preset: classic alone at s=1 per rank; every candidate from s=128 on."""
+    from flatep import preset
+
+    cost = CostProfile.preset("h200")
+    config = preset("kimi-k2", ranks=8, capacity=8192)
+    assert moving_never_pays(config, cost, 8 * 1) and candidates_for(config, cost, 8) == CANDIDATES[:1]
+    assert not moving_never_pays(config, cost, 8 * 128) and candidates_for(config, cost, 8 * 128) == CANDIDATES
