@@ -229,14 +229,20 @@ def shipped_configs() -> list[str]:
 
 
 def dense_step(
-    x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor | QuantizedTensor, w2: torch.Tensor | QuantizedTensor
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    w13: torch.Tensor | QuantizedTensor,
+    w2: torch.Tensor | QuantizedTensor,
+    backend: str = "auto",
 ) -> torch.Tensor:
     """One device, no EP: sort entries by expert, grouped GEMM over all E experts, weighted sum.
 
     Args:
         x: ``[T, H]`` bf16; ids: ``[T, K]`` int; weights: ``[T, K]`` fp32 route weights;
         w13: ``[E, 2I, H]``; w2: ``[E, H, I]``: bf16, or packed fp8/mxfp4
-            (:class:`flatep.quant.QuantizedTensor`, the EP arms' grouped GEMMs on packed weights).
+            (:class:`flatep.quant.QuantizedTensor`, the EP arms' grouped GEMMs on packed weights);
+        backend: the grouped GEMMs' kernels (:func:`flatep.kernels.backend.use_triton`).
 
     Returns:
         ``[T, H]`` in ``x``'s dtype.
@@ -248,7 +254,7 @@ def dense_step(
     # scatter_add, not bincount: no host sync, so the dense step can be captured in a CUDA graph.
     counts = torch.zeros(experts, dtype=torch.int64, device=x.device).scatter_add_(0, flat_ids, torch.ones_like(flat_ids))
     offsets = counts.cumsum(0).to(torch.int32)
-    rows = grouped_swiglu(x[token], weights.reshape(-1)[order], w13, w2, offsets)
+    rows = grouped_swiglu(x[token], weights.reshape(-1)[order], w13, w2, offsets, backend=backend)
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     out.index_add_(0, token, rows.float())
     return out.to(x.dtype)
@@ -365,7 +371,7 @@ def _ep_cell(
     push_t = time_stats(lambda: pool.push(plan.slot_experts, backend), **timing)
     shard, shard_weights = dispatch_step(cell.x, cell.weights, plan, group, backend)
     experts_t = [
-        time_stats(lambda: experts_step(shard, shard_weights, pool, plan, group, rank), **timing)
+        time_stats(lambda: experts_step(shard, shard_weights, pool, plan, group, rank, backend=backend), **timing)
         for rank in range(config.ranks)
     ]
     combine_t = time_stats(lambda: combine_step(shard, plan, group, cell.tokens, config.top_k, cell.x.dtype, backend), **timing)
@@ -443,12 +449,12 @@ def _ep_cell(
     )
 
 
-def _dense_cell(sweep: Sweep, config: EPConfig, cell: Cell, weights: "DenseWeights", device: torch.device) -> dict[str, Any]:
+def _dense_cell(sweep: Sweep, config: EPConfig, cell: Cell, weights: "DenseWeights", device: torch.device, backend: str) -> dict[str, Any]:
     w13, w2 = weights
     x = cell.x.reshape(-1, config.hidden)
     ids = cell.ids.reshape(-1, config.top_k)
     route = cell.weights.reshape(-1, config.top_k)
-    dense = time_stats(lambda: dense_step(x, ids, route, w13, w2), device, sweep.warmup, sweep.iters, graph=device.type == "cuda")
+    dense = time_stats(lambda: dense_step(x, ids, route, w13, w2, backend), device, sweep.warmup, sweep.iters, graph=device.type == "cuda")
     share = [dense.min / config.ranks, dense.max / config.ranks]
     return dict(
         plan_us=0.0, dispatch_us=0.0, push_us=0.0, combine_us=0.0,
@@ -629,7 +635,7 @@ def run(sweep: Sweep, out_dir: Path, device: torch.device, resume: bool = False,
             if on_gpu:
                 torch.cuda.reset_peak_memory_stats(device)
             if arm == "dense":
-                measured = _dense_cell(sweep, config, cell, dense_weights, device)
+                measured = _dense_cell(sweep, config, cell, dense_weights, device, backend)
             else:
                 measured = _ep_cell(sweep, config, cell, arm, pool, device, backend, cost)
             row = dict(
