@@ -260,13 +260,21 @@ def dense_step(
     return out.to(x.dtype)
 
 
-def _sized_to_step(plan: Plan, align: int) -> Plan:
-    """Classic EP on one GPU: size shards to this step's hottest rank so R virtual shards fit.
+SIZED_TO_STEP = ("none", "auto")
+"""Policies whose shards the bench sizes to the step (:func:`_sized_to_step`)."""
 
-    Real classic EP must size for the worst case (``R*S*K`` rows) or sync to learn the counts;
-    this favours the classic arm, never the flat one.
+
+def _sized_to_step(plan: Plan, align: int) -> Plan:
+    """Classic EP and ``auto`` on one GPU: size the shards' home rows to this step's hottest rank,
+    so that R virtual shards fit (Kimi-K3 at s=8192: ~74 GB of worst-case shards otherwise).
+
+    Real classic EP must size for the worst case (``R*S*K`` rows) or sync to learn the counts, and
+    ``auto``'s home half is classic's (``EPConfig.step_rows(T, "auto")``); this favours those arms,
+    never the flat one. Takes the planner's layout (before :func:`split_slot_rows`), whose home
+    groups end at ``offsets[:, epn-1]``; ``auto`` keeps its slot half (``plan.slot_rows``).
     """
-    rows = align_up(int(plan.offsets[:, -1].max()), align)
+    epn = plan.slot_experts.shape[1]
+    rows = align_up(int(plan.offsets[:, epn - 1].max()), align)
     return dataclasses.replace(plan, shard_rows=max(rows, align))
 
 
@@ -364,9 +372,10 @@ def _ep_cell(
     # A profile may be passed with policy auto only (the planners refuse it otherwise).
     planner_cost = dict(cost=cost) if policy == "auto" else {}
     plan_t = time_stats(lambda: split_slot_rows(planner(cell.ids, config, policy, **planner_cost)), **{**timing, "graph": triton_planner})
-    plan = split_slot_rows(planner(cell.ids, config, policy, **planner_cost))
-    if policy == "none":
+    plan = planner(cell.ids, config, policy, **planner_cost)
+    if policy in SIZED_TO_STEP:
         plan = _sized_to_step(plan, config.align)
+    plan = split_slot_rows(plan)
     dispatch_t = time_stats(lambda: dispatch_step(cell.x, cell.weights, plan, group, backend), **timing)
     push_t = time_stats(lambda: pool.push(plan.slot_experts, backend), **timing)
     shard, shard_weights = dispatch_step(cell.x, cell.weights, plan, group, backend)
@@ -431,6 +440,8 @@ def _ep_cell(
         experts_moved=borrowed,
         weight_bytes_moved=borrowed * expert_bytes,
         plan_policy=plan.policy,
+        shard_rows=plan.shard_rows,
+        shard_sized_to_step=policy in SIZED_TO_STEP,
         dispatch_copy_fraction=kernel_bytes / dispatch_t.median / 1e3,
         combine_copy_fraction=kernel_bytes / combine_t.median / 1e3,
         experts_tflops_slowest=float(padded_rows[slowest]) * flops_per_row / experts_us[slowest] / 1e6,

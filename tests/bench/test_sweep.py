@@ -202,6 +202,8 @@ def test_every_ep_row_carries_the_plan_choice_the_moves_and_the_model_error(tmp_
         push = row["push_us"] / row["ranks"] if row["experts_moved"] else 0.0
         assert row["measured_for_model_us"] == pytest.approx(max(e + l + push for e, l in zip(row["experts_us"], link)))
         assert row["model_error"] == pytest.approx(row["predicted_us"] / row["measured_for_model_us"] - 1)
+        # classic and auto shards are sized to the step (as classic's always were), flat's are not.
+        assert row["shard_sized_to_step"] == (row["arm"] != "flat")
     for row in (r for r in rows if r["arm"] == "auto"):
         candidates = row["auto_candidates"]
         assert [c["choice"] for c in candidates] == labels
