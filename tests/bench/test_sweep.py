@@ -22,7 +22,7 @@ def test_bench_runs_end_to_end_and_reports_from_results_alone(tmp_path, capsys):
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     assert len(rows) == 4 * 2 * 2  # arms x tokens x maxvio
     for row in rows:
-        missing = [name for name in REQUIRED_FIELDS if name not in row]
+        missing = [name for name in (*REQUIRED_FIELDS, "weights", "cost_profile") if name not in row]
         assert not missing, missing
     # Arms interleaved cell by cell: each (tokens, maxvio) point runs all its arms back to back.
     assert [r["arm"] for r in rows] == ["flat", "classic", "auto", "dense"] * 4
