@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 from flatep.bench.calibrate import add_calibrate_command
 from flatep.config import MODEL_SHAPES, POLICIES, preset
+from flatep.quant import WEIGHT_FORMATS
 
 
 class CliError(Exception):
@@ -69,6 +70,7 @@ def _png_path(name: str) -> str:
 
 
 def _bench_command(args: argparse.Namespace) -> int:
+    import dataclasses
     from pathlib import Path
 
     import torch
@@ -91,6 +93,10 @@ def _bench_command(args: argparse.Namespace) -> int:
         raise CliError("--device cuda: no CUDA GPU is available here (torch.cuda.is_available() is False); use --device cpu")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     sweep = Sweep.load(args.config or ("default" if device.type == "cuda" else "cpu"))
+    overrides = {key: value for key, value in (("weights", args.weights), ("cost", args.cost)) if value is not None}
+    if overrides:
+        sweep = dataclasses.replace(sweep, **overrides)
+        sweep.validate()
     backend = resolve_backend(args.backend, device)
     note = "; no GPU: times are CPU times" if device.type == "cpu" else ""
     print(f"flatep bench: the '{sweep.name}' sweep on {device_name(device)}, kernels: {backend}{note}", flush=True)
@@ -157,7 +163,8 @@ def build_parser() -> argparse.ArgumentParser:
         "bench", formatter_class=formatter,
         help="sweep tokens per rank and router skew; write results, summary and plots",
         description="Sweep tokens per rank and router imbalance over the arms of a config (flat = policy exact, "
-        "classic = policy none, dense = one device without EP) on virtual ranks of one device, and write "
+        "classic = policy none, auto = the plan the cost model predicts fastest, dense = one device without EP) "
+        "on virtual ranks of one device, and write "
         "results.jsonl, summary.md and plots (plots need matplotlib). For one process per rank use "
         "'torchrun --nproc-per-node N -m flatep.bench.distributed'.",
     )
@@ -172,6 +179,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--device", default=None, choices=["cuda", "cpu"], help="None means cuda if available, else cpu")
     bench.add_argument("--backend", default="auto", choices=["auto", "triton", "torch"],
                        help="kernels: auto = Triton on a GPU, the plain-torch paths on the CPU")
+    bench.add_argument("--weights", default=None, choices=list(WEIGHT_FORMATS),
+                       help="weight format of the expert pool, overriding the config's weights key (None: the config's)")
+    bench.add_argument("--cost", default=None, metavar="PROFILE",
+                       help="cost profile of the auto arm and of the model predictions: a preset (generic, h200) or a "
+                       "JSON file from 'flatep calibrate --out', overriding the config's cost key (None: the config's)")
     bench.add_argument("--quiet", action="store_true", help="no progress bar")
     bench.set_defaults(run=_bench_command)
     add_calibrate_command(commands)

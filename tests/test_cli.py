@@ -100,3 +100,10 @@ def test_bench_device_cuda_without_gpu_is_one_line(capsys):
     assert main(["bench", "tiny", "--device", "cuda"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "no CUDA GPU" in err
+
+
+@pytest.mark.parametrize("option, value, named", [("--cost", "h100", "cost:"), ("--weights", "fp8", "weights: fp8 does not fit")])
+def test_bench_bad_weights_or_cost_option_is_one_line(option, value, named, capsys):
+    assert main(["bench", "tiny", "--device", "cpu", option, value]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and named in err

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Result set: the Kimi-K2 and Kimi-K3 sweeps on one GPU (R=8 virtual ranks, arms flat / classic /
-# dense interleaved cell by cell, 10 timed iterations per phase as CUDA-graph replays, per-rank
-# link bytes and the labelled link model).
+# Result set: the Kimi-K2 (fp8) and Kimi-K3 (mxfp4) sweeps on one GPU (R=8 virtual ranks, arms
+# flat / classic / auto interleaved cell by cell, auto deciding with the h200 cost profile; 5 token
+# sizes x 4 maxvio targets = 60 cells per model; 10 timed iterations per phase as CUDA-graph
+# replays, per-rank link bytes, the labelled link model, and per cell the plan chosen with the cost
+# model's prediction and error).
 #   bash bench/scripts/sweeps.sh [k2] [k3]        (from the repository root; default: both)
 # Runs `flatep bench bench/scripts/h200-<model>.yaml` for each and writes
 # $OUT/kimi-<model>/{results.jsonl,summary.md,*.png} and $OUT/kimi-<model>.log (OUT defaults to

@@ -1,6 +1,7 @@
 """Summary table and plots of a sweep, made from ``results.jsonl`` alone."""
 from __future__ import annotations
 
+import statistics
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,10 @@ def _arm_styles(rows: list[dict[str, Any]]) -> list[tuple[str, tuple[str | None,
     arms = list(dict.fromkeys(row["arm"] for row in rows))
     return [(arm, ARM_STYLE.get(arm, (None, "x"))) for arm in arms]
 PHASES = ("plan_us", "dispatch_us", "push_us", "experts_us_max", "combine_us")
+AUTO_SLACK = 1.03
+"""``auto`` counts as keeping up in a cell when its time is at most this times min(flat, classic)."""
+MODEL_BAND = 0.15
+"""The model error band the summary counts cells inside (``|predicted/measured - 1| <= 0.15``)."""
 
 
 def _fmt(value: Any, digits: int = 1) -> str:
@@ -90,6 +95,105 @@ def _link_cells(row: dict[str, Any]) -> str:
     return f"{dispatch} | {push}"
 
 
+def auto_vs_best(rows: list[dict[str, Any]], field: str = "layer_us") -> list[dict[str, Any]]:
+    """Per (model, tokens, maxvio target) cell with ``auto``, ``flat`` and ``classic`` rows: auto's
+    choice and its ``field`` (µs) over the smaller of flat's and classic's in the same run.
+
+    Returns:
+        ``[{"model", "tokens", "maxvio", "maxvio_target", "choice", "experts_moved", "auto_us",
+        "best_arm", "best_us", "ratio"}]`` sorted by model, tokens and target.
+    """
+    by_cell: dict[tuple, dict[str, dict[str, Any]]] = defaultdict(dict)
+    for row in rows:
+        by_cell[(row["model"], row["tokens"], row["maxvio_target"])][row["arm"]] = row
+    out = []
+    for (model, tokens, target), arms in sorted(by_cell.items()):
+        if not {"auto", "flat", "classic"} <= set(arms) or any(arms[a].get(field) is None for a in ("auto", "flat", "classic")):
+            continue
+        best = min(("flat", "classic"), key=lambda arm: arms[arm][field])
+        auto = arms["auto"]
+        out.append(dict(
+            model=model, tokens=tokens, maxvio=auto["maxvio"], maxvio_target=target, choice=auto.get("plan_choice"),
+            experts_moved=auto.get("experts_moved"), auto_us=auto[field], best_arm=best, best_us=arms[best][field],
+            ratio=auto[field] / arms[best][field],
+        ))
+    return out
+
+
+def model_error_stats(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The cost model's error (``model_error = predicted/measured - 1``) per arm, then over all arms.
+
+    Returns:
+        ``[{"arm", "cells", "within", "median", "worst"}]``: ``within`` counts cells with
+        ``|error| <= MODEL_BAND``; ``worst`` is the error of largest magnitude (signed). Arm
+        ``all`` comes last; arms without model errors are left out.
+    """
+    errors: dict[str, list[float]] = defaultdict(list)
+    for row in rows:
+        if row.get("model_error") is not None:
+            errors[row["arm"]].append(row["model_error"])
+    if not errors:
+        return []
+    errors["all"] = [error for values in list(errors.values()) for error in values]
+    return [
+        dict(arm=arm, cells=len(values), within=sum(abs(error) <= MODEL_BAND for error in values),
+             median=statistics.median(values), worst=max(values, key=abs))
+        for arm, values in errors.items()
+    ]
+
+
+def _auto_section(rows: list[dict[str, Any]]) -> list[str]:
+    """Markdown lines comparing the auto arm with min(flat, classic) and the cost model's error."""
+    lines: list[str] = []
+    measured, with_link = auto_vs_best(rows), auto_vs_best(rows, "layer_with_link_model_us")
+    if measured:
+        linked = {(c["model"], c["tokens"], c["maxvio_target"]): c for c in with_link}
+        kept = sum(c["ratio"] <= AUTO_SLACK for c in measured)
+        kept_link = sum(c["ratio"] <= AUTO_SLACK for c in with_link)
+        lines += [
+            "", "## policy auto against min(flat, classic), same run", "",
+            f"auto <= {AUTO_SLACK:g} x min(flat, classic) in **{kept} of {len(measured)}** cells by `layer` (measured), "
+            f"in **{kept_link} of {len(with_link)}** by `layer + link` (the link is a model). auto chooses with its cost "
+            "profile's model, which includes the link; on virtual ranks `layer` has no link time.", "",
+            "| s | maxvio (target) | auto's choice | experts moved | auto layer | best of flat/classic | ratio | "
+            "auto layer + link | best | ratio |",
+            "|" + "---|" * 10,
+        ]
+        for cell in measured:
+            link = linked.get((cell["model"], cell["tokens"], cell["maxvio_target"]))
+            link_cells = "- | - | -" if link is None else (
+                f"{_fmt(link['auto_us'])} | {link['best_arm']} {_fmt(link['best_us'])} | {link['ratio']:.2f}")
+            lines.append(
+                f"| {cell['tokens']} | {cell['maxvio']:.2f} ({cell['maxvio_target']:g}) | {cell['choice']} | "
+                f"{_fmt(cell['experts_moved'])} | {_fmt(cell['auto_us'])} | {cell['best_arm']} {_fmt(cell['best_us'])} | "
+                f"**{cell['ratio']:.2f}** | {link_cells} |"
+            )
+    stats = model_error_stats(rows)
+    if stats:
+        first = next(row for row in rows if row.get("model_error") is not None)
+        profile = first.get("cost_profile") or {}
+        lines += [
+            "", f"## Cost model error (profile `{profile.get('name', '?')}`)", "",
+            "`model_error` = predicted / measured - 1 per cell of every EP arm. predicted = the model's busiest-rank "
+            "time for the plan that ran (auto: its own prediction for the candidate it chose; other arms: the same "
+            "model evaluated on their plan). measured = the same terms, measured: the largest over ranks of that "
+            "rank's experts time + its link bytes over the profile's link bandwidth (the model's link terms) + the "
+            "per-rank share of the push launch when any expert moves; planning and the on-device dispatch/combine "
+            "copies are in neither.",
+        ]
+        if first.get("weights", "bf16") != "bf16":
+            lines += [
+                "", f"Weights are {first['weights']}: the pool pushes {_mb(first.get('expert_bytes'))} MB per borrowed expert, "
+                f"but the planner's model charges {_mb(first.get('model_expert_bytes'))} MB (bf16: the planner takes no weight "
+                "format), in its weight-read and push terms.",
+            ]
+        lines += ["", f"| arm | cells | within ±{100 * MODEL_BAND:.0f}% | median | worst |", "|---|---|---|---|---|"]
+        for entry in stats:
+            lines.append(f"| {entry['arm']} | {entry['cells']} | {entry['within']} | {100 * entry['median']:+.1f}% | "
+                         f"{100 * entry['worst']:+.1f}% |")
+    return lines
+
+
 def summary_markdown(rows: list[dict[str, Any]]) -> str:
     """The sweep as a Markdown table, with the flatness ratios and what each column counts."""
     if not rows:
@@ -107,7 +211,9 @@ def summary_markdown(rows: list[dict[str, Any]]) -> str:
     lines = [
         f"# flatep bench: {first['model']} (H={first['hidden']}, E={first['experts']}, K={first['top_k']}, "
         f"I={first['intermediate']}, align={first.get('align', 128)}), R={first['ranks']} "
-        f"{'processes' if processes else 'virtual ranks'} on {first['device']}{backend}",
+        f"{'processes' if processes else 'virtual ranks'} on {first['device']}{backend}"
+        f"{', weights: ' + first['weights'] if first.get('weights') else ''}"
+        f"{', cost profile: ' + first['cost_profile']['name'] if first.get('cost_profile') else ''}",
         "",
         _ceilings(first),
         "",
@@ -135,6 +241,7 @@ def summary_markdown(rows: list[dict[str, Any]]) -> str:
     for entry in flatness(rows):
         ratios = ", ".join(f"{target:g}: {ratio:.2f}" for target, ratio in entry["ratio_vs_maxvio0"].items())
         lines.append(f"| {entry['arm']} | {entry['tokens']} | {ratios} |")
+    lines += _auto_section(rows)
     return "\n".join(lines) + "\n"
 
 

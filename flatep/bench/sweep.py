@@ -2,13 +2,17 @@
 
 Arms: ``flat`` (policy ``exact``), ``classic`` (policy ``none``: the hottest rank carries the
 surplus), ``dense`` (one device, no EP: permute by expert, grouped GEMM over all experts), and
-any planner policy by its own name (``arms: [flat, classic, auto]`` runs an ``auto`` arm once
-:data:`flatep.config.POLICIES` has it). In every (tokens, maxvio) cell the arms run one after
-another on the same inputs, so drift of the machine hits every arm alike.
+any planner policy by its own name (``auto``: per step the candidate the cost model predicts
+fastest, :mod:`flatep.plan.auto`). In every (tokens, maxvio) cell the arms run one after another
+on the same inputs, so drift of the machine hits every arm alike.
 
 All ranks are virtual ranks of one device, so link time is not measured; per rank and phase the
 bytes that would cross the link are counted from the plan (:mod:`flatep.bench.accounting`) and a
 link time is *modelled* from them, always labelled as a model.
+
+Every EP row also carries what the cost model (:mod:`flatep.plan.cost`, the sweep's ``cost``
+profile) predicts for the plan that ran and the measured time of the same terms
+(:func:`model_terms_us`), so the model's error is read from the same cells it decides.
 """
 from __future__ import annotations
 
@@ -30,10 +34,13 @@ from flatep.config import MODEL_SHAPES, POLICIES, EPConfig, align_up, preset
 from flatep.experts.grouped import grouped_swiglu
 from flatep.experts.pool import ExpertPool
 from flatep.layer import combine_step, dispatch_step, ep_moe, experts_step
+from flatep.plan.auto import Candidate
+from flatep.plan.cost import CostProfile, predict
 from flatep.plan.reference import make_plan
 from flatep.plan.split import split_slot_rows
 from flatep.plan.triton import make_plan_triton, supports_triton_planner
 from flatep.plan.types import Plan
+from flatep.quant import WEIGHT_FORMATS, QuantizedTensor, check_pool_dims, expert_weight_nbytes, packed_layout
 from flatep.routing import sigma_for_maxvio, skewed_topk
 from flatep.transport.local import LocalGroup
 
@@ -42,7 +49,7 @@ ARMS = {"flat": "exact", "classic": "none", "dense": None}
 Any other arm name must be a planner policy (:data:`flatep.config.POLICIES`) and plans with it."""
 CELL_KEY = ("model", "ranks", "tokens", "maxvio_target", "arm")
 IDENTITY = ("sweep", "model", "ranks", "hidden", "experts", "top_k", "intermediate", "align", "tolerance",
-            "link_gbps_model", "warmup", "iters", "device", "backend")
+            "link_gbps_model", "warmup", "iters", "device", "backend", "weights", "cost_profile")
 """Fields every row of one results file shares: ``--resume`` refuses a file whose rows differ."""
 
 
@@ -77,6 +84,12 @@ class Sweep:
         align: group padding of the shards (:attr:`flatep.EPConfig.align`).
         tolerance: imbalance the flat arm lets pass without moving weights
             (:attr:`flatep.EPConfig.tolerance`).
+        weights: format of the expert pool, one of :data:`flatep.quant.WEIGHT_FORMATS`
+            (``bf16``; ``fp8``: e4m3 with 128x128 block scales, needs ``H`` and ``I`` multiples
+            of 128; ``mxfp4``: e2m1 with a scale per 32, needs multiples of 32), random values.
+        cost: the :class:`flatep.CostProfile` of the ``auto`` arm and of every row's model
+            prediction: a preset name (``generic``, ``h200``) or the path of a JSON profile
+            written by ``flatep calibrate --out``; ``None`` is :meth:`CostProfile.default`.
     """
 
     name: str
@@ -90,6 +103,8 @@ class Sweep:
     link_gbps: float = 370.0
     align: int = 128
     tolerance: float = 0.0
+    weights: str = "bf16"
+    cost: str | None = None
 
     @classmethod
     def load(cls, name_or_path: str) -> "Sweep":
@@ -127,7 +142,33 @@ class Sweep:
             raise ValueError(f"tokens must be a list of positive integers, got {self.tokens}")
         if not self.maxvio or any(v < 0 for v in self.maxvio):
             raise ValueError(f"maxvio must be a list of numbers >= 0, got {self.maxvio}")
-        self.ep_config(max(self.tokens))
+        config = self.ep_config(max(self.tokens))
+        if self.weights not in WEIGHT_FORMATS:
+            raise ValueError(f"weights must be one of {list(WEIGHT_FORMATS)}, got {self.weights!r}")
+        try:
+            check_pool_dims(self.weights, config.hidden, config.intermediate)
+        except ValueError as error:
+            raise ValueError(f"weights: {self.weights} does not fit model {self.model_name}: {error}") from None
+        self.cost_profile()
+
+    def cost_profile(self) -> CostProfile:
+        """The profile named by :attr:`cost`; ``ValueError`` naming the key ``cost`` if it cannot be read."""
+        if self.cost is None:
+            return CostProfile.default()
+        if not isinstance(self.cost, str):
+            raise ValueError(f"cost must be a preset name or the path of a JSON profile, got {self.cost!r}")
+        path = Path(self.cost)
+        if path.suffix == ".json" or path.exists():
+            if not path.is_file():
+                raise ValueError(f"cost: profile file {self.cost!r} does not exist")
+            try:
+                return CostProfile.load(path)
+            except ValueError as error:
+                raise ValueError(f"cost: {self.cost}: {error}") from None
+        try:
+            return CostProfile.preset(self.cost)
+        except ValueError as error:
+            raise ValueError(f"cost: {error}, or the path of a JSON profile (flatep calibrate --out)") from None
 
     @property
     def model_name(self) -> str:
@@ -187,11 +228,21 @@ def shipped_configs() -> list[str]:
     return sorted(p.name[: -len(".yaml")] for p in folder.iterdir() if p.name.endswith(".yaml"))
 
 
-def dense_step(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+def dense_step(
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    w13: torch.Tensor | QuantizedTensor,
+    w2: torch.Tensor | QuantizedTensor,
+    backend: str = "auto",
+) -> torch.Tensor:
     """One device, no EP: sort entries by expert, grouped GEMM over all E experts, weighted sum.
 
     Args:
-        x: ``[T, H]``; ids, weights: ``[T, K]``; w13: ``[E, 2I, H]``; w2: ``[E, H, I]``.
+        x: ``[T, H]`` bf16; ids: ``[T, K]`` int; weights: ``[T, K]`` fp32 route weights;
+        w13: ``[E, 2I, H]``; w2: ``[E, H, I]``: bf16, or packed fp8/mxfp4
+            (:class:`flatep.quant.QuantizedTensor`, the EP arms' grouped GEMMs on packed weights);
+        backend: the grouped GEMMs' kernels (:func:`flatep.kernels.backend.use_triton`).
 
     Returns:
         ``[T, H]`` in ``x``'s dtype.
@@ -203,19 +254,27 @@ def dense_step(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: t
     # scatter_add, not bincount: no host sync, so the dense step can be captured in a CUDA graph.
     counts = torch.zeros(experts, dtype=torch.int64, device=x.device).scatter_add_(0, flat_ids, torch.ones_like(flat_ids))
     offsets = counts.cumsum(0).to(torch.int32)
-    rows = grouped_swiglu(x[token], weights.reshape(-1)[order], w13, w2, offsets)
+    rows = grouped_swiglu(x[token], weights.reshape(-1)[order], w13, w2, offsets, backend=backend)
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     out.index_add_(0, token, rows.float())
     return out.to(x.dtype)
 
 
-def _sized_to_step(plan: Plan, align: int) -> Plan:
-    """Classic EP on one GPU: size shards to this step's hottest rank so R virtual shards fit.
+SIZED_TO_STEP = ("none", "auto")
+"""Policies whose shards the bench sizes to the step (:func:`_sized_to_step`)."""
 
-    Real classic EP must size for the worst case (``R*S*K`` rows) or sync to learn the counts;
-    this favours the classic arm, never the flat one.
+
+def _sized_to_step(plan: Plan, align: int) -> Plan:
+    """Classic EP and ``auto`` on one GPU: size the shards' home rows to this step's hottest rank,
+    so that R virtual shards fit (Kimi-K3 at s=8192: ~74 GB of worst-case shards otherwise).
+
+    Real classic EP must size for the worst case (``R*S*K`` rows) or sync to learn the counts, and
+    ``auto``'s home half is classic's (``EPConfig.step_rows(T, "auto")``); this favours those arms,
+    never the flat one. Takes the planner's layout (before :func:`split_slot_rows`), whose home
+    groups end at ``offsets[:, epn-1]``; ``auto`` keeps its slot half (``plan.slot_rows``).
     """
-    rows = align_up(int(plan.offsets[:, -1].max()), align)
+    epn = plan.slot_experts.shape[1]
+    rows = align_up(int(plan.offsets[:, epn - 1].max()), align)
     return dataclasses.replace(plan, shard_rows=max(rows, align))
 
 
@@ -237,7 +296,71 @@ def _spread(name: str, timing: Timing) -> dict[str, Any]:
     return {name: timing.median, f"{name}_spread": [timing.min, timing.max]}
 
 
-def _ep_cell(sweep: Sweep, config: EPConfig, cell: Cell, arm: str, pool: ExpertPool, device: torch.device, backend: str) -> dict[str, Any]:
+def model_terms_us(experts_us: list[float], link_us: list[float], push_us: float, moved: bool) -> tuple[float, int]:
+    """The measured counterpart of the cost model's layer time, and its busiest rank.
+
+    The model (``docs/cost-model.md``) charges rank ``d`` its grouped GEMMs, its push and row link
+    terms, and a fixed push cost on every rank when any expert moves. Their measured or modelled
+    counterparts: ``experts_us[d]`` (rank ``d``'s experts, measured), ``link_us[d]`` (its link
+    bytes of dispatch, combine and push over the *profile's* link bandwidth: the model's link
+    terms, from the plan's own bytes), and the per-rank share of the measured push launch when
+    anything moves. Planning and the on-device dispatch/combine copies are not in the model and
+    not in this figure (they are in ``layer_us``).
+
+    Args:
+        experts_us: ``[R]`` measured experts time per rank, µs.
+        link_us: ``[R]`` modelled link time per rank at the profile's bandwidth, µs.
+        push_us: measured push time per rank (the launch's share), µs.
+        moved: whether the plan moves any expert.
+
+    Returns:
+        ``(µs of the busiest rank, that rank)``.
+    """
+    times = [experts + link + (push_us if moved else 0.0) for experts, link in zip(experts_us, link_us)]
+    busiest = max(range(len(times)), key=times.__getitem__)
+    return times[busiest], busiest
+
+
+def _model_fields(plan: Plan, config: EPConfig, cost: CostProfile, measured_us: float) -> dict[str, Any]:
+    """What the cost model says of the plan that ran: the choice, the prediction and its error.
+
+    Called after every timing of the cell: reading ``plan.auto`` (or evaluating the model for
+    another arm's plan) synchronises with the device.
+    """
+    if plan.auto is not None:
+        auto = plan.auto
+        report = auto.report()
+        layer_us = (auto.prediction.layer_fs.double() / 1e9).tolist()
+        moved = auto.prediction.experts_moved.tolist()
+        fields = dict(
+            plan_choice=report["choice"],
+            predicted_us=report["predicted_us"],
+            predicted_rank_us=report["predicted_rank_us"],
+            model_experts_moved=report["experts_moved"],
+            auto_candidates=[
+                dict(choice=candidate.label(), predicted_us=us, experts_moved=count)
+                for candidate, us, count in zip(auto.candidates, layer_us, moved)
+            ],
+        )
+    else:
+        # The same model auto uses (same constants: bf16 expert bytes), on this arm's allocation.
+        prediction = predict(plan.tokens_per_expert, plan.alloc.unsqueeze(0), cost.constants(config))
+        fields = dict(
+            plan_choice=Candidate(plan.policy, config.tolerance if plan.policy == "bounded" else 0.0).label(),
+            predicted_us=int(prediction.layer_fs[0]) / 1e9,
+            predicted_rank_us=(prediction.rank_fs[0].double() / 1e9).tolist(),
+            model_experts_moved=int(prediction.experts_moved[0]),
+        )
+    fields.update(
+        measured_for_model_us=measured_us,
+        model_error=fields["predicted_us"] / measured_us - 1 if measured_us > 0 else None,
+    )
+    return fields
+
+
+def _ep_cell(
+    sweep: Sweep, config: EPConfig, cell: Cell, arm: str, pool: ExpertPool, device: torch.device, backend: str, cost: CostProfile
+) -> dict[str, Any]:
     policy = arm_policy(arm)
     group = LocalGroup(config.ranks, device)
     # On the GPU every phase is timed as CUDA-graph replays (as a serving step runs it): GPU time
@@ -246,32 +369,42 @@ def _ep_cell(sweep: Sweep, config: EPConfig, cell: Cell, arm: str, pool: ExpertP
     # The planner ep_moe uses: sync-free Triton on the GPU, the reference on the CPU.
     triton_planner = device.type == "cuda" and supports_triton_planner(config)
     planner = make_plan_triton if triton_planner else make_plan
-    plan_t = time_stats(lambda: split_slot_rows(planner(cell.ids, config, policy)), **{**timing, "graph": triton_planner})
-    plan = split_slot_rows(planner(cell.ids, config, policy))
-    if policy == "none":
+    # A profile may be passed with policy auto only (the planners refuse it otherwise).
+    planner_cost = dict(cost=cost) if policy == "auto" else {}
+    plan_t = time_stats(lambda: split_slot_rows(planner(cell.ids, config, policy, **planner_cost)), **{**timing, "graph": triton_planner})
+    plan = planner(cell.ids, config, policy, **planner_cost)
+    if policy in SIZED_TO_STEP:
         plan = _sized_to_step(plan, config.align)
+    plan = split_slot_rows(plan)
     dispatch_t = time_stats(lambda: dispatch_step(cell.x, cell.weights, plan, group, backend), **timing)
     push_t = time_stats(lambda: pool.push(plan.slot_experts, backend), **timing)
     shard, shard_weights = dispatch_step(cell.x, cell.weights, plan, group, backend)
     experts_t = [
-        time_stats(lambda: experts_step(shard, shard_weights, pool, plan, group, rank), **timing)
+        time_stats(lambda: experts_step(shard, shard_weights, pool, plan, group, rank, backend=backend), **timing)
         for rank in range(config.ranks)
     ]
     combine_t = time_stats(lambda: combine_step(shard, plan, group, cell.tokens, config.top_k, cell.x.dtype, backend), **timing)
     step_t = time_stats(
-        lambda: ep_moe(cell.x, cell.ids, cell.weights, config=config, group=group, policy=policy, pool=pool, plan=plan, backend=backend),
+        lambda: ep_moe(cell.x, cell.ids, cell.weights, config=config, group=group, policy=policy, pool=pool, plan=plan,
+                       backend=backend, **planner_cost),
         **timing,
     )
     group.close()
+    # Everything below reads the device: no timing runs after this point.
     ranks, hidden, element = config.ranks, config.hidden, cell.x.element_size()
+    expert_bytes = expert_weight_nbytes(pool.weights, hidden, config.intermediate)
     entries = cell.tokens * config.top_k
     padded_rows = plan.padded_rows().double().cpu()
     flops_per_row = 2 * 3 * hidden * config.intermediate
     experts_us = [t.median for t in experts_t]
     slowest = int(torch.tensor(experts_us).argmax())
     slots_per_rank = (plan.slot_experts >= 0).sum(1).cpu()
-    link_bytes = plan_link_bytes(plan, hidden * element, config.expert_bytes(element))
+    borrowed = int(slots_per_rank.sum())
+    link_bytes = plan_link_bytes(plan, hidden * element, expert_bytes)
     link_us = link_model_us(link_bytes, sweep.link_gbps)
+    measured_for_model, measured_rank = model_terms_us(
+        experts_us, link_model_us(link_bytes, cost.link_gbps)["total"], push_t.median / ranks, borrowed > 0
+    )
     # Bytes the dispatch and combine kernels read plus write, all virtual ranks together.
     kernel_bytes = ranks * (cell.tokens * hidden * element + entries * hidden * element)
     received = plan.received.double().cpu()
@@ -301,9 +434,14 @@ def _ep_cell(sweep: Sweep, config: EPConfig, cell: Cell, arm: str, pool: ExpertP
         layer_us_spread=[layer(lambda t: t.min), layer(lambda t: t.max)],
         dispatch_bytes=entries * hidden * element,
         combine_bytes=entries * hidden * element,
-        push_bytes=int(slots_per_rank.sum()) * config.expert_bytes(element),
-        borrowed_experts=int(slots_per_rank.sum()),
+        expert_bytes=expert_bytes,
+        push_bytes=borrowed * expert_bytes,
+        borrowed_experts=borrowed,
+        experts_moved=borrowed,
+        weight_bytes_moved=borrowed * expert_bytes,
         plan_policy=plan.policy,
+        shard_rows=plan.shard_rows,
+        shard_sized_to_step=policy in SIZED_TO_STEP,
         dispatch_copy_fraction=kernel_bytes / dispatch_t.median / 1e3,
         combine_copy_fraction=kernel_bytes / combine_t.median / 1e3,
         experts_tflops_slowest=float(padded_rows[slowest]) * flops_per_row / experts_us[slowest] / 1e6,
@@ -316,15 +454,18 @@ def _ep_cell(sweep: Sweep, config: EPConfig, cell: Cell, arm: str, pool: ExpertP
         link_model_us=max(link_us["total"]),
         layer_with_link_model_us=layer_with_link(busiest),
         layer_with_link_model_rank=busiest,
+        model_expert_bytes=config.expert_bytes(),
+        measured_for_model_rank=measured_rank,
+        **_model_fields(plan, config, cost, measured_for_model),
     )
 
 
-def _dense_cell(sweep: Sweep, config: EPConfig, cell: Cell, weights: tuple[torch.Tensor, torch.Tensor], device: torch.device) -> dict[str, Any]:
+def _dense_cell(sweep: Sweep, config: EPConfig, cell: Cell, weights: "DenseWeights", device: torch.device, backend: str) -> dict[str, Any]:
     w13, w2 = weights
     x = cell.x.reshape(-1, config.hidden)
     ids = cell.ids.reshape(-1, config.top_k)
     route = cell.weights.reshape(-1, config.top_k)
-    dense = time_stats(lambda: dense_step(x, ids, route, w13, w2), device, sweep.warmup, sweep.iters, graph=device.type == "cuda")
+    dense = time_stats(lambda: dense_step(x, ids, route, w13, w2, backend), device, sweep.warmup, sweep.iters, graph=device.type == "cuda")
     share = [dense.min / config.ranks, dense.max / config.ranks]
     return dict(
         plan_us=0.0, dispatch_us=0.0, push_us=0.0, combine_us=0.0,
@@ -352,50 +493,86 @@ class SharedWeightsGroup(LocalGroup):
         return torch.zeros(self.world, dtype=torch.int64, device=buffer.device)
 
 
-def _fill_random(tensor: torch.Tensor) -> torch.Tensor:
-    """Fill ``[n, ...]`` with N(0, 1/fan_in) values, one leading slice at a time (small fp32 scratch)."""
-    for part in tensor:
-        part.copy_(torch.randn(part.shape, device=part.device) * tensor.shape[-1] ** -0.5)
-    return tensor
+DenseWeights = tuple[torch.Tensor | QuantizedTensor, torch.Tensor | QuantizedTensor]
+"""The dense arm's ``w13 [E, 2I, H]`` and ``w2 [E, H, I]``: bf16 tensors, or packed in the pool's format."""
 
 
-def _pool_fits(config: EPConfig, device: torch.device) -> bool:
-    """Whether R copies of the pool fit (the dense arm computes with a view of them)."""
+def _matrices(config: EPConfig) -> dict[str, tuple[int, int]]:
+    """``[rows, columns]`` of one expert's matrix per projection: ``w13 [2I, H]``, ``w2 [H, I]``."""
+    return {"w13": (2 * config.intermediate, config.hidden), "w2": (config.hidden, config.intermediate)}
+
+
+def _fill_random(tensors: dict[str, torch.Tensor], config: EPConfig, weights: str) -> None:
+    """Fill experts ``[n, ...]`` of ``w13`` and ``w2`` (and of ``w13_scale``, ``w2_scale`` when
+    ``weights`` is quantized) with N(0, 1/fan_in) values in format ``weights``, one expert at a time
+    (fp32 scratch of one expert's matrix)."""
+    for name, (rows, columns) in _matrices(config).items():
+        target = tensors[name]
+        for index in range(target.shape[0]):
+            weight = torch.randn(rows, columns, device=target.device) * columns**-0.5
+            if weights == "bf16":
+                target[index].copy_(weight)
+                continue
+            packed = QuantizedTensor.quantize(weight, weights)
+            target[index].copy_(packed.values)
+            tensors[f"{name}_scale"][index].copy_(packed.scales)
+
+
+def _as_weights(tensors: dict[str, torch.Tensor], weights: str) -> DenseWeights:
+    """``(w13, w2)`` from the named tensors: plain, or :class:`QuantizedTensor` with their scales."""
+    if weights == "bf16":
+        return tensors["w13"], tensors["w2"]
+    return tuple(QuantizedTensor(weights, tensors[name], tensors[f"{name}_scale"]) for name in ("w13", "w2"))
+
+
+def _pool_fits(config: EPConfig, device: torch.device, weights: str) -> bool:
+    """Whether R copies of the pool (home experts and slots, packed) fit; the dense arm computes with a view of them."""
     if device.type != "cuda":
         return True
     free, _ = torch.cuda.mem_get_info(device)
-    return 2 * config.experts * config.expert_bytes() < 0.6 * free
+    return 2 * config.experts * expert_weight_nbytes(weights, config.hidden, config.intermediate) < 0.6 * free
 
 
-def _random_weights(config: EPConfig, device: torch.device, arms: list[str]) -> tuple[ExpertPool | None, tuple[torch.Tensor, torch.Tensor] | None, bool]:
-    """A bf16 pool with random weights for the EP arms, the dense arm's ``w13 [E, 2I, H]`` and
-    ``w2 [E, H, I]``, and ``True`` if the pool's weights are shared across virtual ranks.
+def _random_weights(
+    config: EPConfig, device: torch.device, arms: list[str], weights: str
+) -> tuple[ExpertPool | None, DenseWeights | None, bool]:
+    """A pool in format ``weights`` with random values for the EP arms, the dense arm's weights
+    (:data:`DenseWeights`, same format), and ``True`` if the pool's weights are shared across
+    virtual ranks.
 
     Both live for the whole sweep, so that every cell runs its arms back to back. Unshared, the
-    dense weights are a view of the pool's home experts (no second copy).
+    dense weights are a view of the pool's home experts (no second copy), so the dense arm runs
+    the same packed weights through the same grouped GEMMs.
     """
     ep_arms = [arm for arm in arms if arm_policy(arm) is not None]
     wants_dense = "dense" in arms
-    shared = not _pool_fits(config, device)
-    pool = None
+    shared = not _pool_fits(config, device, weights)
+    pool, home = None, {}
     if ep_arms or (wants_dense and not shared):
         group = (SharedWeightsGroup if shared else LocalGroup)(config.ranks, device)
-        pool = ExpertPool(config, group, torch.bfloat16)
-        for tensor in (pool.w13, pool.w2):
-            _fill_random(tensor[:1] if shared else tensor)
+        pool = ExpertPool(config, group, torch.bfloat16, weights=weights)
+        # Shared: the R ranks' home experts are one rank's memory, filled once. Unshared: a view of all E.
+        home = {name: pool.home(name)[0] if shared else pool.home(name).view(config.experts, *pool.expert_shape(name)[1:])
+                for name in pool.names}
+        _fill_random(home, config, weights)
     dense = None
     if wants_dense:
-        if shared:
-            dense = _random_dense_weights(config, device)
-        else:
-            dense = (pool.w13.reshape(config.experts, *pool.w13.shape[2:]), pool.w2.reshape(config.experts, *pool.w2.shape[2:]))
+        dense = _as_weights(_random_dense_tensors(config, device, weights) if shared else home, weights)
     return (pool if ep_arms else None), dense, shared
 
 
-def _random_dense_weights(config: EPConfig, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    w13 = torch.empty(config.experts, 2 * config.intermediate, config.hidden, dtype=torch.bfloat16, device=device)
-    w2 = torch.empty(config.experts, config.hidden, config.intermediate, dtype=torch.bfloat16, device=device)
-    return _fill_random(w13), _fill_random(w2)
+def _random_dense_tensors(config: EPConfig, device: torch.device, weights: str) -> dict[str, torch.Tensor]:
+    """All ``E`` experts' weights in format ``weights`` for the dense arm, apart from a shared pool."""
+    tensors = {}
+    for name, (rows, columns) in _matrices(config).items():
+        if weights == "bf16":
+            tensors[name] = torch.empty(config.experts, rows, columns, dtype=torch.bfloat16, device=device)
+            continue
+        (values, values_dtype), (scales, scales_dtype) = packed_layout(weights, rows, columns)
+        tensors[name] = torch.empty(config.experts, *values, dtype=values_dtype, device=device)
+        tensors[f"{name}_scale"] = torch.empty(config.experts, *scales, dtype=scales_dtype, device=device)
+    _fill_random(tensors, config, weights)
+    return tensors
 
 
 def read_results(path: Path) -> list[dict[str, Any]]:
@@ -435,10 +612,12 @@ def run(sweep: Sweep, out_dir: Path, device: torch.device, resume: bool = False,
     on_gpu = device.type == "cuda"
     hardware = device_name(device)
     config = sweep.ep_config(max(sweep.tokens))
+    cost = sweep.cost_profile()
     identity = dict(
         sweep=sweep.name, model=sweep.model_name, ranks=sweep.ranks, hidden=config.hidden, experts=config.experts,
         top_k=config.top_k, intermediate=config.intermediate, align=config.align, tolerance=config.tolerance,
         link_gbps_model=sweep.link_gbps, warmup=sweep.warmup, iters=sweep.iters, device=hardware, backend=backend,
+        weights=sweep.weights, cost_profile=cost.to_dict(),
     )
     out_dir.mkdir(parents=True, exist_ok=True)
     results_path = out_dir / "results.jsonl"
@@ -454,7 +633,7 @@ def run(sweep: Sweep, out_dir: Path, device: torch.device, resume: bool = False,
         gemm_ceiling_tflops=gemm_ceiling_tflops(device, 8192) if on_gpu else None,
     )
     todo = [c for c in cells(sweep) if (sweep.model_name, sweep.ranks, c[1], c[2], c[0]) not in done]
-    pool, dense_weights, shared = _random_weights(config, device, sweep.arms) if todo else (None, None, False)
+    pool, dense_weights, shared = _random_weights(config, device, sweep.arms, sweep.weights) if todo else (None, None, False)
     cell_cache: dict[tuple[int, float], Cell] = {}
     bar = tqdm(todo, desc=f"flatep bench {sweep.name}", disable=not progress, unit="cell")
     with results_path.open("a") as results:
@@ -467,9 +646,9 @@ def run(sweep: Sweep, out_dir: Path, device: torch.device, resume: bool = False,
             if on_gpu:
                 torch.cuda.reset_peak_memory_stats(device)
             if arm == "dense":
-                measured = _dense_cell(sweep, config, cell, dense_weights, device)
+                measured = _dense_cell(sweep, config, cell, dense_weights, device, backend)
             else:
-                measured = _ep_cell(sweep, config, cell, arm, pool, device, backend)
+                measured = _ep_cell(sweep, config, cell, arm, pool, device, backend, cost)
             row = dict(
                 **identity, tokens=tokens, maxvio_target=target, maxvio=cell.maxvio, sigma=cell.sigma, arm=arm,
                 **ceilings, **measured,

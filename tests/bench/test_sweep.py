@@ -8,25 +8,28 @@ import pytest
 
 import flatep.bench.sweep as sweep_module
 from flatep.bench.accounting import PHASES
-from flatep.bench.report import PLOTS_SKIPPED, REQUIRED_FIELDS
+from flatep.bench.accounting import link_model_us
+from flatep.bench.report import AUTO_SLACK, PLOTS_SKIPPED, REQUIRED_FIELDS, auto_vs_best, model_error_stats
 from flatep.bench.sweep import Sweep, arm_policy, cells, shipped_configs
 from flatep.cli import main
+from flatep.plan.auto import CANDIDATES
+from flatep.plan.cost import CostProfile
 
 
 def test_bench_runs_end_to_end_and_reports_from_results_alone(tmp_path, capsys):
     out = tmp_path / "out"
     assert main(["bench", "tiny", "--out", str(out), "--device", "cpu", "--quiet"]) == 0
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
-    assert len(rows) == 3 * 2 * 2  # arms x tokens x maxvio
+    assert len(rows) == 4 * 2 * 2  # arms x tokens x maxvio
     for row in rows:
-        missing = [name for name in REQUIRED_FIELDS if name not in row]
+        missing = [name for name in (*REQUIRED_FIELDS, "weights", "cost_profile") if name not in row]
         assert not missing, missing
     # Arms interleaved cell by cell: each (tokens, maxvio) point runs all its arms back to back.
-    assert [r["arm"] for r in rows] == ["flat", "classic", "dense"] * 4
-    assert [(r["tokens"], r["maxvio_target"]) for r in rows[::3]] == [(4, 0.0), (4, 2.0), (8, 0.0), (8, 2.0)]
+    assert [r["arm"] for r in rows] == ["flat", "classic", "auto", "dense"] * 4
+    assert [(r["tokens"], r["maxvio_target"]) for r in rows[::4]] == [(4, 0.0), (4, 2.0), (8, 0.0), (8, 2.0)]
     flat = [r for r in rows if r["arm"] == "flat"]
     assert all(r["rows_max"] == r["tokens"] * 2 for r in flat)  # every rank computes s*K rows
-    assert {r["arm"] for r in rows} == {"flat", "classic", "dense"}
+    assert {r["arm"] for r in rows} == {"flat", "classic", "auto", "dense"}
     for name in ("summary.md", "layer_vs_maxvio.png", "breakdown.png", "layer_vs_tokens.png"):
         assert (out / name).stat().st_size > 0
     printed = capsys.readouterr().out
@@ -158,3 +161,188 @@ def test_an_arm_named_by_its_policy_runs(tmp_path, capsys):
     assert main(["bench", str(path), "--out", str(out), "--device", "cpu", "--quiet"]) == 0
     (row,) = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     assert row["arm"] == "exact" and row["plan_policy"] == "exact" and row["rows_max"] == 8
+
+
+# Balancing pays under this profile: compute is slow and everything else nearly free, so under skew
+# auto leaves classic (the tie-break's first choice when nothing is gained).
+CHEAP_MOVES = dict(link_gbps=1e6, hbm_gbps=1e6, gemm_tflops=1e-4, group_us=1e-3, push_us=1e-3, tile_rows=1, name="cheap-moves")
+
+
+def _sweep_rows(tmp_path, text, *extra, out_name="out"):
+    path = tmp_path / "sweep.yaml"
+    path.write_text(text)
+    out = tmp_path / out_name
+    assert main(["bench", str(path), "--out", str(out), "--device", "cpu", "--quiet", *extra]) == 0
+    return out, [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+
+
+# fp8 needs H and I multiples of 128; align 16 keeps the padded shards (and the CPU GEMMs) small.
+SMALL = "name: s\nmodel: {hidden: 128, experts: 4, top_k: 2, intermediate: 128}\nranks: 2\nalign: 16\nwarmup: 0\niters: 1\n"
+
+
+@pytest.mark.parametrize("profile", ["generic", "cheap-moves"])
+def test_every_ep_row_carries_the_plan_choice_the_moves_and_the_model_error(tmp_path, profile):
+    cost = "generic"
+    if profile == "cheap-moves":
+        cost = str(tmp_path / "cheap.json")
+        CostProfile(**CHEAP_MOVES).save(cost)
+    _, rows = _sweep_rows(tmp_path, SMALL + f"tokens: [16]\nmaxvio: [0, 1]\narms: [flat, classic, auto]\ncost: {cost}\n")
+    labels = [candidate.label() for candidate in CANDIDATES]
+    expected = CostProfile.preset("generic") if profile == "generic" else CostProfile(**CHEAP_MOVES)
+    for row in rows:
+        assert row["cost_profile"] == expected.to_dict() and row["weights"] == "bf16"
+        assert row["plan_choice"] == {"flat": "exact", "classic": "classic"}.get(row["arm"], row["plan_choice"])
+        assert row["plan_choice"] in labels
+        # What the bench counts from the plan and what the model counts agree.
+        assert row["experts_moved"] == row["model_experts_moved"] == row["borrowed_experts"]
+        assert row["weight_bytes_moved"] == row["push_bytes"] == row["experts_moved"] * row["expert_bytes"]
+        assert row["predicted_us"] == pytest.approx(max(row["predicted_rank_us"])) and row["predicted_us"] > 0
+        # The measured counterpart: experts + link at the profile's bandwidth + the push share when moving.
+        link = link_model_us(row["link_bytes"], expected.link_gbps)["total"]
+        push = row["push_us"] / row["ranks"] if row["experts_moved"] else 0.0
+        assert row["measured_for_model_us"] == pytest.approx(max(e + l + push for e, l in zip(row["experts_us"], link)))
+        assert row["model_error"] == pytest.approx(row["predicted_us"] / row["measured_for_model_us"] - 1)
+        # classic and auto shards are sized to the step (as classic's always were), flat's are not.
+        assert row["shard_sized_to_step"] == (row["arm"] != "flat")
+    for row in (r for r in rows if r["arm"] == "auto"):
+        candidates = row["auto_candidates"]
+        assert [c["choice"] for c in candidates] == labels
+        best = min(c["predicted_us"] for c in candidates)
+        chosen = next(c for c in candidates if c["predicted_us"] == best)  # ties go to the first
+        assert row["plan_choice"] == chosen["choice"] and row["predicted_us"] == pytest.approx(best)
+        assert row["experts_moved"] == chosen["experts_moved"] and row["plan_policy"] == "auto"
+    skewed = next(r for r in rows if r["arm"] == "auto" and r["maxvio_target"] == 1)
+    flat = next(r for r in rows if r["arm"] == "flat" and r["maxvio_target"] == 1)
+    assert flat["experts_moved"] > 0
+    if profile == "generic":  # a push's fixed 30 µs outweighs every row of this tiny shape
+        assert skewed["plan_choice"] == "classic" and skewed["experts_moved"] == 0
+    else:
+        assert skewed["plan_choice"] != "classic" and skewed["experts_moved"] > 0
+
+
+def _row(arm, tokens, target, layer, error=None, choice=None):
+    return dict(model="m", arm=arm, tokens=tokens, maxvio_target=target, maxvio=target, layer_us=layer,
+                layer_with_link_model_us=layer + 1, model_error=error, plan_choice=choice, experts_moved=0)
+
+
+def test_auto_ratio_and_model_error_distribution():
+    rows = [
+        _row("flat", 1, 0.0, 10.0, 0.10), _row("classic", 1, 0.0, 8.0, -0.20), _row("auto", 1, 0.0, 8.2, 0.05, "classic"),
+        _row("flat", 1, 5.0, 6.0, -0.40), _row("classic", 1, 5.0, 9.0, 0.15), _row("auto", 1, 5.0, 7.0, 0.0, "exact"),
+        _row("dense", 1, 5.0, 1.0),
+    ]
+    cells = auto_vs_best(rows)
+    assert [(c["choice"], c["best_arm"], c["ratio"]) for c in cells] == [
+        ("classic", "classic", pytest.approx(8.2 / 8.0)), ("exact", "flat", pytest.approx(7.0 / 6.0))]
+    assert sum(c["ratio"] <= AUTO_SLACK for c in cells) == 1
+    stats = {entry["arm"]: entry for entry in model_error_stats(rows)}
+    assert set(stats) == {"flat", "classic", "auto", "all"}
+    assert stats["all"]["cells"] == 6 and stats["all"]["within"] == 4  # |-0.20| and |-0.40| fall outside
+    assert stats["all"]["median"] == pytest.approx(0.025) and stats["all"]["worst"] == pytest.approx(-0.40)
+    assert stats["flat"]["worst"] == pytest.approx(-0.40) and stats["classic"]["within"] == 1
+
+
+def test_summary_shows_the_auto_ratio_and_the_model_error(tmp_path):
+    out, rows = _tiny_rows(tmp_path)
+    summary = (out / "summary.md").read_text()
+    cells = auto_vs_best(rows)
+    assert len(cells) == 4
+    kept = sum(c["ratio"] <= AUTO_SLACK for c in cells)
+    assert f"auto <= {AUTO_SLACK:g} x min(flat, classic) in **{kept} of 4** cells" in summary
+    for cell in cells:
+        assert f"| {cell['choice']} |" in summary and f"**{cell['ratio']:.2f}**" in summary
+    assert "## Cost model error (profile `generic`)" in summary and "within ±15%" in summary
+    stats = model_error_stats(rows)
+    assert stats[-1]["arm"] == "all" and stats[-1]["cells"] == 12
+    assert f"| all | 12 | {stats[-1]['within']} | {100 * stats[-1]['median']:+.1f}% |" in summary
+
+
+@pytest.mark.parametrize("weights, expert_bytes", [
+    # w13 [256, 128] + w2 [128, 128] in e4m3, one fp32 scale per 128x128 block (2 + 1).
+    ("fp8", 256 * 128 + 128 * 128 + 3 * 4),
+    # Two e2m1 per byte, one e8m0 scale byte per 32 inputs.
+    ("mxfp4", (256 * 128 + 128 * 128) // 2 + (256 * 128 + 128 * 128) // 32),
+])
+def test_quantized_sweeps_push_the_packed_bytes(tmp_path, weights, expert_bytes):
+    _, rows = _sweep_rows(tmp_path, SMALL + f"tokens: [8]\nmaxvio: [0, 1]\narms: [flat, classic, auto, dense]\nweights: {weights}\n")
+    assert len(rows) == 8 and all(row["weights"] == weights for row in rows)
+    assert any(row.get("borrowed_experts", 0) > 0 for row in rows)
+    for row in rows:
+        if row["arm"] == "dense":
+            assert row["push_bytes"] == 0 and row["dense_us"] > 0
+            continue
+        assert row["expert_bytes"] == expert_bytes and row["model_expert_bytes"] == 3 * 128 * 128 * 2
+        assert row["push_bytes"] == expert_bytes * row["borrowed_experts"]
+        assert max(row["link_bytes"]["push"]["ingress"]) <= row["push_bytes"]
+        assert sum(row["link_bytes"]["push"]["egress"]) == row["push_bytes"]
+
+
+@pytest.mark.parametrize("weights", ["fp8", "mxfp4"])
+def test_the_dense_arm_computes_the_ep_layer_with_the_same_packed_weights(weights):
+    import torch
+
+    from flatep.bench.sweep import Cell, _random_weights, dense_step
+    from flatep.layer import ep_moe
+    from flatep.transport.local import LocalGroup
+
+    sweep = Sweep(name="q", model={"hidden": 128, "experts": 4, "top_k": 2, "intermediate": 128}, ranks=2, tokens=[8],
+                  maxvio=[1], align=16, weights=weights)
+    config = sweep.ep_config(8)
+    device = torch.device("cpu")
+    pool, (w13, w2), shared = _random_weights(config, device, ["flat", "dense"], weights)
+    assert not shared and w13.format == weights and pool.weights == weights
+    cell = Cell(sweep, config, 8, 1.0, device)
+    ep = ep_moe(cell.x, cell.ids, cell.weights, config=config, group=LocalGroup(2, device), policy="exact", pool=pool,
+                backend="torch")
+    dense = dense_step(cell.x.reshape(-1, 128), cell.ids.reshape(-1, 2), cell.weights.reshape(-1, 2), w13, w2, "torch")
+    torch.testing.assert_close(ep.reshape(-1, 128).float(), dense.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        ("weights: fp16\n", "weights must be one of"),
+        ("weights: [fp8]\n", "weights must be one of"),
+        ("weights: fp8\nmodel: {hidden: 64, experts: 8, top_k: 2, intermediate: 32}\n", "weights: fp8 does not fit model"),
+        ("cost: h100\n", "cost: cost profile preset must be one of"),
+        ("cost: missing.json\n", "cost: profile file 'missing.json' does not exist"),
+        ("cost: 370\n", "cost must be a preset name"),
+    ],
+)
+def test_bad_weights_or_cost_is_named(tmp_path, extra, message):
+    path = tmp_path / "sweep.yaml"
+    base = "name: x\nmodel: kimi-k2\nranks: 8\ntokens: [1]\nmaxvio: [0]\n"
+    if "model:" in extra:
+        base = base.replace("model: kimi-k2\n", "")
+    path.write_text(base + extra)
+    with pytest.raises(ValueError, match=message):
+        Sweep.load(str(path))
+
+
+def test_a_bad_cost_profile_file_is_named(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({**CHEAP_MOVES, "push_us": -1}))
+    path = tmp_path / "sweep.yaml"
+    path.write_text(f"name: x\nmodel: kimi-k2\nranks: 8\ntokens: [1]\nmaxvio: [0]\ncost: {bad}\n")
+    with pytest.raises(ValueError, match=r"cost: .*bad.json: CostProfile.push_us must be"):
+        Sweep.load(str(path))
+
+
+def test_weights_and_cost_options_override_the_config_and_are_part_of_the_resume_identity(tmp_path, capsys):
+    out, rows = _tiny_rows(tmp_path, "--weights", "mxfp4", "--cost", "h200")
+    assert {row["weights"] for row in rows} == {"mxfp4"}
+    assert {row["cost_profile"]["name"] for row in rows} == {"h200"}
+    assert "weights: mxfp4, cost profile: h200" in (out / "summary.md").read_text()
+    capsys.readouterr()
+    for extra, shown in ((["--weights", "mxfp4"], "cost_profile"), (["--cost", "h200"], "weights: 'mxfp4' there, 'bf16' now")):
+        assert main(["bench", "tiny", "--out", str(out), "--device", "cpu", "--quiet", "--resume", *extra]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "another sweep config" in err and shown in err
+    assert main(["bench", "tiny", "--out", str(out), "--device", "cpu", "--quiet", "--resume", "--weights", "fp8"]) == 2
+    assert "weights: fp8 does not fit model" in capsys.readouterr().err
+
+
+def test_shipped_configs_run_the_formats_the_models_ship_in():
+    assert Sweep.load("default").weights == "fp8" and Sweep.load("kimi-k3").weights == "mxfp4"
+    for name in ("default", "kimi-k3", "cpu", "tiny"):
+        assert "auto" in Sweep.load(name).arms
