@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# Result set: the Kimi-K2 (fp8) and Kimi-K3 (mxfp4) sweeps on one GPU (R=8 virtual ranks, arms
-# flat / classic / auto interleaved cell by cell, auto deciding with the h200 cost profile; 5 token
+# Result set: the Kimi-K2 and Kimi-K3 sweeps (bf16 weights; see the yaml files) on one GPU (R=8 virtual ranks, arms
+# flat / classic / auto interleaved cell by cell, auto deciding with the profile calibrated first; 5 token
 # sizes x 4 maxvio targets = 60 cells per model; 10 timed iterations per phase as CUDA-graph
 # replays, per-rank link bytes, the labelled link model, and per cell the plan chosen with the cost
 # model's prediction and error).
 #   bash bench/scripts/sweeps.sh [k2] [k3]        (from the repository root; default: both)
-# Runs `flatep bench bench/scripts/h200-<model>.yaml` for each and writes
+# Calibrates a cost profile (`flatep calibrate --model kimi-<model>`: $OUT/profile-kimi-<model>.json),
+# then runs `flatep bench bench/scripts/h200-<model>.yaml --cost` that profile for each and writes
 # $OUT/kimi-<model>/{results.jsonl,summary.md,*.png} and $OUT/kimi-<model>.log (OUT defaults to
 # ./bench-out). SWEEP_TIMEOUT (seconds, default 1800) bounds each sweep; `--resume` continues
 # a sweep that was cut: run the same command again.
@@ -15,8 +16,12 @@ models=("$@")
 [ ${#models[@]} -eq 0 ] && models=(k2 k3)
 status=0
 for model in "${models[@]}"; do
+  # The profile auto decides with: measured here first (grouped GEMMs at the model's shapes, HBM
+  # read), kept across a resumed sweep so that its rows agree.
+  profile="$OUT/profile-kimi-$model.json"
+  [ -f "$profile" ] || timeout 120 python3 -m flatep calibrate --model "kimi-$model" --out "$profile" > "$OUT/calibrate-kimi-$model.log" 2>&1
   timeout "${SWEEP_TIMEOUT:-1800}" python3 -m flatep bench "bench/scripts/h200-$model.yaml" --out "$OUT/kimi-$model" \
-    --resume --quiet > "$OUT/kimi-$model.log" 2>&1
+    --cost "$profile" --resume --quiet > "$OUT/kimi-$model.log" 2>&1
   code=$?
   echo "kimi-$model sweep: exit $code, $(wc -l < "$OUT/kimi-$model/results.jsonl" 2>/dev/null || echo 0) cells"
   [ $code -eq 0 ] || status=1
