@@ -54,6 +54,10 @@ class CostProfile:
             barrier after them), in microseconds, charged to every rank.
         tile_rows: rows of one GEMM tile: a group's rows are computed in whole tiles.
         name: a label (the device it was measured on).
+        expert_bytes: bytes of one expert's weights as the pool stores and pushes them (values and
+            scales), or None for bf16 (:meth:`flatep.EPConfig.expert_bytes`). Not a device constant:
+            :func:`flatep.ep_moe` fills it from a packed (fp8, mxfp4) pool; planning on its own
+            takes it from :meth:`with_expert_bytes`.
     """
 
     link_gbps: float
@@ -63,11 +67,15 @@ class CostProfile:
     push_us: float
     tile_rows: int
     name: str = "custom"
+    expert_bytes: int | None = None
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            if field.name == "name":
+            if field.name == "expert_bytes":
+                if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                    raise ValueError(f"CostProfile.expert_bytes must be None or a positive integer, got {value!r}")
+            elif field.name == "name":
                 if not isinstance(value, str):
                     raise ValueError(f"CostProfile.name must be a string, got {value!r}")
             elif field.name == "tile_rows":
@@ -124,17 +132,22 @@ class CostProfile:
         """The generic shipped profile (``preset("generic")``)."""
         return cls.preset("generic")
 
+    def with_expert_bytes(self, expert_bytes: int | None) -> "CostProfile":
+        """This profile for experts stored in ``expert_bytes`` bytes each (None: bf16)."""
+        return dataclasses.replace(self, expert_bytes=expert_bytes)
+
     def constants(self, config: EPConfig, weight_bytes: int | None = None, row_bytes: int | None = None) -> "CostConstants":
         """The model's integer constants for ``config``.
 
         Args:
             config: the group's sizes.
-            weight_bytes: bytes of one expert's weights as stored and pushed (default bf16:
-                :meth:`~flatep.EPConfig.expert_bytes`; pass the packed size for fp8 or mxfp4 pools).
+            weight_bytes: bytes of one expert's weights as stored and pushed (default: the profile's
+                ``expert_bytes``, else bf16: :meth:`~flatep.EPConfig.expert_bytes`).
             row_bytes: link bytes one entry costs in dispatch plus combine (default bf16 rows both
                 ways plus the fp32 route weight: ``2*H*2 + 4``).
         """
-        weight_bytes = config.expert_bytes() if weight_bytes is None else weight_bytes
+        if weight_bytes is None:
+            weight_bytes = config.expert_bytes() if self.expert_bytes is None else self.expert_bytes
         row_bytes = 2 * config.token_bytes() + 4 if row_bytes is None else row_bytes
         for name, value in (("weight_bytes", weight_bytes), ("row_bytes", row_bytes)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

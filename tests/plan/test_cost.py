@@ -124,3 +124,14 @@ def test_predict_rejects_mismatched_shapes():
     constants = CostProfile(**FIELDS).constants(EPConfig(ranks=2, experts=2, top_k=1, hidden=4, intermediate=4, capacity=4))
     with pytest.raises(ValueError, match=r"alloc must be \[C, E, R\]"):
         predict(torch.zeros(2, 2, dtype=torch.int64), torch.zeros(2, 2, dtype=torch.int64), constants)
+
+
+def test_expert_bytes_set_the_weight_terms_and_are_validated():
+    config = EPConfig(ranks=2, experts=4, top_k=2, hidden=256, intermediate=128, capacity=8)
+    bf16 = CostProfile(**FIELDS).constants(config)
+    packed = CostProfile(**FIELDS).with_expert_bytes(config.expert_bytes() // 2).constants(config)
+    assert bf16.weight_bytes == config.expert_bytes() and packed.weight_bytes == config.expert_bytes() // 2
+    assert packed.weight_fs * 2 == pytest.approx(bf16.weight_fs, abs=2)
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match="expert_bytes"):
+            CostProfile(**FIELDS, expert_bytes=bad)
