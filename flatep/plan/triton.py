@@ -192,42 +192,38 @@ def _split_donor(
 
 
 @triton.jit
-def _layout(
-    d, hist_ptr, total_entries, tol_fixed, experts, experts_per_rank, align,
-    alloc_ptr, acum_ptr, before_ptr, slots_ptr, groups_ptr, offsets_ptr, padding_ptr, received_ptr,
-    group_start_ptr,
-    RANKS: tl.constexpr, POLICY: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_EPN: tl.constexpr,
-):
-    """Program ``d`` of the layout: every table row that belongs to rank ``d``.
-
-    Writes ``alloc[e, :]`` and ``acum[e, :]`` for ``d``'s home experts, ``before[d, :]`` (entries
-    of each expert on source ranks ``< d``) and rank ``d``'s rows of the slot and group tables,
-    offsets, padding, received and group_start (steps A-C of :mod:`flatep.plan.policy`).
-    ``tol_fixed`` is the config's tolerance in fixed point: the kernel computes the bound of
-    :func:`flatep.config.rows_bound` from ``total_entries`` itself.
-    """
+def _home_grid(experts_per_rank, RANKS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_EPN: tl.constexpr):
+    """The ``[home rank, local expert]`` view of the E experts: lanes, masks and expert ids."""
     lane_r = tl.arange(0, BLOCK_R)
     lane_j = tl.arange(0, BLOCK_EPN)
     in_r = lane_r < RANKS
     in_j = lane_j < experts_per_rank
-    # [home rank, local expert] view of the E experts.
     in_grid = in_r[:, None] & in_j[None, :]
     expert = lane_r[:, None] * experts_per_rank + lane_j[None, :]
-    count = tl.zeros([BLOCK_R, BLOCK_EPN], tl.int32)
-    before = tl.zeros([BLOCK_R, BLOCK_EPN], tl.int32)
-    # Unrolled, so that the R loads are in flight together rather than one latency each.
-    for source in tl.static_range(RANKS):
-        row = tl.load(hist_ptr + source * experts + expert, mask=in_grid, other=0)
-        count += row
-        before += tl.where(source < d, row, 0)
-    tl.store(before_ptr + d * experts + expert, before, mask=in_grid)
+    return lane_r, lane_j, in_r, in_j, in_grid, expert
 
+
+@triton.jit
+def _step_a(
+    count, total_entries, tol_fixed,
+    RANKS: tl.constexpr, POLICY: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_EPN: tl.constexpr,
+):
+    """Step A from the global counts ``[BLOCK_R, BLOCK_EPN]`` (home rank, local expert).
+
+    Returns ``donor_of [BLOCK_R]`` (each receiver's donor, ``-1`` for none) and ``quota_in
+    [BLOCK_R]`` (the rows it receives). ``tol_fixed`` is the config's tolerance in fixed point:
+    the bound of :func:`flatep.config.rows_bound` is computed from ``total_entries`` here.
+    """
+    lane_r = tl.arange(0, BLOCK_R)
+    in_r = lane_r < RANKS
     donor_of = tl.full([BLOCK_R], -1, tl.int32)
     quota_in = tl.zeros([BLOCK_R], tl.int32)
     if POLICY != 0:
-        # The imbalance bound from T on the device, in the fixed point of flatep.config.rows_bound.
+        # The bound in int64 (the product needs up to 2**62), clamped to T*K before it narrows
+        # to int32: no load exceeds T*K, so every comparison below gives the same answer.
         entries = tl.zeros([], tl.int64) + total_entries
-        limit = (entries * (TOLERANCE_SCALE + tol_fixed) // (RANKS * TOLERANCE_SCALE)).to(tl.int32)
+        limit = tl.minimum(entries * (TOLERANCE_SCALE + tol_fixed) // (RANKS * TOLERANCE_SCALE), entries)
+        limit = limit.to(tl.int32)
         load = tl.sum(count, axis=1)
         busiest = tl.max(tl.where(in_r, load, 0), axis=0)
         if POLICY == 1:
@@ -255,8 +251,8 @@ def _layout(
             order = tl.cumsum(at_level.to(tl.int32), axis=0)
             target = tl.where(at_level & (order <= left), target + 1, target)
             balance = tl.where(in_r, load - target, 0)
-        # Step A: pair the most overloaded rank with the most underloaded one (smallest index on
-        # ties) and move the receiver's whole deficit; each receiver is filled once.
+        # Pair the most overloaded rank with the most underloaded one (smallest index on ties)
+        # and move the receiver's whole deficit; each receiver is filled once.
         # Balances are packed as (balance + 2**32, index) into int64 keys (|balance| < 2**31), so
         # one reduction gives both the extreme value and its smallest index.
         top = tl.max(tl.where(in_r, (balance.to(tl.int64) + 2**32) * BLOCK_R + (BLOCK_R - 1 - lane_r), -1), axis=0)
@@ -272,39 +268,49 @@ def _layout(
             quota_in = tl.where(lane_r == receiver, -low, quota_in)
             top = tl.max(tl.where(in_r, (balance.to(tl.int64) + 2**32) * BLOCK_R + (BLOCK_R - 1 - lane_r), -1), axis=0)
             rounds += 1
+    return donor_of, quota_in
 
-    # Step B, donor role: the rows of d's experts that move to each receiver. Zero the non-home
-    # columns first; the barrier orders those stores before the takes written in the loop.
-    max_steps = experts_per_rank + RANKS
+
+@triton.jit
+def _donor_split(
+    d, count, donor_of, quota_in, alloc_ptr, experts_per_rank,
+    RANKS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_EPN: tl.constexpr,
+):
+    """Step B, donor role: rows ``alloc[e, :]`` of ``d``'s home experts (what moves where).
+
+    Returns the rows each home expert keeps ``[BLOCK_EPN]`` and the block of pointers to those
+    ``alloc`` rows ``[BLOCK_EPN, BLOCK_R]`` with its mask.
+    """
+    lane_r, lane_j, in_r, in_j, in_grid, expert = _home_grid(experts_per_rank, RANKS, BLOCK_R, BLOCK_EPN)
     own = tl.sum(tl.where(lane_r[:, None] == d, count, 0), axis=0)
     own_quota = tl.where(in_r, tl.where(donor_of == d, quota_in, 0), -1)
     block = alloc_ptr + (d * experts_per_rank + lane_j[:, None]) * RANKS + lane_r[None, :]
     in_block = in_j[:, None] & in_r[None, :]
+    # Zero the non-home columns first; the barrier orders those stores before the takes.
     tl.store(block, tl.zeros([BLOCK_EPN, BLOCK_R], tl.int32), mask=in_block & (lane_r[None, :] != d))
     tl.debug_barrier()
     home, _ = _split_donor(
-        tl.where(in_j, own, -1), own_quota, d, d, alloc_ptr, experts_per_rank, RANKS, max_steps,
+        tl.where(in_j, own, -1), own_quota, d, d, alloc_ptr, experts_per_rank, RANKS, experts_per_rank + RANKS,
         True, BLOCK_R, BLOCK_EPN,
     )
     home = tl.where(in_j, home, 0)
     tl.store(alloc_ptr + (d * experts_per_rank + lane_j) * RANKS + d, home, mask=in_j)
     tl.debug_barrier()
-    # Read back d's rows of alloc now; their prefix over destinations is stored at the end, so
-    # the load's latency hides behind the work in between.
-    alloc_rows = tl.load(block, mask=in_block, other=0)
+    return home, block, in_block
 
-    # Step B, receiver role: repeat the split of d's donor (if any) to learn what d borrows.
-    my_donor = tl.sum(tl.where(lane_r == d, donor_of, 0), axis=0)
-    donor_quota = tl.where(in_r, tl.where((donor_of == my_donor) & (my_donor >= 0), quota_in, 0), -1)
-    donor_count = tl.sum(tl.where(lane_r[:, None] == my_donor, count, 0), axis=0)
-    _, mine = _split_donor(
-        tl.where(in_j, donor_count, -1), donor_quota, my_donor, d, alloc_ptr, experts_per_rank, RANKS,
-        max_steps, False, BLOCK_R, BLOCK_EPN,
-    )
-    mine = tl.where(in_j, mine, 0)
 
-    # Step C: groups = home experts, then borrowed experts ascending (all from one donor), each
-    # padded to a multiple of align; offsets are inclusive ends, empty groups take no rows.
+@triton.jit
+def _shard_layout(
+    d, home, mine, my_donor, experts, experts_per_rank, align,
+    slots_ptr, groups_ptr, offsets_ptr, padding_ptr, received_ptr, group_start_ptr,
+    RANKS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_EPN: tl.constexpr,
+):
+    """Step C for rank ``d`` from the rows it keeps (``home``) and borrows from ``my_donor`` (``mine``).
+
+    Groups = home experts, then borrowed experts ascending (all from one donor), each padded to a
+    multiple of ``align``; offsets are inclusive ends, empty groups take no rows.
+    """
+    lane_r, lane_j, in_r, in_j, in_grid, expert = _home_grid(experts_per_rank, RANKS, BLOCK_R, BLOCK_EPN)
     groups = 2 * experts_per_rank
     home_padded = (home + align - 1) // align * align
     home_end = tl.cumsum(home_padded, axis=0)
@@ -349,8 +355,53 @@ def _layout(
         tl.where((lane_r[:, None] == my_donor) & borrowed[None, :], slot_start[None, :], -1),
     )
     tl.store(group_start_ptr + d * experts + expert, start, mask=in_grid)
-    acum_block = acum_ptr + (d * experts_per_rank + lane_j[:, None]) * RANKS + lane_r[None, :]
-    tl.store(acum_block, tl.cumsum(alloc_rows, axis=1), mask=in_block)
+
+
+@triton.jit
+def _layout(
+    d, hist_ptr, total_entries, tol_fixed, experts, experts_per_rank, align,
+    alloc_ptr, acum_ptr, before_ptr, slots_ptr, groups_ptr, offsets_ptr, padding_ptr, received_ptr,
+    group_start_ptr,
+    RANKS: tl.constexpr, POLICY: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_EPN: tl.constexpr,
+):
+    """Program ``d`` of the fused layout (``R <= FUSED_MAX_RANKS``): every table row of rank ``d``.
+
+    Writes ``alloc[e, :]`` and ``acum[e, :]`` for ``d``'s home experts, ``before[d, :]`` (entries
+    of each expert on source ranks ``< d``) and rank ``d``'s rows of the slot and group tables,
+    offsets, padding, received and group_start (steps A-C of :mod:`flatep.plan.policy`). The
+    program sums the histogram and repeats step A and its donor's split itself: ``O(R)`` work
+    that is cheap for a few ranks and saves the launches of the staged layout.
+    """
+    lane_r, lane_j, in_r, in_j, in_grid, expert = _home_grid(experts_per_rank, RANKS, BLOCK_R, BLOCK_EPN)
+    count = tl.zeros([BLOCK_R, BLOCK_EPN], tl.int32)
+    before = tl.zeros([BLOCK_R, BLOCK_EPN], tl.int32)
+    # Unrolled, so that the R loads are in flight together rather than one latency each.
+    for source in tl.static_range(RANKS):
+        row = tl.load(hist_ptr + source * experts + expert, mask=in_grid, other=0)
+        count += row
+        before += tl.where(source < d, row, 0)
+    tl.store(before_ptr + d * experts + expert, before, mask=in_grid)
+
+    donor_of, quota_in = _step_a(count, total_entries, tol_fixed, RANKS, POLICY, BLOCK_R, BLOCK_EPN)
+    home, block, in_block = _donor_split(d, count, donor_of, quota_in, alloc_ptr, experts_per_rank, RANKS, BLOCK_R, BLOCK_EPN)
+    # Read back d's rows of alloc now; their prefix over destinations is stored at the end, so
+    # the load's latency hides behind the work in between.
+    alloc_rows = tl.load(block, mask=in_block, other=0)
+
+    # Step B, receiver role: repeat the split of d's donor (if any) to learn what d borrows.
+    my_donor = tl.sum(tl.where(lane_r == d, donor_of, 0), axis=0)
+    donor_quota = tl.where(in_r, tl.where((donor_of == my_donor) & (my_donor >= 0), quota_in, 0), -1)
+    donor_count = tl.sum(tl.where(lane_r[:, None] == my_donor, count, 0), axis=0)
+    _, mine = _split_donor(
+        tl.where(in_j, donor_count, -1), donor_quota, my_donor, d, alloc_ptr, experts_per_rank, RANKS,
+        experts_per_rank + RANKS, False, BLOCK_R, BLOCK_EPN,
+    )
+    mine = tl.where(in_j, mine, 0)
+    _shard_layout(
+        d, home, mine, my_donor, experts, experts_per_rank, align,
+        slots_ptr, groups_ptr, offsets_ptr, padding_ptr, received_ptr, group_start_ptr, RANKS, BLOCK_R, BLOCK_EPN,
+    )
+    tl.store(acum_ptr + (d * experts_per_rank + lane_j[:, None]) * RANKS + lane_r[None, :], tl.cumsum(alloc_rows, axis=1), mask=in_block)
 
 
 # ----------------------------------------------------------------------------------------------
