@@ -56,8 +56,12 @@ from flatep.plan.types import Plan, RankPlan
 # Policy codes of the layout kernel's POLICY.
 _POLICY_CODES = {"none": 0, "exact": 1, "bounded": 2}
 TOLERANCE_SCALE: tl.constexpr = tl.constexpr(_TOLERANCE_SCALE)
-MAX_RANKS = 64
-MAX_EXPERTS = 1024
+MAX_RANKS = 256
+MAX_EXPERTS = 2048
+# Up to this many ranks every layout program sums the [R, E] histogram and repeats step A and its
+# donor's split itself (O(R) work per program, fewest launches); beyond it the staged layout does
+# each once, in separate launches, instead of O(R^2) work over the grid.
+_FUSED_MAX_RANKS = 32
 # Columns of the compare matrix handled at once: [TILE, 32] int32 keeps ~32 values per thread.
 _COMPARE_CHUNK = 32
 # Experts per program of the scan: 8 int32 = one 32-byte sector per row, and E/8 programs.
@@ -139,7 +143,8 @@ def _count_tile(
         ids_ptr, tile * TILE, n_entries, token_limit, top_k, experts, TILE, CHUNK
     )
     tl.store(ranks_ptr + index, earlier, mask=valid)
-    row = counts_ptr + tile * experts
+    # int64: the tile rows of a rank hold n_tiles*E words, past 2**31 for long steps at large E.
+    row = counts_ptr + tile.to(tl.int64) * experts
     expert = tl.arange(0, BLOCK_E)
     tl.store(row + expert, tl.zeros([BLOCK_E], tl.int32), mask=expert < experts)
     # The zeros above and the counts below may hit one word from different threads.
@@ -426,7 +431,7 @@ def _count_kernel(
     """Group planner: tile ``program_id(0)`` of rank ``program_id(1)``."""
     rank = tl.program_id(1)
     _count_tile(
-        ids_ptr + rank * n_entries, counts_ptr + rank * n_tiles * experts, ranks_ptr + rank * n_entries,
+        ids_ptr + rank * n_entries, counts_ptr + rank.to(tl.int64) * n_tiles * experts, ranks_ptr + rank * n_entries,
         tl.program_id(0), n_entries, _token_limit(tokens_ptr, token_limit, rank, PER_RANK), top_k, experts,
         TILE, CHUNK, BLOCK_E,
     )
@@ -434,20 +439,25 @@ def _count_kernel(
 
 @triton.jit
 def _scan_kernel(
-    counts_ptr, hist_ptr, n_tiles, experts,
+    counts_ptr, prefix_ptr, hist_ptr, n_tiles, experts,
     ROWS: tl.constexpr, BLOCK_EC: tl.constexpr, WRITE_HIST: tl.constexpr,
 ):
-    """In place: tile rows of a rank -> exclusive prefix over tiles; totals -> ``hist[rank]``."""
-    rank = tl.program_id(1)
+    """Rows ``[n_tiles, E]`` of slab ``program_id(1)`` -> their exclusive prefix over rows into
+    ``prefix_ptr`` (``counts_ptr`` itself for the tile rows, in place); totals -> ``hist[slab]``.
+
+    Slabs are a rank's tile rows (per-tile histograms) or, for the staged layout, the gathered
+    ``[R, E]`` histogram as one slab (entries of each expert on lower source ranks, and ``count``).
+    """
+    rank = tl.program_id(1).to(tl.int64)
     expert = tl.program_id(0) * BLOCK_EC + tl.arange(0, BLOCK_EC)
     in_e = expert < experts
     carry = tl.zeros([BLOCK_EC], tl.int32)
     for first in range(0, n_tiles, ROWS):
         tile = first + tl.arange(0, ROWS)
         mask = (tile < n_tiles)[:, None] & in_e[None, :]
-        rows = counts_ptr + (rank * n_tiles + tile)[:, None] * experts + expert[None, :]
-        value = tl.load(rows, mask=mask, other=0)
-        tl.store(rows, tl.cumsum(value, axis=0) - value + carry[None, :], mask=mask)
+        offset = (rank * n_tiles + tile)[:, None] * experts + expert[None, :]
+        value = tl.load(counts_ptr + offset, mask=mask, other=0)
+        tl.store(prefix_ptr + offset, tl.cumsum(value, axis=0) - value + carry[None, :], mask=mask)
         carry += tl.sum(value, axis=0)
     if WRITE_HIST:
         tl.store(hist_ptr + rank * experts + expert, carry, mask=in_e)
@@ -467,6 +477,58 @@ def _layout_kernel(
         group_start_ptr, RANKS, POLICY, BLOCK_R, BLOCK_EPN,
     )
 
+
+@triton.jit
+def _balance_kernel(
+    count_ptr, total_entries, tol_fixed, experts_per_rank, quotas_ptr,
+    RANKS: tl.constexpr, POLICY: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_EPN: tl.constexpr,
+):
+    """Staged layout, one program: step A from ``count [E]`` into ``quotas [2, R]`` (donor of each
+    receiver or ``-1``, then the rows it receives)."""
+    lane_r, _, in_r, _, in_grid, expert = _home_grid(experts_per_rank, RANKS, BLOCK_R, BLOCK_EPN)
+    count = tl.load(count_ptr + expert, mask=in_grid, other=0)
+    donor_of, quota_in = _step_a(count, total_entries, tol_fixed, RANKS, POLICY, BLOCK_R, BLOCK_EPN)
+    tl.store(quotas_ptr + lane_r, donor_of, mask=in_r)
+    tl.store(quotas_ptr + RANKS + lane_r, quota_in, mask=in_r)
+
+
+@triton.jit
+def _split_kernel(
+    count_ptr, quotas_ptr, alloc_ptr, acum_ptr, experts_per_rank,
+    RANKS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_EPN: tl.constexpr,
+):
+    """Staged layout, one program per donor rank: step B, its rows of ``alloc`` and ``acum``."""
+    d = tl.program_id(0)
+    lane_r, lane_j, in_r, _, in_grid, expert = _home_grid(experts_per_rank, RANKS, BLOCK_R, BLOCK_EPN)
+    count = tl.load(count_ptr + expert, mask=in_grid, other=0)
+    donor_of = tl.load(quotas_ptr + lane_r, mask=in_r, other=-1)
+    quota_in = tl.load(quotas_ptr + RANKS + lane_r, mask=in_r, other=0)
+    _, block, in_block = _donor_split(d, count, donor_of, quota_in, alloc_ptr, experts_per_rank, RANKS, BLOCK_R, BLOCK_EPN)
+    alloc_rows = tl.load(block, mask=in_block, other=0)
+    tl.store(acum_ptr + (d * experts_per_rank + lane_j[:, None]) * RANKS + lane_r[None, :], tl.cumsum(alloc_rows, axis=1), mask=in_block)
+
+
+@triton.jit
+def _shard_kernel(
+    alloc_ptr, quotas_ptr, experts, experts_per_rank, align,
+    slots_ptr, groups_ptr, offsets_ptr, padding_ptr, received_ptr, group_start_ptr,
+    RANKS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_EPN: tl.constexpr,
+):
+    """Staged layout, one program per rank ``d``: step C from the finished ``alloc``.
+
+    What ``d`` keeps is column ``d`` of its home rows, what it borrows column ``d`` of its donor's.
+    """
+    d = tl.program_id(0)
+    lane_j = tl.arange(0, BLOCK_EPN)
+    in_j = lane_j < experts_per_rank
+    my_donor = tl.load(quotas_ptr + d)
+    home = tl.load(alloc_ptr + (d * experts_per_rank + lane_j) * RANKS + d, mask=in_j, other=0)
+    donor_expert = my_donor * experts_per_rank + lane_j
+    mine = tl.load(alloc_ptr + donor_expert * RANKS + d, mask=in_j & (donor_expert >= 0), other=0)
+    _shard_layout(
+        d, home, mine, my_donor, experts, experts_per_rank, align,
+        slots_ptr, groups_ptr, offsets_ptr, padding_ptr, received_ptr, group_start_ptr, RANKS, BLOCK_R, BLOCK_EPN,
+    )
 
 @triton.jit
 def _rank_prologue_kernel(
@@ -515,7 +577,7 @@ def _destination_kernel(
     ids_ptr += slab * n_entries
     dest_rank_ptr += slab * n_entries
     dest_row_ptr += slab * n_entries
-    counts_ptr += slab * n_tiles * experts
+    counts_ptr += slab.to(tl.int64) * n_tiles * experts
     index, key, valid = _tile_keys(
         ids_ptr, tile * TILE, n_entries, _token_limit(tokens_ptr, token_limit, slab, PER_RANK), top_k, experts,
         TILE,
@@ -524,7 +586,7 @@ def _destination_kernel(
     position = tl.load(dest_row_ptr + index, mask=valid, other=0)
     position += tl.load(before_ptr + source * experts + expert, mask=valid, other=0)
     if SCANNED:
-        position += tl.load(counts_ptr + tile * experts + expert, mask=valid, other=0)
+        position += tl.load(counts_ptr + tile.to(tl.int64) * experts + expert, mask=valid, other=0)
     # Number of destinations whose cumulative allocation is <= position (binary lifting over the
     # non-decreasing acum[e, :]): the first d with acum[e, d] > position.
     dest = tl.zeros([TILE], tl.int32)
@@ -631,6 +693,38 @@ def _layout_meta(config: EPConfig, policy: str) -> dict[str, int | bool]:
     }
 
 
+def _launch_layout(hist: torch.Tensor, total_entries: int, config: EPConfig, policy: str, tables: _Tables) -> None:
+    """Fill ``tables`` from the gathered histogram ``hist [R, E] int32`` and ``T*K = total_entries``.
+
+    Up to ``_FUSED_MAX_RANKS`` ranks: one launch of the fused layout. Beyond: four launches, each
+    serial part done once: the prefix of ``hist`` over source ranks (``before`` and the global
+    ``count``), step A in one program, step B per donor, step C per rank.
+    """
+    meta = _layout_meta(config, policy)
+    if config.ranks <= _FUSED_MAX_RANKS:
+        _layout_kernel[(config.ranks,)](
+            hist, total_entries, config.tolerance_fixed, config.experts, config.experts_per_rank, config.align,
+            *tables.args(), **meta, num_warps=4,
+        )
+        return
+    blocks = {name: meta[name] for name in ("RANKS", "BLOCK_R", "BLOCK_EPN")}
+    count = torch.empty(config.experts, dtype=torch.int32, device=hist.device)
+    quotas = torch.empty(2, config.ranks, dtype=torch.int32, device=hist.device)
+    _scan_kernel[(triton.cdiv(config.experts, _SCAN_EXPERTS), 1)](
+        hist, tables.before, count, config.ranks, config.experts,
+        ROWS=min(_pow2(config.ranks), _SCAN_ROWS), BLOCK_EC=_SCAN_EXPERTS, WRITE_HIST=True, num_warps=4,
+    )
+    _balance_kernel[(1,)](
+        count, total_entries, config.tolerance_fixed, config.experts_per_rank, quotas, **meta, num_warps=4,
+    )
+    _split_kernel[(config.ranks,)](count, quotas, tables.alloc, tables.acum, config.experts_per_rank, **blocks, num_warps=4)
+    _shard_kernel[(config.ranks,)](
+        tables.alloc, quotas, config.experts, config.experts_per_rank, config.align,
+        tables.slot_experts, tables.group_experts, tables.offsets, tables.padding, tables.received,
+        tables.group_start, **blocks, num_warps=4,
+    )
+
+
 def _search_meta(ranks: int) -> dict[str, int]:
     block = _pow2(ranks)
     return {"BLOCK_R": block, "LOG_R": block.bit_length() - 1}
@@ -661,6 +755,8 @@ def local_histogram_triton(topk_ids: torch.Tensor, experts: int, tokens: int | N
     step, top_k = topk_ids.shape
     if step < 1 or top_k < 1:
         raise ValueError(f"topk_ids must have s >= 1 and K >= 1, got {list(topk_ids.shape)}")
+    if step * top_k >= 2**31:
+        raise ValueError(f"topk_ids: s*K must be < 2**31 for int32 indexing, got {step * top_k}")
     limit = step if tokens is None else _host_int(tokens, "tokens")
     if not 0 <= limit <= step:
         raise ValueError(f"tokens must be in [0, s={step}], got {tokens}")
@@ -728,8 +824,10 @@ def make_plan_triton(
     per_rank = tokens is not None
     token_limits = torch.tensor(counts, dtype=torch.int32, device=device) if per_rank else ids
 
-    hist = torch.empty(ranks, experts, dtype=torch.int32, device=device)
+    scanned = n_tiles > 1
     tile_counts = torch.empty(ranks * n_tiles, experts, dtype=torch.int32, device=device)
+    # With one tile per rank its row is the rank's histogram and there is nothing to prefix.
+    hist = torch.empty(ranks, experts, dtype=torch.int32, device=device) if scanned else tile_counts
     dest_rank = torch.empty(ranks, step, config.top_k, dtype=torch.int32, device=device)
     dest_row = torch.empty_like(dest_rank)
     tables = _Tables(config, device)
@@ -738,18 +836,16 @@ def make_plan_triton(
         ids, tile_counts, dest_row, token_limits, step, entries, n_tiles, config.top_k, experts,
         **meta, PER_RANK=per_rank, num_warps=4,
     )
-    _scan_kernel[(triton.cdiv(experts, _SCAN_EXPERTS), ranks)](
-        tile_counts, hist, n_tiles, experts,
-        ROWS=min(_pow2(n_tiles), _SCAN_ROWS), BLOCK_EC=_SCAN_EXPERTS, WRITE_HIST=True, num_warps=4,
-    )
-    _layout_kernel[(ranks,)](
-        hist, sum(counts) * config.top_k, config.tolerance_fixed, experts, config.experts_per_rank, config.align,
-        *tables.args(), **_layout_meta(config, policy), num_warps=4,
-    )
+    if scanned:
+        _scan_kernel[(triton.cdiv(experts, _SCAN_EXPERTS), ranks)](
+            tile_counts, tile_counts, hist, n_tiles, experts,
+            ROWS=min(_pow2(n_tiles), _SCAN_ROWS), BLOCK_EC=_SCAN_EXPERTS, WRITE_HIST=True, num_warps=4,
+        )
+    _launch_layout(hist, sum(counts) * config.top_k, config, policy, tables)
     _destination_kernel[(n_tiles, ranks)](
         ids, tile_counts, tables.before, tables.acum, tables.group_start, dest_rank, dest_row, token_limits,
         step, 0, entries, n_tiles, config.top_k, experts, ranks,
-        **_search_meta(ranks), TILE=meta["TILE"], SCANNED=True, PER_RANK=per_rank, num_warps=4,
+        **_search_meta(ranks), TILE=meta["TILE"], SCANNED=scanned, PER_RANK=per_rank, num_warps=4,
     )
     return Plan(
         policy=policy,
@@ -839,15 +935,22 @@ def plan_rank_triton(
     dest_row = torch.empty_like(dest_rank)
     tables = _Tables(config, device)
 
-    _rank_prologue_kernel[(ranks + n_tiles,)](
-        hist, total * config.top_k, config.tolerance_fixed, experts, config.experts_per_rank, config.align,
-        *tables.args(),
-        ids, tile_counts, dest_row, entries, limit, config.top_k,
-        **_layout_meta(config, policy), **meta, num_warps=4,
-    )
+    if config.ranks > _FUSED_MAX_RANKS:
+        _launch_layout(hist, total * config.top_k, config, policy, tables)
+        _count_kernel[(n_tiles, 1)](  # ids stands in for the unread per-rank tokens pointer
+            ids, tile_counts, dest_row, ids, limit, entries, n_tiles, config.top_k, experts,
+            **meta, PER_RANK=False, num_warps=4,
+        )
+    else:
+        _rank_prologue_kernel[(ranks + n_tiles,)](
+            hist, total * config.top_k, config.tolerance_fixed, experts, config.experts_per_rank, config.align,
+            *tables.args(),
+            ids, tile_counts, dest_row, entries, limit, config.top_k,
+            **_layout_meta(config, policy), **meta, num_warps=4,
+        )
     if scanned:
         _scan_kernel[(triton.cdiv(experts, _SCAN_EXPERTS), 1)](
-            tile_counts, hist, n_tiles, experts,
+            tile_counts, tile_counts, hist, n_tiles, experts,
             ROWS=min(_pow2(n_tiles), _SCAN_ROWS), BLOCK_EC=_SCAN_EXPERTS, WRITE_HIST=False, num_warps=4,
         )
     _destination_kernel[(n_tiles, 1)](  # ids stands in for the unread per-rank tokens pointer
