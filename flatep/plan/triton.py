@@ -15,20 +15,26 @@ The kernels (MoonEP's planner, Kimi-K3 technical report §5.2.1, made sync-free)
   dense expert histogram, one row per tile.
 * **scan** (one program per slice of experts and rank): exclusive prefix of those rows over the
   tiles of a rank, so that tile row ``b`` holds the entries of each expert in tiles ``< b``; the
-  totals are the rank's histogram. A rank planning a few tiles skips it and sums the earlier rows
-  itself.
-* **layout** (one program per rank ``d``): the global tables. Every program repeats the step-A
-  balancer (a handful of rounds over ``R`` balances), runs the step-B split of its own experts
-  (donor role: writes its rows of ``alloc``) and repeats the split of its donor, if any, to learn
-  which experts it borrows (receiver role), then lays out its shard (step C). Repeating the tiny
-  serial parts in every program is what lets one launch do all of it without waiting on others.
+  totals are the rank's histogram. Skipped when a rank's entries fit in one tile.
+* **layout** (one program per rank ``d``): the global tables. Every program sums the gathered
+  histogram, repeats the step-A balancer (a handful of rounds over ``R`` balances), runs the
+  step-B split of its own experts (donor role: writes its rows of ``alloc``) and repeats the split
+  of its donor, if any, to learn which experts it borrows (receiver role), then lays out its shard
+  (step C). Repeating the tiny serial parts in every program is what lets one launch do all of it
+  without waiting on others.
+* **staged layout**, for ``R > 32`` ranks, where that repetition costs ``O(R)`` per program and
+  ``O(R^2)`` over the grid: the same tables in four launches that do each part once, the scan
+  over source ranks (``before`` and the global counts), step A (one program), step B (one program
+  per donor) and step C (one program per rank, reading what it borrows from ``alloc``).
 * **destination** (one program per tile): global position of each entry (entries of its expert on
   lower source ranks + earlier tiles + rank in tile), binary search over the cumulative allocation
   ``acum[e, :]`` for the destination, and the row inside that destination's group.
 
-``plan_rank_triton`` fuses layout and count into one launch (they are independent), so a rank
-plans in three launches, two when its entries fit in one tile (no scan); the group planner uses
-four. Ties break toward the smallest index everywhere, as in the reference.
+For ``R <= 32``, ``plan_rank_triton`` fuses layout and count into one launch (they are
+independent), so a rank plans in three launches, two when its entries fit in one tile (no scan);
+the group planner uses four (three). The staged layout adds three launches to either. Ties break
+toward the smallest index everywhere, as in the reference. Limits: ``R <= 256``, ``E <= 2048``,
+``R*s*K < 2**31`` (entry indices are int32).
 
 Data checks that need the device's data are not made here (they would synchronise): ids of real
 tokens outside ``[0, E)`` are not counted and are planned as ``-1`` (the reference raises
@@ -369,7 +375,7 @@ def _layout(
     group_start_ptr,
     RANKS: tl.constexpr, POLICY: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_EPN: tl.constexpr,
 ):
-    """Program ``d`` of the fused layout (``R <= FUSED_MAX_RANKS``): every table row of rank ``d``.
+    """Program ``d`` of the fused layout (``R <= _FUSED_MAX_RANKS``): every table row of rank ``d``.
 
     Writes ``alloc[e, :]`` and ``acum[e, :]`` for ``d``'s home experts, ``before[d, :]`` (entries
     of each expert on source ranks ``< d``) and rank ``d``'s rows of the slot and group tables,
@@ -620,7 +626,7 @@ def _check_device(tensor: torch.Tensor, name: str) -> None:
 
 
 def supports_triton_planner(config: EPConfig) -> bool:
-    """Whether the Triton planner handles ``config`` (``R <= 64``, ``E <= 1024``)."""
+    """Whether the Triton planner handles ``config`` (``R <= 256``, ``E <= 2048``)."""
     return config.ranks <= MAX_RANKS and config.experts <= MAX_EXPERTS
 
 
@@ -780,14 +786,16 @@ def make_plan_triton(
 ) -> Plan:
     """Plan one step of a whole group of virtual ranks on the GPU; equals :func:`flatep.plan.make_plan`.
 
-    Four launches, no host synchronisation (graph-capturable when ``tokens`` is None; per-rank
+    Four launches (three when ``s*K`` fits in one tile; three more for ``R > 32``), no host
+    synchronisation (graph-capturable when ``tokens`` is None; per-rank
     ``tokens`` are copied to the device, which a graph capture does not allow).
 
     Args:
         topk_ids: ``[R, s, K]`` int32 (or int64) expert ids of every rank on the GPU;
             ``1 <= s <= capacity``. Ids of real tokens must be in ``[0, E)`` (not checked: others
             are skipped and planned as ``-1``).
-        config: group sizes (``R <= 64``, ``E <= 1024``); ``R`` and ``K`` must match ``topk_ids``.
+        config: group sizes (``R <= 256``, ``E <= 2048``, ``R*s*K < 2**31``); ``R`` and ``K`` must
+            match ``topk_ids``.
         policy: ``exact`` (flat), ``bounded`` (at most ``config.bounded_rows(T)`` rows per rank),
             ``none`` (classic EP) or ``auto`` (:mod:`flatep.plan.auto`).
         tokens: optional host ``[R]`` real tokens per rank (a list or CPU tensor); rows beyond are
@@ -870,8 +878,8 @@ def plan_rank_triton(
 ) -> RankPlan:
     """One rank's plan on its GPU from the gathered histogram; equals :func:`flatep.plan.plan_rank`.
 
-    Three launches (two when ``s*K`` fits in one tile of the count kernel), no host
-    synchronisation, graph-capturable.
+    Three launches (two when ``s*K`` fits in one tile of the count kernel; four more for
+    ``R > 32``), no host synchronisation, graph-capturable.
 
     Args:
         rank: this rank, in ``[0, R)``.
@@ -880,7 +888,7 @@ def plan_rank_triton(
             = :func:`local_histogram_triton` of rank ``r``), on the same device. Trusted: it must
             match every rank's ids and sum to ``total_tokens * K`` (not checked; the reference
             planner checks).
-        config: group sizes (``R <= 64``, ``E <= 1024``).
+        config: group sizes (``R <= 256``, ``E <= 2048``, ``R*s*K < 2**31``).
         policy: ``exact``, ``bounded``, ``none`` or ``auto``.
         total_tokens: tokens over the group (default ``R * s``).
         tokens: this rank's real tokens (default ``s``); rows beyond are padding, planned as ``-1``.
