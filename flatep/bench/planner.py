@@ -115,7 +115,7 @@ def bench_case(
         "top_k": config.top_k,
         "tokens": step,
         "sigma": sigma,
-        "maxvio": maxvio(ids, config.experts),
+        "maxvio": maxvio(ids, model_experts),  # over the routed experts, not the padding
         "policy": policy,
         "timing": "cuda-graph" if graphs else "perf_counter",
     }

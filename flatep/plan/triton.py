@@ -230,7 +230,7 @@ def _step_a(
     donor_of = tl.full([BLOCK_R], -1, tl.int32)
     quota_in = tl.zeros([BLOCK_R], tl.int32)
     if POLICY != 0:
-        # The bound in int64 (the product needs up to 2**62), clamped to T*K before it narrows
+        # The bound in int64 (the product reaches 2**61), clamped to T*K before it narrows
         # to int32: no load exceeds T*K, so every comparison below gives the same answer.
         entries = tl.zeros([], tl.int64) + total_entries
         limit = tl.minimum(entries * (TOLERANCE_SCALE + tol_fixed) // (RANKS * TOLERANCE_SCALE), entries)
@@ -412,7 +412,8 @@ def _layout(
         d, home, mine, my_donor, experts, experts_per_rank, align,
         slots_ptr, groups_ptr, offsets_ptr, padding_ptr, received_ptr, group_start_ptr, RANKS, BLOCK_R, BLOCK_EPN,
     )
-    tl.store(acum_ptr + (d * experts_per_rank + lane_j[:, None]) * RANKS + lane_r[None, :], tl.cumsum(alloc_rows, axis=1), mask=in_block)
+    acum_block = acum_ptr + (d * experts_per_rank + lane_j[:, None]) * RANKS + lane_r[None, :]
+    tl.store(acum_block, tl.cumsum(alloc_rows, axis=1), mask=in_block)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -511,7 +512,8 @@ def _split_kernel(
     quota_in = tl.load(quotas_ptr + RANKS + lane_r, mask=in_r, other=0)
     _, block, in_block = _donor_split(d, count, donor_of, quota_in, alloc_ptr, experts_per_rank, RANKS, BLOCK_R, BLOCK_EPN)
     alloc_rows = tl.load(block, mask=in_block, other=0)
-    tl.store(acum_ptr + (d * experts_per_rank + lane_j[:, None]) * RANKS + lane_r[None, :], tl.cumsum(alloc_rows, axis=1), mask=in_block)
+    acum_block = acum_ptr + (d * experts_per_rank + lane_j[:, None]) * RANKS + lane_r[None, :]
+    tl.store(acum_block, tl.cumsum(alloc_rows, axis=1), mask=in_block)
 
 
 @triton.jit
