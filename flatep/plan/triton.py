@@ -15,20 +15,26 @@ The kernels (MoonEP's planner, Kimi-K3 technical report §5.2.1, made sync-free)
   dense expert histogram, one row per tile.
 * **scan** (one program per slice of experts and rank): exclusive prefix of those rows over the
   tiles of a rank, so that tile row ``b`` holds the entries of each expert in tiles ``< b``; the
-  totals are the rank's histogram. A rank planning a few tiles skips it and sums the earlier rows
-  itself.
-* **layout** (one program per rank ``d``): the global tables. Every program repeats the step-A
-  balancer (a handful of rounds over ``R`` balances), runs the step-B split of its own experts
-  (donor role: writes its rows of ``alloc``) and repeats the split of its donor, if any, to learn
-  which experts it borrows (receiver role), then lays out its shard (step C). Repeating the tiny
-  serial parts in every program is what lets one launch do all of it without waiting on others.
+  totals are the rank's histogram. Skipped when a rank's entries fit in one tile.
+* **layout** (one program per rank ``d``): the global tables. Every program sums the gathered
+  histogram, repeats the step-A balancer (a handful of rounds over ``R`` balances), runs the
+  step-B split of its own experts (donor role: writes its rows of ``alloc``) and repeats the split
+  of its donor, if any, to learn which experts it borrows (receiver role), then lays out its shard
+  (step C). Repeating the tiny serial parts in every program is what lets one launch do all of it
+  without waiting on others.
+* **staged layout**, for ``R > 32`` ranks, where that repetition costs ``O(R)`` per program and
+  ``O(R^2)`` over the grid: the same tables in four launches that do each part once, the scan
+  over source ranks (``before`` and the global counts), step A (one program), step B (one program
+  per donor) and step C (one program per rank, reading what it borrows from ``alloc``).
 * **destination** (one program per tile): global position of each entry (entries of its expert on
   lower source ranks + earlier tiles + rank in tile), binary search over the cumulative allocation
   ``acum[e, :]`` for the destination, and the row inside that destination's group.
 
-``plan_rank_triton`` fuses layout and count into one launch (they are independent), so a rank
-plans in three launches, two when its entries fit in one tile (no scan); the group planner uses
-four. Ties break toward the smallest index everywhere, as in the reference.
+For ``R <= 32``, ``plan_rank_triton`` fuses layout and count into one launch (they are
+independent), so a rank plans in three launches, two when its entries fit in one tile (no scan);
+the group planner uses four (three). The staged layout adds three launches to either. Ties break
+toward the smallest index everywhere, as in the reference. Limits: ``R <= 256``, ``E <= 2048``,
+``R*s*K < 2**31`` (entry indices are int32).
 
 Data checks that need the device's data are not made here (they would synchronise): ids of real
 tokens outside ``[0, E)`` are not counted and are planned as ``-1`` (the reference raises
@@ -56,8 +62,12 @@ from flatep.plan.types import Plan, RankPlan
 # Policy codes of the layout kernel's POLICY.
 _POLICY_CODES = {"none": 0, "exact": 1, "bounded": 2}
 TOLERANCE_SCALE: tl.constexpr = tl.constexpr(_TOLERANCE_SCALE)
-MAX_RANKS = 64
-MAX_EXPERTS = 1024
+MAX_RANKS = 256
+MAX_EXPERTS = 2048
+# Up to this many ranks every layout program sums the [R, E] histogram and repeats step A and its
+# donor's split itself (O(R) work per program, fewest launches); beyond it the staged layout does
+# each once, in separate launches, instead of O(R^2) work over the grid.
+_FUSED_MAX_RANKS = 32
 # Columns of the compare matrix handled at once: [TILE, 32] int32 keeps ~32 values per thread.
 _COMPARE_CHUNK = 32
 # Experts per program of the scan: 8 int32 = one 32-byte sector per row, and E/8 programs.
@@ -139,7 +149,8 @@ def _count_tile(
         ids_ptr, tile * TILE, n_entries, token_limit, top_k, experts, TILE, CHUNK
     )
     tl.store(ranks_ptr + index, earlier, mask=valid)
-    row = counts_ptr + tile * experts
+    # int64: the tile rows of a rank hold n_tiles*E words, past 2**31 for long steps at large E.
+    row = counts_ptr + tile.to(tl.int64) * experts
     expert = tl.arange(0, BLOCK_E)
     tl.store(row + expert, tl.zeros([BLOCK_E], tl.int32), mask=expert < experts)
     # The zeros above and the counts below may hit one word from different threads.
@@ -192,42 +203,38 @@ def _split_donor(
 
 
 @triton.jit
-def _layout(
-    d, hist_ptr, total_entries, tol_fixed, experts, experts_per_rank, align,
-    alloc_ptr, acum_ptr, before_ptr, slots_ptr, groups_ptr, offsets_ptr, padding_ptr, received_ptr,
-    group_start_ptr,
-    RANKS: tl.constexpr, POLICY: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_EPN: tl.constexpr,
-):
-    """Program ``d`` of the layout: every table row that belongs to rank ``d``.
-
-    Writes ``alloc[e, :]`` and ``acum[e, :]`` for ``d``'s home experts, ``before[d, :]`` (entries
-    of each expert on source ranks ``< d``) and rank ``d``'s rows of the slot and group tables,
-    offsets, padding, received and group_start (steps A-C of :mod:`flatep.plan.policy`).
-    ``tol_fixed`` is the config's tolerance in fixed point: the kernel computes the bound of
-    :func:`flatep.config.rows_bound` from ``total_entries`` itself.
-    """
+def _home_grid(experts_per_rank, RANKS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_EPN: tl.constexpr):
+    """The ``[home rank, local expert]`` view of the E experts: lanes, masks and expert ids."""
     lane_r = tl.arange(0, BLOCK_R)
     lane_j = tl.arange(0, BLOCK_EPN)
     in_r = lane_r < RANKS
     in_j = lane_j < experts_per_rank
-    # [home rank, local expert] view of the E experts.
     in_grid = in_r[:, None] & in_j[None, :]
     expert = lane_r[:, None] * experts_per_rank + lane_j[None, :]
-    count = tl.zeros([BLOCK_R, BLOCK_EPN], tl.int32)
-    before = tl.zeros([BLOCK_R, BLOCK_EPN], tl.int32)
-    # Unrolled, so that the R loads are in flight together rather than one latency each.
-    for source in tl.static_range(RANKS):
-        row = tl.load(hist_ptr + source * experts + expert, mask=in_grid, other=0)
-        count += row
-        before += tl.where(source < d, row, 0)
-    tl.store(before_ptr + d * experts + expert, before, mask=in_grid)
+    return lane_r, lane_j, in_r, in_j, in_grid, expert
 
+
+@triton.jit
+def _step_a(
+    count, total_entries, tol_fixed,
+    RANKS: tl.constexpr, POLICY: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_EPN: tl.constexpr,
+):
+    """Step A from the global counts ``[BLOCK_R, BLOCK_EPN]`` (home rank, local expert).
+
+    Returns ``donor_of [BLOCK_R]`` (each receiver's donor, ``-1`` for none) and ``quota_in
+    [BLOCK_R]`` (the rows it receives). ``tol_fixed`` is the config's tolerance in fixed point:
+    the bound of :func:`flatep.config.rows_bound` is computed from ``total_entries`` here.
+    """
+    lane_r = tl.arange(0, BLOCK_R)
+    in_r = lane_r < RANKS
     donor_of = tl.full([BLOCK_R], -1, tl.int32)
     quota_in = tl.zeros([BLOCK_R], tl.int32)
     if POLICY != 0:
-        # The imbalance bound from T on the device, in the fixed point of flatep.config.rows_bound.
+        # The bound in int64 (the product reaches 2**61), clamped to T*K before it narrows
+        # to int32: no load exceeds T*K, so every comparison below gives the same answer.
         entries = tl.zeros([], tl.int64) + total_entries
-        limit = (entries * (TOLERANCE_SCALE + tol_fixed) // (RANKS * TOLERANCE_SCALE)).to(tl.int32)
+        limit = tl.minimum(entries * (TOLERANCE_SCALE + tol_fixed) // (RANKS * TOLERANCE_SCALE), entries)
+        limit = limit.to(tl.int32)
         load = tl.sum(count, axis=1)
         busiest = tl.max(tl.where(in_r, load, 0), axis=0)
         if POLICY == 1:
@@ -255,8 +262,8 @@ def _layout(
             order = tl.cumsum(at_level.to(tl.int32), axis=0)
             target = tl.where(at_level & (order <= left), target + 1, target)
             balance = tl.where(in_r, load - target, 0)
-        # Step A: pair the most overloaded rank with the most underloaded one (smallest index on
-        # ties) and move the receiver's whole deficit; each receiver is filled once.
+        # Pair the most overloaded rank with the most underloaded one (smallest index on ties)
+        # and move the receiver's whole deficit; each receiver is filled once.
         # Balances are packed as (balance + 2**32, index) into int64 keys (|balance| < 2**31), so
         # one reduction gives both the extreme value and its smallest index.
         top = tl.max(tl.where(in_r, (balance.to(tl.int64) + 2**32) * BLOCK_R + (BLOCK_R - 1 - lane_r), -1), axis=0)
@@ -272,39 +279,49 @@ def _layout(
             quota_in = tl.where(lane_r == receiver, -low, quota_in)
             top = tl.max(tl.where(in_r, (balance.to(tl.int64) + 2**32) * BLOCK_R + (BLOCK_R - 1 - lane_r), -1), axis=0)
             rounds += 1
+    return donor_of, quota_in
 
-    # Step B, donor role: the rows of d's experts that move to each receiver. Zero the non-home
-    # columns first; the barrier orders those stores before the takes written in the loop.
-    max_steps = experts_per_rank + RANKS
+
+@triton.jit
+def _donor_split(
+    d, count, donor_of, quota_in, alloc_ptr, experts_per_rank,
+    RANKS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_EPN: tl.constexpr,
+):
+    """Step B, donor role: rows ``alloc[e, :]`` of ``d``'s home experts (what moves where).
+
+    Returns the rows each home expert keeps ``[BLOCK_EPN]`` and the block of pointers to those
+    ``alloc`` rows ``[BLOCK_EPN, BLOCK_R]`` with its mask.
+    """
+    lane_r, lane_j, in_r, in_j, in_grid, expert = _home_grid(experts_per_rank, RANKS, BLOCK_R, BLOCK_EPN)
     own = tl.sum(tl.where(lane_r[:, None] == d, count, 0), axis=0)
     own_quota = tl.where(in_r, tl.where(donor_of == d, quota_in, 0), -1)
     block = alloc_ptr + (d * experts_per_rank + lane_j[:, None]) * RANKS + lane_r[None, :]
     in_block = in_j[:, None] & in_r[None, :]
+    # Zero the non-home columns first; the barrier orders those stores before the takes.
     tl.store(block, tl.zeros([BLOCK_EPN, BLOCK_R], tl.int32), mask=in_block & (lane_r[None, :] != d))
     tl.debug_barrier()
     home, _ = _split_donor(
-        tl.where(in_j, own, -1), own_quota, d, d, alloc_ptr, experts_per_rank, RANKS, max_steps,
+        tl.where(in_j, own, -1), own_quota, d, d, alloc_ptr, experts_per_rank, RANKS, experts_per_rank + RANKS,
         True, BLOCK_R, BLOCK_EPN,
     )
     home = tl.where(in_j, home, 0)
     tl.store(alloc_ptr + (d * experts_per_rank + lane_j) * RANKS + d, home, mask=in_j)
     tl.debug_barrier()
-    # Read back d's rows of alloc now; their prefix over destinations is stored at the end, so
-    # the load's latency hides behind the work in between.
-    alloc_rows = tl.load(block, mask=in_block, other=0)
+    return home, block, in_block
 
-    # Step B, receiver role: repeat the split of d's donor (if any) to learn what d borrows.
-    my_donor = tl.sum(tl.where(lane_r == d, donor_of, 0), axis=0)
-    donor_quota = tl.where(in_r, tl.where((donor_of == my_donor) & (my_donor >= 0), quota_in, 0), -1)
-    donor_count = tl.sum(tl.where(lane_r[:, None] == my_donor, count, 0), axis=0)
-    _, mine = _split_donor(
-        tl.where(in_j, donor_count, -1), donor_quota, my_donor, d, alloc_ptr, experts_per_rank, RANKS,
-        max_steps, False, BLOCK_R, BLOCK_EPN,
-    )
-    mine = tl.where(in_j, mine, 0)
 
-    # Step C: groups = home experts, then borrowed experts ascending (all from one donor), each
-    # padded to a multiple of align; offsets are inclusive ends, empty groups take no rows.
+@triton.jit
+def _shard_layout(
+    d, home, mine, my_donor, experts, experts_per_rank, align,
+    slots_ptr, groups_ptr, offsets_ptr, padding_ptr, received_ptr, group_start_ptr,
+    RANKS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_EPN: tl.constexpr,
+):
+    """Step C for rank ``d`` from the rows it keeps (``home``) and borrows from ``my_donor`` (``mine``).
+
+    Groups = home experts, then borrowed experts ascending (all from one donor), each padded to a
+    multiple of ``align``; offsets are inclusive ends, empty groups take no rows.
+    """
+    lane_r, lane_j, in_r, in_j, in_grid, expert = _home_grid(experts_per_rank, RANKS, BLOCK_R, BLOCK_EPN)
     groups = 2 * experts_per_rank
     home_padded = (home + align - 1) // align * align
     home_end = tl.cumsum(home_padded, axis=0)
@@ -349,6 +366,52 @@ def _layout(
         tl.where((lane_r[:, None] == my_donor) & borrowed[None, :], slot_start[None, :], -1),
     )
     tl.store(group_start_ptr + d * experts + expert, start, mask=in_grid)
+
+
+@triton.jit
+def _layout(
+    d, hist_ptr, total_entries, tol_fixed, experts, experts_per_rank, align,
+    alloc_ptr, acum_ptr, before_ptr, slots_ptr, groups_ptr, offsets_ptr, padding_ptr, received_ptr,
+    group_start_ptr,
+    RANKS: tl.constexpr, POLICY: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_EPN: tl.constexpr,
+):
+    """Program ``d`` of the fused layout (``R <= _FUSED_MAX_RANKS``): every table row of rank ``d``.
+
+    Writes ``alloc[e, :]`` and ``acum[e, :]`` for ``d``'s home experts, ``before[d, :]`` (entries
+    of each expert on source ranks ``< d``) and rank ``d``'s rows of the slot and group tables,
+    offsets, padding, received and group_start (steps A-C of :mod:`flatep.plan.policy`). The
+    program sums the histogram and repeats step A and its donor's split itself: ``O(R)`` work
+    that is cheap for a few ranks and saves the launches of the staged layout.
+    """
+    lane_r, lane_j, in_r, in_j, in_grid, expert = _home_grid(experts_per_rank, RANKS, BLOCK_R, BLOCK_EPN)
+    count = tl.zeros([BLOCK_R, BLOCK_EPN], tl.int32)
+    before = tl.zeros([BLOCK_R, BLOCK_EPN], tl.int32)
+    # Unrolled, so that the R loads are in flight together rather than one latency each.
+    for source in tl.static_range(RANKS):
+        row = tl.load(hist_ptr + source * experts + expert, mask=in_grid, other=0)
+        count += row
+        before += tl.where(source < d, row, 0)
+    tl.store(before_ptr + d * experts + expert, before, mask=in_grid)
+
+    donor_of, quota_in = _step_a(count, total_entries, tol_fixed, RANKS, POLICY, BLOCK_R, BLOCK_EPN)
+    home, block, in_block = _donor_split(d, count, donor_of, quota_in, alloc_ptr, experts_per_rank, RANKS, BLOCK_R, BLOCK_EPN)
+    # Read back d's rows of alloc now; their prefix over destinations is stored at the end, so
+    # the load's latency hides behind the work in between.
+    alloc_rows = tl.load(block, mask=in_block, other=0)
+
+    # Step B, receiver role: repeat the split of d's donor (if any) to learn what d borrows.
+    my_donor = tl.sum(tl.where(lane_r == d, donor_of, 0), axis=0)
+    donor_quota = tl.where(in_r, tl.where((donor_of == my_donor) & (my_donor >= 0), quota_in, 0), -1)
+    donor_count = tl.sum(tl.where(lane_r[:, None] == my_donor, count, 0), axis=0)
+    _, mine = _split_donor(
+        tl.where(in_j, donor_count, -1), donor_quota, my_donor, d, alloc_ptr, experts_per_rank, RANKS,
+        experts_per_rank + RANKS, False, BLOCK_R, BLOCK_EPN,
+    )
+    mine = tl.where(in_j, mine, 0)
+    _shard_layout(
+        d, home, mine, my_donor, experts, experts_per_rank, align,
+        slots_ptr, groups_ptr, offsets_ptr, padding_ptr, received_ptr, group_start_ptr, RANKS, BLOCK_R, BLOCK_EPN,
+    )
     acum_block = acum_ptr + (d * experts_per_rank + lane_j[:, None]) * RANKS + lane_r[None, :]
     tl.store(acum_block, tl.cumsum(alloc_rows, axis=1), mask=in_block)
 
@@ -375,7 +438,7 @@ def _count_kernel(
     """Group planner: tile ``program_id(0)`` of rank ``program_id(1)``."""
     rank = tl.program_id(1)
     _count_tile(
-        ids_ptr + rank * n_entries, counts_ptr + rank * n_tiles * experts, ranks_ptr + rank * n_entries,
+        ids_ptr + rank * n_entries, counts_ptr + rank.to(tl.int64) * n_tiles * experts, ranks_ptr + rank * n_entries,
         tl.program_id(0), n_entries, _token_limit(tokens_ptr, token_limit, rank, PER_RANK), top_k, experts,
         TILE, CHUNK, BLOCK_E,
     )
@@ -383,20 +446,25 @@ def _count_kernel(
 
 @triton.jit
 def _scan_kernel(
-    counts_ptr, hist_ptr, n_tiles, experts,
+    counts_ptr, prefix_ptr, hist_ptr, n_tiles, experts,
     ROWS: tl.constexpr, BLOCK_EC: tl.constexpr, WRITE_HIST: tl.constexpr,
 ):
-    """In place: tile rows of a rank -> exclusive prefix over tiles; totals -> ``hist[rank]``."""
-    rank = tl.program_id(1)
+    """Rows ``[n_tiles, E]`` of slab ``program_id(1)`` -> their exclusive prefix over rows into
+    ``prefix_ptr`` (``counts_ptr`` itself for the tile rows, in place); totals -> ``hist[slab]``.
+
+    Slabs are a rank's tile rows (per-tile histograms) or, for the staged layout, the gathered
+    ``[R, E]`` histogram as one slab (entries of each expert on lower source ranks, and ``count``).
+    """
+    rank = tl.program_id(1).to(tl.int64)
     expert = tl.program_id(0) * BLOCK_EC + tl.arange(0, BLOCK_EC)
     in_e = expert < experts
     carry = tl.zeros([BLOCK_EC], tl.int32)
     for first in range(0, n_tiles, ROWS):
         tile = first + tl.arange(0, ROWS)
         mask = (tile < n_tiles)[:, None] & in_e[None, :]
-        rows = counts_ptr + (rank * n_tiles + tile)[:, None] * experts + expert[None, :]
-        value = tl.load(rows, mask=mask, other=0)
-        tl.store(rows, tl.cumsum(value, axis=0) - value + carry[None, :], mask=mask)
+        offset = (rank * n_tiles + tile)[:, None] * experts + expert[None, :]
+        value = tl.load(counts_ptr + offset, mask=mask, other=0)
+        tl.store(prefix_ptr + offset, tl.cumsum(value, axis=0) - value + carry[None, :], mask=mask)
         carry += tl.sum(value, axis=0)
     if WRITE_HIST:
         tl.store(hist_ptr + rank * experts + expert, carry, mask=in_e)
@@ -416,6 +484,59 @@ def _layout_kernel(
         group_start_ptr, RANKS, POLICY, BLOCK_R, BLOCK_EPN,
     )
 
+
+@triton.jit
+def _balance_kernel(
+    count_ptr, total_entries, tol_fixed, experts_per_rank, quotas_ptr,
+    RANKS: tl.constexpr, POLICY: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_EPN: tl.constexpr,
+):
+    """Staged layout, one program: step A from ``count [E]`` into ``quotas [2, R]`` (donor of each
+    receiver or ``-1``, then the rows it receives)."""
+    lane_r, _, in_r, _, in_grid, expert = _home_grid(experts_per_rank, RANKS, BLOCK_R, BLOCK_EPN)
+    count = tl.load(count_ptr + expert, mask=in_grid, other=0)
+    donor_of, quota_in = _step_a(count, total_entries, tol_fixed, RANKS, POLICY, BLOCK_R, BLOCK_EPN)
+    tl.store(quotas_ptr + lane_r, donor_of, mask=in_r)
+    tl.store(quotas_ptr + RANKS + lane_r, quota_in, mask=in_r)
+
+
+@triton.jit
+def _split_kernel(
+    count_ptr, quotas_ptr, alloc_ptr, acum_ptr, experts_per_rank,
+    RANKS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_EPN: tl.constexpr,
+):
+    """Staged layout, one program per donor rank: step B, its rows of ``alloc`` and ``acum``."""
+    d = tl.program_id(0)
+    lane_r, lane_j, in_r, _, in_grid, expert = _home_grid(experts_per_rank, RANKS, BLOCK_R, BLOCK_EPN)
+    count = tl.load(count_ptr + expert, mask=in_grid, other=0)
+    donor_of = tl.load(quotas_ptr + lane_r, mask=in_r, other=-1)
+    quota_in = tl.load(quotas_ptr + RANKS + lane_r, mask=in_r, other=0)
+    _, block, in_block = _donor_split(d, count, donor_of, quota_in, alloc_ptr, experts_per_rank, RANKS, BLOCK_R, BLOCK_EPN)
+    alloc_rows = tl.load(block, mask=in_block, other=0)
+    acum_block = acum_ptr + (d * experts_per_rank + lane_j[:, None]) * RANKS + lane_r[None, :]
+    tl.store(acum_block, tl.cumsum(alloc_rows, axis=1), mask=in_block)
+
+
+@triton.jit
+def _shard_kernel(
+    alloc_ptr, quotas_ptr, experts, experts_per_rank, align,
+    slots_ptr, groups_ptr, offsets_ptr, padding_ptr, received_ptr, group_start_ptr,
+    RANKS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_EPN: tl.constexpr,
+):
+    """Staged layout, one program per rank ``d``: step C from the finished ``alloc``.
+
+    What ``d`` keeps is column ``d`` of its home rows, what it borrows column ``d`` of its donor's.
+    """
+    d = tl.program_id(0)
+    lane_j = tl.arange(0, BLOCK_EPN)
+    in_j = lane_j < experts_per_rank
+    my_donor = tl.load(quotas_ptr + d)
+    home = tl.load(alloc_ptr + (d * experts_per_rank + lane_j) * RANKS + d, mask=in_j, other=0)
+    donor_expert = my_donor * experts_per_rank + lane_j
+    mine = tl.load(alloc_ptr + donor_expert * RANKS + d, mask=in_j & (donor_expert >= 0), other=0)
+    _shard_layout(
+        d, home, mine, my_donor, experts, experts_per_rank, align,
+        slots_ptr, groups_ptr, offsets_ptr, padding_ptr, received_ptr, group_start_ptr, RANKS, BLOCK_R, BLOCK_EPN,
+    )
 
 @triton.jit
 def _rank_prologue_kernel(
@@ -464,7 +585,7 @@ def _destination_kernel(
     ids_ptr += slab * n_entries
     dest_rank_ptr += slab * n_entries
     dest_row_ptr += slab * n_entries
-    counts_ptr += slab * n_tiles * experts
+    counts_ptr += slab.to(tl.int64) * n_tiles * experts
     index, key, valid = _tile_keys(
         ids_ptr, tile * TILE, n_entries, _token_limit(tokens_ptr, token_limit, slab, PER_RANK), top_k, experts,
         TILE,
@@ -473,7 +594,7 @@ def _destination_kernel(
     position = tl.load(dest_row_ptr + index, mask=valid, other=0)
     position += tl.load(before_ptr + source * experts + expert, mask=valid, other=0)
     if SCANNED:
-        position += tl.load(counts_ptr + tile * experts + expert, mask=valid, other=0)
+        position += tl.load(counts_ptr + tile.to(tl.int64) * experts + expert, mask=valid, other=0)
     # Number of destinations whose cumulative allocation is <= position (binary lifting over the
     # non-decreasing acum[e, :]): the first d with acum[e, d] > position.
     dest = tl.zeros([TILE], tl.int32)
@@ -507,7 +628,7 @@ def _check_device(tensor: torch.Tensor, name: str) -> None:
 
 
 def supports_triton_planner(config: EPConfig) -> bool:
-    """Whether the Triton planner handles ``config`` (``R <= 64``, ``E <= 1024``)."""
+    """Whether the Triton planner handles ``config`` (``R <= 256``, ``E <= 2048``)."""
     return config.ranks <= MAX_RANKS and config.experts <= MAX_EXPERTS
 
 
@@ -580,6 +701,38 @@ def _layout_meta(config: EPConfig, policy: str) -> dict[str, int | bool]:
     }
 
 
+def _launch_layout(hist: torch.Tensor, total_entries: int, config: EPConfig, policy: str, tables: _Tables) -> None:
+    """Fill ``tables`` from the gathered histogram ``hist [R, E] int32`` and ``T*K = total_entries``.
+
+    Up to ``_FUSED_MAX_RANKS`` ranks: one launch of the fused layout. Beyond: four launches, each
+    serial part done once: the prefix of ``hist`` over source ranks (``before`` and the global
+    ``count``), step A in one program, step B per donor, step C per rank.
+    """
+    meta = _layout_meta(config, policy)
+    if config.ranks <= _FUSED_MAX_RANKS:
+        _layout_kernel[(config.ranks,)](
+            hist, total_entries, config.tolerance_fixed, config.experts, config.experts_per_rank, config.align,
+            *tables.args(), **meta, num_warps=4,
+        )
+        return
+    blocks = {name: meta[name] for name in ("RANKS", "BLOCK_R", "BLOCK_EPN")}
+    count = torch.empty(config.experts, dtype=torch.int32, device=hist.device)
+    quotas = torch.empty(2, config.ranks, dtype=torch.int32, device=hist.device)
+    _scan_kernel[(triton.cdiv(config.experts, _SCAN_EXPERTS), 1)](
+        hist, tables.before, count, config.ranks, config.experts,
+        ROWS=min(_pow2(config.ranks), _SCAN_ROWS), BLOCK_EC=_SCAN_EXPERTS, WRITE_HIST=True, num_warps=4,
+    )
+    _balance_kernel[(1,)](
+        count, total_entries, config.tolerance_fixed, config.experts_per_rank, quotas, **meta, num_warps=4,
+    )
+    _split_kernel[(config.ranks,)](count, quotas, tables.alloc, tables.acum, config.experts_per_rank, **blocks, num_warps=4)
+    _shard_kernel[(config.ranks,)](
+        tables.alloc, quotas, config.experts, config.experts_per_rank, config.align,
+        tables.slot_experts, tables.group_experts, tables.offsets, tables.padding, tables.received,
+        tables.group_start, **blocks, num_warps=4,
+    )
+
+
 def _search_meta(ranks: int) -> dict[str, int]:
     block = _pow2(ranks)
     return {"BLOCK_R": block, "LOG_R": block.bit_length() - 1}
@@ -610,6 +763,8 @@ def local_histogram_triton(topk_ids: torch.Tensor, experts: int, tokens: int | N
     step, top_k = topk_ids.shape
     if step < 1 or top_k < 1:
         raise ValueError(f"topk_ids must have s >= 1 and K >= 1, got {list(topk_ids.shape)}")
+    if step * top_k >= 2**31:
+        raise ValueError(f"topk_ids: s*K must be < 2**31 for int32 indexing, got {step * top_k}")
     limit = step if tokens is None else _host_int(tokens, "tokens")
     if not 0 <= limit <= step:
         raise ValueError(f"tokens must be in [0, s={step}], got {tokens}")
@@ -633,14 +788,16 @@ def make_plan_triton(
 ) -> Plan:
     """Plan one step of a whole group of virtual ranks on the GPU; equals :func:`flatep.plan.make_plan`.
 
-    Four launches, no host synchronisation (graph-capturable when ``tokens`` is None; per-rank
+    Four launches (three when ``s*K`` fits in one tile; three more for ``R > 32``), no host
+    synchronisation (graph-capturable when ``tokens`` is None; per-rank
     ``tokens`` are copied to the device, which a graph capture does not allow).
 
     Args:
         topk_ids: ``[R, s, K]`` int32 (or int64) expert ids of every rank on the GPU;
             ``1 <= s <= capacity``. Ids of real tokens must be in ``[0, E)`` (not checked: others
             are skipped and planned as ``-1``).
-        config: group sizes (``R <= 64``, ``E <= 1024``); ``R`` and ``K`` must match ``topk_ids``.
+        config: group sizes (``R <= 256``, ``E <= 2048``, ``R*s*K < 2**31``); ``R`` and ``K`` must
+            match ``topk_ids``.
         policy: ``exact`` (flat), ``bounded`` (at most ``config.bounded_rows(T)`` rows per rank),
             ``none`` (classic EP) or ``auto`` (:mod:`flatep.plan.auto`).
         tokens: optional host ``[R]`` real tokens per rank (a list or CPU tensor); rows beyond are
@@ -677,8 +834,10 @@ def make_plan_triton(
     per_rank = tokens is not None
     token_limits = torch.tensor(counts, dtype=torch.int32, device=device) if per_rank else ids
 
-    hist = torch.empty(ranks, experts, dtype=torch.int32, device=device)
+    scanned = n_tiles > 1
     tile_counts = torch.empty(ranks * n_tiles, experts, dtype=torch.int32, device=device)
+    # With one tile per rank its row is the rank's histogram and there is nothing to prefix.
+    hist = torch.empty(ranks, experts, dtype=torch.int32, device=device) if scanned else tile_counts
     dest_rank = torch.empty(ranks, step, config.top_k, dtype=torch.int32, device=device)
     dest_row = torch.empty_like(dest_rank)
     tables = _Tables(config, device)
@@ -687,18 +846,16 @@ def make_plan_triton(
         ids, tile_counts, dest_row, token_limits, step, entries, n_tiles, config.top_k, experts,
         **meta, PER_RANK=per_rank, num_warps=4,
     )
-    _scan_kernel[(triton.cdiv(experts, _SCAN_EXPERTS), ranks)](
-        tile_counts, hist, n_tiles, experts,
-        ROWS=min(_pow2(n_tiles), _SCAN_ROWS), BLOCK_EC=_SCAN_EXPERTS, WRITE_HIST=True, num_warps=4,
-    )
-    _layout_kernel[(ranks,)](
-        hist, sum(counts) * config.top_k, config.tolerance_fixed, experts, config.experts_per_rank, config.align,
-        *tables.args(), **_layout_meta(config, policy), num_warps=4,
-    )
+    if scanned:
+        _scan_kernel[(triton.cdiv(experts, _SCAN_EXPERTS), ranks)](
+            tile_counts, tile_counts, hist, n_tiles, experts,
+            ROWS=min(_pow2(n_tiles), _SCAN_ROWS), BLOCK_EC=_SCAN_EXPERTS, WRITE_HIST=True, num_warps=4,
+        )
+    _launch_layout(hist, sum(counts) * config.top_k, config, policy, tables)
     _destination_kernel[(n_tiles, ranks)](
         ids, tile_counts, tables.before, tables.acum, tables.group_start, dest_rank, dest_row, token_limits,
         step, 0, entries, n_tiles, config.top_k, experts, ranks,
-        **_search_meta(ranks), TILE=meta["TILE"], SCANNED=True, PER_RANK=per_rank, num_warps=4,
+        **_search_meta(ranks), TILE=meta["TILE"], SCANNED=scanned, PER_RANK=per_rank, num_warps=4,
     )
     return Plan(
         policy=policy,
@@ -723,8 +880,8 @@ def plan_rank_triton(
 ) -> RankPlan:
     """One rank's plan on its GPU from the gathered histogram; equals :func:`flatep.plan.plan_rank`.
 
-    Three launches (two when ``s*K`` fits in one tile of the count kernel), no host
-    synchronisation, graph-capturable.
+    Three launches (two when ``s*K`` fits in one tile of the count kernel; four more for
+    ``R > 32``), no host synchronisation, graph-capturable.
 
     Args:
         rank: this rank, in ``[0, R)``.
@@ -733,7 +890,7 @@ def plan_rank_triton(
             = :func:`local_histogram_triton` of rank ``r``), on the same device. Trusted: it must
             match every rank's ids and sum to ``total_tokens * K`` (not checked; the reference
             planner checks).
-        config: group sizes (``R <= 64``, ``E <= 1024``).
+        config: group sizes (``R <= 256``, ``E <= 2048``, ``R*s*K < 2**31``).
         policy: ``exact``, ``bounded``, ``none`` or ``auto``.
         total_tokens: tokens over the group (default ``R * s``).
         tokens: this rank's real tokens (default ``s``); rows beyond are padding, planned as ``-1``.
@@ -788,15 +945,22 @@ def plan_rank_triton(
     dest_row = torch.empty_like(dest_rank)
     tables = _Tables(config, device)
 
-    _rank_prologue_kernel[(ranks + n_tiles,)](
-        hist, total * config.top_k, config.tolerance_fixed, experts, config.experts_per_rank, config.align,
-        *tables.args(),
-        ids, tile_counts, dest_row, entries, limit, config.top_k,
-        **_layout_meta(config, policy), **meta, num_warps=4,
-    )
+    if config.ranks > _FUSED_MAX_RANKS:
+        _launch_layout(hist, total * config.top_k, config, policy, tables)
+        _count_kernel[(n_tiles, 1)](  # ids stands in for the unread per-rank tokens pointer
+            ids, tile_counts, dest_row, ids, limit, entries, n_tiles, config.top_k, experts,
+            **meta, PER_RANK=False, num_warps=4,
+        )
+    else:
+        _rank_prologue_kernel[(ranks + n_tiles,)](
+            hist, total * config.top_k, config.tolerance_fixed, experts, config.experts_per_rank, config.align,
+            *tables.args(),
+            ids, tile_counts, dest_row, entries, limit, config.top_k,
+            **_layout_meta(config, policy), **meta, num_warps=4,
+        )
     if scanned:
         _scan_kernel[(triton.cdiv(experts, _SCAN_EXPERTS), 1)](
-            tile_counts, hist, n_tiles, experts,
+            tile_counts, tile_counts, hist, n_tiles, experts,
             ROWS=min(_pow2(n_tiles), _SCAN_ROWS), BLOCK_EC=_SCAN_EXPERTS, WRITE_HIST=False, num_warps=4,
         )
     _destination_kernel[(n_tiles, 1)](  # ids stands in for the unread per-rank tokens pointer

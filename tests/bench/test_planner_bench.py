@@ -1,4 +1,5 @@
-"""The planner benchmark end to end in its smoke mode (a tiny shape; CPU through the interpreter)."""
+"""The planner benchmark end to end in its smoke mode (tiny shapes; CPU through the interpreter),
+and its command line for the many-rank table."""
 from __future__ import annotations
 
 import json
@@ -8,6 +9,8 @@ import sys
 from pathlib import Path
 
 import torch
+
+from flatep.bench.planner import H200_COMMAND, PLANNERS, model_config, parse_args, sampled_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -20,16 +23,34 @@ def test_planner_benchmark_smoke_writes_rows(tmp_path):
         env["TRITON_INTERPRET"] = "1"
     # A subprocess, so that its choice of interpreter cannot leak into other tests' kernels.
     result = subprocess.run(
-        [sys.executable, "-m", "flatep.bench.planner", "--smoke", "--out", str(out)],
+        [sys.executable, "-m", "flatep.bench.planner", "--smoke", "--ranks", "2", "3", "--rank-sample", "2",
+         "--out", str(out)],
         env=env, cwd=ROOT, capture_output=True, text=True, timeout=600,
     )
     assert result.returncode == 0, result.stderr
     rows = json.loads(out.read_text())
-    planners = {"triton_rank", "triton_group", "reference_rank", "reference_group"}
-    assert {row["planner"] for row in rows} == planners
-    assert len(rows) == 2 * len(planners)  # s in {1, 8}, one sigma
+    assert {row["planner"] for row in rows} == set(PLANNERS)
+    assert len(rows) == 2 * 2 * len(PLANNERS)  # R in {2, 3}, s in {1, 8}, one sigma
     for row in rows:
         assert row["us_per_rank"] > 0
-        assert {"device", "torch", "triton", "command", "model", "tokens", "sigma", "maxvio"} <= set(row)
+        assert {"device", "torch", "triton", "command", "model", "ranks", "experts", "model_experts", "tokens",
+                "sigma", "maxvio"} <= set(row)
         assert "--smoke" in row["command"]
-    assert "| tiny | 8 |" in result.stdout
+        if row["planner"] in ("triton_rank_total", "triton_rank", "reference_rank"):
+            assert row["ranks_timed"] == ([0, 1] if row["ranks"] == 2 else [0, 2])
+    assert {row["ranks"] for row in rows} == {2, 3}
+    assert "| tiny | 3 | 12 | 8 |" in result.stdout
+
+
+def test_many_rank_command_line():
+    """The documented H200 command parses to K2 and K3 at R in {8, 64, 256} and s in {128, 8192};
+    R = 256 divides neither model's experts, so they are padded to a multiple of R."""
+    args = parse_args(H200_COMMAND.split()[3:])
+    assert args.models == ["kimi-k2", "kimi-k3"] and args.ranks == [8, 64, 256] and args.tokens == [128, 8192]
+    assert args.out == "planner-ranks.json"
+    assert [model_config("kimi-k2", r, 8192).experts for r in (8, 64, 256)] == [384, 384, 512]
+    assert [model_config("kimi-k3", r, 8192).experts for r in (8, 64, 256)] == [896, 896, 1024]
+    assert model_config("kimi-k3", 256, 8192).top_k == 16
+    assert sampled_ranks(8, 8) == list(range(8))
+    assert sampled_ranks(256, 8) == [0, 36, 73, 109, 146, 182, 219, 255]
+    assert sampled_ranks(256, 1) == [0]

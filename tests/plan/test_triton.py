@@ -20,6 +20,7 @@ from hypothesis import strategies as st  # noqa: E402
 import flatep.plan.triton as planner  # noqa: E402
 from flatep import EPConfig  # noqa: E402
 from flatep.plan import make_plan, plan_rank  # noqa: E402
+from flatep.plan.reference import build_layout  # noqa: E402
 from flatep.plan.triton import local_histogram_triton, make_plan_triton, plan_rank_triton  # noqa: E402
 from flatep.routing import ADVERSARIAL, adversarial_topk, skewed_topk  # noqa: E402
 from tests.plan.cases import padded_ids, planner_cases  # noqa: E402
@@ -180,10 +181,10 @@ def test_bad_input_is_rejected_before_any_kernel():
         make_plan_triton(ids.repeat(1, 2, 1), config)
     with pytest.raises(ValueError, match="tokens must hold 2 counts"):
         make_plan_triton(ids, config, tokens=[5, 1])
-    with pytest.raises(ValueError, match="config.ranks must be <= 64"):
-        make_plan_triton(ids, EPConfig(ranks=128, experts=128, top_k=2, hidden=8, intermediate=8, capacity=4))
-    with pytest.raises(ValueError, match="config.experts must be <= 1024"):
-        make_plan_triton(ids, EPConfig(ranks=2, experts=2048, top_k=2, hidden=8, intermediate=8, capacity=4))
+    with pytest.raises(ValueError, match="config.ranks must be <= 256"):
+        make_plan_triton(ids, EPConfig(ranks=512, experts=512, top_k=2, hidden=8, intermediate=8, capacity=4))
+    with pytest.raises(ValueError, match="config.experts must be <= 2048"):
+        make_plan_triton(ids, EPConfig(ranks=2, experts=4096, top_k=2, hidden=8, intermediate=8, capacity=4))
     with pytest.raises(ValueError, match="rank must be"):
         plan_rank_triton(2, ids[0], hist, config)
     with pytest.raises(ValueError, match="tokens_per_expert must be a tensor of shape"):
@@ -198,6 +199,88 @@ def test_bad_input_is_rejected_before_any_kernel():
         local_histogram_triton(ids[0], 0)
     with pytest.raises(ValueError, match=r"\[s, K\]"):
         local_histogram_triton(ids, 4)
+
+
+def test_int32_limits_are_guarded_before_any_kernel():
+    """Steps whose entries overflow int32 are refused on the host. The ids are stride-0 views
+    (no memory): without the guards the planners would copy and plan 2**31 entries."""
+    config = EPConfig(ranks=256, experts=256, top_k=8, hidden=8, intermediate=8, capacity=1 << 20)
+    ids = torch.zeros(1, 1, 1, dtype=torch.int32, device=DEVICE).expand(256, 1 << 20, 8)
+    assert not ids.is_contiguous()
+    with pytest.raises(ValueError, match=r"topk_ids: R\*s\*K must be < 2\*\*31"):
+        make_plan_triton(ids, config)
+    hist = torch.zeros(256, 256, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match=r"topk_ids: R\*s\*K must be < 2\*\*31"):
+        plan_rank_triton(0, ids[0], hist, config)
+    with pytest.raises(ValueError, match=r"topk_ids: s\*K must be < 2\*\*31"):
+        local_histogram_triton(ids.reshape(1 << 28, 8), 256)
+
+
+@pytest.mark.parametrize("ranks", [2, 64])
+@pytest.mark.parametrize("policy", ["exact", "bounded"])
+def test_imbalance_bound_past_int32(ranks, policy):
+    """T*K*(1 + tolerance)/R above 2**31: the bound is clamped to T*K on the device, not wrapped.
+
+    Entries this many cannot run through the interpreter, so the layout launches are fed a
+    gathered histogram directly and compared with the reference layout."""
+    experts, step = 2 * ranks, 1 << 22
+    config = EPConfig(ranks=ranks, experts=experts, top_k=1, hidden=8, intermediate=8, capacity=step, align=128,
+                      tolerance=1024.0)
+    total = ranks * step
+    # Rank 0's experts hold three quarters of the entries: over the mean, under the bound.
+    hist = torch.zeros(ranks, experts, dtype=torch.int64)
+    hist[:, 0] = 3 * step // 4
+    hist[:, 1:] = (step - 3 * step // 4) // (experts - 1)
+    hist[:, 1] += step - hist[0].sum()
+    assert int(hist.sum()) == total
+    assert config.rebalance_limit(total) >= 2**31 > int(hist[:, :2].sum())
+    expected = build_layout(hist, config, policy, total, step)
+    tables = planner._Tables(config, DEVICE)
+    planner._launch_layout(hist.to(device=DEVICE, dtype=torch.int32), total, config, policy, tables)
+    for name, tensor in tables.layout_fields().items():
+        assert torch.equal(tensor, getattr(expected, name).to(DEVICE)), name
+
+
+# ----------------------------------------------------------------------------------------------
+# Many ranks: the staged layout (R > 32), up to R = 256 and E = 2048. The interpreter runs one
+# program at a time (a plan at R = 256 takes it seconds), so each case plans a few tokens with one
+# policy, the group only where marked, and one or two ranks.
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "ranks, experts_per_rank, top_k, step, routing, policy, group, planned",
+    [
+        (64, 2, 2, 3, 3.0, "exact", True, [0, 63]),  # skewed
+        (64, 1, 3, 2, "uniform", "none", True, [17]),
+        (64, 32, 2, 2, 2.0, "bounded", True, [40]),  # E = 2048
+        (128, 1, 2, 2, "one", "exact", True, [127]),  # every entry to expert 0: 127 receivers
+        (128, 1, 2, 2, "one", "bounded", False, [0]),
+        (256, 1, 2, 1, 2.0, "exact", True, [255]),
+        (256, 1, 2, 2, 2.0, "bounded", False, [3]),
+        (256, 1, 2, 2, 2.0, "none", False, [128]),
+    ],
+)
+def test_many_ranks_match_the_reference(ranks, experts_per_rank, top_k, step, routing, policy, group, planned):
+    experts = ranks * experts_per_rank
+    config = config_for(ranks, experts, top_k, step, align=4)
+    if routing == "uniform":
+        generator = torch.Generator().manual_seed(ranks)
+        ids = torch.randint(0, experts, (ranks, step, top_k), generator=generator, dtype=torch.int32)
+    elif isinstance(routing, str):
+        ids = adversarial_topk(routing, ranks, experts, top_k, step)
+    else:
+        ids = skewed_topk(ranks, experts, top_k, step, routing, seed=ranks)
+    expected = check_group(ids, config, policy) if group else make_plan(ids, config, policy)
+    for rank in planned:
+        check_rank(rank, ids, config, policy, None, expected)
+
+
+def test_many_ranks_per_rank_tokens_and_tolerance():
+    config = config_for(64, 64, 2, 4, align=2).replace(tolerance=0.25)
+    tokens = [4, 0, 1, 3] * 16
+    ids = padded_ids(skewed_topk(64, 64, 2, 4, 3.0, seed=6), tokens)
+    check_all(ids, config, "bounded", tokens, ranks=[2])
 
 
 # ----------------------------------------------------------------------------------------------
