@@ -44,6 +44,7 @@ on the device. Shapes, dtypes, devices and host integers are validated before an
 """
 from __future__ import annotations
 
+import math
 import operator
 from collections.abc import Sequence
 
@@ -54,8 +55,9 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from flatep.config import TOLERANCE_SCALE as _TOLERANCE_SCALE
 from flatep.config import EPConfig, check_policy
-from flatep.plan.auto import plan_candidates, select
+from flatep.plan.auto import AutoChoice, candidates_for, choose, slot_rows
 from flatep.plan.cost import CostProfile, check_cost
+from flatep.plan.cost_triton import predict_triton
 from flatep.plan.reference import _check_ids, _token_counts
 from flatep.plan.types import Plan, RankPlan
 
@@ -655,23 +657,40 @@ def _check_entries(config: EPConfig, step: int) -> None:
 
 
 class _Tables:
-    """The layout's output tensors plus the scratch the destination kernel reads."""
+    """The layout's output tensors plus the scratch the destination kernel reads.
 
-    def __init__(self, config: EPConfig, device: torch.device) -> None:
+    Every table is a view into one flat int32 buffer (``storage``), so that ``auto`` can keep one
+    set of tables per candidate as the rows of one ``[C, size]`` tensor and gather the chosen
+    candidate's with a single ``index_select``.
+    """
+
+    def __init__(self, config: EPConfig, device: torch.device | None = None, storage: torch.Tensor | None = None) -> None:
+        if storage is None:
+            storage = torch.empty(self.size(config), dtype=torch.int32, device=device)
+        self.storage = storage
+        for name, shape, start in self._places(config):
+            setattr(self, name, storage[start:start + math.prod(shape)].view(shape))
+
+    @staticmethod
+    def _places(config: EPConfig) -> list[tuple[str, tuple[int, ...], int]]:
+        """``(name, shape, first element)`` of every table; each starts 16-byte aligned."""
         ranks, experts, epn = config.ranks, config.experts, config.experts_per_rank
+        shapes = (
+            ("alloc", (experts, ranks)), ("acum", (experts, ranks)), ("before", (ranks, experts)),
+            ("slot_experts", (ranks, epn)), ("group_experts", (ranks, 2 * epn)), ("offsets", (ranks, 2 * epn)),
+            ("padding", (ranks, 2 * epn, 2)), ("received", (ranks,)), ("group_start", (ranks, experts)),
+        )
+        places, start = [], 0
+        for name, shape in shapes:
+            places.append((name, shape, start))
+            start += -(-math.prod(shape) // 4) * 4
+        return places
 
-        def empty(*shape: int) -> torch.Tensor:
-            return torch.empty(shape, dtype=torch.int32, device=device)
-
-        self.alloc = empty(experts, ranks)
-        self.acum = empty(experts, ranks)
-        self.before = empty(ranks, experts)
-        self.slot_experts = empty(ranks, epn)
-        self.group_experts = empty(ranks, 2 * epn)
-        self.offsets = empty(ranks, 2 * epn)
-        self.padding = empty(ranks, 2 * epn, 2)
-        self.received = empty(ranks)
-        self.group_start = empty(ranks, experts)
+    @classmethod
+    def size(cls, config: EPConfig) -> int:
+        """int32 elements of the flat buffer."""
+        name, shape, start = cls._places(config)[-1]
+        return start + -(-math.prod(shape) // 4) * 4
 
     def args(self) -> tuple[torch.Tensor, ...]:
         """Kernel arguments in the order of :func:`_layout`."""
@@ -690,6 +709,36 @@ class _Tables:
             "received": self.received,
             "group_start": self.group_start,
         }
+
+
+def _auto_tables(
+    hist: torch.Tensor, total_tokens: int, config: EPConfig, cost: CostProfile | None
+) -> tuple[_Tables, AutoChoice, dict[str, object]]:
+    """``auto``'s layout: every candidate's tables, the model's choice, the chosen tables gathered.
+
+    Only the layout is planned per candidate (a launch of ``R`` programs each, fewer candidates
+    when :func:`flatep.plan.auto.candidates_for` prunes them); the count, scan and destination
+    kernels, which touch every entry, run once, on the chosen tables. The model is one launch
+    (:func:`flatep.plan.cost_triton.predict_triton`); nothing is read on the host.
+
+    Returns:
+        The chosen tables, the :class:`~flatep.plan.auto.AutoChoice`, and the plan fields of an
+        auto plan (``policy``, ``shard_rows``, ``slot_rows``, ``auto``).
+    """
+    cost = CostProfile.default() if cost is None else cost
+    candidates = candidates_for(config, cost, total_tokens)
+    storage = torch.empty(len(candidates), _Tables.size(config), dtype=torch.int32, device=hist.device)
+    for index, candidate in enumerate(candidates):
+        tables = _Tables(config, storage=storage[index])
+        _launch_layout(hist, total_tokens * config.top_k, candidate.config(config), candidate.policy, tables)
+    alloc_start = _Tables._places(config)[0][2]
+    alloc = storage[:, alloc_start:alloc_start + config.experts * config.ranks].view(len(candidates), config.experts, config.ranks)
+    prediction = predict_triton(hist, alloc, cost.constants(config))
+    choice = choose(prediction)
+    chosen = storage[0] if len(candidates) == 1 else storage.index_select(0, choice.view(1))[0]
+    auto = AutoChoice(candidates=candidates, choice=choice, prediction=prediction)
+    fields = dict(policy="auto", shard_rows=config.step_rows(total_tokens, "auto"), slot_rows=slot_rows(config, total_tokens), auto=auto)
+    return _Tables(config, storage=chosen), auto, fields
 
 
 def _layout_meta(config: EPConfig, policy: str) -> dict[str, int | bool]:
@@ -809,9 +858,6 @@ def make_plan_triton(
     """
     check_policy(policy)
     check_cost(policy, cost)
-    if policy == "auto":  # every candidate planned here, the choice gathered on the device
-        plans = plan_candidates(lambda candidate, name: make_plan_triton(topk_ids, candidate, name, tokens), config)
-        return select(plans, plans[0].tokens_per_expert, config, cost, plans[0].total_tokens)
     _check_config(config)
     if not isinstance(topk_ids, torch.Tensor):
         raise ValueError(f"topk_ids must be a tensor, got {type(topk_ids).__name__}")
@@ -840,7 +886,6 @@ def make_plan_triton(
     hist = torch.empty(ranks, experts, dtype=torch.int32, device=device) if scanned else tile_counts
     dest_rank = torch.empty(ranks, step, config.top_k, dtype=torch.int32, device=device)
     dest_row = torch.empty_like(dest_rank)
-    tables = _Tables(config, device)
 
     _count_kernel[(n_tiles, ranks)](
         ids, tile_counts, dest_row, token_limits, step, entries, n_tiles, config.top_k, experts,
@@ -851,15 +896,19 @@ def make_plan_triton(
             tile_counts, tile_counts, hist, n_tiles, experts,
             ROWS=min(_pow2(n_tiles), _SCAN_ROWS), BLOCK_EC=_SCAN_EXPERTS, WRITE_HIST=True, num_warps=4,
         )
-    _launch_layout(hist, sum(counts) * config.top_k, config, policy, tables)
+    plan_fields: dict[str, object] = dict(policy=policy, shard_rows=config.step_rows(ranks * step, policy))
+    if policy == "auto":
+        tables, _, plan_fields = _auto_tables(hist, sum(counts), config, cost)
+    else:
+        tables = _Tables(config, device)
+        _launch_layout(hist, sum(counts) * config.top_k, config, policy, tables)
     _destination_kernel[(n_tiles, ranks)](
         ids, tile_counts, tables.before, tables.acum, tables.group_start, dest_rank, dest_row, token_limits,
         step, 0, entries, n_tiles, config.top_k, experts, ranks,
         **_search_meta(ranks), TILE=meta["TILE"], SCANNED=scanned, PER_RANK=per_rank, num_warps=4,
     )
     return Plan(
-        policy=policy,
-        shard_rows=config.step_rows(ranks * step, policy),
+        **plan_fields,
         total_tokens=sum(counts),
         tokens_per_expert=hist,
         **tables.layout_fields(),
@@ -901,12 +950,6 @@ def plan_rank_triton(
     """
     check_policy(policy)
     check_cost(policy, cost)
-    if policy == "auto":
-        plans = plan_candidates(
-            lambda candidate, name: plan_rank_triton(rank, topk_ids, tokens_per_expert, candidate, name, total_tokens, tokens),
-            config,
-        )
-        return select(plans, plans[0].tokens_per_expert, config, cost, plans[0].total_tokens)
     _check_config(config)
     if not isinstance(rank, int) or not 0 <= rank < config.ranks:
         raise ValueError(f"rank must be an int in [0, {config.ranks}), got {rank!r}")
@@ -943,15 +986,19 @@ def plan_rank_triton(
     tile_counts = torch.empty(n_tiles, experts, dtype=torch.int32, device=device)
     dest_rank = torch.empty(step, config.top_k, dtype=torch.int32, device=device)
     dest_row = torch.empty_like(dest_rank)
-    tables = _Tables(config, device)
-
-    if config.ranks > _FUSED_MAX_RANKS:
-        _launch_layout(hist, total * config.top_k, config, policy, tables)
+    plan_fields: dict[str, object] = dict(policy=policy, shard_rows=config.step_rows(ranks * step, policy))
+    if policy == "auto" or config.ranks > _FUSED_MAX_RANKS:
+        if policy == "auto":
+            tables, _, plan_fields = _auto_tables(hist, total, config, cost)
+        else:
+            tables = _Tables(config, device)
+            _launch_layout(hist, total * config.top_k, config, policy, tables)
         _count_kernel[(n_tiles, 1)](  # ids stands in for the unread per-rank tokens pointer
             ids, tile_counts, dest_row, ids, limit, entries, n_tiles, config.top_k, experts,
             **meta, PER_RANK=False, num_warps=4,
         )
     else:
+        tables = _Tables(config, device)
         _rank_prologue_kernel[(ranks + n_tiles,)](
             hist, total * config.top_k, config.tolerance_fixed, experts, config.experts_per_rank, config.align,
             *tables.args(),
@@ -970,8 +1017,7 @@ def plan_rank_triton(
         num_warps=4,
     )
     return RankPlan(
-        policy=policy,
-        shard_rows=config.step_rows(ranks * step, policy),
+        **plan_fields,
         total_tokens=total,
         tokens_per_expert=hist,
         **tables.layout_fields(),
