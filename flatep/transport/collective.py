@@ -201,14 +201,17 @@ class CollectiveGroup(Group):
             total += returned[source[:, k]].float()
         return total.to(out_dtype)
 
-    def push_experts(self, home: torch.Tensor, slots: torch.Tensor, slot_experts: torch.Tensor, backend: str = "auto") -> None:
+    def push_experts(
+        self, home: torch.Tensor, slots: torch.Tensor, slot_experts: torch.Tensor, backend: str = "auto",
+        programs: int | None = None,
+    ) -> None:
         """Send each borrowed expert from its owner into the receiver's slot (one projection).
 
         Args:
             home: this rank's home pool ``[epn, *expert_shape]``.
             slots: this rank's slots, shaped like ``home``.
             slot_experts: ``[R, epn]`` int32 from the plan (``-1`` = empty slot); read on the host.
-            backend: ignored (no kernel runs here); accepted for the common interface.
+            backend, programs: ignored (no kernel runs here); accepted for the common interface.
         """
         epn = slot_experts.shape[1]
         operations = []
