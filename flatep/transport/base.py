@@ -57,6 +57,10 @@ class Group(ABC):
             synchronisations. ``False``: a step reads nothing back to the host (zero host
             synchronisations, as inside a CUDA graph, where steps never check themselves); errors
             found on the device set flags that the next :meth:`check` raises.
+        push_on_side_stream: whether :meth:`push_experts` may run on a side CUDA stream while
+            dispatch runs on the current one (its kernels then share the GPU). True where the push
+            is a kernel over peer addresses; false where push and dispatch are operations of one
+            communicator that every rank must issue in one order (NCCL).
     """
 
     world: int
@@ -64,6 +68,7 @@ class Group(ABC):
     local_ranks: tuple[int, ...]
     stacked: bool
     eager_check: bool = True
+    push_on_side_stream: bool = True
 
     def _start_checks(self, eager_check: bool) -> None:
         """Set the checking mode and allocate the device error flags (at set-up: never inside a graph)."""

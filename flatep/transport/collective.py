@@ -94,6 +94,9 @@ class CollectiveGroup(Group):
     """
 
     stacked = False
+    # NCCL issues the push's point-to-point messages and dispatch's all-to-all on one communicator:
+    # from two streams, ranks could issue them in different orders and deadlock.
+    push_on_side_stream = False
 
     def __init__(
         self, process_group: dist.ProcessGroup | None = None, device: torch.device | str | None = None, eager_check: bool = True
