@@ -470,10 +470,10 @@ def combine_step(
     return out if group.stacked else out[0]
 
 
-_SIDE_STREAMS: dict[torch.device, "torch.cuda.Stream"] = {}
+_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
 
-def _side_stream(device: torch.device) -> "torch.cuda.Stream":
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
     """The stream weight pushes run on beside dispatch, one per device, made once and reused (CUDA graphs
     capture work on it through the fork/join events of :func:`start_push` and :func:`join_push`)."""
     if device not in _SIDE_STREAMS:
@@ -483,7 +483,7 @@ def _side_stream(device: torch.device) -> "torch.cuda.Stream":
 
 def start_push(
     pool: ExpertPool, slot_experts: torch.Tensor, backend: str = "auto", comm_programs: int | None = None
-) -> "torch.cuda.Event | None":
+) -> torch.cuda.Event | None:
     """Launch the push of a plan's borrowed experts into ``pool``'s slots; return what :func:`join_push` waits on.
 
     On CUDA, where the transport allows it (:attr:`Group.push_on_side_stream`), the push runs on
@@ -512,7 +512,7 @@ def start_push(
     return done
 
 
-def join_push(done: "torch.cuda.Event | None", device: torch.device) -> None:
+def join_push(done: torch.cuda.Event | None, device: torch.device) -> None:
     """Make the current stream wait for a push from :func:`start_push` (nothing to do when it ran in line)."""
     if done is not None:
         torch.cuda.current_stream(device).wait_event(done)
@@ -530,7 +530,7 @@ class Prefetch:
 
     pool: ExpertPool
     plan: Layout
-    done: "torch.cuda.Event | None"
+    done: torch.cuda.Event | None
 
 
 def _pending(group: Group) -> dict[int, Prefetch]:
@@ -557,7 +557,9 @@ def prefetch_experts(
     With ``ExpertPool(..., slot_sets=2)``, layer ``L+1``'s prefetch may be issued before layer
     ``L``'s step (they use different slot sets); issue it after layer ``L-1``'s step, the last
     one using the same set. A step that would push into a slot set holding an unconsumed
-    prefetch raises instead of overwriting it.
+    prefetch raises instead of overwriting it. Pushes share one side stream per device and run
+    in the order they were issued, so a step that pushes for itself after a prefetch was issued
+    waits for that prefetch too: for full overlap, prefetch every layer.
 
     Args:
         pool: the pool of the layer the plan is for.

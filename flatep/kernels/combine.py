@@ -1,6 +1,8 @@
 """Combine: each token gathers its K rows from the shards and sums them in fp32 (unweighted).
 
-The experts have already multiplied each row by its route weight, so combine is a plain sum.
+The experts have already multiplied each row by its route weight, so combine is a plain sum. The
+grid is 1-D and its programs walk (rank, token block) items with a grid-stride loop, so a capped
+grid (``programs``) sums every token exactly as an uncapped one does.
 """
 from __future__ import annotations
 

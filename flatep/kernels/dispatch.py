@@ -1,9 +1,11 @@
 """Dispatch: every token row goes straight to its final row of the destination shard.
 
-One program handles ``BLOCK_T`` tokens of one source rank: it loads each ``BLOCK_H`` chunk of
+A work item is ``BLOCK_T`` tokens of one source rank: its program loads each ``BLOCK_H`` chunk of
 their rows once and stores it to the ``K`` destination rows (zero copy: no permute before or
 after), and writes each entry's fp32 route weight beside its row. A second kernel zeroes the
-padding rows (and their weights) of the shards this process owns.
+padding rows (and their weights) of the shards this process owns. Both grids are 1-D and their
+programs walk the work items with a grid-stride loop, so a grid capped below the item count
+(``programs``) computes exactly what an uncapped one does.
 """
 from __future__ import annotations
 
