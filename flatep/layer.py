@@ -15,8 +15,8 @@ from flatep.config import POLICIES, EPConfig, check_policy
 from flatep.experts.grouped import PRECISIONS, Activation, grouped_swiglu, swiglu
 from flatep.experts.pool import ExpertPool, check_expert_weights, check_slot_sets
 from flatep.kernels.backend import check_programs, interpreting, use_triton
-from flatep.kernels.combine import combine_torch, combine_triton
-from flatep.kernels.dispatch import dispatch_torch, dispatch_triton
+from flatep.kernels.combine import combine_grid, combine_torch, combine_triton
+from flatep.kernels.dispatch import dispatch_grids, dispatch_torch, dispatch_triton
 from flatep.plan.cost import CostProfile, check_cost
 from flatep.plan.reference import _check_ids, _valid_mask, histogram, make_plan, plan_rank
 from flatep.plan.split import split_slot_rows
@@ -147,9 +147,13 @@ def check_plan(plan: Layout, topk_ids: torch.Tensor, config: EPConfig, group: Gr
 
 
 def check_inputs(
-    x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, config: EPConfig, group: Group
+    x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, config: EPConfig, group: Group,
+    backend: str = "auto", comm_programs: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Validate the layer's inputs before any kernel runs; return them contiguous, ids int32, weights fp32.
+
+    With the Triton kernels (``backend``), also the launch limits of dispatch and combine for
+    these ``s`` and ``comm_programs`` (before anything is copied).
 
     Raises:
         ValueError: naming the argument and what was expected.
@@ -175,6 +179,10 @@ def check_inputs(
     for name, tensor in (("x", x), ("topk_ids", topk_ids), ("topk_weights", topk_weights)):
         if tensor.device != group.device:
             raise ValueError(f"{name} must be on the group's device {group.device}, got {tensor.device}")
+    if use_triton(x.device, backend) and not isinstance(group, CollectiveGroup):
+        ranks_here = len(group.local_ranks)
+        dispatch_grids(ranks_here, tokens, 2 * config.experts_per_rank, programs=comm_programs)
+        combine_grid(ranks_here, tokens, programs=comm_programs)
     return x.contiguous(), topk_ids.to(torch.int32).contiguous(), topk_weights.float().contiguous()
 
 
@@ -693,7 +701,7 @@ def ep_moe(
             "GEMM's output is already bfloat16, so fp32 combine rows would cost twice the bytes for the same values"
         )
     check_programs(comm_programs)
-    x, topk_ids, topk_weights = check_inputs(x, topk_ids, topk_weights, config, group)
+    x, topk_ids, topk_weights = check_inputs(x, topk_ids, topk_weights, config, group, backend, comm_programs)
     if pushed is not None:
         if not isinstance(pushed, Prefetch):
             raise ValueError(f"pushed must be a Prefetch from flatep.layer.prefetch_experts, got {type(pushed).__name__}")

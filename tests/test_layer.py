@@ -9,6 +9,7 @@ import torch
 import numpy as np
 
 from flatep import EPConfig, EPMoE, ExpertPool, dense_moe, ep_moe, init_group, make_plan, plan_step, route
+from flatep.kernels.backend import MAX_WORK_ITEMS, use_triton
 from flatep.layer import prefetch_experts, shard_buffers
 from flatep.routing import ADVERSARIAL
 from tests.helpers import DEVICE, TRITON_BACKENDS, make_inputs, relative_error, tolerance
@@ -459,3 +460,17 @@ def test_module_passes_comm_programs_and_slot_set():
     with torch.no_grad():
         assert torch.equal(tuned(x), plain(x))
     assert tuned.expert_pool().slot_set == 1 and plain.expert_pool().slot_set == 0
+
+
+@pytest.mark.skipif(not use_triton(DEVICE), reason="needs CUDA or TRITON_INTERPRET=1")
+def test_a_step_beyond_the_kernels_launch_limits_raises_before_anything_runs():
+    tokens = MAX_WORK_ITEMS * 2 + 1  # dispatch moves 2 tokens per work item
+    config = EPConfig(ranks=1, experts=2, top_k=1, hidden=8, intermediate=8, capacity=tokens, align=1)
+    group = init_group("local", ranks=1, device=DEVICE)
+    # Expanded views: the shapes of a huge step without its memory (nothing may be copied or read).
+    x = torch.zeros(1, 1, 8, device=DEVICE).expand(1, tokens, 8)
+    ids = torch.zeros(1, 1, 1, dtype=torch.int32, device=DEVICE).expand(1, tokens, 1)
+    weights = torch.ones(1, 1, 1, device=DEVICE).expand(1, tokens, 1)
+    w13, w2 = torch.zeros(2, 16, 8, device=DEVICE), torch.zeros(2, 8, 8, device=DEVICE)
+    with pytest.raises(ValueError, match="token blocks in one launch exceed"):
+        ep_moe(x, ids, weights, w13, w2, config=config, group=group, backend="triton")
