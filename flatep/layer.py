@@ -13,10 +13,10 @@ import torch.nn.functional as F
 
 from flatep.config import POLICIES, EPConfig, check_policy
 from flatep.experts.grouped import PRECISIONS, Activation, grouped_swiglu, swiglu
-from flatep.experts.pool import ExpertPool, check_expert_weights
-from flatep.kernels.backend import interpreting, use_triton
-from flatep.kernels.combine import combine_torch, combine_triton
-from flatep.kernels.dispatch import dispatch_torch, dispatch_triton
+from flatep.experts.pool import ExpertPool, check_expert_weights, check_slot_sets
+from flatep.kernels.backend import check_programs, interpreting, use_triton
+from flatep.kernels.combine import combine_grid, combine_torch, combine_triton
+from flatep.kernels.dispatch import dispatch_grids, dispatch_torch, dispatch_triton
 from flatep.plan.cost import CostProfile, check_cost
 from flatep.plan.reference import _check_ids, _valid_mask, histogram, make_plan, plan_rank
 from flatep.plan.split import split_slot_rows
@@ -147,9 +147,13 @@ def check_plan(plan: Layout, topk_ids: torch.Tensor, config: EPConfig, group: Gr
 
 
 def check_inputs(
-    x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, config: EPConfig, group: Group
+    x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, config: EPConfig, group: Group,
+    backend: str = "auto", comm_programs: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Validate the layer's inputs before any kernel runs; return them contiguous, ids int32, weights fp32.
+
+    With the Triton kernels (``backend``), also the launch limits of dispatch and combine for
+    these ``s`` and ``comm_programs`` (before anything is copied).
 
     Raises:
         ValueError: naming the argument and what was expected.
@@ -175,6 +179,10 @@ def check_inputs(
     for name, tensor in (("x", x), ("topk_ids", topk_ids), ("topk_weights", topk_weights)):
         if tensor.device != group.device:
             raise ValueError(f"{name} must be on the group's device {group.device}, got {tensor.device}")
+    if use_triton(x.device, backend) and not isinstance(group, CollectiveGroup):
+        ranks_here = len(group.local_ranks)
+        dispatch_grids(ranks_here, tokens, 2 * config.experts_per_rank, programs=comm_programs)
+        combine_grid(ranks_here, tokens, programs=comm_programs)
     return x.contiguous(), topk_ids.to(torch.int32).contiguous(), topk_weights.float().contiguous()
 
 
@@ -350,8 +358,18 @@ def dispatch_step(
     backend: str = "auto",
     *,
     config: EPConfig | None = None,
+    comm_programs: int | None = None,
+    barrier_before: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scatter rows and route weights into the receive shards.
+    """Scatter rows and route weights into the receive shards, then barrier (every rank's rows have landed).
+
+    Args:
+        x: ``[R, s, H]`` (local) or ``[s, H]`` tokens; topk_weights: ``[.., s, K]`` fp32.
+        plan: the step's plan. backend: see :func:`flatep.kernels.backend.use_triton`.
+        config: sizes the buffers (see Returns).
+        comm_programs: cap on the dispatch kernels' programs (Triton only; ``None``: uncapped).
+        barrier_before: barrier first, so that no peer still combines the previous step out of
+            the shards (:func:`ep_moe` does it itself, to start the push after it).
 
     Returns:
         ``(shard [n, rows, H], shard_weights [n, rows] fp32)`` (``n`` = ranks this process
@@ -369,14 +387,15 @@ def dispatch_step(
         shard = group.buffer("shard", (plan.shard_rows, hidden), x.dtype)
         shard_weights = group.buffer("shard_weights", (plan.shard_rows,), torch.float32)
     dest_rank, dest_row = _entries(plan, tokens, top_k)
-    # Peers may still be combining the previous step out of these shards: wait for them first.
-    group.barrier()
+    if barrier_before:  # peers may still be combining the previous step out of these shards
+        group.barrier()
     if isinstance(group, CollectiveGroup):
         group.dispatch(x, topk_weights, plan, shard, shard_weights)
     elif use_triton(x.device, backend):
         dispatch_triton(
             x.view(-1, tokens, hidden), topk_weights.view(-1, tokens, top_k), dest_rank, dest_row, plan.padding,
             shard, shard_weights, group.peer_offsets(shard), group.peer_offsets(shard_weights), group.first_rank,
+            programs=comm_programs,
         )
     else:
         if not group.stacked:
@@ -397,6 +416,8 @@ def experts_step(
     precision: str = "fp32",
     out: torch.Tensor | None = None,
     backend: str = "auto",
+    *,
+    parts: tuple[str, ...] = ("home", "slots"),
 ) -> None:
     """Run one rank's experts over its shard and write the result into ``out`` (default: the shard itself).
 
@@ -406,6 +427,8 @@ def experts_step(
     first). ``out`` is a symmetric buffer shaped like the shard, possibly of another dtype (fp32
     rows keep the route-weighted products unrounded until combine). With Triton (``backend``), only
     each part's real rows (before its ``offsets[-1]``) are written; combine never reads the others.
+    ``parts`` selects which of the two run (``("home",)`` needs no slots, so it may run before
+    the push has landed).
 
     Raises:
         ValueError: if ``plan`` borrows experts but is not in the split layout.
@@ -419,10 +442,12 @@ def experts_step(
     target = target[local_index] if group.stacked else target
     epn = pool.config.experts_per_rank
     offsets = plan.offsets[rank]
-    parts = [("home", 0, plan.slot_base or plan.shard_rows, offsets[:epn])]
+    runs = [("home", 0, plan.slot_base or plan.shard_rows, offsets[:epn])]
     if plan.slot_base:
-        parts.append(("slots", plan.slot_base, plan.shard_rows, offsets[epn:] - plan.slot_base))
-    for part, first, end, part_offsets in parts:
+        runs.append(("slots", plan.slot_base, plan.shard_rows, offsets[epn:] - plan.slot_base))
+    for part, first, end, part_offsets in runs:
+        if part not in parts:
+            continue
         w13, w2, b13, b2 = pool.compute_view(local_index, part)
         grouped_swiglu(
             rows[first:end], weights[first:end], w13, w2, part_offsets, b13=b13, b2=b2, activation=activation,
@@ -431,9 +456,13 @@ def experts_step(
 
 
 def combine_step(
-    shard: torch.Tensor, plan: Layout, group: Group, tokens: int, top_k: int, out_dtype: torch.dtype, backend: str = "auto"
+    shard: torch.Tensor, plan: Layout, group: Group, tokens: int, top_k: int, out_dtype: torch.dtype, backend: str = "auto",
+    *, comm_programs: int | None = None,
 ) -> torch.Tensor:
-    """Sum every token's K expert outputs from the shards: ``[n, s, H]`` (or ``[s, H]``)."""
+    """Barrier, then sum every token's K expert outputs from the shards: ``[n, s, H]`` (or ``[s, H]``).
+
+    ``comm_programs`` caps the combine kernel's programs (Triton only; ``None``: uncapped).
+    """
     group.barrier()
     if isinstance(group, CollectiveGroup):
         return group.combine(shard, plan, out_dtype)
@@ -441,12 +470,130 @@ def combine_step(
     dest_rank, dest_row = _entries(plan, tokens, top_k)
     if use_triton(shard.device, backend):
         out = torch.empty(dest_rank.shape[0], tokens, hidden, dtype=out_dtype, device=shard.device)
-        combine_triton(out, dest_rank, dest_row, shard, group.peer_offsets(shard))
+        combine_triton(out, dest_rank, dest_row, shard, group.peer_offsets(shard), programs=comm_programs)
     else:
         if not group.stacked:
             raise ValueError("the torch combine path needs the local transport")
         out = combine_torch(dest_rank, dest_row, shard, out_dtype)
     return out if group.stacked else out[0]
+
+
+_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """The stream weight pushes run on beside dispatch, one per device, made once and reused (CUDA graphs
+    capture work on it through the fork/join events of :func:`start_push` and :func:`join_push`)."""
+    if device not in _SIDE_STREAMS:
+        _SIDE_STREAMS[device] = torch.cuda.Stream(device=device)
+    return _SIDE_STREAMS[device]
+
+
+def start_push(
+    pool: ExpertPool, slot_experts: torch.Tensor, backend: str = "auto", comm_programs: int | None = None
+) -> torch.cuda.Event | None:
+    """Launch the push of a plan's borrowed experts into ``pool``'s slots; return what :func:`join_push` waits on.
+
+    On CUDA, where the transport allows it (:attr:`Group.push_on_side_stream`), the push runs on
+    a side stream forked from the current one here (so it starts after everything already
+    queued, the plan and the barrier that frees the slots included) and overlaps whatever the
+    current stream does next; the returned event marks its end. Elsewhere it runs on the current
+    stream now and ``None`` is returned. No host synchronisation either way, and the fork/join
+    pattern is CUDA-graph capturable (join before the capture ends).
+
+    Args:
+        pool: the layer's pool; slot_experts: ``[R, epn]`` int32 from the plan.
+        backend, comm_programs: as for :func:`ep_moe`.
+    """
+    device = pool.group.device
+    if device.type != "cuda" or not pool.group.push_on_side_stream:
+        pool.push(slot_experts, backend, comm_programs)
+        return None
+    side = _side_stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    done = torch.cuda.Event()
+    with torch.cuda.stream(side):
+        # The side stream reads the plan's table: keep its memory from being reused before then.
+        slot_experts.record_stream(side)
+        pool.push(slot_experts, backend, comm_programs)
+        done.record(side)
+    return done
+
+
+def join_push(done: torch.cuda.Event | None, device: torch.device) -> None:
+    """Make the current stream wait for a push from :func:`start_push` (nothing to do when it ran in line)."""
+    if done is not None:
+        torch.cuda.current_stream(device).wait_event(done)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Prefetch:
+    """A weight push started ahead of its step by :func:`prefetch_experts`; pass it as ``ep_moe(..., pushed=)``.
+
+    Attributes:
+        pool: the layer's pool whose slot set receives the experts.
+        plan: the plan whose ``slot_experts`` were pushed (the very object ``ep_moe`` must get).
+        done: CUDA event recorded after the push on the side stream (``None`` when it ran in line).
+    """
+
+    pool: ExpertPool
+    plan: Layout
+    done: torch.cuda.Event | None
+
+
+def _pending(group: Group) -> dict[int, Prefetch]:
+    """Prefetches not yet consumed by their step, by slot set (the address of its first slot buffer)."""
+    return group.__dict__.setdefault("_pending_pushes", {})
+
+
+def _slot_set_key(pool: ExpertPool) -> int:
+    return pool.slots(pool.names[0]).data_ptr()
+
+
+def prefetch_experts(
+    pool: ExpertPool, plan: Plan | RankPlan, backend: str = "auto", comm_programs: int | None = None
+) -> Prefetch:
+    """Start pushing ``plan``'s borrowed experts into ``pool``'s slot set ahead of the layer's step.
+
+    Collective: every rank calls it at the same point of its program. It puts a barrier on the
+    current stream (every rank has finished the work it queued before, its steps' use of the
+    slots included), then launches the push as :func:`start_push` does (on CUDA on a side stream,
+    so it overlaps whatever the current stream runs next, e.g. the previous layer). Then call
+    ``ep_moe(..., pool=pool, plan=plan, pushed=<this>)``: that step skips its own push and waits
+    for this one before its slot experts.
+
+    With ``ExpertPool(..., slot_sets=2)``, layer ``L+1``'s prefetch may be issued before layer
+    ``L``'s step (they use different slot sets); issue it after layer ``L-1``'s step, the last
+    one using the same set. A step that would push into a slot set holding an unconsumed
+    prefetch raises instead of overwriting it. Pushes share one side stream per device and run
+    in the order they were issued, so a step that pushes for itself after a prefetch was issued
+    waits for that prefetch too: for full overlap, prefetch every layer.
+
+    Args:
+        pool: the pool of the layer the plan is for.
+        plan: that layer's plan, from :func:`plan_step` (made before, outside the step).
+        backend, comm_programs: as for :func:`ep_moe`.
+
+    Returns:
+        The handle to pass as ``pushed=``.
+
+    Raises:
+        ValueError: for arguments of the wrong type, or if this slot set already holds an unconsumed prefetch.
+    """
+    if not isinstance(pool, ExpertPool):
+        raise ValueError(f"pool must be an ExpertPool, got {type(pool).__name__}")
+    if not isinstance(plan, Layout) or not hasattr(plan, "slot_experts"):
+        raise ValueError(f"plan must be a Plan or RankPlan from flatep.plan_step, got {type(plan).__name__}")
+    check_programs(comm_programs)
+    pending = _pending(pool.group)
+    key = _slot_set_key(pool)
+    if key in pending:
+        raise ValueError("this slot set already holds a prefetch that no step has used yet: run that step first "
+                         "(or give the layers two slot sets: ExpertPool(..., slot_sets=2))")
+    pool.group.barrier()  # no rank still computes with these slots, nor dispatches into them later than this
+    done = start_push(pool, plan.slot_experts, backend, comm_programs) if plan.policy != "none" else None
+    pending[key] = prefetch = Prefetch(pool, plan, done)
+    return prefetch
 
 
 def ep_moe(
@@ -468,6 +615,8 @@ def ep_moe(
     combine_dtype: torch.dtype | None = None,
     cost: CostProfile | None = None,
     backend: str = "auto",
+    comm_programs: int | None = None,
+    pushed: Prefetch | None = None,
 ) -> torch.Tensor:
     """One expert-parallel MoE step: ``out[t] = sum_k w[t,k] * expert_{ids[t,k]}(x[t])``.
 
@@ -510,6 +659,21 @@ def ep_moe(
             has no fp32 output for bf16 inputs), so it is refused rather than paid for nothing.
         backend: ``auto`` (Triton on CUDA or under ``TRITON_INTERPRET=1``), ``triton`` or ``torch``.
         cost: the :class:`flatep.CostProfile` of ``policy="auto"`` (default: the generic one).
+        comm_programs: at most this many programs (thread blocks) for each of the dispatch,
+            combine and weight-push kernels (``None``: as many as they have work for; the push
+            4 per SM). Lower it to leave SMs to the expert GEMMs that run beside the push, or to
+            work of your own on other streams. Results are bit-identical for every value. It
+            bounds the Triton kernels only (the torch backend and the collective transport have
+            no grid).
+        pushed: a :class:`Prefetch` from :func:`prefetch_experts` for this ``pool`` and this
+            very ``plan``: the step skips its own push and waits for that one.
+
+    Order of a step (barriers all on the current stream, so every rank's barriers pair up in
+    the same order): barrier (peers are done with the previous step's shards and slots); the
+    weight push starts (on CUDA on a side stream, overlapping dispatch and the home experts;
+    elsewhere in line); dispatch; barrier (every rank's rows have landed); the home experts
+    (they need no slots); the current stream waits for the push; barrier (every donor's push
+    has landed in its receivers' slots); the slot experts; barrier; combine.
 
     Returns:
         ``[R, s, H]`` (or ``[s, H]``) in ``x``'s dtype.
@@ -536,7 +700,15 @@ def ep_moe(
             "combine_dtype=torch.float32 with bfloat16 x needs precision='native': under precision='fp32' the down "
             "GEMM's output is already bfloat16, so fp32 combine rows would cost twice the bytes for the same values"
         )
-    x, topk_ids, topk_weights = check_inputs(x, topk_ids, topk_weights, config, group)
+    check_programs(comm_programs)
+    x, topk_ids, topk_weights = check_inputs(x, topk_ids, topk_weights, config, group, backend, comm_programs)
+    if pushed is not None:
+        if not isinstance(pushed, Prefetch):
+            raise ValueError(f"pushed must be a Prefetch from flatep.layer.prefetch_experts, got {type(pushed).__name__}")
+        if pushed.pool is not pool or pushed.plan is not plan:
+            raise ValueError("pushed was prefetched for another pool or plan: pass the pool= and plan= given to prefetch_experts")
+        if _pending(group).get(_slot_set_key(pool)) is not pushed:
+            raise ValueError("pushed was already used by a step (a prefetch serves one step)")
     if pool is None:
         if w13 is None or w2 is None:
             raise ValueError("pass either w13 and w2 or pool")
@@ -558,17 +730,36 @@ def ep_moe(
             group.check()  # a plan made for other ids raises before any kernel trusts it
     if pool is None:
         pool = ExpertPool.from_weights(w13, w2, config, group, b13, b2, dtype=x.dtype)
+    borrowing = plan.policy != "none"
+    if borrowing and pushed is None and _slot_set_key(pool) in _pending(group):
+        raise ValueError("this step would overwrite slots that hold a prefetch for another step: run that step first "
+                         "(or give the layers two slot sets: ExpertPool(..., slot_sets=2))")
     tokens = x.shape[-2]
-    shard, shard_weights = dispatch_step(x, topk_weights, plan, group, backend, config=config)
-    if plan.policy != "none":
-        pool.push(plan.slot_experts, backend)
-        group.barrier()
+    # Peers may still be combining the previous step out of the shards, or computing with the slots.
+    group.barrier()
+    done = None
+    if pushed is not None:
+        done = _pending(group).pop(_slot_set_key(pool)).done
+    elif borrowing:  # the push needs only the plan: start it before dispatch, beside it on CUDA
+        done = start_push(pool, plan.slot_experts, backend, comm_programs)
+    shard, shard_weights = dispatch_step(
+        x, topk_weights, plan, group, backend, config=config, comm_programs=comm_programs, barrier_before=False
+    )
     out = shard
     if combine_dtype not in (None, x.dtype):
         out = group.buffer("expert_out", (shard.shape[-2], x.shape[-1]), combine_dtype)
-    for local_index in range(len(group.local_ranks)):
-        experts_step(shard, shard_weights, pool, plan, group, local_index, activation, precision, out=out, backend=backend)
-    result = combine_step(out, plan, group, tokens, config.top_k, x.dtype, backend)
+    local_indices = range(len(group.local_ranks))
+    for local_index in local_indices:  # home experts need only the rows: they run while the push lands
+        experts_step(shard, shard_weights, pool, plan, group, local_index, activation, precision, out=out,
+                     backend=backend, parts=("home",))
+    if borrowing:
+        join_push(done, group.device)
+        # After the join, so this rank's push is complete when it arrives: past it, every donor's is.
+        group.barrier()
+        for local_index in local_indices:
+            experts_step(shard, shard_weights, pool, plan, group, local_index, activation, precision, out=out,
+                         backend=backend, parts=("slots",))
+    result = combine_step(out, plan, group, tokens, config.top_k, x.dtype, backend, comm_programs=comm_programs)
     if _checks_now(group):
         group.check()
     return result
@@ -602,6 +793,9 @@ class EPMoE(nn.Module):
     ``shared_w13 [2Is, H]``, ``shared_w2 [H, Is]``. On a per-process group the replicated
     parameters (router, shared expert) start equal on every rank (rank 0's values). The expert pool
     is rebuilt only when the routed weights change (tracked by their version counters).
+
+    ``comm_programs`` caps the communication kernels' programs (see :func:`ep_moe`); ``layer``
+    and ``slot_sets`` choose the pool's slot set (see :class:`ExpertPool`).
     """
 
     def __init__(
@@ -614,11 +808,17 @@ class EPMoE(nn.Module):
         dtype: torch.dtype = torch.bfloat16,
         backend: str = "auto",
         cost: CostProfile | None = None,
+        comm_programs: int | None = None,
+        layer: int = 0,
+        slot_sets: int = 1,
     ) -> None:
         super().__init__()
         check_policy(policy)
         check_cost(policy, cost)
+        check_programs(comm_programs)
+        check_slot_sets(layer, slot_sets)
         self.config, self.group, self.policy, self.cost = config, group, policy, cost
+        self.comm_programs, self.layer, self.slot_sets = comm_programs, layer, slot_sets
         self.renormalize, self.backend = renormalize, backend
         if config.ranks != group.world:
             raise ValueError(f"config.ranks={config.ranks} must equal the group's size {group.world}")
@@ -646,7 +846,7 @@ class EPMoE(nn.Module):
         """The layer's pool, rebuilt if ``w13`` or ``w2`` changed since it was built."""
         versions = (self.w13._version, self.w2._version, self.w13.data_ptr(), self.w2.data_ptr())
         if self._pool is None or versions != self._pool_versions:
-            self._pool = ExpertPool(self.config, self.group, self.w13.dtype)
+            self._pool = ExpertPool(self.config, self.group, self.w13.dtype, layer=self.layer, slot_sets=self.slot_sets)
             self._pool.load_home(self.w13.detach(), self.w2.detach())
             self._pool_versions = versions
         return self._pool
@@ -666,7 +866,7 @@ class EPMoE(nn.Module):
         topk_ids, topk_weights = route(logits, self.config.top_k, self.renormalize)
         out = ep_moe(
             x, topk_ids, topk_weights, config=self.config, group=self.group, policy=self.policy,
-            pool=self.expert_pool(), backend=self.backend, cost=self.cost,
+            pool=self.expert_pool(), backend=self.backend, cost=self.cost, comm_programs=self.comm_programs,
         )
         if self.shared_w13 is not None:
             intermediate = self.shared_w2.shape[-1]

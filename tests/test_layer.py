@@ -9,7 +9,8 @@ import torch
 import numpy as np
 
 from flatep import EPConfig, EPMoE, ExpertPool, dense_moe, ep_moe, init_group, make_plan, plan_step, route
-from flatep.layer import shard_buffers
+from flatep.kernels.backend import MAX_WORK_ITEMS, use_triton
+from flatep.layer import prefetch_experts, shard_buffers
 from flatep.routing import ADVERSARIAL
 from tests.helpers import DEVICE, TRITON_BACKENDS, make_inputs, relative_error, tolerance
 
@@ -375,3 +376,103 @@ def test_fp32_combine_rounds_each_token_once(backend):
         ep_moe(x, ids, weights, w13, w2, config=config, group=group, combine_dtype=torch.float16)
     with pytest.raises(ValueError, match="needs precision='native'"):  # would pay twice the bytes for nothing
         ep_moe(x, ids, weights, w13, w2, config=config, group=group, combine_dtype=torch.float32)
+
+
+@pytest.mark.parametrize("backend", TRITON_BACKENDS)
+@pytest.mark.parametrize("policy", ["exact", "none"])
+def test_comm_programs_cap_gives_bit_identical_steps(backend, policy):
+    config, group, x, ids, weights, w13, w2 = small_case(ranks=4, experts=8, routing="one", dtype=torch.bfloat16, seed=4)
+    pool = ExpertPool.from_weights(w13, w2, config, group)
+    outs = [ep_moe(x, ids, weights, group=group, pool=pool, policy=policy, backend=backend, comm_programs=programs)
+            for programs in (None, 1, 3)]
+    assert all(torch.equal(out, outs[0]) for out in outs[1:])
+    assert relative_error(outs[0], dense_moe(x, ids, weights, w13, w2)) < tolerance(torch.bfloat16)
+    for bad in (0, 2.5, False):
+        with pytest.raises(ValueError, match="comm_programs must be None or a positive int"):
+            ep_moe(x, ids, weights, group=group, pool=pool, comm_programs=bad)
+
+
+def test_two_slot_sets_alternate_by_layer():
+    config = EPConfig(ranks=2, experts=4, top_k=2, hidden=32, intermediate=16, capacity=4, align=4)
+    group = init_group("local", ranks=2, device=DEVICE)
+    pools = [ExpertPool(config, group, torch.float32, layer=layer, slot_sets=2) for layer in range(3)]
+    single = ExpertPool(config, group, torch.float32, layer=1)
+    for name in ("w13", "w2"):
+        assert pools[0].slots(name).data_ptr() == pools[2].slots(name).data_ptr() == single.slots(name).data_ptr()
+        assert pools[1].slots(name).data_ptr() != pools[0].slots(name).data_ptr()
+    assert [pool.slot_set for pool in pools] == [0, 1, 0] and single.slot_set == 0
+    for bad in (dict(slot_sets=3), dict(slot_sets=True), dict(layer=-1), dict(layer=1.0)):
+        with pytest.raises(ValueError, match="slot_sets must be 1 or 2|layer must be a non-negative int"):
+            ExpertPool(config, group, torch.float32, **bad)
+        with pytest.raises(ValueError, match="slot_sets must be 1 or 2|layer must be a non-negative int"):
+            EPMoE(config, group, dtype=torch.float32, **bad)
+
+
+@pytest.mark.parametrize("backend", TRITON_BACKENDS)
+def test_prefetched_push_of_the_next_layer_gives_bit_identical_steps(backend):
+    """Two slot sets: layer 1's experts are pushed before layer 0 runs; both layers equal their plain steps."""
+    config = EPConfig(ranks=4, experts=8, top_k=2, hidden=32, intermediate=16, capacity=8, align=4)
+    group = init_group("local", ranks=4, device=DEVICE)
+    layers = []
+    for layer, routing in enumerate(("one", 3.0)):
+        x, ids, weights, w13, w2 = make_inputs(config, 8, routing, torch.float32, seed=20 + layer)
+        pool = ExpertPool.from_weights(w13, w2, config, group, layer=layer, slot_sets=2)
+        plan = plan_step(ids, config, group)
+        assert bool((plan.slot_experts >= 0).any())
+        layers.append((x, ids, weights, pool, plan))
+    plain = [ep_moe(x, ids, weights, group=group, pool=pool, plan=plan, backend=backend)
+             for x, ids, weights, pool, plan in layers]
+    for pool in (layers[0][3], layers[1][3]):
+        for name in pool.names:
+            pool.slots(name).fill_(float("nan"))
+    x, ids, weights, pool, plan = layers[1]
+    ahead = prefetch_experts(pool, plan, backend, comm_programs=2)
+    with pytest.raises(ValueError, match="already holds a prefetch"):
+        prefetch_experts(pool, plan, backend)
+    first = ep_moe(*layers[0][:3], group=group, pool=layers[0][3], plan=layers[0][4], backend=backend)
+    with pytest.raises(ValueError, match="another pool or plan"):
+        ep_moe(x, ids, weights, group=group, pool=pool, plan=layers[0][4], pushed=ahead, backend=backend)
+    second = ep_moe(x, ids, weights, group=group, pool=pool, plan=plan, pushed=ahead, backend=backend)
+    assert torch.equal(first, plain[0]) and torch.equal(second, plain[1])
+    with pytest.raises(ValueError, match="already used by a step"):
+        ep_moe(x, ids, weights, group=group, pool=pool, plan=plan, pushed=ahead, backend=backend)
+
+
+def test_a_step_refuses_to_overwrite_a_prefetch_in_its_slot_set():
+    """One slot set: layer 1's prefetch would be overwritten by layer 0's own push, so layer 0 raises."""
+    config = EPConfig(ranks=4, experts=8, top_k=2, hidden=32, intermediate=16, capacity=8, align=4)
+    group = init_group("local", ranks=4, device=DEVICE)
+    x, ids, weights, w13, w2 = make_inputs(config, 8, "one", torch.float32, seed=5)
+    pools = [ExpertPool.from_weights(w13, w2, config, group, layer=layer) for layer in range(2)]
+    plan = plan_step(ids, config, group)
+    expected = ep_moe(x, ids, weights, group=group, pool=pools[1], plan=plan, backend="torch")
+    ahead = prefetch_experts(pools[1], plan, "torch")
+    with pytest.raises(ValueError, match="would overwrite slots that hold a prefetch"):
+        ep_moe(x, ids, weights, group=group, pool=pools[0], backend="torch")
+    assert torch.equal(ep_moe(x, ids, weights, group=group, pool=pools[1], plan=plan, pushed=ahead, backend="torch"), expected)
+    assert torch.equal(ep_moe(x, ids, weights, group=group, pool=pools[0], backend="torch"), expected)
+
+
+def test_module_passes_comm_programs_and_slot_set():
+    config, group, x, *_ = small_case(ranks=4, experts=8)
+    torch.manual_seed(3)
+    plain = EPMoE(config, group, dtype=torch.float32)
+    torch.manual_seed(3)
+    tuned = EPMoE(config, group, dtype=torch.float32, comm_programs=1, layer=1, slot_sets=2)
+    with torch.no_grad():
+        assert torch.equal(tuned(x), plain(x))
+    assert tuned.expert_pool().slot_set == 1 and plain.expert_pool().slot_set == 0
+
+
+@pytest.mark.skipif(not use_triton(DEVICE), reason="needs CUDA or TRITON_INTERPRET=1")
+def test_a_step_beyond_the_kernels_launch_limits_raises_before_anything_runs():
+    tokens = MAX_WORK_ITEMS * 2 + 1  # dispatch moves 2 tokens per work item
+    config = EPConfig(ranks=1, experts=2, top_k=1, hidden=8, intermediate=8, capacity=tokens, align=1)
+    group = init_group("local", ranks=1, device=DEVICE)
+    # Expanded views: the shapes of a huge step without its memory (nothing may be copied or read).
+    x = torch.zeros(1, 1, 8, device=DEVICE).expand(1, tokens, 8)
+    ids = torch.zeros(1, 1, 1, dtype=torch.int32, device=DEVICE).expand(1, tokens, 1)
+    weights = torch.ones(1, 1, 1, device=DEVICE).expand(1, tokens, 1)
+    w13, w2 = torch.zeros(2, 16, 8, device=DEVICE), torch.zeros(2, 8, 8, device=DEVICE)
+    with pytest.raises(ValueError, match="token blocks in one launch exceed"):
+        ep_moe(x, ids, weights, w13, w2, config=config, group=group, backend="triton")

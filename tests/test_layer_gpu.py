@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flatep import ExpertPool, dense_moe, ep_moe, init_group, make_plan, preset
+from flatep import ExpertPool, dense_moe, ep_moe, init_group, make_plan, plan_step, preset
+from flatep.layer import combine_step, dispatch_step, experts_step, prefetch_experts
 from flatep.plan.split import split_slot_rows
 from flatep.routing import adversarial_topk, sigma_for_maxvio, skewed_topk
 from tests.helpers import relative_error
@@ -141,4 +142,68 @@ def test_two_layers_sharing_slots_replay_in_one_graph():
     graph.replay()
     assert torch.equal(captured, step())
     assert relative_error(captured, dense()) < 2e-2
+    group.close()
+
+
+def _sequential_step(x, ids, weights, config, group, pool, plan):
+    """The step as it ran before the push overlapped anything: dispatch, push, barrier, experts, combine, one stream."""
+    shard, shard_weights = dispatch_step(x, weights, plan, group, config=config)
+    pool.push(plan.slot_experts)
+    group.barrier()
+    for local_index in range(len(group.local_ranks)):
+        experts_step(shard, shard_weights, pool, plan, group, local_index)
+    return combine_step(shard, plan, group, x.shape[-2], config.top_k, x.dtype)
+
+
+def test_overlapped_push_equals_the_sequential_step_and_replays_in_a_graph():
+    """The push on its side stream (beside dispatch and the home experts), capped grids, and a prefetch of the
+    next layer into the second slot set: bit-identical to the one-stream step, eagerly and in one CUDA graph."""
+    config = preset("kimi-k2", ranks=8, capacity=256).replace(hidden=1024, intermediate=512, experts=64)
+    group = init_group("local", ranks=8, device="cuda")
+    generator = torch.Generator(device="cuda").manual_seed(2)
+    layers = []
+    for layer in range(2):
+        w13 = (torch.randn(64, 1024, 1024, device="cuda", generator=generator) / 32).bfloat16()
+        w2 = (torch.randn(64, 1024, 512, device="cuda", generator=generator) / 512**0.5).bfloat16()
+        ids = skewed_topk(8, 64, config.top_k, 256, 3.0, seed=10 + layer).cuda()
+        pool = ExpertPool.from_weights(w13, w2, config, group, layer=layer, slot_sets=2)
+        plan = plan_step(ids, config, group)
+        assert bool((plan.slot_experts >= 0).any())
+        layers.append((ids, pool, plan))
+    x = torch.randn(8, 256, 1024, device="cuda", generator=generator).bfloat16()
+    weights = torch.rand(8, 256, config.top_k, device="cuda", generator=generator)
+
+    def sequential():
+        hidden = x
+        for ids, pool, plan in layers:
+            hidden = _sequential_step(hidden, ids, weights, config, group, pool, plan)
+        return hidden
+
+    def overlapped(comm_programs=None, prefetch=False):
+        (ids0, pool0, plan0), (ids1, pool1, plan1) = layers
+        ahead = prefetch_experts(pool1, plan1, comm_programs=comm_programs) if prefetch else None
+        hidden = ep_moe(x, ids0, weights, group=group, pool=pool0, plan=plan0, comm_programs=comm_programs)
+        return ep_moe(hidden, ids1, weights, group=group, pool=pool1, plan=plan1, comm_programs=comm_programs,
+                      pushed=ahead)
+
+    expected = sequential()
+    for comm_programs in (None, 1, 16):
+        for prefetch in (False, True):
+            assert torch.equal(overlapped(comm_programs, prefetch), expected), (comm_programs, prefetch)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        overlapped(16, True)  # warm-up: compile kernels, allocate cached buffers and the side stream
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = overlapped(16, True)
+    for _ in range(3):
+        captured.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured, expected)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    assert torch.equal(captured, sequential())
     group.close()

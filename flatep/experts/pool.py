@@ -1,10 +1,15 @@
-"""Expert weight pools: each layer's home experts, and one set of borrow slots per process.
+"""Expert weight pools: each layer's home experts, and one or two sets of borrow slots per process.
 
 Per projection a layer's pool is a symmetric buffer whose per-rank part ``[epn, ...]`` holds the
 rank's own experts. The experts a rank borrows for a step go into *slots*: a symmetric buffer
 ``[epn, ...]`` per projection that every layer of the same shape and dtype shares (it lives in the
 group's buffer cache), because a rank computes one layer at a time. Memory per rank is therefore
 ``epn`` experts per layer plus one layer's worth of slots, not ``2*epn`` per layer.
+
+With ``slot_sets=2`` there are two such sets and layer ``L`` (the pool's ``layer`` index) uses set
+``L % 2``: one more layer's worth of slots (``epn`` experts per rank) buys room to push layer
+``L+1``'s borrowed experts while layer ``L`` still computes with its own
+(:func:`flatep.layer.prefetch_experts`). Every pool of one shape should use the same ``slot_sets``.
 
 Home experts and slots are separate tensors, so a rank's experts run as two grouped GEMMs
 (``torch._grouped_mm`` with ``offs``), one per tensor, over the two parts of the split shard
@@ -43,11 +48,18 @@ class ExpertPool:
             quantized, then ``b13``, ``b2`` with biases).
         dtype: the activations' dtype (and the plain weights' and biases').
         weights: the weight format, ``bf16``, ``fp8`` or ``mxfp4``.
+        layer: the layer's index in the model (selects the slot set).
+        slot_sets: sets of borrow slots shared by the layers of this shape: 1 (every layer uses
+            the same slots) or 2 (layer ``L`` uses set ``L % 2``, so the next layer's push may
+            run while this layer computes; costs ``epn`` more experts per rank).
     """
 
     def __init__(
-        self, config: EPConfig, group: Group, dtype: torch.dtype, biases: bool = False, weights: str = "bf16"
+        self, config: EPConfig, group: Group, dtype: torch.dtype, biases: bool = False, weights: str = "bf16",
+        *, layer: int = 0, slot_sets: int = 1,
     ) -> None:
+        check_slot_sets(layer, slot_sets)
+        self.layer, self.slot_sets = layer, slot_sets
         check_pool_dims(weights, config.hidden, config.intermediate)
         if dtype not in (torch.bfloat16, torch.float32):
             raise ValueError(f"dtype (of activations and biases) must be torch.bfloat16 or torch.float32, got {dtype}")
@@ -84,15 +96,20 @@ class ExpertPool:
             total += math.prod(shape[1:]) * dtype.itemsize
         return total
 
-    def slots(self, name: str) -> torch.Tensor:
-        """The process's borrow slots of projection ``name``, shaped like its home pool.
+    @property
+    def slot_set(self) -> int:
+        """The set of borrow slots this layer uses: ``layer % slot_sets``."""
+        return self.layer % self.slot_sets
 
-        One symmetric buffer per (projection, shape, dtype), from the group's buffer cache, so
-        every layer of this shape shares it. Its contents are valid only between a step's push
-        and the end of that step's experts.
+    def slots(self, name: str) -> torch.Tensor:
+        """The process's borrow slots of projection ``name`` in this layer's slot set, shaped like its home pool.
+
+        One symmetric buffer per (slot set, projection, shape, dtype), from the group's buffer
+        cache, so every layer of this shape using this set shares it. Its contents are valid only
+        between a step's push and the end of that step's experts.
         """
         home = self.home(name)
-        return self.group.buffer(f"slots.{name}", self.expert_shape(name), home.dtype)
+        return self.group.buffer(f"slots{self.slot_set}.{name}", self.expert_shape(name), home.dtype)
 
     @classmethod
     def from_weights(
@@ -106,6 +123,8 @@ class ExpertPool:
         *,
         weights: str | None = None,
         dtype: torch.dtype | None = None,
+        layer: int = 0,
+        slot_sets: int = 1,
     ) -> "ExpertPool":
         """Build a pool from all ``E`` experts' weights, keeping each rank's own slice.
 
@@ -117,6 +136,7 @@ class ExpertPool:
             weights: the pool's format (default: the format of quantized ``w13``, else ``bf16``);
                 float weights are quantized into it.
             dtype: the activations' dtype (default: float weights' dtype, else bfloat16).
+            layer, slot_sets: the slot set this layer uses (see :class:`ExpertPool`).
         """
         given = w13.format if isinstance(w13, QuantizedTensor) else "bf16"
         weights = weights or given
@@ -124,7 +144,7 @@ class ExpertPool:
             raise ValueError(f"weights={weights!r} does not match the {given} tensors passed; dequantize them first")
         dtype = dtype or (w13.dtype if isinstance(w13, torch.Tensor) else torch.bfloat16)
         check_expert_weights(w13, w2, config, b13, b2, dtype)
-        pool = cls(config, group, dtype, biases=b13 is not None, weights=weights)
+        pool = cls(config, group, dtype, biases=b13 is not None, weights=weights, layer=layer, slot_sets=slot_sets)
         pool.load(w13, w2, b13, b2)
         return pool
 
@@ -177,21 +197,25 @@ class ExpertPool:
                 raise ValueError(f"{name} must be {home.dtype}, got {weights.dtype}")
             home.copy_(weights.to(home.device).reshape(home.shape))
 
-    def push(self, slot_experts: torch.Tensor, backend: str = "auto") -> None:
-        """Copy every borrowed expert of this step from its owner's home pool into the receiver's slot.
+    def push(self, slot_experts: torch.Tensor, backend: str = "auto", programs: int | None = None) -> None:
+        """Copy every borrowed expert of this step from its owner's home pool into the receiver's slot
+        (of this layer's slot set), on the current stream.
 
         How the weights travel is the transport's business (:meth:`Group.push_experts`): the push
-        kernel over peer addresses, or point-to-point messages on the collective transport.
+        kernel over peer addresses, or point-to-point messages on the collective transport. The
+        caller orders it against the ranks' other uses of the slots (barriers: see
+        :func:`flatep.layer.ep_moe`).
 
         Args:
             slot_experts: ``[R, epn]`` int32 from the plan (``-1`` = empty slot).
             backend: ``auto``, ``triton`` or ``torch`` (see :func:`flatep.kernels.backend.use_triton`).
+            programs: cap on the push kernel's programs (``None``: its default).
         """
         for name in self.names:
             home, slots = self.home(name), self.slots(name)
             if home.dtype == torch.float8_e4m3fn:  # moved as bytes: no kernel or collective needs to know fp8
                 home, slots = home.view(torch.uint8), slots.view(torch.uint8)
-            self.group.push_experts(home, slots, slot_experts, backend)
+            self.group.push_experts(home, slots, slot_experts, backend, programs)
 
     def compute_view(self, local_index: int, part: str = "home") -> tuple[Weights | None, ...]:
         """``(w13 [epn, 2I, H], w2 [epn, H, I], b13 [epn, 2I] | None, b2 [epn, H] | None)`` of one
@@ -211,6 +235,14 @@ class ExpertPool:
             w13 = QuantizedTensor(self.weights, w13, views["w13_scale"])
             w2 = QuantizedTensor(self.weights, w2, views["w2_scale"])
         return w13, w2, views["b13"], views["b2"]
+
+
+def check_slot_sets(layer: int, slot_sets: int) -> None:
+    """Raise ``ValueError`` unless ``layer`` is a non-negative int and ``slot_sets`` is 1 or 2."""
+    if isinstance(slot_sets, bool) or slot_sets not in (1, 2):
+        raise ValueError(f"slot_sets must be 1 or 2, got {slot_sets!r}")
+    if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
+        raise ValueError(f"layer must be a non-negative int (the layer's index), got {layer!r}")
 
 
 def check_expert_weights(

@@ -39,3 +39,38 @@ def column_block(columns: int, element_size: int) -> int:
     ``python -m flatep.bench.kernels``).
     """
     return min(triton.next_power_of_2(columns), 2048 // element_size)
+
+
+# CUDA allows 2**31 - 1 programs on grid axis 0 (65,535 on axes 1 and 2, which is why the
+# communication kernels put all their work on axis 0). Their grid-stride loops count work items in
+# int32 and step by the grid size, so items stay below 2**30: the last step cannot wrap around.
+MAX_WORK_ITEMS = 2**30
+
+
+def check_programs(programs: int | None) -> None:
+    """Raise ``ValueError`` unless ``programs`` (a cap on a communication kernel's grid) is None or a positive int."""
+    if programs is not None and (isinstance(programs, bool) or not isinstance(programs, int) or programs < 1):
+        raise ValueError(f"comm_programs must be None or a positive int (a cap on the programs per kernel), got {programs!r}")
+
+
+def comm_grid(work_items: int, programs: int | None = None, what: str = "work items") -> tuple[int]:
+    """The 1-D grid of a communication kernel that walks ``work_items`` items with a grid-stride loop.
+
+    Args:
+        work_items: independent items of the launch (e.g. ranks driven x token blocks).
+        programs: at most this many programs (``None``: one per item). Each item is computed by
+            exactly one program whatever the cap, in the same arithmetic, so results do not
+            depend on it; a cap only leaves SMs free for work running beside the kernel.
+        what: the items' name, for the error message.
+
+    Returns:
+        ``(grid,)`` with ``1 <= grid <= min(work_items, programs)`` (at least one program, which
+        finds nothing to do when ``work_items`` is 0).
+
+    Raises:
+        ValueError: if ``work_items`` exceeds :data:`MAX_WORK_ITEMS`, or ``programs`` is not a positive int.
+    """
+    check_programs(programs)
+    if work_items > MAX_WORK_ITEMS:
+        raise ValueError(f"{work_items} {what} in one launch exceed the communication kernels' limit of {MAX_WORK_ITEMS}")
+    return (max(1, min(work_items, programs or work_items)),)

@@ -1,6 +1,8 @@
 """Combine: each token gathers its K rows from the shards and sums them in fp32 (unweighted).
 
-The experts have already multiplied each row by its route weight, so combine is a plain sum.
+The experts have already multiplied each row by its route weight, so combine is a plain sum. The
+grid is 1-D and its programs walk (rank, token block) items with a grid-stride loop, so a capped
+grid (``programs``) sums every token exactly as an uncapped one does.
 """
 from __future__ import annotations
 
@@ -8,32 +10,46 @@ import torch
 import triton
 import triton.language as tl
 
-from flatep.kernels.backend import column_block
+from flatep.kernels.backend import column_block, comm_grid
 
 
 @triton.jit
 def _combine_kernel(
     out_ptr, dest_rank_ptr, dest_row_ptr, shard_ptr, shard_peers_ptr,
-    tokens, out_rank_stride, entry_rank_stride,
+    tokens, blocks, work, out_rank_stride, entry_rank_stride,
     H: tl.constexpr, K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
-    local = tl.program_id(0)
-    token = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
-    token_mask = token < tokens
-    entry_base = local.to(tl.int64) * entry_rank_stride + token * K
-    out_rows = out_ptr + local.to(tl.int64) * out_rank_stride + token.to(tl.int64) * H
-    for start in range(0, H, BLOCK_H):
-        column = start + tl.arange(0, BLOCK_H)
-        column_mask = column < H
-        total = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32)
-        for k in tl.static_range(K):
-            dest = tl.load(dest_rank_ptr + entry_base + k, mask=token_mask, other=-1)
-            row = tl.load(dest_row_ptr + entry_base + k, mask=token_mask, other=0)
-            live = token_mask & (dest >= 0)
-            source = tl.load(shard_peers_ptr + dest, mask=live, other=0) + row.to(tl.int64) * H
-            values = tl.load(shard_ptr + source[:, None] + column[None, :], mask=live[:, None] & column_mask[None, :], other=0.0)
-            total += values.to(tl.float32)
-        tl.store(out_rows[:, None] + column[None, :], total.to(out_ptr.dtype.element_ty), mask=token_mask[:, None] & column_mask[None, :])
+    # Work item = (local rank, block of BLOCK_T tokens), all on grid axis 0 (axis 1 stops at 65,535
+    # programs); a grid-stride loop lets a capped grid cover every item.
+    for step in range(tl.program_id(0), work, tl.num_programs(0)):
+        # int64 from here on: entry and row offsets pass 2**31 at large s*K and s*H.
+        item = tl.full([], 0, tl.int64) + step
+        local = item // blocks
+        token = (item - local * blocks) * BLOCK_T + tl.arange(0, BLOCK_T)
+        token_mask = token < tokens
+        entry_base = local * entry_rank_stride + token * K
+        out_rows = out_ptr + local * out_rank_stride + token * H
+        for start in range(0, H, BLOCK_H):
+            column = start + tl.arange(0, BLOCK_H)
+            column_mask = column < H
+            total = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32)
+            for k in tl.static_range(K):
+                dest = tl.load(dest_rank_ptr + entry_base + k, mask=token_mask, other=-1)
+                row = tl.load(dest_row_ptr + entry_base + k, mask=token_mask, other=0)
+                live = token_mask & (dest >= 0)
+                source = tl.load(shard_peers_ptr + dest, mask=live, other=0) + row.to(tl.int64) * H
+                values = tl.load(shard_ptr + source[:, None] + column[None, :], mask=live[:, None] & column_mask[None, :], other=0.0)
+                total += values.to(tl.float32)
+            tl.store(out_rows[:, None] + column[None, :], total.to(out_ptr.dtype.element_ty), mask=token_mask[:, None] & column_mask[None, :])
+
+
+def combine_grid(ranks_here: int, tokens: int, block_t: int = 1, programs: int | None = None) -> tuple[int]:
+    """Grid of the combine kernel: 1-D, one program per (rank driven, block of ``block_t`` tokens), at most ``programs``.
+
+    Raises:
+        ValueError: if the launch would exceed the kernels' work-item limit (:func:`comm_grid`).
+    """
+    return comm_grid(ranks_here * triton.cdiv(tokens, block_t), programs, "token blocks")
 
 
 def combine_triton(
@@ -45,6 +61,7 @@ def combine_triton(
     block_t: int = 1,
     block_h: int | None = None,
     num_warps: int = 4,
+    programs: int | None = None,
 ) -> None:
     """``out[r, t] = sum_k shard[dest_rank[r,t,k]][dest_row[r,t,k]]``, accumulated in fp32.
 
@@ -59,13 +76,19 @@ def combine_triton(
             on the H200 for Kimi-K2 and Kimi-K3 at s=1024 and 4096
             (``bench/results/2026-12-02-h200-b/kernels-*.log``): more tokens per program hold
             ``block_t*block_h`` fp32 sums in registers and spill.
+        programs: at most this many programs (``None``: one per token block), to leave SMs to
+            work running beside combine; results do not depend on it.
+
+    Raises:
+        ValueError: for a launch beyond the kernel's limits (:func:`combine_grid`), before it runs.
     """
     ranks_here, tokens, hidden = out.shape
     top_k = dest_rank.shape[-1]
+    grid = combine_grid(ranks_here, tokens, block_t, programs)
     block_h = block_h or column_block(hidden, shard.element_size())
-    _combine_kernel[(ranks_here, triton.cdiv(tokens, block_t))](
+    _combine_kernel[grid](
         out, dest_rank, dest_row, shard, shard_peers,
-        tokens, tokens * hidden, tokens * top_k,
+        tokens, triton.cdiv(tokens, block_t), ranks_here * triton.cdiv(tokens, block_t), tokens * hidden, tokens * top_k,
         H=hidden, K=top_k, BLOCK_T=block_t, BLOCK_H=block_h, num_warps=num_warps,
     )
 

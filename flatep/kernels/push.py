@@ -3,14 +3,16 @@
 Home pools and slots are symmetric buffers laid out ``[epn, numel]`` per rank. A
 one-program kernel first lists the slots this process must fill (a compaction of the plan's slot
 table, on the device); a persistent copy kernel then walks that list, every program copying a
-strided share of the chunks of each listed expert. Grid sizes depend only on the device, never on
-the routing, and nothing waits on the host.
+strided share of the chunks of each listed expert. Grid sizes depend only on the device (and an
+optional cap on the programs), never on the routing, and nothing waits on the host.
 """
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
+
+from flatep.kernels.backend import check_programs
 
 
 @triton.jit
@@ -33,6 +35,7 @@ def _push_kernel(
     programs = tl.num_programs(0)
     # Pools exceed 2**31 elements at real sizes (Kimi-K3: 224 experts x 22M): index in int64.
     expert_stride = tl.full([], numel, tl.int64)
+    block = tl.full([], BLOCK, tl.int64)  # chunk * BLOCK may pass 2**31 near the end of a large expert
     chunks = tl.cdiv(numel, BLOCK)
     count = tl.load(count_ptr)
     for index in range(count):
@@ -43,15 +46,23 @@ def _push_kernel(
         source = home_ptr + tl.load(home_peers_ptr + owner) + (expert - owner * EPN) * expert_stride
         target = slots_ptr + tl.load(slot_peers_ptr + receiver) + (slot % EPN) * expert_stride
         for chunk in range(program, chunks, programs):
-            column = chunk * BLOCK + tl.arange(0, BLOCK)  # one expert stays below 2**31 elements
+            column = chunk * block + tl.arange(0, BLOCK)
             mask = column < numel
             tl.store(target + column, tl.load(source + column, mask=mask), mask=mask)
 
 
-def _programs(device: torch.device) -> int:
+def push_programs(device: torch.device, programs: int | None = None) -> int:
+    """Programs of the push copy kernel: 4 per SM on CUDA (2 under the interpreter), at most ``programs``.
+
+    Raises:
+        ValueError: if ``programs`` is not None or a positive int.
+    """
+    check_programs(programs)
     if device.type == "cuda":
-        return 4 * torch.cuda.get_device_properties(device).multi_processor_count
-    return 2  # the interpreter runs programs one after another: few and long is fastest
+        default = 4 * torch.cuda.get_device_properties(device).multi_processor_count
+    else:
+        default = 2  # the interpreter runs programs one after another: few and long is fastest
+    return min(default, programs or default)
 
 
 def push_triton(
@@ -63,6 +74,7 @@ def push_triton(
     first_rank: int,
     local_ranks: int,
     expert_numel: int,
+    programs: int | None = None,
 ) -> None:
     """Copy every expert lent by this process's ranks into its receivers' slots.
 
@@ -74,7 +86,10 @@ def push_triton(
         slot_experts: ``[R, epn]`` int32 global id borrowed into each slot (``-1`` empty).
         first_rank, local_ranks: the ranks this process drives, ``[first_rank, first_rank + local_ranks)``.
         expert_numel: elements of one expert in this projection.
+        programs: at most this many copy programs (default 4 per SM), to leave SMs to work
+            running beside the push; the bytes copied do not depend on it.
     """
+    grid = (push_programs(home.device, programs),)
     ranks, epn = slot_experts.shape
     pushes = torch.empty(ranks * epn, dtype=torch.int32, device=home.device)
     count = torch.empty(1, dtype=torch.int32, device=home.device)
@@ -83,7 +98,7 @@ def push_triton(
         SLOTS=ranks * epn, EPN=epn, BLOCK=triton.next_power_of_2(ranks * epn),
     )
     block = 8192 if home.device.type == "cuda" else 4096
-    _push_kernel[(_programs(home.device),)](
+    _push_kernel[grid](
         home, home_peers, slots, slot_peers, slot_experts, pushes, count, expert_numel, EPN=epn, BLOCK=block, num_warps=8,
     )
 

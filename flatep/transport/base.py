@@ -57,6 +57,10 @@ class Group(ABC):
             synchronisations. ``False``: a step reads nothing back to the host (zero host
             synchronisations, as inside a CUDA graph, where steps never check themselves); errors
             found on the device set flags that the next :meth:`check` raises.
+        push_on_side_stream: whether :meth:`push_experts` may run on a side CUDA stream while
+            dispatch runs on the current one (its kernels then share the GPU). True where the push
+            is a kernel over peer addresses; false where push and dispatch are operations of one
+            communicator that every rank must issue in one order (NCCL).
     """
 
     world: int
@@ -64,6 +68,7 @@ class Group(ABC):
     local_ranks: tuple[int, ...]
     stacked: bool
     eager_check: bool = True
+    push_on_side_stream: bool = True
 
     def _start_checks(self, eager_check: bool) -> None:
         """Set the checking mode and allocate the device error flags (at set-up: never inside a graph)."""
@@ -136,7 +141,10 @@ class Group(ABC):
     def barrier(self) -> None:
         """Wait until every rank has reached this point (stream-ordered on the GPU)."""
 
-    def push_experts(self, home: torch.Tensor, slots: torch.Tensor, slot_experts: torch.Tensor, backend: str = "auto") -> None:
+    def push_experts(
+        self, home: torch.Tensor, slots: torch.Tensor, slot_experts: torch.Tensor, backend: str = "auto",
+        programs: int | None = None,
+    ) -> None:
         """Copy every expert lent by this process's ranks into its receivers' slots (one projection).
 
         The default moves weights through the peer offset tables (the push kernel); transports
@@ -148,11 +156,12 @@ class Group(ABC):
             slots: the borrow slots of that projection, shaped like ``home`` (also symmetric).
             slot_experts: ``[R, epn]`` int32 from the plan (``-1`` = empty slot).
             backend: ``auto``, ``triton`` or ``torch`` (see :func:`flatep.kernels.backend.use_triton`).
+            programs: cap on the push kernel's programs (``None``: its default, 4 per SM).
         """
         numel = home[0, 0].numel() if self.stacked else home[0].numel()
         if use_triton(home.device, backend):
             push_triton(home, self.peer_offsets(home), slots, self.peer_offsets(slots), slot_experts,
-                        self.first_rank, len(self.local_ranks), numel)
+                        self.first_rank, len(self.local_ranks), numel, programs)
         elif self.stacked:
             push_torch(home, slots, slot_experts)
         else:

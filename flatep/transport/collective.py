@@ -94,6 +94,9 @@ class CollectiveGroup(Group):
     """
 
     stacked = False
+    # NCCL issues the push's point-to-point messages and dispatch's all-to-all on one communicator:
+    # from two streams, ranks could issue them in different orders and deadlock.
+    push_on_side_stream = False
 
     def __init__(
         self, process_group: dist.ProcessGroup | None = None, device: torch.device | str | None = None, eager_check: bool = True
@@ -201,14 +204,17 @@ class CollectiveGroup(Group):
             total += returned[source[:, k]].float()
         return total.to(out_dtype)
 
-    def push_experts(self, home: torch.Tensor, slots: torch.Tensor, slot_experts: torch.Tensor, backend: str = "auto") -> None:
+    def push_experts(
+        self, home: torch.Tensor, slots: torch.Tensor, slot_experts: torch.Tensor, backend: str = "auto",
+        programs: int | None = None,
+    ) -> None:
         """Send each borrowed expert from its owner into the receiver's slot (one projection).
 
         Args:
             home: this rank's home pool ``[epn, *expert_shape]``.
             slots: this rank's slots, shaped like ``home``.
             slot_experts: ``[R, epn]`` int32 from the plan (``-1`` = empty slot); read on the host.
-            backend: ignored (no kernel runs here); accepted for the common interface.
+            backend, programs: ignored (no kernel runs here); accepted for the common interface.
         """
         epn = slot_experts.shape[1]
         operations = []

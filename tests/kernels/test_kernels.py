@@ -5,6 +5,10 @@ import pytest
 import torch
 
 from flatep import EPConfig, ExpertPool, init_group, make_plan
+from flatep.kernels.backend import MAX_WORK_ITEMS, comm_grid, use_triton
+from flatep.kernels.combine import combine_grid, combine_triton
+from flatep.kernels.dispatch import dispatch_grids, dispatch_triton
+from flatep.kernels.push import push_programs
 from flatep.layer import combine_step, dispatch_step
 from flatep.plan.split import split_slot_rows
 from tests.helpers import DEVICE, TRITON_BACKENDS, make_inputs
@@ -115,3 +119,63 @@ def test_push_copies_borrowed_experts_and_nothing_else(backend):
             for slot, expert in enumerate(plan.slot_experts[rank].tolist()):
                 expected = weights_all[expert] if expert >= 0 else torch.full_like(weights_all[0], POISON)
                 assert torch.equal(slots[rank, slot], expected), (name, rank, slot)
+
+
+CUDA_AXIS0_LIMIT = 2**31 - 1
+
+
+@pytest.mark.parametrize("tokens", [1, 65_535, 65_536, 131_071, 131_072, 2**20])
+@pytest.mark.parametrize("ranks_here", [1, 8])
+@pytest.mark.parametrize("programs", [None, 1, 3, 528])
+def test_comm_grids_stay_within_cuda_limits(tokens, ranks_here, programs):
+    """Every launch is 1-D (CUDA caps axes 1 and 2 at 65,535 programs, axis 0 at 2**31 - 1) and covers all its work."""
+    for block_t in (1, 2, 8):
+        dispatch, padding = dispatch_grids(ranks_here, tokens, 2 * 48, block_t, programs)
+        combine = combine_grid(ranks_here, tokens, block_t, programs)
+        work = ranks_here * -(-tokens // block_t)
+        for grid, items in ((dispatch, work), (combine, work), (padding, ranks_here * 2 * 48)):
+            assert len(grid) == 1 and 1 <= grid[0] <= CUDA_AXIS0_LIMIT
+            assert grid[0] == (items if programs is None else min(items, programs))
+    assert push_programs(torch.device("cpu"), programs) == min(2, programs or 2)
+
+
+def test_launch_beyond_the_kernel_limits_raises_before_any_kernel():
+    tokens = MAX_WORK_ITEMS + 1
+    # Expanded views: the shapes of a huge launch without its memory (nothing may be read).
+    out = torch.zeros(1, 1, 8).expand(1, tokens, 8)
+    entries = torch.zeros(1, 1, 1, dtype=torch.int32).expand(1, tokens, 1)
+    shard, peers = torch.zeros(1, 4, 8), torch.zeros(1, dtype=torch.int64)
+    with pytest.raises(ValueError, match="token blocks in one launch exceed"):
+        combine_triton(out, entries, entries, shard, peers)
+    padding = torch.zeros(1, 2, 2, dtype=torch.int32)
+    with pytest.raises(ValueError, match="token blocks in one launch exceed"):
+        dispatch_triton(out, out, entries, entries, padding, shard, shard[:, :, 0], peers, peers, 0, block_t=1)
+    for bad in (0, -1, 2.0, True):
+        with pytest.raises(ValueError, match="comm_programs must be None or a positive int"):
+            comm_grid(4, bad)
+
+
+@pytest.mark.skipif(not use_triton(DEVICE), reason="needs CUDA or TRITON_INTERPRET=1")
+@pytest.mark.parametrize("config, tokens, routing", CASES[:2])
+def test_capped_programs_give_bit_identical_results(config, tokens, routing):
+    """A grid capped at 1 or 3 programs walks the same work items in the same arithmetic as an uncapped one."""
+    group = init_group("local", ranks=config.ranks, device=DEVICE)
+    _, ids, weights, w13, w2 = make_inputs(config, tokens, routing, torch.bfloat16, seed=3)
+    x = traceable_rows(config.ranks, tokens, config.hidden, torch.bfloat16)
+    plan = split_slot_rows(make_plan(ids, config))
+    pool = ExpertPool.from_weights(w13, w2, config, group)
+    results = []
+    for programs in (None, 1, 3):
+        group.buffer("shard", (plan.shard_rows, config.hidden), torch.bfloat16).fill_(POISON)
+        group.buffer("shard_weights", (plan.shard_rows,), torch.float32).fill_(POISON)
+        for name in pool.names:
+            pool.slots(name).fill_(POISON)
+        shard, shard_weights = dispatch_step(x, weights, plan, group, "triton", comm_programs=programs)
+        dispatched = (shard.clone(), shard_weights.clone())
+        shard.copy_((shard.float() * 0.75).bfloat16())
+        out = combine_step(shard, plan, group, tokens, config.top_k, torch.float32, "triton", comm_programs=programs)
+        pool.push(plan.slot_experts, "triton", programs)
+        results.append((*dispatched, out, *(pool.slots(name).clone() for name in pool.names)))
+    for other in results[1:]:
+        for first, again in zip(results[0], other):
+            assert torch.equal(first, again)

@@ -11,6 +11,9 @@ experts, combine, both layers) is on the device. Suites:
   inputs; ``group.check()`` finds nothing.
 * ``dead-rank``: after capture and one replay the last rank exits; the others replay again and
   ``group.check()`` must raise ``TimeoutError`` naming it.
+* ``prefetch``: two layers with two slot sets, their plans made ahead; layer 2's experts are
+  pushed (:func:`flatep.layer.prefetch_experts`) before layer 1 runs, with capped communication
+  grids. Eager and replayed in a CUDA graph, it is bit-identical to the plain two-layer step.
 
 Prints ``PASSED`` (exit 0) when every check of this rank passed.
 """
@@ -23,7 +26,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from flatep import EPConfig, ExpertPool, dense_moe, ep_moe, init_group, route
+from flatep import EPConfig, ExpertPool, dense_moe, ep_moe, init_group, plan_step, route
+from flatep.layer import prefetch_experts
 
 CONFIG = EPConfig(ranks=2, experts=8, top_k=2, hidden=256, intermediate=128, capacity=64, align=16)
 
@@ -51,6 +55,51 @@ def step(x, layers, group, routing_bias):
     return trace
 
 
+def prefetch_suite(group, rank: int) -> list[str]:
+    """The ``prefetch`` suite; returns its failures."""
+    failures = []
+    generator = torch.Generator(device="cuda").manual_seed(200 + rank)
+    layers = []
+    for layer, (_, w13, w2, _) in enumerate(make_layers(group)):
+        first = torch.randint(0, 3, (CONFIG.capacity, 1), device="cuda", generator=generator, dtype=torch.int32)
+        ids = torch.cat([first, (first + 1) % 3], dim=1)
+        pool = ExpertPool.from_weights(w13, w2, CONFIG, group, layer=layer, slot_sets=2)
+        layers.append((ids, pool, plan_step(ids, CONFIG, group), w13, w2))  # experts 0-2: rank 0 lends
+    x = torch.randn(CONFIG.capacity, CONFIG.hidden, device="cuda", generator=generator).bfloat16()
+    weights = torch.rand(CONFIG.capacity, CONFIG.top_k, device="cuda", generator=generator)
+
+    def two_layers(prefetch):
+        (ids0, pool0, plan0, _, _), (ids1, pool1, plan1, _, _) = layers
+        ahead = prefetch_experts(pool1, plan1, comm_programs=3) if prefetch else None
+        hidden = ep_moe(x, ids0, weights, group=group, pool=pool0, plan=plan0, comm_programs=3)
+        return hidden, ep_moe(hidden, ids1, weights, group=group, pool=pool1, plan=plan1, comm_programs=3, pushed=ahead)
+
+    plain = two_layers(False)[1]
+    dense = dense_moe(dense_moe(x, layers[0][0], weights, layers[0][3], layers[0][4]).bfloat16(), layers[1][0], weights,
+                      layers[1][3], layers[1][4])
+    error = float((plain.double() - dense.double()).norm() / dense.double().norm())
+    if not error < 3e-2:
+        failures.append(f"prefetch suite: relative error {error:.2e} against the dense MoE")
+    if not torch.equal(two_layers(True)[1], plain):
+        failures.append("eager step with a prefetch differs from the plain one")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        two_layers(True)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = two_layers(True)[1]
+    for replay in range(3):
+        captured.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        if not torch.equal(captured, plain):
+            failures.append(f"prefetch replay {replay} differs from the plain step")
+    group.check()
+    return failures
+
+
 def main() -> int:
     rank, world, suite = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), sys.argv[2]
     torch.cuda.set_device(0)
@@ -61,6 +110,13 @@ def main() -> int:
     def log(message):
         print(f"[rank {rank}] {message}", flush=True)
 
+    if suite == "prefetch":
+        with torch.inference_mode():
+            failures = prefetch_suite(group, rank)
+        log("FAILED: " + "; ".join(failures) if failures else "PASSED")
+        group.close()
+        dist.destroy_process_group()
+        return 1 if failures else 0
     with torch.inference_mode():
         layers = make_layers(group)
         generator = torch.Generator(device="cuda").manual_seed(100 + rank)

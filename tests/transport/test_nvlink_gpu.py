@@ -24,3 +24,8 @@ def test_two_layer_step_is_sync_free_and_replays_bit_identically(shared_gpu, tmp
 def test_dead_rank_raises_through_check_after_a_replay(shared_gpu, tmp_path):
     output = launch_workers("tests.transport.graph_worker", 2, [f"file://{tmp_path}/store", "dead-rank"], 300)
     assert "TimeoutError after replay" in output and output.count("PASSED") == 1, output
+
+
+def test_prefetched_push_into_a_second_slot_set_is_bit_identical(shared_gpu, tmp_path):
+    output = launch_workers("tests.transport.graph_worker", 2, [f"file://{tmp_path}/store", "prefetch"], 600)
+    assert output.count("PASSED") == 2, output
