@@ -22,6 +22,7 @@ from flatep.plan.reference import _check_ids, _valid_mask, histogram, make_plan,
 from flatep.plan.split import split_slot_rows
 from flatep.plan.triton import make_plan_triton, plan_rank_triton, supports_triton_planner
 from flatep.plan.types import Layout, MadeFor, Plan, RankPlan, ids_fingerprint
+from flatep.quant.tensor import QuantizedTensor, expert_weight_nbytes
 from flatep.transport.base import Group
 from flatep.transport.collective import CollectiveGroup
 
@@ -54,6 +55,21 @@ def _check_types(config: object, group: object, **tensors: object) -> None:
     for name, tensor in tensors.items():
         if not isinstance(tensor, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+
+
+def _cost_of_these_weights(
+    cost: CostProfile | None, pool: ExpertPool | None, w13: torch.Tensor | QuantizedTensor | None, config: EPConfig
+) -> CostProfile:
+    """``auto``'s profile with the bytes one expert of this step's weights really has (packed fp8 or
+    mxfp4 values and scales, biases), unless the profile already says."""
+    cost = CostProfile.default() if cost is None else cost
+    if cost.expert_bytes is not None:
+        return cost
+    if pool is not None:
+        return cost.with_expert_bytes(pool.expert_nbytes())
+    if isinstance(w13, QuantizedTensor):
+        return cost.with_expert_bytes(expert_weight_nbytes(w13.format, config.hidden, config.intermediate))
+    return cost
 
 
 def refuse_autograd(**tensors: torch.Tensor | None) -> None:
@@ -722,6 +738,8 @@ def ep_moe(
     elif pool.dtype != x.dtype:
         raise ValueError(f"pool dtype {pool.dtype} must match x dtype {x.dtype}")
     if plan is None:
+        if policy == "auto":
+            cost = _cost_of_these_weights(cost, pool, w13, config)
         # Per-process ranks agree on the step while planning, before the pool's collective allocation.
         plan = plan_step(topk_ids, config, group, policy, dtype=x.dtype, cost=cost)
     else:

@@ -181,12 +181,6 @@ def _auto_section(rows: list[dict[str, Any]]) -> list[str]:
             "per-rank share of the push launch when any expert moves; planning and the on-device dispatch/combine "
             "copies are in neither.",
         ]
-        if first.get("weights", "bf16") != "bf16":
-            lines += [
-                "", f"Weights are {first['weights']}: the pool pushes {_mb(first.get('expert_bytes'))} MB per borrowed expert, "
-                f"but the planner's model charges {_mb(first.get('model_expert_bytes'))} MB (bf16: the planner takes no weight "
-                "format), in its weight-read and push terms.",
-            ]
         lines += ["", f"| arm | cells | within ±{100 * MODEL_BAND:.0f}% | median | worst |", "|---|---|---|---|---|"]
         for entry in stats:
             lines.append(f"| {entry['arm']} | {entry['cells']} | {entry['within']} | {100 * entry['median']:+.1f}% | "

@@ -454,7 +454,7 @@ def _ep_cell(
         link_model_us=max(link_us["total"]),
         layer_with_link_model_us=layer_with_link(busiest),
         layer_with_link_model_rank=busiest,
-        model_expert_bytes=config.expert_bytes(),
+        model_expert_bytes=cost.constants(config).weight_bytes,
         measured_for_model_rank=measured_rank,
         **_model_fields(plan, config, cost, measured_for_model),
     )
@@ -634,6 +634,8 @@ def run(sweep: Sweep, out_dir: Path, device: torch.device, resume: bool = False,
     )
     todo = [c for c in cells(sweep) if (sweep.model_name, sweep.ranks, c[1], c[2], c[0]) not in done]
     pool, dense_weights, shared = _random_weights(config, device, sweep.arms, sweep.weights) if todo else (None, None, False)
+    if pool is not None and cost.expert_bytes is None:
+        cost = cost.with_expert_bytes(pool.expert_nbytes())  # as ep_moe does: the model counts packed bytes
     cell_cache: dict[tuple[int, float], Cell] = {}
     bar = tqdm(todo, desc=f"flatep bench {sweep.name}", disable=not progress, unit="cell")
     with results_path.open("a") as results:
