@@ -80,13 +80,16 @@ def bench_case(
     """
     # Imported here: the Triton kernels must be defined after main() chose the interpreter.
     from flatep.plan import make_plan, plan_rank
+    from flatep.plan.cost import CostProfile
     from flatep.plan.triton import local_histogram_triton, make_plan_triton, plan_rank_triton
     from flatep.routing import maxvio, skewed_topk
 
     ranks, policy = config.ranks, args.policy
+    # auto's model needs a profile; any fixed one times the planner the same way.
+    cost = {"cost": CostProfile.preset("h200")} if policy == "auto" else {}
     timed_ranks = sampled_ranks(ranks, args.rank_sample)
     ids = skewed_topk(ranks, model_experts, config.top_k, step, sigma, seed=args.seed, device=device)
-    reference = make_plan(ids, config, policy)
+    reference = make_plan(ids, config, policy, **cost)
     hist = reference.tokens_per_expert
     graphs = device.type == "cuda"
 
@@ -97,16 +100,16 @@ def bench_case(
 
     def rank_total(rank: int) -> None:
         local_histogram_triton(ids[rank], config.experts)
-        plan_rank_triton(rank, ids[rank], hist, config, policy)
+        plan_rank_triton(rank, ids[rank], hist, config, policy, **cost)
 
     total_us = [timed(lambda r=r: rank_total(r)) for r in timed_ranks]
-    rank_us = [timed(lambda r=r: plan_rank_triton(r, ids[r], hist, config, policy)) for r in timed_ranks]
-    group_us = timed(lambda: make_plan_triton(ids, config, policy))
+    rank_us = [timed(lambda r=r: plan_rank_triton(r, ids[r], hist, config, policy, **cost)) for r in timed_ranks]
+    group_us = timed(lambda: make_plan_triton(ids, config, policy, **cost))
     reference_rank_us = [
-        time_us(lambda r=r: plan_rank(r, ids[r], hist, config, policy), device, warmup=1, iters=args.reference_iters)
+        time_us(lambda r=r: plan_rank(r, ids[r], hist, config, policy, **cost), device, warmup=1, iters=args.reference_iters)
         for r in timed_ranks
     ]
-    reference_group_us = time_us(lambda: make_plan(ids, config, policy), device, warmup=1, iters=args.reference_iters)
+    reference_group_us = time_us(lambda: make_plan(ids, config, policy, **cost), device, warmup=1, iters=args.reference_iters)
     common = {
         "model": name,
         "ranks": ranks,
@@ -180,7 +183,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--sigmas", nargs="+", type=float, default=list(SIGMAS), help="routing skews (smoke: 1)")
     parser.add_argument("--rank-sample", type=int, default=8, help="ranks timed per case, spread over [0, R)")
-    parser.add_argument("--policy", default="exact", choices=("exact", "none", "bounded"))
+    parser.add_argument("--policy", default="exact", choices=("exact", "none", "bounded", "auto"),
+                        help="planner policy (auto decides with the h200 cost profile) (default: exact)")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--calls", type=int, default=20, help="planner calls captured in one graph")
     parser.add_argument("--replays", type=int, default=50, help="graph replays; the median is reported")

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from flatep.bench.planner import H200_COMMAND, PLANNERS, model_config, parse_args, sampled_ranks
@@ -15,7 +16,8 @@ from flatep.bench.planner import H200_COMMAND, PLANNERS, model_config, parse_arg
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_planner_benchmark_smoke_writes_rows(tmp_path):
+@pytest.mark.parametrize("policy", ["exact", "auto"])
+def test_planner_benchmark_smoke_writes_rows(tmp_path, policy):
     out = tmp_path / "planner.json"
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
@@ -24,7 +26,7 @@ def test_planner_benchmark_smoke_writes_rows(tmp_path):
     # A subprocess, so that its choice of interpreter cannot leak into other tests' kernels.
     result = subprocess.run(
         [sys.executable, "-m", "flatep.bench.planner", "--smoke", "--ranks", "2", "3", "--rank-sample", "2",
-         "--out", str(out)],
+         "--policy", policy, "--out", str(out)],
         env=env, cwd=ROOT, capture_output=True, text=True, timeout=600,
     )
     assert result.returncode == 0, result.stderr
@@ -32,7 +34,7 @@ def test_planner_benchmark_smoke_writes_rows(tmp_path):
     assert {row["planner"] for row in rows} == set(PLANNERS)
     assert len(rows) == 2 * 2 * len(PLANNERS)  # R in {2, 3}, s in {1, 8}, one sigma
     for row in rows:
-        assert row["us_per_rank"] > 0
+        assert row["us_per_rank"] > 0 and row["policy"] == policy
         assert {"device", "torch", "triton", "command", "model", "ranks", "experts", "model_experts", "tokens",
                 "sigma", "maxvio"} <= set(row)
         assert "--smoke" in row["command"]
