@@ -1,7 +1,7 @@
 """FlatEP: expert-parallel MoE communication whose per-rank load stays flat under any router skew."""
 from flatep.config import EPConfig, MODEL_SHAPES, preset
 from flatep.experts import ExpertPool, dense_moe
-from flatep.layer import EPMoE, ep_moe, plan_step, route
+from flatep.layer import EPMoE, ep_moe, plan_step, prefetch_experts, route
 from flatep.plan import Plan, RankPlan, make_plan, plan_rank
 from flatep.plan.cost import CostProfile
 from flatep.transport import Group, init_group
@@ -21,6 +21,7 @@ __all__ = [
     "make_plan",
     "plan_rank",
     "plan_step",
+    "prefetch_experts",
     "preset",
     "route",
 ]

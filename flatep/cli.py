@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 from flatep.bench.calibrate import add_calibrate_command
 from flatep.config import MODEL_SHAPES, POLICIES, preset
+from flatep.plan.cost import CostProfile
 from flatep.quant import WEIGHT_FORMATS
 
 
@@ -35,7 +36,10 @@ def _plan_command(args: argparse.Namespace) -> int:
     if sigma is not None and not maxvio_reached(args.maxvio, reached):
         print(f"flatep plan: maxvio target {args.maxvio:g} not reached at this shape: the routing has maxvio {reached:.2f} "
               f"(the largest possible is E/K - 1 = {config.experts / config.top_k - 1:g})", file=sys.stderr)
-    plan = make_plan(ids, config, args.policy)
+    if args.cost is not None and args.policy != "auto":
+        raise CliError(f"--cost is for --policy auto, got --policy {args.policy}")
+    cost = {"cost": _cost_profile(args.cost)} if args.policy == "auto" else {}
+    plan = make_plan(ids, config, args.policy, **cost)
     summary = summarize(plan, config)
     summary.update(
         model=args.model,
@@ -111,6 +115,16 @@ def _bench_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cost_profile(name_or_path: str | None) -> CostProfile:
+    """``--cost``: a preset or a profile file (None: the generic profile)."""
+    if name_or_path is None:
+        return CostProfile.default()
+    try:
+        return CostProfile.named(name_or_path)
+    except ValueError as error:
+        raise CliError(f"--cost: {error}") from None
+
+
 def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -151,6 +165,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--routing", default="skewed", choices=["skewed", "local", "next", "one", "duplicate"],
                       help="skewed (lognormal expert popularity at --maxvio) or an adversarial routing")
     plan.add_argument("--policy", default="exact", choices=POLICIES, help="balancing policy")
+    plan.add_argument("--cost", default=None, metavar="PROFILE",
+                      help="cost profile of --policy auto: a preset (generic, h200) or a JSON file from "
+                      "'flatep calibrate --out' (None: generic)")
     plan.add_argument("--align", type=_positive, default=128, help="rows each expert group is padded to a multiple of")
     plan.add_argument("--tolerance", type=_non_negative, default=0.0,
                       help="rank imbalance exact lets pass without moving weights (EPConfig.tolerance)")

@@ -24,7 +24,6 @@ from flatep.plan.triton import make_plan_triton, plan_rank_triton, supports_trit
 from flatep.plan.types import Layout, MadeFor, Plan, RankPlan, ids_fingerprint
 from flatep.quant.tensor import QuantizedTensor, expert_weight_nbytes
 from flatep.transport.base import Group
-from flatep.transport.collective import CollectiveGroup
 
 # What ranks of a per-process group must agree on before they exchange anything sized by it.
 _AGREED = ("s", "R", "E", "K", "H", "I", "capacity", "align", "tolerance", "policy", "dtype")
@@ -195,7 +194,7 @@ def check_inputs(
     for name, tensor in (("x", x), ("topk_ids", topk_ids), ("topk_weights", topk_weights)):
         if tensor.device != group.device:
             raise ValueError(f"{name} must be on the group's device {group.device}, got {tensor.device}")
-    if use_triton(x.device, backend) and not isinstance(group, CollectiveGroup):
+    if use_triton(x.device, backend) and group.peer_addressable:
         ranks_here = len(group.local_ranks)
         dispatch_grids(ranks_here, tokens, 2 * config.experts_per_rank, programs=comm_programs)
         combine_grid(ranks_here, tokens, programs=comm_programs)
@@ -405,7 +404,7 @@ def dispatch_step(
     dest_rank, dest_row = _entries(plan, tokens, top_k)
     if barrier_before:  # peers may still be combining the previous step out of these shards
         group.barrier()
-    if isinstance(group, CollectiveGroup):
+    if not group.peer_addressable:
         group.dispatch(x, topk_weights, plan, shard, shard_weights)
     elif use_triton(x.device, backend):
         dispatch_triton(
@@ -480,7 +479,7 @@ def combine_step(
     ``comm_programs`` caps the combine kernel's programs (Triton only; ``None``: uncapped).
     """
     group.barrier()
-    if isinstance(group, CollectiveGroup):
+    if not group.peer_addressable:
         return group.combine(shard, plan, out_dtype)
     hidden = shard.shape[-1]
     dest_rank, dest_row = _entries(plan, tokens, top_k)

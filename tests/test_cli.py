@@ -31,6 +31,21 @@ def test_plan_bad_argument_is_one_line(capsys):
     assert err.count("\n") == 1 and "divisible by ranks" in err
 
 
+def test_plan_auto_takes_a_cost_profile_by_name_or_file(tmp_path, capsys):
+    from flatep import CostProfile
+
+    path = tmp_path / "profile.json"
+    CostProfile.preset("h200").save(path)
+    for cost in ("h200", str(path)):
+        assert main(["plan", "--model", "kimi-k2", "--tokens", "1", "--policy", "auto", "--cost", cost, "--json"]) == 0
+        summary = json.loads(capsys.readouterr().out)
+        assert summary["borrowed_experts"] == 0  # decode: moving weights never pays
+    assert main(["plan", "--cost", "h200"]) == 2
+    assert "--cost is for --policy auto" in capsys.readouterr().err
+    assert main(["plan", "--policy", "auto", "--cost", str(tmp_path / "missing.json")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
 def _option_help(text: str) -> dict[str, str]:
     """``--option`` -> its help paragraph, from an argparse help text."""
     entries, current = {}, None

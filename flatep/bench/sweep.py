@@ -155,20 +155,10 @@ class Sweep:
         """The profile named by :attr:`cost`; ``ValueError`` naming the key ``cost`` if it cannot be read."""
         if self.cost is None:
             return CostProfile.default()
-        if not isinstance(self.cost, str):
-            raise ValueError(f"cost must be a preset name or the path of a JSON profile, got {self.cost!r}")
-        path = Path(self.cost)
-        if path.suffix == ".json" or path.exists():
-            if not path.is_file():
-                raise ValueError(f"cost: profile file {self.cost!r} does not exist")
-            try:
-                return CostProfile.load(path)
-            except ValueError as error:
-                raise ValueError(f"cost: {self.cost}: {error}") from None
         try:
-            return CostProfile.preset(self.cost)
+            return CostProfile.named(self.cost)
         except ValueError as error:
-            raise ValueError(f"cost: {error}, or the path of a JSON profile (flatep calibrate --out)") from None
+            raise ValueError(f"cost: {error}") from None
 
     @property
     def model_name(self) -> str:

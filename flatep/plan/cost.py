@@ -128,6 +128,24 @@ class CostProfile:
         return _SHIPPED[name]
 
     @classmethod
+    def named(cls, name_or_path: str) -> "CostProfile":
+        """A preset by name (``generic``, ``h200``) or a profile file (a ``.json`` path or any existing file)."""
+        if not isinstance(name_or_path, str):
+            raise ValueError(f"cost must be a preset name or the path of a JSON profile, got {name_or_path!r}")
+        path = Path(name_or_path)
+        if path.suffix == ".json" or path.exists():
+            if not path.is_file():
+                raise ValueError(f"profile file {name_or_path!r} does not exist")
+            try:
+                return cls.load(path)
+            except ValueError as error:
+                raise ValueError(f"{name_or_path}: {error}") from None
+        try:
+            return cls.preset(name_or_path)
+        except ValueError as error:
+            raise ValueError(f"{error}, or the path of a JSON profile (flatep calibrate --out)") from None
+
+    @classmethod
     def default(cls) -> "CostProfile":
         """The generic shipped profile (``preset("generic")``)."""
         return cls.preset("generic")

@@ -61,6 +61,9 @@ class Group(ABC):
             dispatch runs on the current one (its kernels then share the GPU). True where the push
             is a kernel over peer addresses; false where push and dispatch are operations of one
             communicator that every rank must issue in one order (NCCL).
+        peer_addressable: whether ranks reach each other's buffers through :meth:`peer_offsets`, so
+            that the dispatch and combine kernels move rows themselves (local, nvlink). False where
+            the transport moves rows with its own ``dispatch`` and ``combine`` (all-to-all).
     """
 
     world: int
@@ -69,6 +72,7 @@ class Group(ABC):
     stacked: bool
     eager_check: bool = True
     push_on_side_stream: bool = True
+    peer_addressable: bool = True
 
     def _start_checks(self, eager_check: bool) -> None:
         """Set the checking mode and allocate the device error flags (at set-up: never inside a graph)."""

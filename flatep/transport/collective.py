@@ -97,6 +97,7 @@ class CollectiveGroup(Group):
     # NCCL issues the push's point-to-point messages and dispatch's all-to-all on one communicator:
     # from two streams, ranks could issue them in different orders and deadlock.
     push_on_side_stream = False
+    peer_addressable = False  # rows move by all-to-all (dispatch, combine below)
 
     def __init__(
         self, process_group: dist.ProcessGroup | None = None, device: torch.device | str | None = None, eager_check: bool = True
