@@ -3,7 +3,7 @@
 #   bash bench/scripts/gpu_checks.sh                (from the repository root)
 # Writes to $OUT (default ./bench-out):
 #   pytest_gpu.log         the whole test suite (`python -m pytest tests`), GPU tests included: the
-#                          large-memory GPU files one after another, beside the rest over $JOBS
+#                          large-memory GPU files alone, one after another, then the rest over $JOBS
 #                          pytest-xdist workers (default 8; JOBS=0 runs everything in one process)
 #   layer_gpu_tests.log    the layer at Kimi-K2 shape vs dense fp32, CUDA-graph replays, the kernels on the GPU
 #   nvlink_shared_gpu.log  the NVLink transport with 2 and 4 processes sharing GPU 0 (bench/scripts/nvlink_shared_gpu.sh)
@@ -20,19 +20,15 @@ part() {  # part NAME LOG COMMAND...: run, keep the log, report the exit status
   echo "$name: exit $code ($(tail -1 "$OUT/$log"))"
   [ $code -eq 0 ] || status=1
 }
-# Kimi-K2-sized GPU tests take tens of GB each: they run one after another in one process, beside
-# the rest of the suite spread over $JOBS workers (correctness only: no test asserts on time).
+# Kimi-K2-sized GPU tests take tens of GB each (up to ~110 GB together with the fixture's weights
+# and pool): they run alone, one after another, then the rest over $JOBS workers.
 HEAVY=(tests/test_layer_gpu.py tests/quant/test_quant_gpu.py tests/transport/test_nvlink_gpu.py)
 suite() {
   if [ "${JOBS:-8}" -eq 0 ]; then python3 -m pytest -o addopts="" -q -p no:cacheprovider tests; return; fi
-  python3 -m pytest -o addopts="" -q -p no:cacheprovider "${HEAVY[@]}" > "$OUT/pytest_gpu_heavy.log" 2>&1 &
-  local heavy_pid=$!
+  python3 -m pytest -o addopts="" -q -p no:cacheprovider "${HEAVY[@]}"
+  local heavy=$?
   python3 -m pytest -o addopts="" -q -p no:cacheprovider -n "${JOBS:-8}" tests $(printf -- "--ignore=%s " "${HEAVY[@]}")
   local rest=$?
-  wait $heavy_pid
-  local heavy=$?
-  echo "== the large-memory GPU files (${HEAVY[*]}):"
-  cat "$OUT/pytest_gpu_heavy.log"
   return $(( heavy || rest ))
 }
 wanted() { [[ " ${PARTS:-suite layer nvlink transformers} " == *" $1 "* ]]; }
