@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from flatep import ExpertPool, dense_moe, ep_moe, init_group, make_plan, plan_step, preset
-from flatep.layer import combine_step, dispatch_step, experts_step, prefetch_experts
+from flatep.layer import combine_step, dispatch_step, experts_step, prefetch_experts, shard_buffers
 from flatep.plan.split import split_slot_rows
 from flatep.routing import adversarial_topk, sigma_for_maxvio, skewed_topk
 from tests.helpers import relative_error
@@ -51,8 +51,8 @@ def test_kimi_k2_layer_equals_dense(kimi_k2, tokens, routing, policy):
     x = torch.randn(8, tokens, config.hidden, device="cuda", generator=generator).bfloat16()
     weights = torch.rand(8, tokens, config.top_k, device="cuda", generator=generator)
     plan = split_slot_rows(make_plan(ids, config, policy))
-    group.buffer("shard", (plan.shard_rows, config.hidden), torch.bfloat16).fill_(float("nan"))
-    group.buffer("shard_weights", (plan.shard_rows,), torch.float32).fill_(float("nan"))
+    for buffer in shard_buffers(group, config, policy, torch.bfloat16):  # the step's own receive buffers
+        buffer.fill_(float("nan"))
     out = ep_moe(x, ids, weights, config=config, group=group, policy=policy, pool=pool, plan=plan)
     reference = dense_moe(x, ids, weights, w13, w2)
     error = relative_error(out, reference)
