@@ -8,7 +8,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from flatep import EPConfig, EPMoE, ExpertPool, ep_moe, init_group, plan_step
+from flatep import CostProfile, EPConfig, EPMoE, ExpertPool, ep_moe, init_group, plan_step
+from flatep.experts.grouped import ClampedSwiGLU, swiglu
 from flatep.layer import prefetch_experts
 from flatep.quant.tensor import QuantizedTensor
 from tests.helpers import DEVICE, make_inputs, relative_error
@@ -31,14 +32,14 @@ def leaves(config: EPConfig, tokens: int, routing, dtype=torch.float32, seed=0, 
     return ids, tensors
 
 
-def dense_reference(ids, x, topk_weights, w13, w2, b13=None, b2=None):
-    """``sum_k w * (W2 silu-gated(W13 x + b13) + b2)`` per token in fp64, ids ``< 0`` skipped: ``[.., s, H]``."""
+def dense_reference(ids, x, topk_weights, w13, w2, b13=None, b2=None, activation=swiglu):
+    """``sum_k w * (W2 act(W13 x + b13) + b2)`` per token in x's dtype (fp64 here), ids ``< 0`` skipped: ``[.., s, H]``."""
     intermediate = w2.shape[-1]
     experts = ids.clamp_min(0).long()
     projected = torch.einsum("...kih,...h->...ki", w13[experts], x)
     if b13 is not None:
         projected = projected + b13[experts]
-    activated = F.silu(projected[..., :intermediate]) * projected[..., intermediate:]
+    activated = activation(projected[..., :intermediate], projected[..., intermediate:])
     out = torch.einsum("...khi,...ki->...kh", w2[experts], activated)
     if b2 is not None:
         out = out + b2[experts]
@@ -53,13 +54,15 @@ def gradients(fn, tensors: dict, grad_out: torch.Tensor) -> dict:
     return dict(zip(inputs, torch.autograd.grad(out, tuple(inputs.values()), grad_out)))
 
 
-def check_against_dense(config, tokens, routing, policy, backend, biases=True, counts=None, seed=0):
+def check_against_dense(config, tokens, routing, policy, backend, biases=True, counts=None, seed=0, **options):
+    """Gradients of one ep_moe step (``options``: more of its keywords) against the fp64 dense MoE's; returns its plan."""
     group = init_group("local", ranks=config.ranks, device=DEVICE)
     ids, tensors = leaves(config, tokens, routing, seed=seed, biases=biases)
-    plan = plan_step(ids, config, group, policy, tokens=counts) if counts is not None else None
+    cost = options.get("cost")
+    plan = plan_step(ids, config, group, policy, tokens=counts, cost=cost) if counts is not None else None
     step = lambda x, topk_weights, w13, w2, b13, b2: ep_moe(  # noqa: E731
         x, ids, topk_weights, w13, w2, b13=b13, b2=b2, config=config, group=group, policy=policy, plan=plan,
-        backend=backend)
+        backend=backend, **options)
     grad_out = torch.randn(config.ranks, tokens, config.hidden, generator=torch.Generator().manual_seed(seed + 2))
     got = gradients(step, tensors, grad_out.to(DEVICE))
     reference_ids = ids.clone()
@@ -67,12 +70,14 @@ def check_against_dense(config, tokens, routing, policy, backend, biases=True, c
         for rank, count in enumerate(counts):
             reference_ids[rank, count:] = -1
     fp64 = {name: None if t is None else t.detach().double().requires_grad_() for name, t in tensors.items()}
-    expected = gradients(lambda **t: dense_reference(reference_ids, **t), fp64, grad_out.double().to(DEVICE))
+    activation = options.get("activation", swiglu)
+    expected = gradients(lambda **t: dense_reference(reference_ids, **t, activation=activation), fp64,
+                         grad_out.double().to(DEVICE))
     assert got.keys() == expected.keys()
     for name in got:
         assert got[name].dtype == tensors[name].dtype
         assert relative_error(got[name], expected[name]) < 2e-6, name
-    return plan_step(ids, config, group, policy)
+    return plan_step(ids, config, group, policy, cost=cost)
 
 
 def small_config(ranks=2, experts_per_rank=2, top_k=2, hidden=16, intermediate=8, capacity=8):
@@ -89,6 +94,20 @@ def test_gradients_equal_a_dense_fp64_moe(policy, routing, tokens):
         assert (plan.slot_experts[1:, 0] >= 0).all()
 
 
+def test_gradients_when_auto_borrows():
+    """A compute-bound profile makes ``auto`` move experts even at these sizes."""
+    cost = CostProfile(link_gbps=1e6, hbm_gbps=1e6, gemm_tflops=1e-6, group_us=1e-3, push_us=1e-3, tile_rows=1)
+    plan = check_against_dense(small_config(ranks=4), 8, "one", "auto", "torch", cost=cost)
+    assert (plan.slot_experts >= 0).any()
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("precision", ["fp32", "native"])
+@pytest.mark.parametrize("activation", [swiglu, ClampedSwiGLU(limit=0.5)], ids=["swiglu", "clamped"])
+def test_gradients_for_both_precisions_and_another_activation(backend, precision, activation):
+    check_against_dense(small_config(), 5, "one", "exact", backend, precision=precision, activation=activation)
+
+
 @pytest.mark.parametrize("biases", [True, False])
 @pytest.mark.parametrize("routing, policy", [("one", "exact"), (1.0, "exact"), ("next", "none")])
 def test_gradients_through_the_triton_kernels(routing, policy, biases):
@@ -101,13 +120,15 @@ def test_gradients_with_ragged_real_token_counts(backend):
     check_against_dense(small_config(ranks=4), 6, "one", "exact", backend, counts=[6, 2, 0, 5])
 
 
-def test_bfloat16_gradients_are_close_to_fp64():
+@pytest.mark.parametrize("precision, combine_dtype", [("fp32", None), ("native", torch.float32)])
+def test_bfloat16_gradients_are_close_to_fp64(precision, combine_dtype):
     config = small_config()
     group = init_group("local", ranks=2, device=DEVICE)
     ids, tensors = leaves(config, 6, "one", torch.bfloat16, biases=False)
     grad_out = torch.randn(2, 6, config.hidden, device=DEVICE)
     step = lambda x, topk_weights, w13, w2, b13, b2: ep_moe(  # noqa: E731
-        x, ids, topk_weights, w13, w2, config=config, group=group, backend="torch")
+        x, ids, topk_weights, w13, w2, config=config, group=group, backend="torch", precision=precision,
+        combine_dtype=combine_dtype)
     got = gradients(step, tensors, grad_out.bfloat16())
     fp64 = {name: None if t is None else t.detach().double().requires_grad_() for name, t in tensors.items()}
     expected = gradients(lambda **t: dense_reference(ids, **t), fp64, grad_out.double())
