@@ -98,17 +98,18 @@ def refuse_autograd(reason: str, **tensors: torch.Tensor | None) -> None:
         )
 
 
-def _without_backward(group: Group, pool: ExpertPool | None, w13: object, pushed: object) -> str | None:
+def _without_backward(group: Group, pool: ExpertPool | None, w13: object) -> str | None:
     """Why a step with these arguments has no backward, or ``None`` when it has one."""
     if not group.stacked:
         return (f"ep_moe's backward exists on the local transport only for now (init_group('local', ranks=R)), "
                 f"not on {type(group).__name__}")
-    if pool is not None and pool.weights != "bf16":
-        return f"ep_moe has no backward through {pool.weights} expert weights"
+    if pool is not None:
+        # A pool holds copies of the weights: training through it would leave the weights the
+        # caller optimises (e.g. a model's experts) silently without gradients.
+        return ("ep_moe has no backward through a prebuilt pool= (pass w13, w2, and b13, b2, as tensors to train "
+                "the experts)")
     if isinstance(w13, QuantizedTensor):
         return f"ep_moe has no backward through {w13.format} expert weights"
-    if pushed is not None:
-        return "ep_moe has no backward for a step with a prefetched push (pushed=)"
     return None
 
 
@@ -719,13 +720,13 @@ def ep_moe(
 
     Raises:
         ValueError: for bad arguments, before any kernel runs.
-        NotImplementedError: with grad enabled, if the pool's tensors require grad, or if ``x``,
-            ``topk_weights``, a weight or a bias does on a path without a backward: per-process
-            transports, packed (fp8, mxfp4) weights, ``pushed=``.
+        NotImplementedError: with grad enabled, if an input (or a pool's tensor) requires grad on
+            a path without a backward: per-process transports, ``pool=`` (``pushed=`` included),
+            packed (fp8, mxfp4) weights.
 
     Training: with grad enabled and ``x``, ``topk_weights``, ``w13``, ``w2``, ``b13`` or ``b2``
-    requiring grad, on the local transport, the step is differentiable (:mod:`flatep.backward`):
-    same forward values, and gradients for all of them (a ``pool=``'s weights count as constants).
+    requiring grad, on the local transport with float ``w13``/``w2``, the step is differentiable
+    (:mod:`flatep.backward`): the same forward values, bit for bit, and gradients for all of them.
     """
     if config is None:
         if pool is None:
@@ -734,12 +735,10 @@ def ep_moe(
     _check_types(config, group, x=x, topk_ids=topk_ids, topk_weights=topk_weights)
     check_policy(policy)
     pool_tensors = {f"pool.{name}": pool.home(name) for name in pool.names} if pool is not None else {}
-    refuse_autograd("ep_moe gives no gradient to a pool's tensors (pass w13, w2, b13, b2 as tensors to train them)",
-                    **pool_tensors)
-    inputs = dict(x=x, topk_weights=topk_weights, w13=w13, w2=w2, b13=b13, b2=b2)
+    inputs = dict(x=x, topk_weights=topk_weights, w13=w13, w2=w2, b13=b13, b2=b2, **pool_tensors)
     training = bool(requiring_grad(**inputs))
     if training:
-        reason = _without_backward(group, pool, w13, pushed)
+        reason = _without_backward(group, pool, w13)
         if reason is not None:
             refuse_autograd(reason, **inputs)
     if precision not in PRECISIONS:
@@ -782,9 +781,6 @@ def ep_moe(
         if _checks_now(group):
             group.check()  # a plan made for other ids raises before any kernel trusts it
     if training:
-        if pool is not None:  # a pool's float weights, as constants: [n, epn, ...] -> [E, ...]
-            w13, w2, b13, b2 = (None if name not in pool.names else pool.home(name).flatten(0, 1)
-                                for name in ("w13", "w2", "b13", "b2"))
         result = differentiable_step(
             x, topk_weights, w13, w2, b13, b2, plan, group, experts_per_rank=config.experts_per_rank,
             activation=activation, precision=precision, combine_dtype=combine_dtype, backend=backend,
