@@ -121,7 +121,9 @@ class DispatchRows(torch.autograd.Function):
     """``(x [R, s, H], topk_weights [R, s, K] fp32) -> (shard [R, rows, H], shard_weights [R, rows] fp32)``."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, topk_weights: torch.Tensor, context: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        ctx: Any, x: torch.Tensor, topk_weights: torch.Tensor, context: StepContext
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         ctx.context, ctx.x_dtype, ctx.tokens, ctx.top_k = context, x.dtype, x.shape[-2], topk_weights.shape[-1]
         return _scatter(x, topk_weights, context)
 
@@ -268,8 +270,9 @@ def _experts_backward(
         ends: ``G`` inclusive end rows of the groups, from row 0 of ``rows``.
 
     Returns:
-        fp32 ``[dW13 [G, 2I, H], dW2 [G, H, I], db13 [G, 2I], db2 [G, H]]`` (zeros for empty
-        groups; empty list entries' shapes still hold), or an empty list without ``want_weights``.
+        fp32 ``[dW13 [G, 2I, H], dW2 [G, H, I], db13 [G, 2I], db2 [G, H]]`` (zeros for groups
+        without rows; the bias gradients even where the layer has no biases, then unused), or an
+        empty list without ``want_weights``.
     """
     w13, w2, b13, b2 = weights
     groups, double_intermediate, hidden = w13.shape
