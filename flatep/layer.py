@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from flatep.backward import differentiable_step
 from flatep.config import POLICIES, EPConfig, check_policy
 from flatep.experts.grouped import PRECISIONS, Activation, grouped_swiglu, swiglu
 from flatep.experts.pool import ExpertPool, check_expert_weights, check_slot_sets
@@ -71,21 +72,45 @@ def _cost_of_these_weights(
     return cost
 
 
-def refuse_autograd(**tensors: torch.Tensor | None) -> None:
-    """Raise if autograd would have to flow through a FlatEP step, which has no backward yet.
+def requiring_grad(**tensors: torch.Tensor | None) -> list[str]:
+    """Names of ``tensors`` that autograd would differentiate through (grad enabled and requiring grad)."""
+    if not torch.is_grad_enabled():
+        return []
+    return [name for name, tensor in tensors.items() if isinstance(tensor, torch.Tensor) and tensor.requires_grad]
+
+
+def refuse_autograd(reason: str, **tensors: torch.Tensor | None) -> None:
+    """Raise if autograd would have to flow through a FlatEP path that has no backward.
+
+    Args:
+        reason: why this path has none (starts the message).
+        tensors: the inputs of the path, by name.
 
     Raises:
         NotImplementedError: with grad enabled, if any of ``tensors`` requires grad (the output
             would otherwise silently carry no gradient to them).
     """
-    if not torch.is_grad_enabled():
-        return
-    needing = [name for name, tensor in tensors.items() if tensor is not None and tensor.requires_grad]
+    needing = requiring_grad(**tensors)
     if needing:
         raise NotImplementedError(
-            f"ep_moe has no backward yet, but {', '.join(needing)} require grad: run it under torch.no_grad() "
+            f"{reason}, but {', '.join(needing)} require grad: run it under torch.no_grad() "
             "or torch.inference_mode() (or detach them)"
         )
+
+
+def _without_backward(group: Group, pool: ExpertPool | None, w13: object) -> str | None:
+    """Why a step with these arguments has no backward, or ``None`` when it has one."""
+    if not group.stacked:
+        return (f"ep_moe's backward exists on the local transport only for now (init_group('local', ranks=R)), "
+                f"not on {type(group).__name__}")
+    if pool is not None:
+        # A pool holds copies of the weights: training through it would leave the weights the
+        # caller optimises (e.g. a model's experts) silently without gradients.
+        return ("ep_moe has no backward through a prebuilt pool= (pass w13, w2, and b13, b2, as tensors to train "
+                "the experts)")
+    if isinstance(w13, QuantizedTensor):
+        return f"ep_moe has no backward through {w13.format} expert weights"
+    return None
 
 
 def buffer_rows(config: EPConfig, policy: str) -> int:
@@ -695,8 +720,13 @@ def ep_moe(
 
     Raises:
         ValueError: for bad arguments, before any kernel runs.
-        NotImplementedError: with grad enabled, if ``x``, ``topk_weights``, a weight, a bias or the
-            pool's weights require grad (there is no backward yet).
+        NotImplementedError: with grad enabled, if an input (or a pool's tensor) requires grad on
+            a path without a backward: per-process transports, ``pool=`` (``pushed=`` included),
+            packed (fp8, mxfp4) weights.
+
+    Training: with grad enabled and ``x``, ``topk_weights``, ``w13``, ``w2``, ``b13`` or ``b2``
+    requiring grad, on the local transport with float ``w13``/``w2``, the step is differentiable
+    (:mod:`flatep.backward`): the same forward values, bit for bit, and gradients for all of them.
     """
     if config is None:
         if pool is None:
@@ -705,7 +735,12 @@ def ep_moe(
     _check_types(config, group, x=x, topk_ids=topk_ids, topk_weights=topk_weights)
     check_policy(policy)
     pool_tensors = {f"pool.{name}": pool.home(name) for name in pool.names} if pool is not None else {}
-    refuse_autograd(x=x, topk_weights=topk_weights, w13=w13, w2=w2, b13=b13, b2=b2, **pool_tensors)
+    inputs = dict(x=x, topk_weights=topk_weights, w13=w13, w2=w2, b13=b13, b2=b2, **pool_tensors)
+    training = bool(requiring_grad(**inputs))
+    if training:
+        reason = _without_backward(group, pool, w13)
+        if reason is not None:
+            refuse_autograd(reason, **inputs)
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     if combine_dtype not in (None, x.dtype, torch.float32):
@@ -745,6 +780,15 @@ def ep_moe(
         plan = check_plan(plan, topk_ids, config, group, policy)
         if _checks_now(group):
             group.check()  # a plan made for other ids raises before any kernel trusts it
+    if training:
+        result = differentiable_step(
+            x, topk_weights, w13, w2, b13, b2, plan, group, experts_per_rank=config.experts_per_rank,
+            activation=activation, precision=precision, combine_dtype=combine_dtype, backend=backend,
+            comm_programs=comm_programs,
+        )
+        if _checks_now(group):
+            group.check()
+        return result
     if pool is None:
         pool = ExpertPool.from_weights(w13, w2, config, group, b13, b2, dtype=x.dtype)
     borrowing = plan.policy != "none"
@@ -871,20 +915,27 @@ class EPMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [R, s, H]`` (local transport) or ``[s, H]`` -> same shape and dtype.
 
-        Inference only until the backward exists: run it under ``torch.no_grad()`` or
-        ``torch.inference_mode()``.
+        Trains on the local transport: with grad enabled and ``x`` or a parameter requiring grad,
+        the routed experts run through :func:`ep_moe`'s differentiable step with ``w13``/``w2``
+        themselves, so the router (through the route weights), the routed experts and the shared
+        expert get gradients. Otherwise (inference) the routed experts run from the layer's pool.
 
         Raises:
-            NotImplementedError: with grad enabled while ``x`` or a parameter requires grad (the
-                router and the routed experts would silently get no gradient).
+            NotImplementedError: on a per-process transport, with grad enabled while ``x`` or a
+                parameter requires grad (there is no backward there yet).
         """
-        refuse_autograd(x=x, **dict(self.named_parameters()))
+        tensors = dict(x=x, **dict(self.named_parameters()))
+        if not self.group.stacked:
+            refuse_autograd("EPMoE's backward exists on the local transport only for now "
+                            f"(init_group('local', ranks=R)), not on {type(self.group).__name__}", **tensors)
         logits = x.float() @ self.router.float().T
         topk_ids, topk_weights = route(logits, self.config.top_k, self.renormalize)
-        out = ep_moe(
-            x, topk_ids, topk_weights, config=self.config, group=self.group, policy=self.policy,
-            pool=self.expert_pool(), backend=self.backend, cost=self.cost, comm_programs=self.comm_programs,
-        )
+        options = dict(config=self.config, group=self.group, policy=self.policy, backend=self.backend, cost=self.cost,
+                       comm_programs=self.comm_programs)
+        if requiring_grad(**tensors):
+            out = ep_moe(x, topk_ids, topk_weights, self.w13, self.w2, **options)
+        else:
+            out = ep_moe(x, topk_ids, topk_weights, pool=self.expert_pool(), **options)
         if self.shared_w13 is not None:
             intermediate = self.shared_w2.shape[-1]
             projected = x @ self.shared_w13.T

@@ -1,0 +1,271 @@
+"""The backward of ep_moe and EPMoE on the local transport equals a dense fp64 MoE's, run after run."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from flatep import CostProfile, EPConfig, EPMoE, ExpertPool, ep_moe, init_group, plan_step
+from flatep.experts.grouped import ClampedSwiGLU, swiglu
+from flatep.layer import prefetch_experts
+from flatep.quant.tensor import QuantizedTensor
+from tests.helpers import DEVICE, make_inputs, relative_error
+
+NAMES = ("x", "topk_weights", "w13", "w2", "b13", "b2")
+
+
+def leaves(config: EPConfig, tokens: int, routing, dtype=torch.float32, seed=0, biases=True):
+    """Inputs of one step, every float one a leaf that requires grad; ids without grad."""
+    x, ids, weights, w13, w2 = make_inputs(config, tokens, routing, dtype, seed=seed)
+    generator = torch.Generator().manual_seed(seed + 1)
+    b13 = (torch.randn(config.experts, 2 * config.intermediate, generator=generator) * 0.1).to(DEVICE, dtype)
+    b2 = (torch.randn(config.experts, config.hidden, generator=generator) * 0.1).to(DEVICE, dtype)
+    tensors = dict(x=x, topk_weights=weights, w13=w13, w2=w2, b13=b13, b2=b2)
+    if not biases:
+        tensors["b13"] = tensors["b2"] = None
+    for tensor in tensors.values():
+        if tensor is not None:
+            tensor.requires_grad_()
+    return ids, tensors
+
+
+def dense_reference(ids, x, topk_weights, w13, w2, b13=None, b2=None, activation=swiglu):
+    """``sum_k w * (W2 act(W13 x + b13) + b2)`` per token in x's dtype (fp64 here), ids ``< 0`` skipped: ``[.., s, H]``."""
+    intermediate = w2.shape[-1]
+    experts = ids.clamp_min(0).long()
+    projected = torch.einsum("...kih,...h->...ki", w13[experts], x)
+    if b13 is not None:
+        projected = projected + b13[experts]
+    activated = activation(projected[..., :intermediate], projected[..., intermediate:])
+    out = torch.einsum("...khi,...ki->...kh", w2[experts], activated)
+    if b2 is not None:
+        out = out + b2[experts]
+    weights = torch.where(ids >= 0, topk_weights, 0.0)
+    return (weights.unsqueeze(-1) * out).sum(-2)
+
+
+def gradients(fn, tensors: dict, grad_out: torch.Tensor) -> dict:
+    """``{name: d(sum(fn(**tensors) * grad_out)) / d tensor}`` for the tensors that require grad."""
+    inputs = {name: tensor for name, tensor in tensors.items() if tensor is not None and tensor.requires_grad}
+    out = fn(**tensors)
+    return dict(zip(inputs, torch.autograd.grad(out, tuple(inputs.values()), grad_out)))
+
+
+def check_against_dense(config, tokens, routing, policy, backend, biases=True, counts=None, seed=0, **options):
+    """Gradients of one ep_moe step (``options``: more of its keywords) against the fp64 dense MoE's; returns its plan."""
+    group = init_group("local", ranks=config.ranks, device=DEVICE)
+    ids, tensors = leaves(config, tokens, routing, seed=seed, biases=biases)
+    cost = options.get("cost")
+    plan = plan_step(ids, config, group, policy, tokens=counts, cost=cost) if counts is not None else None
+    step = lambda x, topk_weights, w13, w2, b13, b2: ep_moe(  # noqa: E731
+        x, ids, topk_weights, w13, w2, b13=b13, b2=b2, config=config, group=group, policy=policy, plan=plan,
+        backend=backend, **options)
+    grad_out = torch.randn(config.ranks, tokens, config.hidden, generator=torch.Generator().manual_seed(seed + 2))
+    got = gradients(step, tensors, grad_out.to(DEVICE))
+    reference_ids = ids.clone()
+    if counts is not None:
+        for rank, count in enumerate(counts):
+            reference_ids[rank, count:] = -1
+    fp64 = {name: None if t is None else t.detach().double().requires_grad_() for name, t in tensors.items()}
+    activation = options.get("activation", swiglu)
+    expected = gradients(lambda **t: dense_reference(reference_ids, **t, activation=activation), fp64,
+                         grad_out.double().to(DEVICE))
+    assert got.keys() == expected.keys()
+    for name in got:
+        assert got[name].dtype == tensors[name].dtype
+        assert relative_error(got[name], expected[name]) < 2e-6, name
+    return plan_step(ids, config, group, policy, cost=cost)
+
+
+def small_config(ranks=2, experts_per_rank=2, top_k=2, hidden=16, intermediate=8, capacity=8):
+    return EPConfig(ranks=ranks, experts=ranks * experts_per_rank, top_k=top_k, hidden=hidden,
+                    intermediate=intermediate, capacity=capacity, align=4)
+
+
+@pytest.mark.parametrize("policy", ["exact", "none", "auto"])
+@pytest.mark.parametrize("routing", [1.0, "one", "next", "duplicate"])
+@pytest.mark.parametrize("tokens", [1, 5, 8])
+def test_gradients_equal_a_dense_fp64_moe(policy, routing, tokens):
+    plan = check_against_dense(small_config(ranks=4), tokens, routing, policy, "torch", seed=tokens)
+    if policy == "exact" and routing == "one":  # every rank but the owner borrows the one hot expert
+        assert (plan.slot_experts[1:, 0] >= 0).all()
+
+
+def test_gradients_when_auto_borrows():
+    """A compute-bound profile makes ``auto`` move experts even at these sizes."""
+    cost = CostProfile(link_gbps=1e6, hbm_gbps=1e6, gemm_tflops=1e-6, group_us=1e-3, push_us=1e-3, tile_rows=1)
+    plan = check_against_dense(small_config(ranks=4), 8, "one", "auto", "torch", cost=cost)
+    assert (plan.slot_experts >= 0).any()
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("precision", ["fp32", "native"])
+@pytest.mark.parametrize("activation", [swiglu, ClampedSwiGLU(limit=0.5)], ids=["swiglu", "clamped"])
+def test_gradients_for_both_precisions_and_another_activation(backend, precision, activation):
+    check_against_dense(small_config(), 5, "one", "exact", backend, precision=precision, activation=activation)
+
+
+@pytest.mark.parametrize("biases", [True, False])
+@pytest.mark.parametrize("routing, policy", [("one", "exact"), (1.0, "exact"), ("next", "none")])
+def test_gradients_through_the_triton_kernels(routing, policy, biases):
+    check_against_dense(small_config(), 3, routing, policy, "triton", biases=biases)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_gradients_with_ragged_real_token_counts(backend):
+    """A plan for fewer real tokens on some ranks: padded tokens get no output and no gradient."""
+    check_against_dense(small_config(ranks=4), 6, "one", "exact", backend, counts=[6, 2, 0, 5])
+
+
+@pytest.mark.parametrize("precision, combine_dtype", [("fp32", None), ("native", torch.float32)])
+def test_bfloat16_gradients_are_close_to_fp64(precision, combine_dtype):
+    config = small_config()
+    group = init_group("local", ranks=2, device=DEVICE)
+    ids, tensors = leaves(config, 6, "one", torch.bfloat16, biases=False)
+    grad_out = torch.randn(2, 6, config.hidden, device=DEVICE)
+    step = lambda x, topk_weights, w13, w2, b13, b2: ep_moe(  # noqa: E731
+        x, ids, topk_weights, w13, w2, config=config, group=group, backend="torch", precision=precision,
+        combine_dtype=combine_dtype)
+    got = gradients(step, tensors, grad_out.bfloat16())
+    fp64 = {name: None if t is None else t.detach().double().requires_grad_() for name, t in tensors.items()}
+    expected = gradients(lambda **t: dense_reference(ids, **t), fp64, grad_out.double())
+    for name in got:
+        assert got[name].dtype == tensors[name].dtype
+        assert relative_error(got[name], expected[name]) < 2e-2, name
+
+
+def test_gradcheck_on_a_tiny_layer():
+    """torch.autograd.gradcheck through dispatch, experts (with a borrowed one) and combine.
+
+    The layer computes in fp32 by design (route weights, activations and combine sums), so an fp64
+    gradcheck has no fp64 forward to difference: this one runs in fp32 with a step and tolerances
+    sized for fp32 rounding; the tight checks are the fp64 comparisons above.
+    """
+    config = small_config(hidden=8, intermediate=4, capacity=3)
+    group = init_group("local", ranks=2, device=DEVICE)
+    ids, tensors = leaves(config, 3, "one", seed=3)
+    assert (plan_step(ids, config, group).slot_experts >= 0).any()
+    step = lambda x, topk_weights, w13, w2, b13, b2: ep_moe(  # noqa: E731
+        x, ids, topk_weights, w13, w2, b13=b13, b2=b2, config=config, group=group, backend="torch")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is not a double precision floating point.*")
+        assert torch.autograd.gradcheck(step, tuple(tensors.values()), eps=1e-2, atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_the_same_step_twice_gives_bit_identical_gradients(backend):
+    config = small_config(ranks=4)
+    group = init_group("local", ranks=4, device=DEVICE)
+    ids, tensors = leaves(config, 5, "one")
+    grad_out = torch.randn(4, 5, config.hidden, device=DEVICE)
+    step = lambda x, topk_weights, w13, w2, b13, b2: ep_moe(  # noqa: E731
+        x, ids, topk_weights, w13, w2, b13=b13, b2=b2, config=config, group=group, backend=backend)
+    first, second = gradients(step, tensors, grad_out), gradients(step, tensors, grad_out)
+    assert all(torch.equal(first[name], second[name]) for name in NAMES)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_forward_with_grad_equals_the_inference_step_bit_for_bit(backend):
+    config = small_config(ranks=4)
+    group = init_group("local", ranks=4, device=DEVICE)
+    ids, tensors = leaves(config, 5, "one")
+    out = ep_moe(tensors["x"], ids, tensors["topk_weights"], tensors["w13"], tensors["w2"], b13=tensors["b13"],
+                 b2=tensors["b2"], config=config, group=group, backend=backend)
+    with torch.no_grad():
+        expected = ep_moe(tensors["x"], ids, tensors["topk_weights"], tensors["w13"], tensors["w2"],
+                          b13=tensors["b13"], b2=tensors["b2"], config=config, group=group, backend=backend)
+    assert out.requires_grad and not expected.requires_grad
+    assert torch.equal(out, expected)
+
+
+def test_paths_without_a_backward_refuse_grad():
+    """A pool holds copies of the weights (the caller's would get no gradient) and packed weights have no
+    backward: with grad they raise, without it they run."""
+    config = EPConfig(ranks=2, experts=4, top_k=2, hidden=32, intermediate=32, capacity=8, align=4)
+    group = init_group("local", ranks=2, device=DEVICE)
+    ids, tensors = leaves(config, 4, 1.0, biases=False)
+    x, weights = tensors["x"], tensors["topk_weights"]
+    pool = ExpertPool.from_weights(tensors["w13"].detach(), tensors["w2"].detach(), config, group)
+    with pytest.raises(NotImplementedError, match=r"no backward through a prebuilt pool= .* but x, topk_weights require"):
+        ep_moe(x, ids, weights, group=group, pool=pool, backend="torch")
+    plan = plan_step(ids, config, group)
+    pushed = prefetch_experts(pool, plan, backend="torch")
+    with pytest.raises(NotImplementedError, match=r"prebuilt pool= .* but x require"):
+        ep_moe(x, ids, weights.detach(), group=group, pool=pool, plan=plan, pushed=pushed, backend="torch")
+    with torch.no_grad():  # the prefetch is still there for the inference step
+        ep_moe(x, ids, weights, group=group, pool=pool, plan=plan, pushed=pushed, backend="torch")
+    pool.w2.requires_grad_()
+    with pytest.raises(NotImplementedError, match=r"prebuilt pool= .* but pool.w2 require grad"):
+        ep_moe(x.detach(), ids, weights.detach(), group=group, pool=pool, backend="torch")
+    packed = [QuantizedTensor.quantize(tensors[name].detach(), "mxfp4") for name in ("w13", "w2")]
+    with pytest.raises(NotImplementedError, match="no backward through mxfp4 expert weights, but x, topk_weights"):
+        ep_moe(x, ids, weights, *packed, config=config, group=group, backend="torch")
+    with torch.no_grad():
+        assert torch.isfinite(ep_moe(x, ids, weights, *packed, config=config, group=group, backend="torch")).all()
+
+
+@pytest.fixture
+def one_process_collective_group(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        yield init_group(transport="collective", device="cpu")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_per_process_transports_refuse_grad_with_one_clear_error(one_process_collective_group):
+    group = one_process_collective_group
+    config = EPConfig(ranks=1, experts=2, top_k=2, hidden=16, intermediate=8, capacity=4, align=4)
+    x, ids, weights, w13, w2 = (t[0] if t.dim() == 3 and t.shape[0] == 1 else t
+                                for t in make_inputs(config, 4, 1.0, torch.float32))
+    with pytest.raises(NotImplementedError, match="backward exists on the local transport only for now.*but x require"):
+        ep_moe(x.requires_grad_(), ids, weights, w13, w2, config=config, group=group)
+    layer = EPMoE(config, group, dtype=torch.float32, backend="torch")
+    with pytest.raises(NotImplementedError, match="EPMoE's backward exists on the local transport only.*router"):
+        layer(x.detach())
+    with torch.no_grad():
+        assert torch.isfinite(layer(x)).all()
+
+
+def dense_module(layer: EPMoE, x: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    """The same model as ``layer`` computed densely in fp64 from copies of its parameters: ``(out, parameters)``."""
+    parameters = {name: p.detach().double().requires_grad_() for name, p in layer.named_parameters()}
+    x = x.double()
+    probabilities = torch.softmax(x @ parameters["router"].T, dim=-1)
+    weights, ids = torch.topk(probabilities, layer.config.top_k, dim=-1)
+    weights = weights / weights.sum(-1, keepdim=True)
+    out = dense_reference(ids, x, weights, parameters["w13"], parameters["w2"])
+    intermediate = parameters["shared_w2"].shape[-1]
+    projected = x @ parameters["shared_w13"].T
+    out = out + (F.silu(projected[..., :intermediate]) * projected[..., intermediate:]) @ parameters["shared_w2"].T
+    return out, parameters
+
+
+@pytest.mark.parametrize("policy", ["exact", "none"])
+def test_module_gradients_equal_the_dense_model_and_sgd_lowers_the_loss(policy):
+    config = small_config(ranks=4, capacity=6)
+    group = init_group("local", ranks=4, device=DEVICE)
+    torch.manual_seed(0)
+    layer = EPMoE(config, group, policy=policy, shared_intermediate=8, dtype=torch.float32, backend="torch")
+    x = torch.randn(4, 6, config.hidden, device=DEVICE)
+    target = torch.randn(4, 6, config.hidden, device=DEVICE)
+    loss = F.mse_loss(layer(x), target)
+    loss.backward()
+    dense_out, dense_parameters = dense_module(layer, x)
+    F.mse_loss(dense_out, target.double()).backward()
+    for name, parameter in layer.named_parameters():
+        assert relative_error(parameter.grad, dense_parameters[name].grad) < 1e-5, name
+    optimizer = torch.optim.SGD(layer.parameters(), lr=0.5)
+    losses = [loss.item()]
+    for _ in range(4):
+        optimizer.step()
+        optimizer.zero_grad()
+        loss = F.mse_loss(layer(x), target)
+        loss.backward()
+        losses.append(loss.item())
+    assert all(later < earlier for earlier, later in zip(losses, losses[1:])), losses
+    with torch.no_grad():  # inference after training uses the pool, rebuilt from the trained weights
+        assert torch.allclose(layer(x), dense_module(layer, x)[0].float(), atol=1e-5)
