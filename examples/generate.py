@@ -143,6 +143,7 @@ def main() -> int:
     if tokenizer is not None:
         for row in range(prompts.shape[0]):
             print(f"{prefix}unsharded: {tokenizer.decode(unsharded[row])!r}\n{prefix}sharded:   {tokenizer.decode(sharded[row])!r}")
+    group.close()  # before the process group goes: a group left open keeps it alive to the exit
     if distributed:
         dist.destroy_process_group()
     return 0 if equal else 1

@@ -14,6 +14,15 @@ TOLERANCE_SCALE = 1 << TOLERANCE_BITS
 MAX_TOLERANCE = 1024
 
 
+MIN_STEP_ALIGN = 16
+"""The smallest group padding :meth:`EPConfig.step_align` picks (when ``align`` allows)."""
+
+
+def next_pow2(value: int) -> int:
+    """The smallest power of two ``>= value`` (1 for ``value <= 1``)."""
+    return 1 << max(int(value) - 1, 0).bit_length()
+
+
 def align_up(value: int, multiple: int) -> int:
     """Smallest multiple of ``multiple`` that is ``>= value``."""
     return -(-value // multiple) * multiple
@@ -30,7 +39,8 @@ class EPConfig:
         hidden: hidden size ``H`` of a token row.
         intermediate: expert intermediate size ``I`` (``w13`` is ``[E, 2I, H]``, ``w2`` is ``[E, H, I]``).
         capacity: token capacity per rank ``S``; a step passes ``1 <= s <= S`` tokens.
-        align: every non-empty expert group of a shard is padded to a multiple of this.
+        align: every non-empty expert group of a shard is padded to a multiple of at most this:
+            a step pads to :meth:`step_align` of its token count, smaller for small steps.
         tolerance: the rank imbalance a step may keep, in ``[0, 1024]``. Under ``exact`` a step
             is rebalanced only when its busiest rank would compute more than
             :meth:`rebalance_limit` rows, about ``(1 + tolerance)`` times the mean; otherwise
@@ -94,6 +104,20 @@ class EPConfig:
         """
         return self.step_rows(self.ranks * self.capacity, policy)
 
+    def step_align(self, total_tokens: int) -> int:
+        """Group padding of a step with ``total_tokens`` tokens over the group (``T``).
+
+        The rule: the power of two at or above the mean rows per expert, ``T*K/E``, within
+        ``[min(16, align), align]``. Large steps keep ``align`` (Kimi-K2 at 8 ranks: from 64 tokens
+        per rank on, with the default 128); decode steps pad to 16 or 32 rows, so that dispatch
+        zeroes, and the row-wise expert kernels touch, a few rows per group instead of up to 127
+        (on the H200 at Kimi-K2, s=128: dispatch 237-280 us with 128, 71-76 us with 16). A plan,
+        its shard rows and its padding all follow from ``T``, so every rank and planner agrees, and
+        buffers sized at capacity with ``align`` hold every step.
+        """
+        mean_rows = -(-total_tokens * self.top_k // self.experts)
+        return min(self.align, max(min(MIN_STEP_ALIGN, self.align), next_pow2(mean_rows)))
+
     def step_rows(self, total_tokens: int, policy: str = "exact") -> int:
         """Rows a step with ``total_tokens`` tokens over the whole group may use on any rank.
 
@@ -105,14 +129,14 @@ class EPConfig:
                 f"total_tokens must be in [1, ranks*capacity = {self.ranks * self.capacity}], "
                 f"got {total_tokens}"
             )
-        epn = self.experts_per_rank
+        epn, align = self.experts_per_rank, self.step_align(total_tokens)
         if policy in ("exact", "bounded"):
             # exact: a balanced rank computes at most ceil(T*K/R) rows, an unbalanced step that is
             # let pass leaves every rank at most rebalance_limit rows; bounded: at most the same
             # maximum of the two (bounded_rows). Slots may hold a borrowed group per home group.
             real = self.bounded_rows(total_tokens)
-            return align_up(real + (self.align - 1) * 2 * epn, self.align)
-        return align_up(total_tokens * self.top_k + (self.align - 1) * epn, self.align)
+            return align_up(real + (align - 1) * 2 * epn, align)
+        return align_up(total_tokens * self.top_k + (align - 1) * epn, align)
 
     @property
     def tolerance_fixed(self) -> int:

@@ -210,9 +210,11 @@ def test_paths_without_a_backward_refuse_grad():
 @pytest.fixture
 def one_process_collective_group(tmp_path):
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    group = init_group(transport="collective", device="cpu")
     try:
-        yield init_group(transport="collective", device="cpu")
+        yield group
     finally:
+        group.close()
         dist.destroy_process_group()
 
 

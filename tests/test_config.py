@@ -94,3 +94,17 @@ def test_tolerance_above_the_fixed_point_range_is_rejected():
     EPConfig(**base, tolerance=1024)
     with pytest.raises(ValueError, match="tolerance must be a finite number >= 0 and <= 1024"):
         EPConfig(**base, tolerance=1024.5)
+
+
+def test_step_align_pads_decode_steps_less_and_keeps_align_for_large_steps():
+    from flatep import preset
+
+    config = preset("kimi-k2", ranks=8, capacity=8192)  # E=384, K=8, align 128
+    assert [config.step_align(8 * s) for s in (1, 8, 32, 64, 128, 1024, 8192)] == [16, 16, 16, 16, 32, 128, 128]
+    small = EPConfig(ranks=2, experts=4, top_k=2, hidden=8, intermediate=8, capacity=64, align=4)
+    assert {small.step_align(t) for t in range(1, 129)} == {4}  # never above align, even below 16
+    odd = EPConfig(ranks=2, experts=4, top_k=2, hidden=8, intermediate=8, capacity=64, align=24)
+    assert {odd.step_align(t) for t in range(1, 129)} <= {16, 24}
+    for policy in ("exact", "none", "bounded", "auto"):
+        rows = [config.step_rows(total, policy) for total in range(1, 8 * 8192 + 1, 97)]
+        assert rows == sorted(rows) and max(rows) <= config.shard_rows(policy)  # capacity buffers hold every step

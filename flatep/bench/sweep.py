@@ -438,6 +438,7 @@ def _ep_cell(
         rows_max=int(received.max()),
         rows_mean=float(received.mean()),
         padded_rows_max=int(padded_rows.max()),
+        step_align=config.step_align(config.ranks * cell.tokens),
         remote_rows_max=max(link_bytes["dispatch"]["egress"]) // (hidden * element + 4),
         link_bytes=link_bytes,
         link_model_us_per_rank=link_us,

@@ -87,7 +87,7 @@ def build_layout(
 
         return auto_layout(tokens_per_expert, config, total_tokens, step_tokens, cost)
     device = tokens_per_expert.device
-    ranks, experts, epn, align = config.ranks, config.experts, config.experts_per_rank, config.align
+    ranks, experts, epn, align = config.ranks, config.experts, config.experts_per_rank, config.step_align(total_tokens)
     limit = config.bounded_rows(total_tokens) if policy == "bounded" else config.rebalance_limit(total_tokens)
     alloc = allocate(tokens_per_expert.cpu(), epn, config.top_k, total_tokens, policy, limit)  # [E, R]
     home = torch.arange(experts) // epn

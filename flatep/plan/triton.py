@@ -758,9 +758,10 @@ def _launch_layout(hist: torch.Tensor, total_entries: int, config: EPConfig, pol
     ``count``), step A in one program, step B per donor, step C per rank.
     """
     meta = _layout_meta(config, policy)
+    align = config.step_align(total_entries // config.top_k)
     if config.ranks <= _FUSED_MAX_RANKS:
         _layout_kernel[(config.ranks,)](
-            hist, total_entries, config.tolerance_fixed, config.experts, config.experts_per_rank, config.align,
+            hist, total_entries, config.tolerance_fixed, config.experts, config.experts_per_rank, align,
             *tables.args(), **meta, num_warps=4,
         )
         return
@@ -776,7 +777,7 @@ def _launch_layout(hist: torch.Tensor, total_entries: int, config: EPConfig, pol
     )
     _split_kernel[(config.ranks,)](count, quotas, tables.alloc, tables.acum, config.experts_per_rank, **blocks, num_warps=4)
     _shard_kernel[(config.ranks,)](
-        tables.alloc, quotas, config.experts, config.experts_per_rank, config.align,
+        tables.alloc, quotas, config.experts, config.experts_per_rank, align,
         tables.slot_experts, tables.group_experts, tables.offsets, tables.padding, tables.received,
         tables.group_start, **blocks, num_warps=4,
     )
@@ -1000,7 +1001,7 @@ def plan_rank_triton(
     else:
         tables = _Tables(config, device)
         _rank_prologue_kernel[(ranks + n_tiles,)](
-            hist, total * config.top_k, config.tolerance_fixed, experts, config.experts_per_rank, config.align,
+            hist, total * config.top_k, config.tolerance_fixed, experts, config.experts_per_rank, config.step_align(total),
             *tables.args(),
             ids, tile_counts, dest_row, entries, limit, config.top_k,
             **_layout_meta(config, policy), **meta, num_warps=4,

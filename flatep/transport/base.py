@@ -175,6 +175,24 @@ class Group(ABC):
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """``[R, *shape]``: every rank's ``tensor`` (on the local transport ``tensor`` already is that)."""
 
+    @property
+    def process_group(self):
+        """The ``torch.distributed`` process group of a per-process group.
+
+        Raises:
+            ValueError: on the local transport (it has none), or once the group is closed.
+        """
+        group = self.__dict__.get("_process_group")
+        if group is None:
+            raise ValueError(f"{type(self).__name__} has no process group (the local transport) or is closed")
+        return group
+
     def close(self) -> None:
-        """Free the group's buffers."""
+        """Free the group's buffers and let go of its process group; a closed group is not used again.
+
+        Letting go matters: a reference kept past ``torch.distributed.destroy_process_group()``
+        keeps gloo's worker threads alive until the interpreter exits, where they can abort the
+        process (``std::terminate``).
+        """
         self.__dict__.pop("_buffers", None)
+        self.__dict__.pop("_process_group", None)

@@ -102,7 +102,7 @@ class CollectiveGroup(Group):
     def __init__(
         self, process_group: dist.ProcessGroup | None = None, device: torch.device | str | None = None, eager_check: bool = True
     ) -> None:
-        self.process_group, self.world, self.rank = join_process_group(process_group, "collective")
+        self._process_group, self.world, self.rank = join_process_group(process_group, "collective")
         self.local_ranks = (self.rank,)
         backend = str(dist.get_backend(self.process_group)).lower()
         if device is None:

@@ -99,7 +99,7 @@ class NVLinkGroup(Group):
             raise ValueError("the nvlink transport needs CUDA GPUs")
         if not barrier_timeout > 0:
             raise ValueError(f"barrier_timeout must be a positive number of seconds, got {barrier_timeout!r}")
-        self.process_group, self.world, self.rank = join_process_group(process_group, "nvlink")
+        self._process_group, self.world, self.rank = join_process_group(process_group, "nvlink")
         self.local_ranks = (self.rank,)
         self.device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
         if self.device.type != "cuda":

@@ -53,6 +53,7 @@ def check(family: str, policy: str, transport: str, rank: int) -> bool:
     shrunk = summary.bytes_after * group.world * len(layers) == summary.bytes_before * (len(layers) + 1)
     print(f"RESULT rank={rank} family={family} policy={policy} tokens_equal={same} logits_max_diff={diff:.2e} "
           f"flat={flat} memory={summary.bytes_before}->{summary.bytes_after} maxvio={maxvio}", flush=True)
+    group.close()  # lets go of the process group before it is destroyed
     return same and close and flat and shrunk
 
 

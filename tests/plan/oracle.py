@@ -35,8 +35,16 @@ def oracle_plan(topk, tokens, ranks, experts, top_k, align, policy="exact", tole
 
     Returns dict with dest (list per rank of (rank, row) per flat entry, None if padded),
     offsets [R][2epn], padding [R][2epn][2], slots [R][epn], received [R].
+
+    ``align`` is the largest group padding: a step pads to the smallest power of two at or above
+    its mean rows per expert, at least 16 and at most ``align``.
     """
     epn = experts // ranks
+    mean_rows = -(-sum(tokens) * top_k // experts)
+    step_align = min(16, align)
+    while step_align < min(mean_rows, align):
+        step_align *= 2
+    align = min(step_align, align)
     tpe = [[0] * experts for _ in range(ranks)]
     flat = []
     for r in range(ranks):

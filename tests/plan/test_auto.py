@@ -25,7 +25,7 @@ def candidate_plans(ids, config, tokens):
 
 def check_structure(plan, ids, config, tokens):
     """The plan guarantees that do not depend on the policy."""
-    ranks, epn, align = config.ranks, config.experts_per_rank, config.align
+    ranks, epn, align = config.ranks, config.experts_per_rank, config.step_align(plan.total_tokens)
     counts = tokens or [ids.shape[1]] * ranks
     total = sum(counts) * config.top_k
     valid = plan.dest_rank >= 0

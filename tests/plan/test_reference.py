@@ -33,7 +33,7 @@ def check_against_oracle(ids: torch.Tensor, config: EPConfig, policy: str, token
 
 def check_guarantees(plan, ids: torch.Tensor, config: EPConfig, tokens: list[int] | None) -> None:
     """Every guarantee of DESIGN.md that a plan alone can show."""
-    ranks, epn, align = config.ranks, config.experts_per_rank, config.align
+    ranks, epn, align = config.ranks, config.experts_per_rank, config.step_align(plan.total_tokens)
     counts = tokens or [ids.shape[1]] * ranks
     total = sum(counts) * config.top_k
     valid = plan.dest_rank >= 0

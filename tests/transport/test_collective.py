@@ -152,3 +152,21 @@ def test_steps_without_eager_checks_equal_the_local_transport_and_report_bad_ids
         assert "ranks disagreed on a step" in result["lazy-bad-ids"] and "or a rank's inputs were invalid" in result["lazy-bad-ids"]
         assert ("expert id outside" in result["lazy-bad-ids"]) == (rank == world - 1)
         assert torch.equal(result["lazy-after-errors"], result[result["lazy-after-errors/case"]])
+
+
+def test_a_closed_group_lets_go_of_its_process_group(tmp_path):
+    """A group kept alive past destroy_process_group() (in a model, say) must not keep gloo's threads
+    alive: they could abort the process at exit. close() lets go, and a closed group says so."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        group = init_group(transport="collective", device="cpu")
+        assert group.process_group is dist.group.WORLD
+        group.close()
+        with pytest.raises(ValueError, match="is closed"):
+            group.process_group
+    finally:
+        dist.destroy_process_group()
+    with pytest.raises(ValueError, match="no process group"):
+        init_group("local", ranks=2, device="cpu").process_group
