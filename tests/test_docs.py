@@ -47,7 +47,24 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
+# gloo's worker threads can abort a process at interpreter exit, after the script has finished
+# ("terminate called without an active exception"), when its process group is torn down during the
+# interpreter's final garbage collection. Seen rarely under load on the CPU runner, also before
+# FlatEP's groups let go of their process group on close(). A run that dies only that way is run
+# once more; any other failure, or that one twice, fails the test.
+_EXIT_ABORT = "terminate called without an active exception"
+
+
 def _torchrun(code: str, processes: int, tmp_path: Path) -> None:
+    for attempt in range(2):
+        codes, logs = _torchrun_once(code, processes, tmp_path)
+        aborted_at_exit = all(c == 0 or (c in (-6, 134) and log.strip().endswith(_EXIT_ABORT)) for c, log in zip(codes, logs))
+        if all(c == 0 for c in codes) or not aborted_at_exit or attempt == 1:
+            break
+    assert all(c == 0 for c in codes), "\n".join(logs)
+
+
+def _torchrun_once(code: str, processes: int, tmp_path: Path) -> tuple[list[int], list[str]]:
     script = tmp_path / "snippet.py"
     script.write_text(code)
     env = {**os.environ, "WORLD_SIZE": str(processes), "LOCAL_WORLD_SIZE": str(processes), "MASTER_ADDR": "127.0.0.1",
@@ -62,7 +79,7 @@ def _torchrun(code: str, processes: int, tmp_path: Path) -> None:
     finally:
         for worker in workers:
             worker.kill()
-    assert all(worker.returncode == 0 for worker in workers), "\n".join(logs)
+    return [worker.returncode for worker in workers], logs
 
 
 @pytest.mark.parametrize("path, index, code", SNIPPETS, ids=[f"{p.relative_to(ROOT)}-{i}" for p, i, _ in SNIPPETS])
