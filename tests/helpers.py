@@ -47,9 +47,38 @@ def tolerance(dtype: torch.dtype) -> float:
 ROOT = Path(__file__).resolve().parents[1]
 
 
+# gloo's worker threads can abort a process at interpreter exit, after its work is done ("terminate
+# called without an active exception"), when a process group is torn down during the interpreter's
+# final garbage collection. Seen rarely under load on the 2-core CPU runner (groups now let go of
+# their process group on close(), which removed the common case); the root cause is not found.
+# A run whose failed processes all died only that way is run once more; any other failure, or the
+# same abort twice, fails the test.
+EXIT_ABORT = "terminate called without an active exception"
+
+
+def died_only_at_exit(codes: list[int], logs: list[str]) -> bool:
+    """Whether every failed process aborted at exit with :data:`EXIT_ABORT` as its last words."""
+    failed = [(code, log) for code, log in zip(codes, logs) if code != 0]
+    return bool(failed) and all(code in (-6, 134) and log.strip().endswith(EXIT_ABORT) for code, log in failed)
+
+
 def launch_workers(module: str, world: int, arguments: list[str], timeout: float) -> str:
     """Run ``world`` copies of ``python -m module`` as ranks of one group; fail the test if any
-    times out or exits non-zero. Returns their output, rank by rank."""
+    times out or exits non-zero (see :data:`EXIT_ABORT` for the one rerun). Returns their output,
+    rank by rank."""
+    for attempt in range(2):
+        codes, logs = _launch_once(module, world, arguments, timeout)
+        if attempt == 1 or not died_only_at_exit(codes, logs):
+            break
+        for argument in arguments:  # a file store left by the first run would confuse the second
+            if argument.startswith("file://"):
+                Path(argument[len("file://"):]).unlink(missing_ok=True)
+    output = "\n".join(logs)
+    assert all(code == 0 for code in codes), output
+    return output
+
+
+def _launch_once(module: str, world: int, arguments: list[str], timeout: float) -> tuple[list[int], list[str]]:
     env = {**os.environ, "WORLD_SIZE": str(world), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     command = [sys.executable, "-m", module, *arguments]
     workers = [
@@ -65,6 +94,4 @@ def launch_workers(module: str, world: int, arguments: list[str], timeout: float
         for worker in workers:
             worker.kill()
         pytest.fail(f"{world} workers did not finish within {timeout} s:\n" + "\n".join(logs))
-    output = "\n".join(logs)
-    assert all(worker.returncode == 0 for worker in workers), output
-    return output
+    return [worker.returncode for worker in workers], logs
