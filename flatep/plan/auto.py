@@ -182,17 +182,22 @@ def select(
     return dataclasses.replace(plans[0], **changes)
 
 
-def plan_candidates(plan_one: Callable[[EPConfig, str], L], config: EPConfig, candidates: tuple[Candidate, ...] = CANDIDATES) -> list[L]:
-    """``plan_one(candidate_config, policy)`` for every candidate, in order."""
-    return [plan_one(candidate.config(config), candidate.policy) for candidate in candidates]
-
-
 def auto_layout(
     tokens_per_expert: torch.Tensor, config: EPConfig, total_tokens: int, step_tokens: int, cost: CostProfile | None
 ) -> Layout:
     """:func:`flatep.plan.build_layout` under ``auto``: every candidate's layout by the reference, then :func:`select`."""
     candidates = candidates_for(config, cost, total_tokens)
-    layouts = plan_candidates(
-        lambda candidate, policy: build_layout(tokens_per_expert, candidate, policy, total_tokens, step_tokens), config, candidates
-    )
+    busiest = int(tokens_per_expert.sum(0).view(config.ranks, -1).sum(1).max())  # rows homed on the busiest rank
+    layouts: list[Layout] = []
+    for candidate in candidates:
+        candidate_config = candidate.config(config)
+        if candidate.policy == "bounded":
+            limit = candidate_config.bounded_rows(total_tokens)
+        else:
+            limit = candidate_config.rebalance_limit(total_tokens)
+        if layouts and candidate.policy != "none" and busiest <= limit:
+            # A candidate whose bound the step already meets keeps every row at home: classic's tables.
+            layouts.append(layouts[0])
+        else:
+            layouts.append(build_layout(tokens_per_expert, candidate_config, candidate.policy, total_tokens, step_tokens))
     return select(layouts, tokens_per_expert, config, cost, total_tokens, candidates)
