@@ -57,7 +57,7 @@ def _ceilings(first: dict[str, Any]) -> str:
         return ("No ceilings on the CPU: the copy% and GEMM% fractions are GPU figures, not reported here; "
                 "times are CPU times of the plain-torch paths, and planning is the host reference planner "
                 "(in Python: `auto` there plans each candidate that would move rows, so its plan time "
-                "is several classic ones, where the Triton planner plans them in one pass).")
+                "is several classic ones; the Triton planner plans them in one pass).")
     return (f"Ceilings measured in this run: device copy {first['copy_ceiling_gbps']:.0f} GB/s (read+write), "
             f"dense bf16 GEMM {first['gemm_ceiling_tflops']:.0f} TFLOP/s.")
 
