@@ -1,4 +1,4 @@
-"""The backward pass of an EP MoE step on the local transport (virtual ranks).
+"""The backward pass of an EP MoE step on the local (virtual ranks) and collective (one rank per process) transports.
 
 A step is three autograd functions chained over the forward's plan, which the backward reuses
 as it is (no re-planning):
@@ -9,17 +9,23 @@ as it is (no re-planning):
   gradient is read back from the row it was dispatched to.
 - :class:`GroupedExperts`: shard rows -> expert output rows ``[R, rows, H]``, home experts from
   ``w13``/``w2`` (and ``b13``/``b2``) at their own ranks, borrowed experts read from the same
-  tensors at the slot table's ids (on the local transport that read is the weight push). Its
-  backward gives the rows' and route weights' gradients and every expert's weight gradients.
+  tensors at the slot table's ids (on the local transport that read is the weight push; on the
+  collective transport the owners push them, :meth:`CollectiveGroup.push_experts`). Its backward
+  gives the rows' and route weights' gradients and every expert's weight gradients.
 - :class:`CombineRows`: output rows -> ``[R, s, H]``. Its backward is a dispatch of the output
   gradient to the very rows the forward summed (padding rows get zeros).
+
+Tensors carry a leading rank dimension: ``R`` on the local transport, ``1`` (this process's rank)
+on the collective one, where dispatch and combine are the group's all-to-alls instead of kernels.
 
 What the forward keeps for the backward, per rank: the dispatched rows ``[rows, H]`` in ``x``'s
 dtype and their route weights ``[rows]`` fp32 (``rows`` = the plan's ``shard_rows``, sized by
 ``s``, never by ``E``), the plan's tables (int32 ``[s, K]`` destinations, ``[2*epn]`` offsets and
 slots), and references to the weight tensors themselves (no copies). The gate/up GEMM and the
 activation are recomputed in the backward rather than kept (``[rows, 2I]`` and ``[rows, I]`` per
-rank would outweigh the rows), and the borrowed experts are read again from ``w13``/``w2``.
+rank would outweigh the rows), and the borrowed experts are read again from ``w13``/``w2`` (on the
+collective transport the forward keeps the pushed copies, ``epn`` experts: a second push would cost
+the messages again).
 
 The expert backward computes in fp32 whatever the weights' dtype: per group (one expert's
 contiguous rows) it recomputes the gate/up projection, takes the activation's derivative by
@@ -33,7 +39,11 @@ Borrowed experts: a rank that computed with a borrowed expert computes that expe
 gradient from its own rows, in fp32, and the gradients are reduced into the home expert's in a
 fixed order: the home rank's own gradient first, then each receiver's in ascending rank. Every
 sum therefore happens in the same order on every run, and the gradients are bit-identical run to
-run; they equal a dense (non-EP) layer's within rounding.
+run; they equal a dense (non-EP) layer's within rounding. On the collective transport each receiver
+sends its fp32 slot gradients to the owner (:meth:`CollectiveGroup.return_slot_gradients`), which
+adds them in that same order, so its gradients equal the local transport's bit for bit. There a
+rank's weight gradient covers its home experts only: a ``[E, ...]`` tensor gets zeros elsewhere
+(the other ranks' experts are theirs to train), an ``[epn, ...]`` slice gets all of it.
 """
 from __future__ import annotations
 
@@ -57,7 +67,7 @@ class StepContext:
 
     Attributes:
         plan: the step's plan in the split layout (``dest_rank``/``dest_row`` ``[R, s, K]`` int32).
-        group: the local group (stacked ranks).
+        group: the local group (stacked ranks) or a collective one (one rank per process).
         experts_per_rank: ``epn``.
         activation, precision: as for :func:`flatep.ep_moe`.
         rows_dtype: dtype of the expert output rows that combine sums (``combine_dtype``).
@@ -85,6 +95,14 @@ class StepContext:
             return [("home", 0, plan.shard_rows)]
         return [("home", 0, plan.slot_base), ("slots", plan.slot_base, plan.shard_rows)]
 
+    def home(self, tensor: torch.Tensor | None, rank: int) -> torch.Tensor | None:
+        """``rank``'s ``[epn, ...]`` home experts of ``tensor``: a view of an ``[E, ...]`` tensor, or a
+        per-process ``[epn, ...]`` slice itself."""
+        epn = self.experts_per_rank
+        if tensor is None or tensor.shape[0] != self.plan.alloc.shape[0]:
+            return tensor
+        return tensor[rank * epn : (rank + 1) * epn]
+
 
 def _scatter(rows: torch.Tensor, route_weights: torch.Tensor, context: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
     """Dispatch ``rows [R, s, H]`` and ``route_weights [R, s, K]`` fp32 into fresh ``[R, shard_rows, H]`` and
@@ -97,6 +115,9 @@ def _scatter(rows: torch.Tensor, route_weights: torch.Tensor, context: StepConte
     ranks, tokens, hidden = rows.shape
     shard = torch.empty(ranks, plan.shard_rows, hidden, dtype=rows.dtype, device=rows.device)
     shard_weights = torch.empty(ranks, plan.shard_rows, dtype=torch.float32, device=rows.device)
+    if not group.stacked:
+        group.dispatch(rows[0], route_weights[0], plan, shard[0], shard_weights[0])
+        return shard, shard_weights
     dest_rank, dest_row = context.entries(tokens, route_weights.shape[-1])
     if use_triton(rows.device, context.backend):
         dispatch_triton(rows, route_weights, dest_rank, dest_row, plan.padding, shard, shard_weights,
@@ -109,6 +130,8 @@ def _scatter(rows: torch.Tensor, route_weights: torch.Tensor, context: StepConte
 
 def _gather(shard: torch.Tensor, tokens: int, top_k: int, out_dtype: torch.dtype, context: StepContext) -> torch.Tensor:
     """Combine: ``[R, s, H]`` in ``out_dtype``, every token the fp32 sum of its K rows of ``shard [R, rows, H]``."""
+    if not context.group.stacked:
+        return context.group.combine(shard[0], context.plan, out_dtype).unsqueeze(0)
     dest_rank, dest_row = context.entries(tokens, top_k)
     if use_triton(shard.device, context.backend):
         out = torch.empty(shard.shape[0], tokens, shard.shape[-1], dtype=out_dtype, device=shard.device)
@@ -135,7 +158,11 @@ class DispatchRows(torch.autograd.Function):
         dest_rank, dest_row = context.entries(tokens, ctx.top_k)
         planned = dest_rank >= 0
         # Each route weight went to one row beside its token's copy: its gradient is that row's.
-        grad_weights = grad_shard_weights[dest_rank.clamp_min(0).long(), dest_row.clamp_min(0).long()]
+        if context.group.stacked:
+            grad_weights = grad_shard_weights[dest_rank.clamp_min(0).long(), dest_row.clamp_min(0).long()]
+        else:
+            rows_weights = grad_shard_weights[0].unsqueeze(-1)
+            grad_weights = context.group.gather_entries(rows_weights, context.plan).view(dest_rank.shape)
         return grad_x, torch.where(planned, grad_weights, 0.0), None
 
 
@@ -159,20 +186,39 @@ class CombineRows(torch.autograd.Function):
 
 
 def _expert_weights(
-    context: StepContext, local_index: int, part: str, tensors: tuple[torch.Tensor | None, ...]
+    context: StepContext, local_index: int, part: str, tensors: tuple[torch.Tensor | None, ...],
+    pushed: tuple[torch.Tensor | None, ...] | None,
 ) -> tuple[torch.Tensor | None, ...]:
     """``(w13, w2, b13, b2)`` of one rank's home experts or slots, each ``[epn, ...]`` (biases may be None).
 
-    Home experts are views of the ``[E, ...]`` tensors; slots are rows of them at the plan's slot
-    ids (on the local transport, indexing is the weight push). Empty slots (``-1``) read expert 0:
-    their groups have no rows.
+    Home experts are views of the tensors (:meth:`StepContext.home`). Slots are, on the local
+    transport, rows of the ``[E, ...]`` tensors at the plan's slot ids (indexing is the weight
+    push; empty slots (``-1``) read expert 0: their groups have no rows), on the collective one the
+    copies ``pushed`` from their owners (:func:`_push_slots`).
     """
-    epn = context.experts_per_rank
     rank = context.group.local_ranks[local_index]
     if part == "home":
-        return tuple(None if t is None else t[rank * epn : (rank + 1) * epn] for t in tensors)
+        return tuple(context.home(t, rank) for t in tensors)
+    if pushed is not None:
+        return pushed
     ids = context.plan.slot_experts[rank].clamp_min(0).long()
     return tuple(None if t is None else t.index_select(0, ids) for t in tensors)
+
+
+def _push_slots(context: StepContext, tensors: tuple[torch.Tensor | None, ...]) -> tuple[torch.Tensor | None, ...]:
+    """On the collective transport: this rank's slots, ``[epn, ...]`` per tensor of ``tensors``
+    (``None`` stays ``None``), pushed from their owners' home experts; empty slots are zeros."""
+    group, rank = context.group, context.group.local_ranks[0]
+    slots = []
+    for tensor in tensors:
+        if tensor is None:
+            slots.append(None)
+            continue
+        home = context.home(tensor, rank).contiguous()
+        slot = torch.zeros_like(home)
+        group.push_experts(home, slot, context.plan.slot_experts)
+        slots.append(slot)
+    return tuple(slots)
 
 
 def _part_offsets(context: StepContext, rank: int, part: str, first: int) -> torch.Tensor:
@@ -193,17 +239,19 @@ class GroupedExperts(torch.autograd.Function):
     def forward(ctx: Any, shard: torch.Tensor, shard_weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                 b13: torch.Tensor | None, b2: torch.Tensor | None, context: StepContext) -> torch.Tensor:
         out = torch.empty(shard.shape, dtype=context.rows_dtype, device=shard.device)
+        tensors = (w13, w2, b13, b2)
+        pushed = _push_slots(context, tensors) if not context.group.stacked and context.plan.slot_base else None
         for local_index in range(shard.shape[0]):
             rank = context.group.local_ranks[local_index]
             for part, first, end in context.parts():
-                weights = _expert_weights(context, local_index, part, (w13, w2, b13, b2))
+                weights = _expert_weights(context, local_index, part, tensors, pushed)
                 grouped_swiglu(
                     shard[local_index, first:end], shard_weights[local_index, first:end], weights[0], weights[1],
                     _part_offsets(context, rank, part, first), b13=weights[2], b2=weights[3],
                     activation=context.activation, precision=context.precision, backend=context.backend,
                     out=out[local_index, first:end],
                 )
-        ctx.context = context
+        ctx.context, ctx.pushed = context, pushed
         ctx.save_for_backward(shard, shard_weights, w13, w2, b13, b2)
         return out
 
@@ -224,7 +272,7 @@ class GroupedExperts(torch.autograd.Function):
         for local_index in range(shard.shape[0]):
             rank = context.group.local_ranks[local_index]
             for part, first, end in context.parts():
-                weights = _expert_weights(context, local_index, part, (w13, w2, b13, b2))
+                weights = _expert_weights(context, local_index, part, (w13, w2, b13, b2), ctx.pushed)
                 ends = offsets[rank][:epn] if part == "home" else [row - first for row in offsets[rank][epn:]]
                 grads = _experts_backward(
                     shard[local_index, first:end], shard_weights[local_index, first:end], grad_out[local_index, first:end],
@@ -234,17 +282,60 @@ class GroupedExperts(torch.autograd.Function):
                 (home if part == "home" else slots).append(grads)
         if not want_weights:
             return grad_shard, grad_shard_weights, None, None, None, None, None
-        # Home gradients in expert order (rank r holds [r*epn, (r+1)*epn)), then each receiver's
-        # borrowed-expert gradients added to their owners', receivers in ascending rank: a fixed order.
-        totals = [torch.cat([grads[which] for grads in home]) for which in range(4)]
-        for local_index, grads in enumerate(slots):
-            rank = context.group.local_ranks[local_index]
-            for slot, expert in enumerate(slot_ids[rank]):
-                if expert >= 0:
-                    for which in range(4):
-                        totals[which][expert] += grads[which][slot]
-        results = [None if t is None else total.to(t.dtype) for t, total in zip((w13, w2, b13, b2), totals)]
+        tensors = (w13, w2, b13, b2)
+        if context.group.stacked:
+            totals = _reduce_stacked(home, slots, slot_ids, context)
+        else:
+            totals = _reduce_per_process(home[0], slots[0] if slots else None, tensors, context)
+        results = [None if t is None else total.to(t.dtype) for t, total in zip(tensors, totals)]
         return (grad_shard, grad_shard_weights, *results, None)
+
+
+def _reduce_stacked(
+    home: list[list[torch.Tensor]], slots: list[list[torch.Tensor]], slot_ids: list[list[int]], context: StepContext
+) -> list[torch.Tensor]:
+    """Local transport: fp32 ``[E, ...]`` weight gradients from every rank's home and slot gradients.
+
+    Home gradients in expert order (rank r holds [r*epn, (r+1)*epn)), then each receiver's
+    borrowed-expert gradients added to their owners', receivers in ascending rank: a fixed order.
+    """
+    totals = [torch.cat([grads[which] for grads in home]) for which in range(4)]
+    for local_index, grads in enumerate(slots):
+        rank = context.group.local_ranks[local_index]
+        for slot, expert in enumerate(slot_ids[rank]):
+            if expert >= 0:
+                for which in range(4):
+                    totals[which][expert] += grads[which][slot]
+    return totals
+
+
+def _reduce_per_process(
+    home: list[torch.Tensor], slots: list[torch.Tensor] | None, tensors: tuple[torch.Tensor | None, ...],
+    context: StepContext,
+) -> list[torch.Tensor | None]:
+    """Collective transport: fp32 weight gradients of this rank's home experts, shaped like ``tensors``.
+
+    The receivers send their slot gradients here (tensor by tensor, every rank in the same order)
+    and they are added after this rank's own, receivers in ascending rank: the local transport's
+    order. A ``[E, ...]`` tensor gets them in its home rows and zeros elsewhere.
+    """
+    rank = context.group.local_ranks[0]
+    epn = context.experts_per_rank
+    totals: list[torch.Tensor | None] = []
+    for which, tensor in enumerate(tensors):
+        if tensor is None:
+            totals.append(None)
+            continue
+        total = home[which]
+        if slots is not None:
+            for index, _, values in context.group.return_slot_gradients(slots[which], context.plan.slot_experts):
+                total[index] += values
+        if context.home(tensor, rank) is not tensor:  # an [E, ...] tensor, not this rank's slice
+            full = torch.zeros(tensor.shape, dtype=torch.float32, device=total.device)
+            full[rank * epn : (rank + 1) * epn] = total
+            total = full
+        totals.append(total)
+    return totals
 
 
 def _experts_backward(
@@ -330,22 +421,28 @@ def differentiable_step(
     backend: str,
     comm_programs: int | None,
 ) -> torch.Tensor:
-    """One EP step on the local transport that autograd can differentiate: dispatch, experts, combine.
+    """One EP step on the local or collective transport that autograd can differentiate: dispatch, experts, combine.
 
     Called by :func:`flatep.ep_moe` when grad is enabled and an input requires it; the forward
     computes what ``ep_moe`` computes without grad, bit for bit.
 
     Args:
-        x: ``[R, s, H]`` bf16 or fp32, contiguous; topk_weights: ``[R, s, K]`` fp32, contiguous.
-        w13: ``[E, 2I, H]``; w2: ``[E, H, I]`` (``x``'s dtype); b13: ``[E, 2I]`` or None; b2: ``[E, H]`` or None.
-        plan: the step's checked plan in the split layout; group: a local group.
+        x: ``[R, s, H]`` (local) or ``[s, H]`` (collective) bf16 or fp32, contiguous; topk_weights:
+            ``[R, s, K]`` (or ``[s, K]``) fp32, contiguous.
+        w13: ``[E, 2I, H]``; w2: ``[E, H, I]`` (``x``'s dtype); b13: ``[E, 2I]`` or None; b2: ``[E, H]``
+            or None. On the collective transport also this rank's ``[epn, ...]`` slices.
+        plan: the step's checked plan in the split layout (a :class:`RankPlan` on the collective
+            transport); group: a local or collective group.
         experts_per_rank, activation, precision, combine_dtype, backend, comm_programs: as for ``ep_moe``.
 
     Returns:
-        ``[R, s, H]`` in ``x``'s dtype.
+        ``[R, s, H]`` (or ``[s, H]``) in ``x``'s dtype.
     """
     context = StepContext(plan, group, experts_per_rank, activation, precision, combine_dtype or x.dtype, backend,
                           comm_programs)
+    if not group.stacked:  # one rank per process: a rank dimension of 1, so both transports share the code
+        x, topk_weights = x.unsqueeze(0), topk_weights.unsqueeze(0)
     shard, shard_weights = DispatchRows.apply(x, topk_weights, context)
     rows = GroupedExperts.apply(shard, shard_weights, w13, w2, b13, b2, context)
-    return CombineRows.apply(rows, x.shape[-2], topk_weights.shape[-1], x.dtype, context)
+    out = CombineRows.apply(rows, x.shape[-2], topk_weights.shape[-1], x.dtype, context)
+    return out if group.stacked else out[0]

@@ -98,11 +98,23 @@ def refuse_autograd(reason: str, **tensors: torch.Tensor | None) -> None:
         )
 
 
+def _transport_without_backward(group: Group, what: str) -> str | None:
+    """Why ``what`` (``ep_moe``, ``EPMoE``) has no backward on ``group``'s transport, or ``None``.
+
+    The backward needs the local transport's kernels or the collective transport's messages; the
+    NVLink transport (peer-addressable, one rank per process) has neither wired for it yet.
+    """
+    if not group.stacked and group.peer_addressable:
+        return (f"{what}'s backward exists on the local and collective transports only for now "
+                f"(init_group('local', ranks=R) or init_group('collective')), not on {type(group).__name__}")
+    return None
+
+
 def _without_backward(group: Group, pool: ExpertPool | None, w13: object) -> str | None:
     """Why a step with these arguments has no backward, or ``None`` when it has one."""
-    if not group.stacked:
-        return (f"ep_moe's backward exists on the local transport only for now (init_group('local', ranks=R)), "
-                f"not on {type(group).__name__}")
+    transport = _transport_without_backward(group, "ep_moe")
+    if transport is not None:
+        return transport
     if pool is not None:
         # A pool holds copies of the weights: training through it would leave the weights the
         # caller optimises (e.g. a model's experts) silently without gradients.
@@ -111,6 +123,14 @@ def _without_backward(group: Group, pool: ExpertPool | None, w13: object) -> str
     if isinstance(w13, QuantizedTensor):
         return f"ep_moe has no backward through {w13.format} expert weights"
     return None
+
+
+def _as_all_experts(tensor: torch.Tensor | None, config: EPConfig) -> torch.Tensor | None:
+    """A shape-only ``[E, ...]`` stand-in (on the meta device, no memory) for a rank's ``[epn, ...]``
+    slice, so the all-experts check applies to it; any other tensor as it is."""
+    if isinstance(tensor, torch.Tensor) and tensor.shape[:1] == (config.experts_per_rank,):
+        return torch.empty((config.experts, *tensor.shape[1:]), dtype=tensor.dtype, device="meta")
+    return tensor
 
 
 def buffer_rows(config: EPConfig, policy: str) -> int:
@@ -721,12 +741,14 @@ def ep_moe(
     Raises:
         ValueError: for bad arguments, before any kernel runs.
         NotImplementedError: with grad enabled, if an input (or a pool's tensor) requires grad on
-            a path without a backward: per-process transports, ``pool=`` (``pushed=`` included),
+            a path without a backward: the NVLink transport, ``pool=`` (``pushed=`` included),
             packed (fp8, mxfp4) weights.
 
     Training: with grad enabled and ``x``, ``topk_weights``, ``w13``, ``w2``, ``b13`` or ``b2``
-    requiring grad, on the local transport with float ``w13``/``w2``, the step is differentiable
-    (:mod:`flatep.backward`): the same forward values, bit for bit, and gradients for all of them.
+    requiring grad, on the local or collective transport with float ``w13``/``w2`` (on the collective
+    one all ``E`` experts or this rank's ``E/R``; a rank's weight gradient covers its home experts),
+    the step is differentiable (:mod:`flatep.backward`): the same forward values, bit for bit, and
+    gradients for all of them.
     """
     if config is None:
         if pool is None:
@@ -762,7 +784,10 @@ def ep_moe(
     if pool is None:
         if w13 is None or w2 is None:
             raise ValueError("pass either w13 and w2 or pool")
-        check_expert_weights(w13, w2, config, b13, b2)
+        weights = (w13, w2, b13, b2)
+        if training and not group.stacked:  # the backward also takes this rank's [epn, ...] slices (EPMoE's)
+            weights = tuple(_as_all_experts(tensor, config) for tensor in weights)
+        check_expert_weights(*weights[:2], config, *weights[2:])
         if isinstance(w13, torch.Tensor) and w13.dtype != x.dtype:  # packed weights: a pool in x's dtype
             raise ValueError(f"w13/w2 dtype {w13.dtype} must match x dtype {x.dtype}")
     elif w13 is not None or w2 is not None or b13 is not None or b2 is not None:
@@ -915,19 +940,19 @@ class EPMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [R, s, H]`` (local transport) or ``[s, H]`` -> same shape and dtype.
 
-        Trains on the local transport: with grad enabled and ``x`` or a parameter requiring grad,
+        Trains on the local and collective transports: with grad enabled and ``x`` or a parameter requiring grad,
         the routed experts run through :func:`ep_moe`'s differentiable step with ``w13``/``w2``
         themselves, so the router (through the route weights), the routed experts and the shared
         expert get gradients. Otherwise (inference) the routed experts run from the layer's pool.
 
         Raises:
-            NotImplementedError: on a per-process transport, with grad enabled while ``x`` or a
+            NotImplementedError: on the NVLink transport, with grad enabled while ``x`` or a
                 parameter requires grad (there is no backward there yet).
         """
         tensors = dict(x=x, **dict(self.named_parameters()))
-        if not self.group.stacked:
-            refuse_autograd("EPMoE's backward exists on the local transport only for now "
-                            f"(init_group('local', ranks=R)), not on {type(self.group).__name__}", **tensors)
+        reason = _transport_without_backward(self.group, "EPMoE")
+        if reason is not None:
+            refuse_autograd(reason, **tensors)
         logits = x.float() @ self.router.float().T
         topk_ids, topk_weights = route(logits, self.config.top_k, self.renormalize)
         options = dict(config=self.config, group=self.group, policy=self.policy, backend=self.backend, cost=self.cost,

@@ -10,8 +10,9 @@ import torch.nn.functional as F
 
 from flatep import CostProfile, EPConfig, EPMoE, ExpertPool, ep_moe, init_group, plan_step
 from flatep.experts.grouped import ClampedSwiGLU, swiglu
-from flatep.layer import prefetch_experts
+from flatep.layer import _transport_without_backward, prefetch_experts
 from flatep.quant.tensor import QuantizedTensor
+from flatep.transport.nvlink import NVLinkGroup
 from tests.helpers import DEVICE, make_inputs, relative_error
 
 NAMES = ("x", "topk_weights", "w13", "w2", "b13", "b2")
@@ -218,18 +219,36 @@ def one_process_collective_group(tmp_path):
         dist.destroy_process_group()
 
 
-def test_per_process_transports_refuse_grad_with_one_clear_error(one_process_collective_group):
+def test_collective_transport_trains_like_the_local_one_and_nvlink_refuses(one_process_collective_group):
+    """One process (R = 1): ep_moe and EPMoE (whose w13/w2 are the rank's E/R experts) give the local
+    transport's gradients bit for bit (several processes: tests/transport/test_collective.py); the
+    NVLink transport still refuses, naming the transports that have a backward."""
     group = one_process_collective_group
+    local = init_group("local", ranks=1, device="cpu")
     config = EPConfig(ranks=1, experts=2, top_k=2, hidden=16, intermediate=8, capacity=4, align=4)
-    x, ids, weights, w13, w2 = (t[0] if t.dim() == 3 and t.shape[0] == 1 else t
-                                for t in make_inputs(config, 4, 1.0, torch.float32))
-    with pytest.raises(NotImplementedError, match="backward exists on the local transport only for now.*but x require"):
-        ep_moe(x.requires_grad_(), ids, weights, w13, w2, config=config, group=group)
+    x, ids, weights, w13, w2 = make_inputs(config, 4, 1.0, torch.float32)
+    per_rank = {}
+    for name, grp, shape in (("collective", group, lambda t: t[0]), ("local", local, lambda t: t)):
+        tensors = {"x": shape(x), "topk_weights": shape(weights), "w13": w13, "w2": w2}
+        tensors = {key: t.clone().cpu().requires_grad_() for key, t in tensors.items()}
+        out = ep_moe(tensors["x"], shape(ids).cpu(), tensors["topk_weights"], tensors["w13"], tensors["w2"],
+                     config=config, group=grp, backend="torch")
+        out.backward(torch.ones_like(out))
+        per_rank[name] = {key: t.grad.reshape(t.grad.shape[-2:] if key in ("x", "topk_weights") else t.grad.shape)
+                          for key, t in tensors.items()}
+    for key, grad in per_rank["collective"].items():
+        assert torch.equal(grad, per_rank["local"][key]), key
     layer = EPMoE(config, group, dtype=torch.float32, backend="torch")
-    with pytest.raises(NotImplementedError, match="EPMoE's backward exists on the local transport only.*router"):
-        layer(x.detach())
-    with torch.no_grad():
-        assert torch.isfinite(layer(x)).all()
+    reference = EPMoE(config, local, dtype=torch.float32, backend="torch")
+    reference.load_state_dict(layer.state_dict())
+    layer(x[0].detach().cpu()).sum().backward()
+    reference(x.detach().cpu()).sum().backward()
+    for (name, parameter), twin in zip(layer.named_parameters(), reference.parameters()):
+        assert torch.equal(parameter.grad, twin.grad), name
+    nvlink = object.__new__(NVLinkGroup)  # its transport's flags only: no GPU needed
+    assert "backward exists on the local and collective transports only for now" in _transport_without_backward(
+        nvlink, "ep_moe")
+    assert _transport_without_backward(group, "EPMoE") is None and _transport_without_backward(local, "EPMoE") is None
 
 
 def dense_module(layer: EPMoE, x: torch.Tensor) -> tuple[torch.Tensor, dict]:

@@ -11,6 +11,10 @@ transports move, with messages instead of peer stores:
   order as the combine kernel, so outputs are bit-equal to the local transport's;
 * the weight push by point-to-point messages from each owner to each receiver's slot.
 
+For the backward (:mod:`flatep.backward`), :meth:`CollectiveGroup.gather_entries` returns per-entry
+values from the shard rows without summing, and :meth:`CollectiveGroup.return_slot_gradients`
+sends borrowed experts' gradients back to their owners (the push reversed).
+
 No destination row travels: both sides derive the order of the rows from the plan alone (the
 sender sorts by destination row; the receiver knows from the gathered histogram which source
 rank each of its real rows comes from), so combine needs nothing but the plan and the shard.
@@ -195,16 +199,17 @@ class CollectiveGroup(Group):
         shard.masked_fill_(in_padding.unsqueeze(-1), 0)
         shard_weights.masked_fill_(in_padding, 0)
 
-    def combine(self, shard: torch.Tensor, plan: RankPlan, out_dtype: torch.dtype) -> torch.Tensor:
-        """Return every entry's expert output to its source and sum each token's K rows in fp32.
+    def _return_entries(self, shard: torch.Tensor, plan: RankPlan) -> tuple[torch.Tensor, torch.Tensor]:
+        """Send every shard row back to the entry it came from (the reverse all-to-all of dispatch).
 
         Args:
-            shard: ``[shard_rows, H]`` this rank's shard after the experts ran.
+            shard: ``[shard_rows, C]`` this rank's rows (any dtype).
             plan: this rank's plan (the one dispatch used).
-            out_dtype: dtype of the result.
 
         Returns:
-            ``[s, H]`` in ``out_dtype``; padded tokens get zeros.
+            ``(returned, source)``: ``returned [sent + 1, C]`` the rows this rank's entries got back
+            (in send order), its last row zero; ``source [s, K] int64`` the row of ``returned`` of
+            each entry (that zero row for padded entries).
         """
         tokens, top_k = plan.dest_rank.shape
         order, send_counts = send_order(plan, self.world)
@@ -217,11 +222,40 @@ class CollectiveGroup(Group):
         dist.all_to_all_single(returned[:sent], outgoing, send_split, receive_split, group=self.process_group)
         source = torch.full((tokens * top_k,), sent, dtype=torch.int64, device=self.device)
         source[order[:sent]] = torch.arange(sent, device=self.device)
-        source = source.view(tokens, top_k)
-        total = torch.zeros(tokens, shard.shape[-1], dtype=torch.float32, device=self.device)
-        for k in range(top_k):  # k order and fp32 accumulation of the combine kernel: bit-equal results
+        return returned, source.view(tokens, top_k)
+
+    def combine(self, shard: torch.Tensor, plan: RankPlan, out_dtype: torch.dtype) -> torch.Tensor:
+        """Return every entry's expert output to its source and sum each token's K rows in fp32.
+
+        Args:
+            shard: ``[shard_rows, H]`` this rank's shard after the experts ran.
+            plan: this rank's plan (the one dispatch used).
+            out_dtype: dtype of the result.
+
+        Returns:
+            ``[s, H]`` in ``out_dtype``; padded tokens get zeros.
+        """
+        returned, source = self._return_entries(shard, plan)
+        total = torch.zeros(source.shape[0], shard.shape[-1], dtype=torch.float32, device=self.device)
+        for k in range(source.shape[1]):  # k order and fp32 accumulation of the combine kernel: bit-equal results
             total += returned[source[:, k]].float()
         return total.to(out_dtype)
+
+    def gather_entries(self, values: torch.Tensor, plan: RankPlan) -> torch.Tensor:
+        """Return each shard row's values to the entry dispatched to it, one per entry, without summing.
+
+        The same all-to-all as :meth:`combine`; the backward uses it to read each route weight's
+        gradient back from the row its entry was dispatched to.
+
+        Args:
+            values: ``[shard_rows, C]`` per shard row (any dtype).
+            plan: this rank's plan (the one dispatch used).
+
+        Returns:
+            ``[s, K, C]`` in ``values``' dtype: entry ``(t, k)`` gets its row's values; padded entries zeros.
+        """
+        returned, source = self._return_entries(values.contiguous(), plan)
+        return returned[source]
 
     def push_experts(
         self, home: torch.Tensor, slots: torch.Tensor, slot_experts: torch.Tensor, backend: str = "auto",
@@ -251,6 +285,41 @@ class CollectiveGroup(Group):
         if operations:
             for request in dist.batch_isend_irecv(operations):
                 request.wait()
+
+    def return_slot_gradients(
+        self, slot_grads: torch.Tensor, slot_experts: torch.Tensor
+    ) -> list[tuple[int, int, torch.Tensor]]:
+        """The reverse of :meth:`push_experts`: each receiver sends its slots' values (a borrowed
+        expert's weight gradient) back to the expert's owner, point to point, tagged by slot.
+
+        Args:
+            slot_grads: ``[epn, *shape]`` this rank's value for each of its slots (rows of empty slots unsent).
+            slot_experts: ``[R, epn]`` int32 from the plan (``-1`` = empty slot); read on the host.
+
+        Returns:
+            What this rank received as the owner: ``(home index, receiver, values [*shape])`` in
+            ascending receiver, then slot, order, so the owner can add them in a fixed order.
+        """
+        epn = slot_experts.shape[1]
+        operations, received = [], []
+        for receiver, borrowed in enumerate(slot_experts.tolist()):
+            for slot, expert in enumerate(borrowed):
+                if expert < 0:
+                    continue
+                owner = expert // epn
+                if receiver == self.rank:
+                    peer = dist.get_global_rank(self.process_group, owner)
+                    values = slot_grads[slot].contiguous()
+                    operations.append(dist.P2POp(dist.isend, values, peer, self.process_group, slot))
+                elif owner == self.rank:
+                    values = torch.empty_like(slot_grads[slot])
+                    peer = dist.get_global_rank(self.process_group, receiver)
+                    operations.append(dist.P2POp(dist.irecv, values, peer, self.process_group, slot))
+                    received.append((expert % epn, receiver, values))
+        if operations:
+            for request in dist.batch_isend_irecv(operations):
+                request.wait()
+        return received
 
     def __repr__(self) -> str:
         return f"CollectiveGroup(rank={self.rank}, world={self.world}, device={self.device})"

@@ -2,7 +2,7 @@
 
 Ranks seed differently on purpose: the router and shared expert must still come out equal (rank
 0's), each rank holds only its own E/R experts, and the layer equals a dense MoE built from every
-rank's experts.
+rank's experts. With grad, its experts' gradients equal the local transport's layer's.
 """
 from __future__ import annotations
 
@@ -38,6 +38,24 @@ def main() -> int:
     error = float((out - expected).norm() / expected.norm())
     assert error < 1e-5, error
     print(f"rank {rank}: EPMoE per process equals the dense MoE, relative error {error:.1e}")
+    # Training: each rank backpropagates its tokens; its experts' gradients (its E/R, borrowed ones
+    # sent back) equal those of the local transport's layer over every rank's tokens, bit for bit.
+    local = init_group("local", ranks=world)
+    reference = EPMoE(config, local, shared_intermediate=8, dtype=torch.float32, backend="torch")
+    with torch.no_grad():
+        for name, parameter in reference.named_parameters():
+            mine = getattr(layer, name).detach()
+            parameter.copy_(group.all_gather(mine).reshape(parameter.shape) if name in ("w13", "w2") else mine)
+    xs = group.all_gather(x)
+    grad = torch.randn(world, 11, 32, generator=torch.Generator().manual_seed(5))
+    layer(x.requires_grad_()).backward(grad[rank])
+    reference(xs.requires_grad_()).backward(grad)
+    epn = config.experts_per_rank
+    for name in ("w13", "w2"):
+        expected = getattr(reference, name).grad[rank * epn : (rank + 1) * epn]
+        assert torch.equal(getattr(layer, name).grad, expected), name
+    assert float((x.grad - xs.grad[rank]).norm() / xs.grad[rank].norm()) < 1e-6
+    print(f"rank {rank}: EPMoE per process trains like the local transport")
     group.close()
     dist.destroy_process_group()
     return 0

@@ -9,6 +9,8 @@ kernels the check is one of closeness (their agreement is checked in ``tests/ker
 """
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,9 +22,20 @@ from flatep.plan import histogram
 from flatep.routing import adversarial_topk, skewed_topk
 from flatep.transport.collective import receive_order, send_order
 from tests.helpers import launch_workers, relative_error, tolerance
+from tests.transport.backward_worker import CASES, case_name, config_for, step_inputs
 from tests.transport.worker import bits, cases, padded_case, padded_counts
 
 WORKER_TIMEOUT = 120
+
+
+@contextlib.contextmanager
+def cpu_processes(interpret: bool = False) -> Iterator[None]:
+    """Workers started inside run on CPU, with the Triton interpreter only if ``interpret`` (the
+    test session's conftest turns it on; without it the experts take the plain-torch path)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TRITON_INTERPRET", "1" if interpret else "0")
+        patch.setenv("CUDA_VISIBLE_DEVICES", "")  # CPU processes, also on a machine with a GPU
+        yield
 
 
 def launch(world: int, directory: Path, *arguments: str, interpret: bool = False) -> list[dict[str, object]]:
@@ -30,9 +43,7 @@ def launch(world: int, directory: Path, *arguments: str, interpret: bool = False
 
     Without ``interpret`` the experts take the plain-torch path (bit-equal to the local torch path).
     """
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("TRITON_INTERPRET", "1" if interpret else "0")
-        patch.setenv("CUDA_VISIBLE_DEVICES", "")  # CPU processes, also on a machine with a GPU
+    with cpu_processes(interpret):
         launch_workers(
             "tests.transport.worker", world,
             ["--backend", "gloo", "--init-method", f"file://{directory}/store", "--out", str(directory), *arguments],
@@ -131,8 +142,10 @@ def test_senders_and_receivers_derive_the_same_row_order(ranks, experts, top_k, 
 
 
 def test_epmoe_per_process_holds_its_own_experts_and_equals_dense(tmp_path):
-    output = launch_workers("tests.transport.epmoe_worker", 2, [f"file://{tmp_path}/store"], WORKER_TIMEOUT)
+    with cpu_processes():
+        output = launch_workers("tests.transport.epmoe_worker", 2, [f"file://{tmp_path}/store"], WORKER_TIMEOUT)
     assert output.count("equals the dense MoE") == 2, output
+    assert output.count("trains like the local transport") == 2, output
 
 
 def test_steps_without_eager_checks_equal_the_local_transport_and_report_bad_ids_on_check(tmp_path):
@@ -170,3 +183,69 @@ def test_a_closed_group_lets_go_of_its_process_group(tmp_path):
         dist.destroy_process_group()
     with pytest.raises(ValueError, match="no process group"):
         init_group("local", ranks=2, device="cpu").process_group
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_backward_equals_the_local_transports_gradients(world, tmp_path):
+    """ep_moe with grad per process: out and the gradients of x, topk_weights, w13, w2 (and biases),
+    gathered over the ranks, equal the local transport's bit for bit (same arithmetic, same order),
+    with a routing that borrows (exact) and without (none), weights passed whole or as slices."""
+    with cpu_processes():  # plain-torch experts, as the local reference below
+        arguments = [f"file://{tmp_path}/store", str(tmp_path)]
+        launch_workers("tests.transport.backward_worker", world, arguments, WORKER_TIMEOUT)
+    results = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(world)]
+    config = config_for(world)
+    epn = config.experts_per_rank
+    group = init_group("local", ranks=world, device="cpu")
+    for policy, routing, form in CASES:
+        name = case_name(policy, routing, form)
+        inputs = step_inputs(world, routing, biases=form == "full")
+        leaves = {key: None if inputs[key] is None else inputs[key].clone().requires_grad_()
+                  for key in ("x", "topk_weights", "w13", "w2", "b13", "b2")}
+        out = ep_moe(leaves["x"], inputs["topk_ids"], leaves["topk_weights"], leaves["w13"], leaves["w2"],
+                     b13=leaves["b13"], b2=leaves["b2"], config=config, group=group, policy=policy, backend="torch")
+        out.backward(inputs["grad_out"])
+        if policy == "exact":
+            assert (make_plan(inputs["topk_ids"], config, policy).slot_experts >= 0).any(), "the routing must borrow"
+        for key, leaf in leaves.items():
+            if leaf is None:
+                assert all(key not in result[name] for result in results)
+                continue
+            if key in ("x", "topk_weights"):
+                got = torch.stack([result[name][key] for result in results])
+            elif form == "slice":
+                got = torch.cat([result[name][key] for result in results])
+            else:  # each rank's [E, ...] gradient covers its home experts only
+                for rank, result in enumerate(results):
+                    others = torch.ones(config.experts, dtype=torch.bool)
+                    others[rank * epn : (rank + 1) * epn] = False
+                    assert not result[name][key][others].any(), (name, key, rank)
+                got = torch.cat([result[name][key][rank * epn : (rank + 1) * epn]
+                                 for rank, result in enumerate(results)])
+            assert torch.equal(bits(got), bits(leaf.grad)), (name, key, relative_error(got, leaf.grad))
+        assert torch.equal(bits(torch.stack([result[name]["out"] for result in results])), bits(out.detach())), name
+
+
+@pytest.mark.parametrize("policy", ["exact", "none"])
+def test_gather_entries_returns_each_entrys_row_unsummed(policy, tmp_path):
+    """One process (R = 1): gather_entries(values)[t, k] is the row entry (t, k) was dispatched to,
+    read through the all-to-all; padded entries get zeros."""
+    import torch.distributed as dist
+
+    from flatep.layer import plan_step
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    group = init_group(transport="collective", device="cpu")
+    try:
+        config = EPConfig(ranks=1, experts=3, top_k=2, hidden=8, intermediate=8, capacity=6, align=4)
+        ids = skewed_topk(1, 3, 2, 6, 1.0)[0]
+        plan = plan_step(ids, config, group, policy, tokens=5)
+        values = torch.randn(plan.shard_rows, 3)
+        got = group.gather_entries(values, plan)
+        assert got.shape == (6, 2, 3)
+        planned = plan.dest_rank >= 0
+        assert torch.equal(got[planned], values[plan.dest_row[planned].long()])
+        assert not got[~planned].any() and (~planned[5]).all()
+    finally:
+        group.close()
+        dist.destroy_process_group()
