@@ -5,6 +5,7 @@ import os
 
 import torch
 import triton
+import triton.language as tl
 
 BACKENDS = ("auto", "triton", "torch")
 
@@ -74,3 +75,16 @@ def comm_grid(work_items: int, programs: int | None = None, what: str = "work it
     if work_items > MAX_WORK_ITEMS:
         raise ValueError(f"{work_items} {what} in one launch exceed the communication kernels' limit of {MAX_WORK_ITEMS}")
     return (max(1, min(work_items, programs or work_items)),)
+
+
+@triton.jit
+def token_block(step, blocks, tokens, entry_rank_stride, K: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Work item ``step`` of dispatch and combine: one local rank's block of ``BLOCK_T`` tokens.
+
+    Returns ``(local rank, tokens [BLOCK_T], token mask, first entry of each token)``, in int64 from
+    here on: entry and row offsets pass ``2**31`` at large ``s*K`` and ``s*H``.
+    """
+    item = tl.full([], 0, tl.int64) + step
+    local = item // blocks
+    token = (item - local * blocks) * BLOCK_T + tl.arange(0, BLOCK_T)
+    return local, token, token < tokens, local * entry_rank_stride + token * K

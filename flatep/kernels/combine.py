@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flatep.kernels.backend import column_block, comm_grid
+from flatep.kernels.backend import column_block, comm_grid, token_block
 
 
 @triton.jit
@@ -22,12 +22,7 @@ def _combine_kernel(
     # Work item = (local rank, block of BLOCK_T tokens), all on grid axis 0 (axis 1 stops at 65,535
     # programs); a grid-stride loop lets a capped grid cover every item.
     for step in range(tl.program_id(0), work, tl.num_programs(0)):
-        # int64 from here on: entry and row offsets pass 2**31 at large s*K and s*H.
-        item = tl.full([], 0, tl.int64) + step
-        local = item // blocks
-        token = (item - local * blocks) * BLOCK_T + tl.arange(0, BLOCK_T)
-        token_mask = token < tokens
-        entry_base = local * entry_rank_stride + token * K
+        local, token, token_mask, entry_base = token_block(step, blocks, tokens, entry_rank_stride, K, BLOCK_T)
         out_rows = out_ptr + local * out_rank_stride + token * H
         for start in range(0, H, BLOCK_H):
             column = start + tl.arange(0, BLOCK_H)

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flatep.kernels.backend import column_block, comm_grid
+from flatep.kernels.backend import column_block, comm_grid, token_block
 
 
 @triton.jit
@@ -26,12 +26,7 @@ def _dispatch_kernel(
     # Work item = (local rank, block of BLOCK_T tokens), all on grid axis 0 (axis 1 stops at 65,535
     # programs); a grid-stride loop lets a capped grid cover every item.
     for step in range(tl.program_id(0), work, tl.num_programs(0)):
-        # int64 from here on: entry and row offsets pass 2**31 at large s*K and s*H.
-        item = tl.full([], 0, tl.int64) + step
-        local = item // blocks
-        token = (item - local * blocks) * BLOCK_T + tl.arange(0, BLOCK_T)
-        token_mask = token < tokens
-        entry_base = local * entry_rank_stride + token * K
+        local, token, token_mask, entry_base = token_block(step, blocks, tokens, entry_rank_stride, K, BLOCK_T)
         for k in tl.static_range(K):
             dest = tl.load(dest_rank_ptr + entry_base + k, mask=token_mask, other=-1)
             row = tl.load(dest_row_ptr + entry_base + k, mask=token_mask, other=0)
@@ -67,7 +62,8 @@ def _zero_padding_kernel(
         count = tl.load(padding_ptr + (rank * GROUPS + group) * 2 + 1)
         shard = shard_ptr + tl.load(shard_peers_ptr + rank)
         weights = shard_weight_ptr + tl.load(weight_peers_ptr + rank)
-        for first in range(0, count, BLOCK_R):
+        first = 0
+        while first < count:  # not range(0, count, ...): Triton 3.6's interpreter takes no loaded bound
             row = start + first + tl.arange(0, BLOCK_R)
             row_mask = first + tl.arange(0, BLOCK_R) < count
             tl.store(weights + row, tl.zeros([BLOCK_R], dtype=tl.float32), mask=row_mask)
@@ -76,6 +72,7 @@ def _zero_padding_kernel(
                 mask = row_mask[:, None] & (column < H)[None, :]
                 zeros = tl.zeros([BLOCK_R, BLOCK_H], dtype=shard_ptr.dtype.element_ty)
                 tl.store(shard + row.to(tl.int64)[:, None] * H + column[None, :], zeros, mask=mask)
+            first += BLOCK_R
 
 
 def dispatch_grids(ranks_here: int, tokens: int, groups: int, block_t: int = 2, programs: int | None = None) -> tuple[tuple[int], tuple[int]]:
