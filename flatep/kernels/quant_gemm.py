@@ -3,9 +3,17 @@
 Same contract as ``torch._grouped_mm(rows, weights.T, offs=offsets)``: ``offsets [G]`` int32 holds
 the inclusive end row of each group, group ``g`` owns rows ``[offsets[g-1], offsets[g])``, and
 rows at and past ``offsets[-1]`` are neither read nor written. Nothing is read on the host, so a
-call can be captured in a CUDA graph: the grid is sized from the shapes only (``cdiv(M, BLOCK_M) +
-G`` row tiles, an upper bound on the tiles of any grouping), and every program finds its group
-from a running sum of the groups' tiles and returns at once if it has none.
+call can be captured in a CUDA graph: the grid is one-dimensional and sized from the shapes only
+(``(M + G * (BLOCK_M - 1)) // BLOCK_M`` row tiles, an upper bound on the tiles of any grouping,
+times the column blocks); every program finds its group, row tile and column block from a running
+sum of the groups' tiles and returns at once if it has none.
+
+Programs are numbered group by group: all of group 0's (row tile, column block) programs, then group
+1's, and so on, so that the programs running together share one group's activations and weights
+in L2 (with the row tiles of every group in the grid's fastest dimension, each column block
+streamed all groups' activations from memory again). Within a group, bands of ``group_m`` row tiles
+take the column blocks in turn, row tiles fastest: the band's rows stay in L2 across its column
+blocks and each weight tile is read by the band's row tiles back to back.
 
 - fp8 (:func:`fp8_grouped_mm_triton`): the rows are first quantized per token per 128 columns
   (``scale = max(amax, 1e-10) / 448``, e4m3 rounded to nearest and saturated), as DeepSeek-V3 runs
@@ -14,9 +22,17 @@ from a running sum of the groups' tiles and returns at once if it has none.
 - mxfp4 (:func:`mxfp4_grouped_mm_triton`): reads the packed bytes and their e8m0 scales,
   decodes them in registers into bf16 (exact: e2m1 times a power of two), and multiplies with
   bf16 tensor-core dots. The low and high nibbles of a byte are columns ``2j`` and ``2j+1``: the
-  kernel dots them with the even and the odd activation columns separately, so nothing is
-  interleaved in registers. An e8m0 byte 0 (``2**-127``) decodes to 0 (its values are below
-  ``6 * 2**-127`` anyway).
+  kernel decodes both and interleaves them in registers (``tl.join`` then a reshape), so the
+  activations are read as contiguous ``[BLOCK_M, BLOCK_K]`` tiles and each K step is one dot; the
+  ``BLOCK_K / 32`` scales of a weight row are loaded once per step and broadcast over their 32
+  columns. An e8m0 byte 0 (``2**-127``) decodes to 0 (its values are below ``6 * 2**-127`` anyway).
+  ``tl.dot_scaled`` (bf16 times e2m1) would be the alternative, but Triton 3.6's interpreter has no
+  ``dot_scaled``, so the kernels could not be checked on CPU with it.
+
+``K`` is a compile-time constant of the GEMM kernels (one compilation per layer shape): the K loop
+stays a ``for`` loop over constant bounds, which Triton software-pipelines (``num_stages``; it does
+not pipeline ``while`` loops) and Triton 3.6's interpreter runs (it takes no tensor as a ``range``
+bound, and kernel arguments are tensors there).
 
 Under ``TRITON_INTERPRET=1`` the operands are upcast to fp32 before the dots and results are rounded
 to the bf16 / e4m3 grids before the casts (the interpreter's low-precision arithmetic and casts are
@@ -38,10 +54,12 @@ _E4M3_MAX = tl.constexpr(448.0)
 
 @dataclass(frozen=True)
 class GemmConfig:
-    """Tile sizes of a grouped GEMM launch (tuning; correctness does not depend on them).
+    """Tile sizes and program order of a grouped GEMM launch (tuning; correctness does not depend on them).
 
     ``block_m``, ``block_n``: output rows and columns per program (powers of two, at least 16);
-    ``block_k``: input columns per step (fp8: 128, one scale block; mxfp4: a multiple of 32).
+    ``block_k``: input columns per step (fp8: 128, one scale block; mxfp4: a multiple of 32, a power
+    of two); ``group_m``: row tiles of a group that take the column blocks together (see the module
+    docstring); ``num_warps``, ``num_stages``: Triton's launch options.
     """
 
     block_m: int
@@ -49,36 +67,63 @@ class GemmConfig:
     block_k: int = 128
     num_warps: int = 4
     num_stages: int = 3
+    group_m: int = 8
 
 
-def default_config(rows: int, groups: int) -> GemmConfig:
-    """Tiles for ``rows`` shard rows over ``groups`` groups: row tiles no taller than a group's
-    average (decode shards hold a few rows per expert), wider programs when rows are many."""
+def default_config(rows: int, groups: int, format: str) -> GemmConfig:
+    """Tiles for ``rows`` shard rows over ``groups`` groups of ``format`` (``fp8`` or ``mxfp4``) weights.
+
+    Row tiles are no taller than a group's average (decode shards hold a few rows per expert). A
+    guess for Hopper, to be replaced by what ``python -m flatep.quant.bench --quick`` measures:
+    short tiles stream the weights (deeper pipelines keep more bytes in flight), tall ones are
+    compute-bound (8 warps, two warp groups of tensor-core MMAs); mxfp4 decodes every weight tile in
+    registers, so its tiles are narrower in N (short tiles) or in K (tall ones).
+    """
+    if format not in ("fp8", "mxfp4"):
+        raise ValueError(f"format must be fp8 or mxfp4, got {format!r}")
     per_group = max(1, rows // max(groups, 1))
     block_m = 16 if per_group <= 16 else 32 if per_group <= 32 else 64 if per_group <= 64 else 128
-    return GemmConfig(block_m=block_m, block_n=128, num_warps=4 if block_m <= 32 else 8)
+    if format == "fp8":
+        if block_m <= 32:
+            return GemmConfig(block_m, 128, 128, num_warps=4, num_stages=5)
+        return GemmConfig(block_m, 128, 128, num_warps=4 if block_m == 64 else 8, num_stages=4)
+    if block_m <= 32:
+        return GemmConfig(block_m, 64, 128, num_warps=4, num_stages=3)
+    return GemmConfig(block_m, 128, 64, num_warps=4 if block_m == 64 else 8, num_stages=3)
 
 
 @triton.jit
-def _group_tile(offsets_ptr, groups, BLOCK_M: tl.constexpr, GROUPS: tl.constexpr):
-    """``(group, first_row, end_row)`` of this program's row tile; group ``>= groups`` if it has none.
+def _program_tile(
+    offsets_ptr, groups, N,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, GROUPS: tl.constexpr,
+):
+    """``(group, first_row, end_row, first_column)`` of this program; group ``>= groups`` if it has none.
 
     Vectorised over the groups (``GROUPS`` = ``groups`` rounded up to a power of two): the row tiles
-    of every group, their running sum, and the first group whose running sum passes this tile.
+    of every group and their running sum. Group ``g`` owns programs ``[base_g, base_g + tiles_g) *
+    column_blocks``, so ``program // column_blocks`` finds the group as a tile index would; within
+    the group, bands of ``GROUP_M`` row tiles (the last band may be shorter) each take all column
+    blocks, row tiles fastest.
     """
-    tile = tl.program_id(0)
+    program = tl.program_id(0)
+    column_blocks = tl.cdiv(N, BLOCK_N)
     g = tl.arange(0, GROUPS)
     real = g < groups
     ends = tl.load(offsets_ptr + g, mask=real, other=0)
     starts = tl.load(offsets_ptr + g - 1, mask=real & (g > 0), other=0)
     tiles = tl.where(real, (tl.maximum(ends - starts, 0) + BLOCK_M - 1) // BLOCK_M, 0)
     passed = tl.cumsum(tiles, axis=0)
-    group = tl.sum((passed <= tile).to(tl.int32), axis=0)
+    group = tl.sum((passed <= program // column_blocks).to(tl.int32), axis=0)
     mine = g == group
-    base = tl.sum(tl.where(mine, passed - tiles, 0), axis=0)
-    first = tl.sum(tl.where(mine, starts, 0), axis=0) + (tile - base) * BLOCK_M
+    count = tl.sum(tl.where(mine, tiles, 0), axis=0)
+    local = program - tl.sum(tl.where(mine, passed - tiles, 0), axis=0) * column_blocks
+    band = local // (GROUP_M * column_blocks)
+    # At least 1: a program past the last tile has count 0 and returns, but must not divide by 0.
+    band_tiles = tl.maximum(tl.minimum(count - band * GROUP_M, GROUP_M), 1)
+    within = local - band * GROUP_M * column_blocks
+    first = tl.sum(tl.where(mine, starts, 0), axis=0) + (band * GROUP_M + within % band_tiles) * BLOCK_M
     last = tl.sum(tl.where(mine, ends, 0), axis=0)
-    return group, first, last
+    return group, first, last, (within // band_tiles) * BLOCK_N
 
 
 @triton.jit
@@ -121,21 +166,23 @@ def _act_quant_kernel(
 
 @triton.jit
 def _fp8_grouped_kernel(
-    a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, offsets_ptr, groups, N, K, stride_om,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUPS: tl.constexpr, INTERPRET: tl.constexpr,
+    a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, offsets_ptr, groups, N, stride_om, K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, GROUPS: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):
-    group, first, last = _group_tile(offsets_ptr, groups, BLOCK_M, GROUPS)
+    group, first, last, first_column = _program_tile(offsets_ptr, groups, N, BLOCK_M, BLOCK_N, GROUP_M, GROUPS)
     if group >= groups:
         return
-    k_blocks = K // BLOCK_K
+    k_blocks: tl.constexpr = K // BLOCK_K
     n_blocks = tl.cdiv(N, BLOCK_K)
     row = first + tl.arange(0, BLOCK_M)
     row_mask = row < last
-    column = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    column = first_column + tl.arange(0, BLOCK_N)
     column_mask = column < N
     inner = tl.arange(0, BLOCK_K)
     expert = group.to(tl.int64)
-    # A group's weights exceed 2**31 bytes at real sizes: offsets in int64.
+    # Both operands K-contiguous (the fp8 tensor-core MMA takes them K-major). A group's weights
+    # exceed 2**31 bytes at real sizes: offsets in int64.
     a_tile = a_ptr + row.to(tl.int64)[:, None] * K + inner[None, :]
     w_tile = w_ptr + expert * N * K + column.to(tl.int64)[:, None] * K + inner[None, :]
     a_scales = a_scale_ptr + row.to(tl.int64) * k_blocks
@@ -149,6 +196,7 @@ def _fp8_grouped_kernel(
             w = w.to(tl.float32)
         a_scale = tl.load(a_scales + step, mask=row_mask, other=0.0)
         w_scale = tl.load(w_scales + step, mask=column_mask, other=0.0)
+        # One K step is one scale block of both operands: scale the block's partial product.
         acc += tl.dot(a, tl.trans(w)) * a_scale[:, None] * w_scale[None, :]
     if INTERPRET:
         acc = _round_to_bf16(acc)
@@ -167,40 +215,44 @@ def _e2m1_to_fp32(nibble):
 
 @triton.jit
 def _mxfp4_grouped_kernel(
-    a_ptr, w_ptr, s_ptr, out_ptr, offsets_ptr, groups, N, K, stride_am, stride_om,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUPS: tl.constexpr, INTERPRET: tl.constexpr,
+    a_ptr, w_ptr, s_ptr, out_ptr, offsets_ptr, groups, N, stride_am, stride_om, K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, GROUPS: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):
-    group, first, last = _group_tile(offsets_ptr, groups, BLOCK_M, GROUPS)
+    group, first, last, first_column = _program_tile(offsets_ptr, groups, N, BLOCK_M, BLOCK_N, GROUP_M, GROUPS)
     if group >= groups:
         return
     HALF: tl.constexpr = BLOCK_K // 2
+    BLOCKS: tl.constexpr = BLOCK_K // 32
     packed_k = K // 2
     scales_k = K // 32
     row = first + tl.arange(0, BLOCK_M)
     row_mask = row < last
-    column = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    column = first_column + tl.arange(0, BLOCK_N)
     column_mask = column < N
+    inner = tl.arange(0, BLOCK_K)
     byte = tl.arange(0, HALF)
+    block = tl.arange(0, BLOCKS)
     expert = group.to(tl.int64)
+    a_tile = a_ptr + row.to(tl.int64)[:, None] * stride_am + inner[None, :]
     w_tile = w_ptr + expert * N * packed_k + column.to(tl.int64)[:, None] * packed_k + byte[None, :]
-    s_tile = s_ptr + expert * N * scales_k + column.to(tl.int64)[:, None] * scales_k + (byte // 16)[None, :]
-    a_even = a_ptr + row.to(tl.int64)[:, None] * stride_am + 2 * byte[None, :]
+    s_tile = s_ptr + expert * N * scales_k + column.to(tl.int64)[:, None] * scales_k + block[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
-        inside = (k // 2 + byte) < packed_k
-        w_mask = column_mask[:, None] & inside[None, :]
-        packed = tl.load(w_tile + k // 2, mask=w_mask, other=0).to(tl.int32)
+        # K is a multiple of 32, not necessarily of BLOCK_K: the last step may be partial.
+        a = tl.load(a_tile + k, mask=row_mask[:, None] & (k + inner < K)[None, :], other=0.0)
+        packed = tl.load(w_tile + k // 2, mask=column_mask[:, None] & (k // 2 + byte < packed_k)[None, :], other=0)
+        exponent = tl.load(s_tile + k // 32, mask=column_mask[:, None] & (k // 32 + block < scales_k)[None, :], other=0)
         # 2**(byte - 127) is the fp32 with exponent field = byte (byte 0 gives 0, see the module docstring).
-        scale = (tl.load(s_tile + k // 32, mask=w_mask, other=0).to(tl.int32) << 23).to(tl.float32, bitcast=True)
-        low = (_e2m1_to_fp32(packed & 15) * scale).to(tl.bfloat16)
-        high = (_e2m1_to_fp32(packed >> 4) * scale).to(tl.bfloat16)
-        a_mask = row_mask[:, None] & inside[None, :]
-        even = tl.load(a_even + k, mask=a_mask, other=0.0)
-        odd = tl.load(a_even + k + 1, mask=a_mask, other=0.0)
+        scale = (exponent.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+        packed = packed.to(tl.int32)
+        # [BLOCK_N, HALF, 2] -> [BLOCK_N, BLOCKS, 32]: byte j's low nibble is column 2j, its high one 2j+1.
+        decoded = tl.reshape(tl.join(_e2m1_to_fp32(packed & 15), _e2m1_to_fp32(packed >> 4)), [BLOCK_N, BLOCKS, 32])
+        w = tl.reshape(decoded * scale[:, :, None], [BLOCK_N, BLOCK_K]).to(tl.bfloat16)  # exact: e2m1 times 2**e
         if INTERPRET:
-            low, high, even, odd = low.to(tl.float32), high.to(tl.float32), even.to(tl.float32), odd.to(tl.float32)
-        acc += tl.dot(even, tl.trans(low))
-        acc += tl.dot(odd, tl.trans(high))
+            a = a.to(tl.float32)
+            w = w.to(tl.float32)
+        acc += tl.dot(a, tl.trans(w))
     if INTERPRET:
         acc = _round_to_bf16(acc)
     out = out_ptr + row.to(tl.int64)[:, None] * stride_om + column[None, :]
@@ -217,8 +269,21 @@ def _check_common(rows: torch.Tensor, values: torch.Tensor, offsets: torch.Tenso
                          f"{list(offsets.shape)}")
 
 
-def _grid(rows: int, groups: int, columns: int, config: GemmConfig) -> tuple[int, int]:
-    return triton.cdiv(rows, config.block_m) + groups, triton.cdiv(columns, config.block_n)
+def _grid(rows: int, groups: int, columns: int, config: GemmConfig) -> tuple[int]:
+    """Programs for any grouping of ``rows``: group ``g`` of ``r_g`` rows has ``ceil(r_g / block_m)
+    <= (r_g + block_m - 1) / block_m`` row tiles, which sum to at most ``(rows + groups * (block_m -
+    1)) / block_m`` over the groups; times the column blocks."""
+    row_tiles = (rows + groups * (config.block_m - 1)) // config.block_m
+    return (row_tiles * triton.cdiv(columns, config.block_n),)
+
+
+def _output(rows: torch.Tensor, columns: int, out: torch.Tensor | None) -> torch.Tensor:
+    if out is None:
+        return torch.empty(rows.shape[0], columns, dtype=rows.dtype, device=rows.device)
+    if out.shape != (rows.shape[0], columns) or out.dtype != torch.bfloat16 or out.stride(1) != 1:
+        raise ValueError(f"out must be [{rows.shape[0]}, {columns}] bfloat16 with unit column stride, got {out.dtype} "
+                         f"{list(out.shape)}")
+    return out
 
 
 def quantize_fp8_activations_triton(rows: torch.Tensor, end: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -248,6 +313,7 @@ def fp8_grouped_mm_triton(
     scales: torch.Tensor,
     offsets: torch.Tensor,
     config: GemmConfig | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``out[i] = q(rows[i]) @ W[g(i)].T`` with fp8 block-scaled ``W`` and per-token-group quantized rows.
 
@@ -257,9 +323,10 @@ def fp8_grouped_mm_triton(
         scales: ``[G, ceil(N/128), K/128]`` float32, contiguous.
         offsets: ``[G]`` int32 inclusive end row of each group.
         config: tiles (default :func:`default_config`); ``block_k`` must be 128.
+        out: optional ``[M, N]`` bf16 (unit column stride) to write into; default a new tensor.
 
     Returns:
-        ``[M, N]`` bf16; rows at and past ``offsets[-1]`` undefined.
+        ``out`` or a new ``[M, N]`` bf16 tensor; rows at and past ``offsets[-1]`` are not written.
     """
     _check_common(rows, values, offsets)
     groups, columns, inner = values.shape
@@ -269,15 +336,15 @@ def fp8_grouped_mm_triton(
     expected = (groups, triton.cdiv(columns, _FP8_BLOCK), inner // _FP8_BLOCK)
     if scales.dtype != torch.float32 or tuple(scales.shape) != expected or not scales.is_contiguous():
         raise ValueError(f"scales must be a contiguous {list(expected)} float32 tensor, got {scales.dtype} {list(scales.shape)}")
-    config = config or default_config(rows.shape[0], groups)
+    config = config or default_config(rows.shape[0], groups, "fp8")
     if config.block_k != _FP8_BLOCK:
         raise ValueError(f"fp8 block_k must be {_FP8_BLOCK} (one scale block), got {config.block_k}")
     quantized, row_scales = quantize_fp8_activations_triton(rows, offsets[-1:])
-    out = torch.empty(rows.shape[0], columns, dtype=rows.dtype, device=rows.device)
+    out = _output(rows, columns, out)
     _fp8_grouped_kernel[_grid(rows.shape[0], groups, columns, config)](
-        quantized, row_scales, values, scales, out, offsets, groups, columns, inner, out.stride(0),
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=_FP8_BLOCK, GROUPS=triton.next_power_of_2(groups),
-        INTERPRET=interpreting(),
+        quantized, row_scales, values, scales, out, offsets, groups, columns, out.stride(0), inner,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=_FP8_BLOCK, GROUP_M=config.group_m,
+        GROUPS=triton.next_power_of_2(groups), INTERPRET=interpreting(),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out
@@ -289,6 +356,7 @@ def mxfp4_grouped_mm_triton(
     scales: torch.Tensor,
     offsets: torch.Tensor,
     config: GemmConfig | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``out[i] = rows[i] @ W[g(i)].T`` with mxfp4 ``W`` decoded in registers.
 
@@ -297,10 +365,11 @@ def mxfp4_grouped_mm_triton(
         values: ``[G, N, K/2]`` uint8 (low nibble = even column), contiguous.
         scales: ``[G, N, K/32]`` uint8 e8m0, contiguous.
         offsets: ``[G]`` int32 inclusive end row of each group.
-        config: tiles (default :func:`default_config`); ``block_k`` a multiple of 32.
+        config: tiles (default :func:`default_config`); ``block_k`` a power of two, at least 32.
+        out: optional ``[M, N]`` bf16 (unit column stride) to write into; default a new tensor.
 
     Returns:
-        ``[M, N]`` bf16; rows at and past ``offsets[-1]`` undefined.
+        ``out`` or a new ``[M, N]`` bf16 tensor; rows at and past ``offsets[-1]`` are not written.
     """
     _check_common(rows, values, offsets)
     groups, columns, half = values.shape
@@ -311,14 +380,14 @@ def mxfp4_grouped_mm_triton(
     if scales.dtype != torch.uint8 or tuple(scales.shape) != (groups, columns, inner // 32) or not scales.is_contiguous():
         raise ValueError(f"scales must be a contiguous [{groups}, {columns}, {inner // 32}] uint8 tensor, got "
                          f"{scales.dtype} {list(scales.shape)}")
-    config = config or default_config(rows.shape[0], groups)
-    if config.block_k % 32:
-        raise ValueError(f"mxfp4 block_k must be a multiple of 32, got {config.block_k}")
-    out = torch.empty(rows.shape[0], columns, dtype=rows.dtype, device=rows.device)
+    config = config or default_config(rows.shape[0], groups, "mxfp4")
+    if config.block_k < 32 or config.block_k & (config.block_k - 1):
+        raise ValueError(f"mxfp4 block_k must be a power of two, at least 32, got {config.block_k}")
+    out = _output(rows, columns, out)
     _mxfp4_grouped_kernel[_grid(rows.shape[0], groups, columns, config)](
-        rows, values, scales, out, offsets, groups, columns, inner, rows.stride(0), out.stride(0),
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUPS=triton.next_power_of_2(groups),
-        INTERPRET=interpreting(),
+        rows, values, scales, out, offsets, groups, columns, rows.stride(0), out.stride(0), inner,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
+        GROUPS=triton.next_power_of_2(groups), INTERPRET=interpreting(),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out

@@ -135,7 +135,7 @@ def experts_cell(
             result[name]["rowwise_scaled_grouped_mm_us"] = times["scaled_grouped_mm rowwise"]
             result[name]["rowwise_ratio"] = times["scaled_grouped_mm rowwise"]["us"] / times["bf16"]["us"]
         del rowwise
-    result["default_config"] = str(default_config(rows, experts))
+    result["default_config"] = str(default_config(rows, experts, format))
     step = _interleaved({
         "bf16": lambda: grouped_swiglu(x, route_weights, w13, w2, offsets, backend="triton"),
         format: lambda: grouped_swiglu(x, route_weights, q13, q2, offsets, backend="triton"),
