@@ -6,10 +6,14 @@ import os
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from flatep.experts.grouped import quantized_grouped_mm
 from flatep.kernels.quant_gemm import (
     GemmConfig,
+    _grid,
+    _program_tile,
     fp8_grouped_mm_triton,
     mxfp4_grouped_mm_triton,
     quantize_fp8_activations_triton,
@@ -89,13 +93,6 @@ def test_mxfp4_triton_matches_torch(sizes, out_features, in_features, config):
     assert relative_error(out[:end], reference[:end]) < 4e-3
 
 
-@needs_triton
-def test_triton_leaves_rows_past_the_last_group_unwritten():
-    rows, packed, offsets = grouped_inputs("mxfp4", [3, 4], 32, 64, seed=9, padding=20)
-    out = mxfp4_grouped_mm_triton(rows, packed.values, packed.scales, offsets, GemmConfig(16, 32, 32))
-    assert torch.isfinite(out[:7].float()).all()
-
-
 @pytest.mark.parametrize("make, message", [
     (lambda r, p, o: fp8_grouped_mm_triton(r.float(), p.values, p.scales, o), "bfloat16"),
     (lambda r, p, o: fp8_grouped_mm_triton(r, p.values, p.scales[..., :1], o), "scales must be"),
@@ -103,11 +100,19 @@ def test_triton_leaves_rows_past_the_last_group_unwritten():
     (lambda r, p, o: fp8_grouped_mm_triton(r[:, :128], p.values, p.scales, o), "K=128"),
     (lambda r, p, o: fp8_grouped_mm_triton(r, p.values, p.scales, o, GemmConfig(16, 16, 64)), "block_k"),
     (lambda r, p, o: quantized_grouped_mm(r[:, :128], p, o), "agree on K"),
+    (lambda r, p, o: fp8_grouped_mm_triton(r, p.values, p.scales, o, out=torch.empty_like(r)), "out must be"),
 ])
 def test_bad_input_raises(make, message):
     rows, packed, offsets = grouped_inputs("fp8", [3, 4], 128, 256, seed=2)
     with pytest.raises(ValueError, match=message):
         make(rows, packed, offsets)
+
+
+
+def test_mxfp4_block_k_must_be_a_power_of_two():
+    rows, packed, offsets = grouped_inputs("mxfp4", [3, 4], 32, 192, seed=4)
+    with pytest.raises(ValueError, match="power of two"):
+        mxfp4_grouped_mm_triton(rows, packed.values, packed.scales, offsets, GemmConfig(16, 16, 96))
 
 
 @needs_triton
@@ -133,3 +138,73 @@ def test_many_groups_with_empty_ones(format):
     out = kernel(rows, packed.values, packed.scales, offsets, GemmConfig(16, 32, 128 if format == "fp8" else 64))
     end = int(offsets[-1])
     assert relative_error(out[:end], quantized_grouped_mm(rows, packed, offsets, backend="torch")[:end]) < 4e-3
+
+
+@triton.jit
+def _program_tiles_kernel(offsets_ptr, out_ptr, groups, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          GROUP_M: tl.constexpr, GROUPS: tl.constexpr):
+    group, first, last, first_column = _program_tile(offsets_ptr, groups, N, BLOCK_M, BLOCK_N, GROUP_M, GROUPS)
+    program = tl.program_id(0)
+    tl.store(out_ptr + 4 * program, group)
+    tl.store(out_ptr + 4 * program + 1, first)
+    tl.store(out_ptr + 4 * program + 2, last)
+    tl.store(out_ptr + 4 * program + 3, first_column)
+
+
+def expected_program_order(sizes, columns, config):
+    """``(group, first row, end row, first column)`` of each program with work, in program order:
+    group by group, bands of ``group_m`` row tiles, all column blocks per band, row tiles fastest."""
+    order, start = [], 0
+    for group, size in enumerate(sizes):
+        tiles = -(-size // config.block_m)
+        for band in range(0, tiles, config.group_m):
+            for column in range(0, columns, config.block_n):
+                for tile in range(band, min(band + config.group_m, tiles)):
+                    order.append((group, start + tile * config.block_m, start + size, column))
+        start += size
+    return order
+
+
+@needs_triton
+@pytest.mark.parametrize("sizes, columns, config", [
+    ([40], 96, GemmConfig(16, 32, group_m=2)),  # one group, a shorter last band
+    ([3, 0, 50, 1, 0, 17], 64, GemmConfig(16, 16, group_m=3)),  # ragged, empty groups inside
+    ([0, 0, 0, 5], 48, GemmConfig(32, 16, group_m=1)),  # leading empty groups
+    ([0, 0], 32, GemmConfig(16, 32)),  # nothing to do
+    ([int(size) for size in torch.randint(0, 70, (29,), generator=torch.Generator().manual_seed(5))], 80,
+     GemmConfig(32, 32, group_m=4)),  # many groups
+])
+def test_programs_run_group_by_group_and_cover_every_tile_once(sizes, columns, config):
+    offsets = torch.tensor(sizes, dtype=torch.int32).cumsum(0).to(torch.int32).to(DEVICE)
+    padding = 7  # rows past offsets[-1]: they count towards the grid's bound, never towards a tile
+    (programs,) = _grid(sum(sizes) + padding, len(sizes), columns, config)
+    tiles = torch.full((programs, 4), -1, dtype=torch.int32, device=DEVICE)
+    _program_tiles_kernel[(programs,)](offsets, tiles, len(sizes), columns, BLOCK_M=config.block_m,
+                                       BLOCK_N=config.block_n, GROUP_M=config.group_m,
+                                       GROUPS=triton.next_power_of_2(len(sizes)))
+    expected = expected_program_order(sizes, columns, config)
+    working = [tuple(row) for row in tiles.tolist() if row[0] < len(sizes)]
+    assert working == expected
+    assert tiles[:len(expected), 0].lt(len(sizes)).all()  # the programs with work come first
+
+
+@needs_triton
+@pytest.mark.parametrize("format", ["fp8", "mxfp4"])
+@pytest.mark.parametrize("sizes, out_features, config", [
+    ([40], 160, GemmConfig(16, 64, group_m=2)),
+    ([3, 0, 50, 1, 0, 17], 128, GemmConfig(16, 32, group_m=3)),
+    ([0, 0, 0, 5], 192, GemmConfig(32, 128, group_m=1)),
+    ([0, 0], 64, GemmConfig(16, 32)),
+])
+def test_only_rows_before_the_last_offset_are_written(format, sizes, out_features, config):
+    rows, packed, offsets = grouped_inputs(format, sizes, out_features, 256, seed=sum(sizes) + out_features, padding=21)
+    if format == "mxfp4":
+        config = GemmConfig(config.block_m, config.block_n, 64, group_m=config.group_m)
+    kernel = fp8_grouped_mm_triton if format == "fp8" else mxfp4_grouped_mm_triton
+    poison = torch.full((rows.shape[0], out_features), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    out = kernel(rows, packed.values, packed.scales, offsets, config, out=poison)
+    end = int(offsets[-1])
+    assert out is poison
+    assert out[end:].isnan().all()
+    if end:
+        assert relative_error(out[:end], quantized_grouped_mm(rows, packed, offsets, backend="torch")[:end]) < 4e-3
