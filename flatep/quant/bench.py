@@ -12,10 +12,18 @@
   Each packed arm is first checked against the torch reference path (relative error recorded).
 - the weight push of one borrowed expert per format (local transport, two virtual ranks on one
   GPU: a device-memory copy, not a link; it shows the byte ratio, not NVLink time).
+
+``python -m flatep.quant.bench --quick --out quick.json`` only times the two GEMMs of the same
+cells, bf16 against every candidate tile config of the format (:data:`CANDIDATES` and
+:func:`default_config`), one round each, to pick the configs in a few minutes at most: every
+config's relative error against the torch reference is recorded, and a config whose single eager
+call takes over :data:`SKIP_FACTOR` times the best graph time so far is not timed further (the
+slow mxfp4 configs at 1024 rows per expert would take most of the run).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import time
@@ -34,14 +42,28 @@ from flatep.transport import init_group
 ROWS_PER_EXPERT = (16, 128, 1024)
 REPLAYS = 10  # graph replays per round (CPU: eager calls)
 STARTED = time.perf_counter()
-CANDIDATES = (
-    GemmConfig(16, 128, num_warps=4, num_stages=4),
-    GemmConfig(32, 128, num_warps=4, num_stages=4),
-    GemmConfig(64, 128, num_warps=4, num_stages=3),
-    GemmConfig(64, 64, num_warps=4, num_stages=4),
-    GemmConfig(128, 128, num_warps=8, num_stages=3),
-    GemmConfig(128, 256, num_warps=8, num_stages=3),
-)
+# Tile configs timed per format (with default_config's): short row tiles with deep pipelines for
+# decode shards (weight streaming), tall 8-warp tiles for prefill; mxfp4 decodes each weight tile in
+# registers, so its tiles are narrower in N or in K.
+CANDIDATES = {
+    "fp8": (
+        GemmConfig(16, 128, 128, num_warps=4, num_stages=5),
+        GemmConfig(32, 128, 128, num_warps=4, num_stages=5),
+        GemmConfig(64, 128, 128, num_warps=4, num_stages=4),
+        GemmConfig(128, 128, 128, num_warps=8, num_stages=4),
+        GemmConfig(128, 256, 128, num_warps=8, num_stages=3),
+        GemmConfig(128, 128, 128, num_warps=8, num_stages=4, group_m=16),
+    ),
+    "mxfp4": (
+        GemmConfig(16, 64, 128, num_warps=4, num_stages=3),
+        GemmConfig(16, 128, 64, num_warps=4, num_stages=4),
+        GemmConfig(32, 64, 128, num_warps=4, num_stages=3),
+        GemmConfig(64, 128, 64, num_warps=4, num_stages=3),
+        GemmConfig(128, 128, 64, num_warps=8, num_stages=3),
+        GemmConfig(128, 64, 128, num_warps=8, num_stages=3),
+    ),
+}
+SKIP_FACTOR = 5.0  # --quick: a config whose probe call exceeds this times the best so far is not timed
 
 
 def _random_bf16(shape: tuple[int, ...], scale: float, device: torch.device) -> torch.Tensor:
@@ -85,6 +107,19 @@ def _kernel(format: str):
     return fp8_grouped_mm_triton if format == "fp8" else mxfp4_grouped_mm_triton
 
 
+def _candidates(format: str, rows_per_expert: int) -> list[GemmConfig]:
+    """The format's candidates (and its default config), without row tiles taller than twice a
+    group (mostly padding)."""
+    configs = [*CANDIDATES[format], default_config(rows_per_expert, 1, format)]
+    return [config for index, config in enumerate(configs)
+            if config.block_m <= max(16, 2 * rows_per_expert) and config not in configs[:index]]
+
+
+def _name(config: GemmConfig) -> str:
+    return (f"m{config.block_m} n{config.block_n} k{config.block_k} w{config.num_warps} s{config.num_stages} "
+            f"g{config.group_m}")
+
+
 def experts_cell(
     model: str, format: str, hidden: int, intermediate: int, experts: int, rows_per_expert: int,
     w13: torch.Tensor, w2: torch.Tensor, q13: QuantizedTensor, q2: QuantizedTensor, device: torch.device, rounds: int,
@@ -108,13 +143,9 @@ def experts_cell(
         arms: dict[str, Callable[[], object]] = {
             "bf16": lambda rows_in=rows_in, plain=plain: torch._grouped_mm(rows_in, plain.transpose(-2, -1), offs=offsets),
         }
-        for config in CANDIDATES:
-            # Row tiles taller than twice a group are mostly padding; mxfp4's 256-wide tiles hold
-            # too many decoded weights in registers.
-            if config.block_m <= max(16, 2 * rows_per_expert) and (format == "fp8" or config.block_n <= 128):
-                arms[f"{format} m{config.block_m} n{config.block_n} w{config.num_warps} s{config.num_stages}"] = (
-                    lambda rows_in=rows_in, packed=packed, config=config:
-                    _kernel(format)(rows_in, packed.values, packed.scales, offsets, config))
+        for config in _candidates(format, rows_per_expert):
+            arms[f"{format} {_name(config)}"] = (lambda rows_in=rows_in, packed=packed, config=config:
+                                                _kernel(format)(rows_in, packed.values, packed.scales, offsets, config))
         rowwise = None
         if format == "fp8":
             try:
@@ -147,12 +178,18 @@ def experts_cell(
     return result
 
 
-def model_cells(model: str, format: str, device: torch.device, rounds: int) -> list[dict]:
+def _model_weights(model: str, format: str, device: torch.device):
+    """``(hidden, intermediate, experts, w13, w2, q13, q2)`` of one rank of ``model`` at EP8: random
+    bf16 weights and their ``format`` packing."""
     config = preset(model, ranks=8)
     hidden, intermediate, experts = config.hidden, config.intermediate, config.experts_per_rank
     w13 = _random_bf16((experts, 2 * intermediate, hidden), hidden**-0.5, device)
     w2 = _random_bf16((experts, hidden, intermediate), intermediate**-0.5, device)
-    q13, q2 = _quantize_by_expert(w13, format), _quantize_by_expert(w2, format)
+    return hidden, intermediate, experts, w13, w2, _quantize_by_expert(w13, format), _quantize_by_expert(w2, format)
+
+
+def model_cells(model: str, format: str, device: torch.device, rounds: int) -> list[dict]:
+    hidden, intermediate, experts, w13, w2, q13, q2 = _model_weights(model, format, device)
     cells = []
     for rows_per_expert in ROWS_PER_EXPERT:
         cell = experts_cell(model, format, hidden, intermediate, experts, rows_per_expert, w13, w2, q13, q2, device, rounds)
@@ -163,6 +200,83 @@ def model_cells(model: str, format: str, device: torch.device, rounds: int) -> l
     del w13, w2, q13, q2
     torch.cuda.empty_cache()
     return cells
+
+
+def quick_cells(
+    model: str, format: str, hidden: int, intermediate: int, experts: int, w13: torch.Tensor, w2: torch.Tensor,
+    q13: QuantizedTensor, q2: QuantizedTensor, device: torch.device, rows_per_expert: tuple[int, ...] = ROWS_PER_EXPERT,
+    deadline: float = float("inf"),
+) -> list[dict]:
+    """One entry per (rows per expert, GEMM, arm): bf16 ``torch._grouped_mm``, then each candidate config.
+
+    Each entry holds ``format``, ``rows_per_expert``, ``gemm`` (``w13``: ``[rows, H] -> [rows, 2I]``;
+    ``w2``: ``[rows, I] -> [rows, H]``), ``config`` (``None`` for bf16, else :class:`GemmConfig`'s
+    fields), ``us`` (graph time of one call), ``ratio`` (``us`` over bf16's), ``relative_error``
+    (packed: the first four groups against the torch reference path) and ``skipped`` (why ``us`` is
+    only one eager call: its probe exceeded :data:`SKIP_FACTOR` times the best, or ``deadline``, a
+    ``time.perf_counter`` value, passed; then ``us`` is ``None`` if not even probed).
+    """
+    entries = []
+    for per_expert in rows_per_expert:
+        rows = experts * per_expert
+        offsets = (torch.arange(1, experts + 1, device=device, dtype=torch.int32) * per_expert).to(torch.int32)
+        few = min(4, experts)
+        end = few * per_expert
+        for gemm, rows_in, plain, packed in (("w13", _random_bf16((rows, hidden), 1.0, device), w13, q13),
+                                             ("w2", _random_bf16((rows, intermediate), 1.0, device), w2, q2)):
+            base = {"model": model, "format": format, "rows_per_expert": per_expert, "gemm": gemm}
+            bf16_us = time_us(lambda: torch._grouped_mm(rows_in, plain.transpose(-2, -1), offs=offsets), device,
+                              warmup=1, iters=REPLAYS, graph=True, calls=2)
+            entries.append({**base, "config": None, "us": bf16_us, "ratio": 1.0, "relative_error": None})
+            reference = quantized_grouped_mm(rows_in[:end], packed[:few], offsets[:few], backend="torch").float()
+            best = float("inf")
+            timed = []
+            for config in _candidates(format, per_expert):
+                entry = {**base, "config": dataclasses.asdict(config), "us": None, "ratio": None, "relative_error": None}
+                entries.append(entry)
+                if time.perf_counter() > deadline:
+                    entry["skipped"] = "deadline"
+                    continue
+                call = (lambda rows_in=rows_in, packed=packed, config=config:
+                        _kernel(format)(rows_in, packed.values, packed.scales, offsets, config))
+                out = call()[:end].float()  # compiles it, and its first groups are checked
+                entry["relative_error"] = float((out - reference).norm() / reference.norm())
+                probe = time_us(call, device, warmup=0, iters=1)
+                if probe > SKIP_FACTOR * best:
+                    entry.update(us=probe, ratio=probe / bf16_us, skipped=f"probe over {SKIP_FACTOR:g}x the best")
+                    continue
+                entry["us"] = time_us(call, device, warmup=1, iters=REPLAYS, graph=True, calls=2)
+                entry["ratio"] = entry["us"] / bf16_us
+                best = min(best, entry["us"])
+                timed.append(entry)
+            winner = min(timed, key=lambda entry: entry["us"], default=None)
+            print(f"[{time.perf_counter() - STARTED:.0f} s] {model} {format} rows/expert={per_expert} {gemm}: bf16 "
+                  f"{bf16_us:.1f} us, best " + (f"{winner['us']:.1f} us ({winner['ratio']:.2f}x) "
+                                                f"{_name(GemmConfig(**winner['config']))}" if winner else "none"),
+                  flush=True)
+    return entries
+
+
+def best_configs(entries: list[dict]) -> list[dict]:
+    """Per (model, format, rows per expert, GEMM): the fastest fully timed config, and per (model,
+    format, rows per expert) the ratio of both GEMMs together with their best configs."""
+    best: dict[tuple, dict] = {}
+    bf16: dict[tuple, float] = {}
+    for entry in entries:
+        key = (entry["model"], entry["format"], entry["rows_per_expert"], entry["gemm"])
+        if entry["config"] is None:
+            bf16[key] = entry["us"]
+        elif entry["us"] is not None and "skipped" not in entry and (key not in best or entry["us"] < best[key]["us"]):
+            best[key] = entry
+    summary = [{"model": key[0], "format": key[1], "rows_per_expert": key[2], "gemm": key[3], "config": entry["config"],
+                "us": entry["us"], "ratio": entry["ratio"], "relative_error": entry["relative_error"]}
+               for key, entry in best.items()]
+    for model, format, per_expert in dict.fromkeys(key[:3] for key in best):
+        keys = [(model, format, per_expert, gemm) for gemm in ("w13", "w2")]
+        if all(key in best for key in keys):
+            summary.append({"model": model, "format": format, "rows_per_expert": per_expert, "gemm": "w13+w2",
+                            "ratio": sum(best[key]["us"] for key in keys) / sum(bf16[key] for key in keys)})
+    return summary
 
 
 PUSH_MODELS = (("kimi-k2", ("bf16", "fp8")), ("kimi-k3", ("bf16", "mxfp4")))
@@ -212,12 +326,30 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="quant_bench.json", help="JSON file to write")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds per cell")
+    parser.add_argument("--quick", action="store_true", help="only the GEMMs, bf16 against each candidate config")
+    parser.add_argument("--budget", type=float, default=150.0,
+                        help="--quick: seconds after which the configs not yet started are skipped")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("flatep.quant.bench needs a CUDA GPU")
     device = torch.device("cuda")
     started = STARTED
     torch.manual_seed(0)
+    if args.quick:
+        entries = []
+        for model, format in (("kimi-k2", "fp8"), ("kimi-k3", "mxfp4")):
+            weights = _model_weights(model, format, device)
+            entries += quick_cells(model, format, *weights, device, deadline=started + args.budget)
+            del weights
+            torch.cuda.empty_cache()
+        report = {"device": device_name(device), "mode": "quick",
+                  "timing": f"CUDA graph of 2 calls, median of {REPLAYS} replays; one round",
+                  "best": best_configs(entries), "entries": entries}
+        report["seconds"] = time.perf_counter() - started
+        with open(args.out, "w") as file:
+            json.dump(report, file, indent=1)
+        print(f"wrote {args.out} in {report['seconds']:.0f} s")
+        return
     report = {"device": device_name(device), "copy_ceiling_gbps": copy_ceiling_gbps(device),
               "timing": "CUDA graph of 4 calls, median of 10 replays per round; median and spread over rounds",
               "experts": model_cells("kimi-k2", "fp8", device, args.rounds) + model_cells("kimi-k3", "mxfp4", device, args.rounds),

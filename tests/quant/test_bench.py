@@ -8,7 +8,7 @@ from tests.helpers import DEVICE
 
 
 def test_bench_cells_at_tiny_sizes(monkeypatch):
-    monkeypatch.setattr(bench, "CANDIDATES", bench.CANDIDATES[:1])
+    monkeypatch.setattr(bench, "CANDIDATES", {format: configs[:1] for format, configs in bench.CANDIDATES.items()})
     monkeypatch.setattr(bench, "REPLAYS", 1)
     hidden = intermediate = 128
     for format in ("fp8", "mxfp4"):
@@ -25,3 +25,25 @@ def test_bench_cells_at_tiny_sizes(monkeypatch):
     assert all(cell["us_per_expert"] > 0 for cell in cells)
     assert torch.tensor([cell["expert_bytes"] for cell in cells]).tolist() == [
         3 * 128 * 128 * 2, 3 * 128 * 128 + 4 * 3, 3 * 128 * 128 // 2 + 3 * 128 * 128 // 32]
+
+
+def test_quick_cells_at_tiny_sizes(monkeypatch):
+    monkeypatch.setattr(bench, "CANDIDATES", {format: configs[:1] for format, configs in bench.CANDIDATES.items()})
+    monkeypatch.setattr(bench, "REPLAYS", 1)
+    hidden = intermediate = 128
+    for format in ("fp8", "mxfp4"):
+        w13 = bench._random_bf16((2, 2 * intermediate, hidden), hidden**-0.5, DEVICE)
+        w2 = bench._random_bf16((2, hidden, intermediate), intermediate**-0.5, DEVICE)
+        q13, q2 = bench._quantize_by_expert(w13, format), bench._quantize_by_expert(w2, format)
+        entries = bench.quick_cells("tiny", format, hidden, intermediate, 2, w13, w2, q13, q2, DEVICE, (16,))
+        configs = bench._candidates(format, 16)
+        assert [(entry["gemm"], entry["config"]) for entry in entries] == [
+            (gemm, config) for gemm in ("w13", "w2") for config in [None] + [vars(config) for config in configs]]
+        packed = [entry for entry in entries if entry["config"] is not None]
+        assert all(entry["relative_error"] < 4e-3 and entry["us"] > 0 and entry["ratio"] > 0 for entry in packed)
+        summary = bench.best_configs(entries)
+        assert [entry["gemm"] for entry in summary] == ["w13", "w2", "w13+w2"]
+        assert all(entry["ratio"] > 0 for entry in summary)
+        late = bench.quick_cells("tiny", format, hidden, intermediate, 2, w13, w2, q13, q2, DEVICE, (16,), deadline=0.0)
+        assert all(entry.get("skipped") == "deadline" and entry["us"] is None
+                   for entry in late if entry["config"] is not None)
