@@ -57,9 +57,12 @@ class GemmConfig:
     """Tile sizes and program order of a grouped GEMM launch (tuning; correctness does not depend on them).
 
     ``block_m``, ``block_n``: output rows and columns per program (powers of two, at least 16);
-    ``block_k``: input columns per step (fp8: 128, one scale block; mxfp4: a multiple of 32, a power
-    of two); ``group_m``: row tiles of a group that take the column blocks together (see the module
-    docstring); ``num_warps``, ``num_stages``: Triton's launch options.
+    ``block_k``: input columns per step (fp8: 128, one scale block; mxfp4: a power of two, at least
+    32); ``group_m``: row tiles of a group that take the column blocks together (see the module
+    docstring); ``swap_ab``: compute the transposed tile, ``W_tile @ A_tile.T``, so that the weight's
+    columns fill the MMA's M side (a Hopper warp-group MMA is 64 rows tall, while short row tiles
+    of decode shards are 16 or 32 rows; the tall operand may also come from registers, as mxfp4's
+    decoded weights do); ``num_warps``, ``num_stages``: Triton's launch options.
     """
 
     block_m: int
@@ -68,6 +71,7 @@ class GemmConfig:
     num_warps: int = 4
     num_stages: int = 3
     group_m: int = 8
+    swap_ab: bool = False
 
 
 def default_config(rows: int, groups: int, format: str) -> GemmConfig:
@@ -168,7 +172,7 @@ def _act_quant_kernel(
 def _fp8_grouped_kernel(
     a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, offsets_ptr, groups, N, stride_om, K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, GROUPS: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    SWAP_AB: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     group, first, last, first_column = _program_tile(offsets_ptr, groups, N, BLOCK_M, BLOCK_N, GROUP_M, GROUPS)
     if group >= groups:
@@ -187,7 +191,10 @@ def _fp8_grouped_kernel(
     w_tile = w_ptr + expert * N * K + column.to(tl.int64)[:, None] * K + inner[None, :]
     a_scales = a_scale_ptr + row.to(tl.int64) * k_blocks
     w_scales = w_scale_ptr + expert * n_blocks * k_blocks + (column // BLOCK_K) * k_blocks
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if SWAP_AB:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for step in range(0, k_blocks):
         a = tl.load(a_tile + step * BLOCK_K, mask=row_mask[:, None], other=0.0)
         w = tl.load(w_tile + step * BLOCK_K, mask=column_mask[:, None], other=0.0)
@@ -197,7 +204,12 @@ def _fp8_grouped_kernel(
         a_scale = tl.load(a_scales + step, mask=row_mask, other=0.0)
         w_scale = tl.load(w_scales + step, mask=column_mask, other=0.0)
         # One K step is one scale block of both operands: scale the block's partial product.
-        acc += tl.dot(a, tl.trans(w)) * a_scale[:, None] * w_scale[None, :]
+        if SWAP_AB:
+            acc += tl.dot(w, tl.trans(a)) * w_scale[:, None] * a_scale[None, :]
+        else:
+            acc += tl.dot(a, tl.trans(w)) * a_scale[:, None] * w_scale[None, :]
+    if SWAP_AB:
+        acc = tl.trans(acc)
     if INTERPRET:
         acc = _round_to_bf16(acc)
     out = out_ptr + row.to(tl.int64)[:, None] * stride_om + column[None, :]
@@ -217,7 +229,7 @@ def _e2m1_to_fp32(nibble):
 def _mxfp4_grouped_kernel(
     a_ptr, w_ptr, s_ptr, out_ptr, offsets_ptr, groups, N, stride_am, stride_om, K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, GROUPS: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    SWAP_AB: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     group, first, last, first_column = _program_tile(offsets_ptr, groups, N, BLOCK_M, BLOCK_N, GROUP_M, GROUPS)
     if group >= groups:
@@ -237,7 +249,10 @@ def _mxfp4_grouped_kernel(
     a_tile = a_ptr + row.to(tl.int64)[:, None] * stride_am + inner[None, :]
     w_tile = w_ptr + expert * N * packed_k + column.to(tl.int64)[:, None] * packed_k + byte[None, :]
     s_tile = s_ptr + expert * N * scales_k + column.to(tl.int64)[:, None] * scales_k + block[None, :]
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if SWAP_AB:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
         # K is a multiple of 32, not necessarily of BLOCK_K: the last step may be partial.
         a = tl.load(a_tile + k, mask=row_mask[:, None] & (k + inner < K)[None, :], other=0.0)
@@ -252,7 +267,12 @@ def _mxfp4_grouped_kernel(
         if INTERPRET:
             a = a.to(tl.float32)
             w = w.to(tl.float32)
-        acc += tl.dot(a, tl.trans(w))
+        if SWAP_AB:
+            acc += tl.dot(w, tl.trans(a))
+        else:
+            acc += tl.dot(a, tl.trans(w))
+    if SWAP_AB:
+        acc = tl.trans(acc)
     if INTERPRET:
         acc = _round_to_bf16(acc)
     out = out_ptr + row.to(tl.int64)[:, None] * stride_om + column[None, :]
@@ -344,7 +364,7 @@ def fp8_grouped_mm_triton(
     _fp8_grouped_kernel[_grid(rows.shape[0], groups, columns, config)](
         quantized, row_scales, values, scales, out, offsets, groups, columns, out.stride(0), inner,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=_FP8_BLOCK, GROUP_M=config.group_m,
-        GROUPS=triton.next_power_of_2(groups), INTERPRET=interpreting(),
+        GROUPS=triton.next_power_of_2(groups), SWAP_AB=config.swap_ab, INTERPRET=interpreting(),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out
@@ -387,7 +407,7 @@ def mxfp4_grouped_mm_triton(
     _mxfp4_grouped_kernel[_grid(rows.shape[0], groups, columns, config)](
         rows, values, scales, out, offsets, groups, columns, rows.stride(0), out.stride(0), inner,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
-        GROUPS=triton.next_power_of_2(groups), INTERPRET=interpreting(),
+        GROUPS=triton.next_power_of_2(groups), SWAP_AB=config.swap_ab, INTERPRET=interpreting(),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out

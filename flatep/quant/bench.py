@@ -43,12 +43,14 @@ ROWS_PER_EXPERT = (16, 128, 1024)
 REPLAYS = 10  # graph replays per round (CPU: eager calls)
 STARTED = time.perf_counter()
 # Tile configs timed per format (with default_config's): short row tiles with deep pipelines for
-# decode shards (weight streaming), tall 8-warp tiles for prefill; mxfp4 decodes each weight tile in
-# registers, so its tiles are narrower in N or in K.
+# decode shards (weight streaming), with and without swap_ab, tall 8-warp tiles for prefill; mxfp4
+# decodes each weight tile in registers, so its tiles are narrower in N or in K.
 CANDIDATES = {
     "fp8": (
         GemmConfig(16, 128, 128, num_warps=4, num_stages=5),
         GemmConfig(32, 128, 128, num_warps=4, num_stages=5),
+        GemmConfig(16, 128, 128, num_warps=4, num_stages=5, swap_ab=True),
+        GemmConfig(32, 128, 128, num_warps=4, num_stages=5, swap_ab=True),
         GemmConfig(64, 128, 128, num_warps=4, num_stages=4),
         GemmConfig(128, 128, 128, num_warps=8, num_stages=4),
         GemmConfig(128, 256, 128, num_warps=8, num_stages=3),
@@ -58,6 +60,8 @@ CANDIDATES = {
         GemmConfig(16, 64, 128, num_warps=4, num_stages=3),
         GemmConfig(16, 128, 64, num_warps=4, num_stages=4),
         GemmConfig(32, 64, 128, num_warps=4, num_stages=3),
+        GemmConfig(16, 64, 128, num_warps=4, num_stages=3, swap_ab=True),
+        GemmConfig(32, 128, 64, num_warps=4, num_stages=3, swap_ab=True),
         GemmConfig(64, 128, 64, num_warps=4, num_stages=3),
         GemmConfig(128, 128, 64, num_warps=8, num_stages=3),
         GemmConfig(128, 64, 128, num_warps=8, num_stages=3),
@@ -117,7 +121,7 @@ def _candidates(format: str, rows_per_expert: int) -> list[GemmConfig]:
 
 def _name(config: GemmConfig) -> str:
     return (f"m{config.block_m} n{config.block_n} k{config.block_k} w{config.num_warps} s{config.num_stages} "
-            f"g{config.group_m}")
+            f"g{config.group_m}" + (" swap" if config.swap_ab else ""))
 
 
 def experts_cell(

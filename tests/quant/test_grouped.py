@@ -2,6 +2,7 @@
 and the torch path against its definition."""
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -65,6 +66,7 @@ CASES = [
     ([5, 0, 19, 2], 256, 256, GemmConfig(block_m=16, block_n=64)),
     ([1, 33, 0, 0], 192, 128, GemmConfig(block_m=32, block_n=128)),
     ([0, 0, 7], 128, 384, None),
+    ([5, 0, 19, 2], 256, 256, GemmConfig(block_m=16, block_n=128, swap_ab=True)),
 ]
 
 
@@ -84,6 +86,7 @@ def test_fp8_triton_matches_torch(sizes, out_features, in_features, config):
     ([5, 0, 19, 2], 256, 96, GemmConfig(block_m=16, block_n=64, block_k=64)),
     ([1, 33, 0, 0], 48, 64, GemmConfig(block_m=32, block_n=32, block_k=32)),
     ([0, 0, 7], 64, 160, None),
+    ([5, 0, 19, 2], 96, 96, GemmConfig(block_m=16, block_n=32, block_k=64, swap_ab=True)),
 ])
 def test_mxfp4_triton_matches_torch(sizes, out_features, in_features, config):
     rows, packed, offsets = grouped_inputs("mxfp4", sizes, out_features, in_features, seed=len(sizes) + out_features)
@@ -195,11 +198,13 @@ def test_programs_run_group_by_group_and_cover_every_tile_once(sizes, columns, c
     ([3, 0, 50, 1, 0, 17], 128, GemmConfig(16, 32, group_m=3)),
     ([0, 0, 0, 5], 192, GemmConfig(32, 128, group_m=1)),
     ([0, 0], 64, GemmConfig(16, 32)),
+    ([9, 0, 30, 2], 192, GemmConfig(16, 64, swap_ab=True)),  # the transposed tile
+    ([40], 64, GemmConfig(32, 32, group_m=1, swap_ab=True)),
 ])
 def test_only_rows_before_the_last_offset_are_written(format, sizes, out_features, config):
     rows, packed, offsets = grouped_inputs(format, sizes, out_features, 256, seed=sum(sizes) + out_features, padding=21)
     if format == "mxfp4":
-        config = GemmConfig(config.block_m, config.block_n, 64, group_m=config.group_m)
+        config = dataclasses.replace(config, block_k=64)
     kernel = fp8_grouped_mm_triton if format == "fp8" else mxfp4_grouped_mm_triton
     poison = torch.full((rows.shape[0], out_features), float("nan"), dtype=torch.bfloat16, device=DEVICE)
     out = kernel(rows, packed.values, packed.scales, offsets, config, out=poison)
