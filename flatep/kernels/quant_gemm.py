@@ -26,8 +26,8 @@ blocks and each weight tile is read by the band's row tiles back to back.
   activations are read as contiguous ``[BLOCK_M, BLOCK_K]`` tiles and each K step is one dot; the
   ``BLOCK_K / 32`` scales of a weight row are loaded once per step and broadcast over their 32
   columns. An e8m0 byte 0 (``2**-127``) decodes to 0 (its values are below ``6 * 2**-127`` anyway).
-  ``tl.dot_scaled`` (bf16 times e2m1) would be the alternative, but Triton 3.6's interpreter has no
-  ``dot_scaled``, so the kernels could not be checked on CPU with it.
+  ``tl.dot_scaled`` (bf16 times e2m1) would be the alternative; it is left out because Triton 3.6's
+  interpreter has no ``dot_scaled``, so a kernel using it could not be checked on CPU.
 
 ``K`` is a compile-time constant of the GEMM kernels (one compilation per layer shape): the K loop
 stays a ``for`` loop over constant bounds, which Triton software-pipelines (``num_stages``; it does
