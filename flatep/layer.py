@@ -21,7 +21,7 @@ from flatep.kernels.dispatch import dispatch_grids, dispatch_torch, dispatch_tri
 from flatep.plan.cost import CostProfile, check_cost
 from flatep.plan.reference import _check_ids, _valid_mask, histogram, make_plan, plan_rank
 from flatep.plan.split import split_slot_rows
-from flatep.plan.triton import make_plan_triton, plan_rank_triton, supports_triton_planner
+from flatep.plan.triton import count_rank_triton, make_plan_triton, plan_rank_triton, supports_triton_planner
 from flatep.plan.types import Layout, MadeFor, Plan, RankPlan, ids_fingerprint
 from flatep.quant.tensor import QuantizedTensor, expert_weight_nbytes
 from flatep.transport.base import Group
@@ -373,17 +373,21 @@ def _plan_this_rank(
         group.flag("step", ~agreed | (everyone[:, -1] == 0).any())
         group.flag("ids", bad)
         real = min(max(real, 0), step)  # out of range: every rank's step flag is set already
-    valid = (torch.arange(step, device=topk_ids.device).unsqueeze(1) < real).expand_as(topk_ids)
-    counts = histogram(topk_ids.unsqueeze(0), valid.unsqueeze(0), config.experts)[0]
-    gathered = group.all_gather(counts)
     # Every rank passing s tokens (the steady state of a server) gives R*s tokens: no read-back.
     # Real token counts need the gathered header's sum on the host until the Triton planner takes
     # a device total.
     total = config.ranks * step if tokens is None else int(everyone[:, -2].sum())
     if total == 0:
         raise ValueError("no rank has tokens in this step")
-    planner = plan_rank_triton if on_device else plan_rank
-    return planner(group.first_rank, topk_ids, gathered, config, policy, total_tokens=total, tokens=real, cost=cost)
+    if on_device:
+        # Counted once: the histogram row to exchange and the ranks the planner needs afterwards.
+        counts = count_rank_triton(topk_ids, config.experts, real)
+        gathered = group.all_gather(counts.tokens_per_expert)
+        return plan_rank_triton(group.first_rank, topk_ids, gathered, config, policy, total_tokens=total, tokens=real,
+                                cost=cost, counts=counts)
+    valid = (torch.arange(step, device=topk_ids.device).unsqueeze(1) < real).expand_as(topk_ids)
+    gathered = group.all_gather(histogram(topk_ids.unsqueeze(0), valid.unsqueeze(0), config.experts)[0])
+    return plan_rank(group.first_rank, topk_ids, gathered, config, policy, total_tokens=total, tokens=real, cost=cost)
 
 
 def _raise_for_header(

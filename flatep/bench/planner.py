@@ -2,11 +2,12 @@
 
 ``python -m flatep.bench.planner [--out FILE.json]`` times, on one GPU and per rank:
 
-* ``triton_rank_total``: the whole per-rank planning cost a deployment pays, the local histogram
-  (:func:`local_histogram_triton`, the row the rank contributes to the exchange) plus
-  :func:`plan_rank_triton` from the gathered histogram, in one graph; the exchange itself is the
-  transport's and not timed here;
-* ``triton_rank``: :func:`plan_rank_triton` alone (the planner-only time);
+* ``triton_rank_total``: the whole per-rank planning cost a deployment pays,
+  :func:`count_rank_triton` (before the exchange: the histogram row the rank contributes and the
+  ranks it keeps) plus :func:`plan_rank_triton` from the gathered histogram, in one graph; the
+  exchange itself is the transport's and not timed here;
+* ``triton_rank``: :func:`plan_rank_triton` alone, from counts made beforehand (the part after
+  the exchange);
 * ``triton_group``: :func:`make_plan_triton` for all ``R`` virtual ranks, reported per rank
   (``total / R``) and in total;
 * ``reference_rank`` / ``reference_group``: :func:`flatep.plan.plan_rank` / :func:`flatep.plan.make_plan`,
@@ -81,7 +82,7 @@ def bench_case(
     # Imported here: the Triton kernels must be defined after main() chose the interpreter.
     from flatep.plan import make_plan, plan_rank
     from flatep.plan.cost import CostProfile
-    from flatep.plan.triton import local_histogram_triton, make_plan_triton, plan_rank_triton
+    from flatep.plan.triton import count_rank_triton, make_plan_triton, plan_rank_triton
     from flatep.routing import maxvio, skewed_topk
 
     ranks, policy = config.ranks, args.policy
@@ -99,11 +100,13 @@ def bench_case(
         return time_us(fn, device, warmup=1, iters=args.iters)
 
     def rank_total(rank: int) -> None:
-        local_histogram_triton(ids[rank], config.experts)
-        plan_rank_triton(rank, ids[rank], hist, config, policy, **cost)
+        counts = count_rank_triton(ids[rank], config.experts)
+        plan_rank_triton(rank, ids[rank], hist, config, policy, **cost, counts=counts)
 
+    counted = {rank: count_rank_triton(ids[rank], config.experts) for rank in timed_ranks}
     total_us = [timed(lambda r=r: rank_total(r)) for r in timed_ranks]
-    rank_us = [timed(lambda r=r: plan_rank_triton(r, ids[r], hist, config, policy, **cost)) for r in timed_ranks]
+    rank_us = [timed(lambda r=r: plan_rank_triton(r, ids[r], hist, config, policy, **cost, counts=counted[r]))
+               for r in timed_ranks]
     group_us = timed(lambda: make_plan_triton(ids, config, policy, **cost))
     reference_rank_us = [
         time_us(lambda r=r: plan_rank(r, ids[r], hist, config, policy, **cost), device, warmup=1, iters=args.reference_iters)
@@ -140,14 +143,14 @@ def bench_case(
 
 
 def format_table(rows: Sequence[dict]) -> str:
-    """One line per case: Triton per-rank (with and without the local histogram) and
+    """One line per case: Triton per-rank (counting and planning, and planning alone) and
     group-per-rank times beside the reference's."""
     cases: dict[tuple, dict[str, float]] = {}
     for row in rows:
         key = (row["model"], row["ranks"], row["experts"], row["tokens"], row["sigma"], row["maxvio"])
         cases.setdefault(key, {})[row["planner"]] = row["us_per_rank"]
     lines = [
-        "| model | R | E | s | sigma | maxvio | triton hist + rank (slowest) us | triton rank (slowest) us | "
+        "| model | R | E | s | sigma | maxvio | triton count + plan (slowest) us | triton plan after exchange (slowest) us | "
         "triton group us/rank | reference rank us | reference group us/rank | speedup (rank) |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
@@ -244,7 +247,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 rows.extend({**row, **meta} for row in case_rows)
                 times = {row["planner"]: row["us_per_rank"] for row in case_rows}
                 print(
-                    f"{name} R={config.ranks} s={step} sigma={sigma:g}: triton hist + rank {times['triton_rank_total']:.1f} us, "
+                    f"{name} R={config.ranks} s={step} sigma={sigma:g}: triton count + plan {times['triton_rank_total']:.1f} us, "
                     f"rank {times['triton_rank']:.1f} us, group {times['triton_group']:.1f} us/rank, "
                     f"reference rank {times['reference_rank']:.0f} us",
                     file=sys.stderr,

@@ -1,21 +1,23 @@
 """The sync-free GPU planner: Triton kernels bit-equal to the reference planner.
 
 :func:`make_plan_triton` plans a whole group of virtual ranks (rank = a grid axis);
-:func:`plan_rank_triton` plans one rank from the gathered ``[R, E]`` histogram (one process per
-GPU), and :func:`local_histogram_triton` computes the local histogram a rank contributes to that
-exchange. Each output equals the one of :func:`flatep.plan.make_plan` / :func:`flatep.plan.plan_rank`
-bit for bit (``tests/plan/test_triton.py``).
+:func:`count_rank_triton` counts one rank's entries before the histogram exchange (one process
+per GPU: the row it contributes, and the stable ranks it keeps), and :func:`plan_rank_triton`
+plans that rank from the gathered ``[R, E]`` histogram. Each output equals the one of
+:func:`flatep.plan.make_plan` / :func:`flatep.plan.plan_rank` bit for bit
+(``tests/plan/test_triton.py``).
 
 Nothing here reads a device tensor on the host: every shape follows from the config and ``s``,
 work is split into a few launches of fixed grids, and a call can be captured in a CUDA graph.
 The kernels (MoonEP's planner, Kimi-K3 technical report §5.2.1, made sync-free):
 
-* **count** (one program per tile of ``TILE`` entries of a rank): the stable rank of each entry
-  among the equal ids of its tile (a compare matrix, ties by flat ``(t, k)`` index) and the tile's
-  dense expert histogram, one row per tile.
+* **count** (one program per segment of up to 8 tiles of ``TILE`` entries of a rank): the stable
+  rank of each entry among the equal ids of its segment (per tile a compare matrix, ties by flat
+  ``(t, k)`` index, plus the running count of the segment's earlier tiles) and the segment's
+  dense expert histogram, one row per segment.
 * **scan** (one program per slice of experts and rank): exclusive prefix of those rows over the
-  tiles of a rank, so that tile row ``b`` holds the entries of each expert in tiles ``< b``; the
-  totals are the rank's histogram. Skipped when a rank's entries fit in one tile.
+  segments of a rank, so that row ``b`` holds the entries of each expert in segments ``< b``; the
+  totals are the rank's histogram. Skipped when a rank's entries fit in one segment.
 * **layout** (one program per rank ``d``): the global tables. Every program sums the gathered
   histogram, repeats the step-A balancer (a handful of rounds over ``R`` balances), runs the
   step-B split of its own experts (donor role: writes its rows of ``alloc``) and repeats the split
@@ -27,14 +29,13 @@ The kernels (MoonEP's planner, Kimi-K3 technical report §5.2.1, made sync-free)
   over source ranks (``before`` and the global counts), step A (one program), step B (one program
   per donor) and step C (one program per rank, reading what it borrows from ``alloc``).
 * **destination** (one program per tile): global position of each entry (entries of its expert on
-  lower source ranks + earlier tiles + rank in tile), binary search over the cumulative allocation
-  ``acum[e, :]`` for the destination, and the row inside that destination's group.
+  lower source ranks + earlier segments + rank in segment), binary search over the cumulative
+  allocation ``acum[e, :]`` for the destination, and the row inside that destination's group.
 
-For ``R <= 32``, ``plan_rank_triton`` fuses layout and count into one launch (they are
-independent), so a rank plans in three launches, two when its entries fit in one tile (no scan);
-the group planner uses four (three). The staged layout adds three launches to either. Ties break
-toward the smallest index everywhere, as in the reference. Limits: ``R <= 256``, ``E <= 2048``,
-``R*s*K < 2**31`` (entry indices are int32).
+A rank counts in two launches (one when its entries fit in one segment) before the exchange and
+plans in two after it (layout, destination); the group planner uses four (three). The staged
+layout adds three launches to either. Ties break toward the smallest index everywhere, as in the
+reference. Limits: ``R <= 256``, ``E <= 2048``, ``R*s*K < 2**31`` (entry indices are int32).
 
 Data checks that need the device's data are not made here (they would synchronise): ids of real
 tokens outside ``[0, E)`` are not counted and are planned as ``-1`` (the reference raises
@@ -46,6 +47,7 @@ from __future__ import annotations
 
 import math
 import operator
+from dataclasses import dataclass
 from collections.abc import Sequence
 
 import torch
@@ -75,6 +77,10 @@ _COMPARE_CHUNK = 32
 # Experts per program of the scan: 8 int32 = one 32-byte sector per row, and E/8 programs.
 _SCAN_EXPERTS = 8
 _SCAN_ROWS = 1024
+# The count kernel's segments: about this many per rank at large steps, each at most this many
+# tiles long (the tiles of a segment run one after another in one program).
+_SEGMENTS_PER_RANK = 256
+_MAX_SEGMENT_TILES = 8
 
 
 def _pow2(value: int) -> int:
@@ -82,11 +88,11 @@ def _pow2(value: int) -> int:
 
 
 def _tile_size(entries: int) -> int:
-    """Entries per tile of the count kernel for ``entries = s*K`` per rank.
+    """Entries per tile (one compare matrix) of the count kernel for ``entries = s*K`` per rank.
 
-    The compare matrix costs ``TILE`` operations per entry and the dense per-tile histogram
-    ``E/TILE`` words per entry: small tiles for small steps (latency), larger ones for big steps
-    so that the histogram rows stay a few words per entry.
+    The compare matrix costs ``TILE`` operations per entry: small tiles for small steps
+    (latency), larger ones for big steps, where segments of several tiles keep the dense
+    histogram rows (``E`` words per segment) few.
     """
     if entries <= 4096:
         return max(16, min(64, _pow2(entries)))
@@ -138,26 +144,34 @@ def _rank_in_tile(ids_ptr, start, n_entries, token_limit, top_k, experts, TILE: 
 
 
 @triton.jit
-def _count_tile(
-    ids_ptr, counts_ptr, ranks_ptr, tile, n_entries, token_limit, top_k, experts,
-    TILE: tl.constexpr, CHUNK: tl.constexpr, BLOCK_E: tl.constexpr,
+def _count_segment(
+    ids_ptr, counts_ptr, ranks_ptr, segment, n_entries, token_limit, top_k, experts,
+    TILE: tl.constexpr, TILES: tl.constexpr, CHUNK: tl.constexpr, BLOCK_E: tl.constexpr,
 ):
-    """Stable rank of each entry of ``tile`` (into ``ranks_ptr``) and the tile's dense histogram.
+    """Stable rank of each entry of ``segment`` (``TILES`` tiles of ``TILE`` entries, in order)
+    among the equal ids of the segment (into ``ranks_ptr``) and the segment's dense histogram.
 
     ``ids_ptr``/``ranks_ptr`` point at one rank's flat entries, ``counts_ptr`` at that rank's
-    ``[tiles, E]`` rows.
+    ``[segments, E]`` rows. The row is the running count while the tiles go by: an entry's rank is
+    the row's count of its expert (earlier tiles) plus its rank in its tile, and the last entry of
+    each expert in the tile writes the new count. Segments longer than one tile keep the rows (and
+    the scan over them) short at large steps.
     """
-    index, key, valid, earlier, same = _rank_in_tile(
-        ids_ptr, tile * TILE, n_entries, token_limit, top_k, experts, TILE, CHUNK
-    )
-    tl.store(ranks_ptr + index, earlier, mask=valid)
-    # int64: the tile rows of a rank hold n_tiles*E words, past 2**31 for long steps at large E.
-    row = counts_ptr + tile.to(tl.int64) * experts
+    # int64: the segment rows of a rank hold segments*E words, past 2**31 for long steps at large E.
+    row = counts_ptr + segment.to(tl.int64) * experts
     expert = tl.arange(0, BLOCK_E)
     tl.store(row + expert, tl.zeros([BLOCK_E], tl.int32), mask=expert < experts)
-    # The zeros above and the counts below may hit one word from different threads.
-    tl.debug_barrier()
-    tl.store(row + key, same, mask=valid & (earlier == same - 1))
+    for tile in range(TILES):
+        # Every thread's writes to the row (the zeros, the last tile's counts) land before any reads it.
+        tl.debug_barrier()
+        index, key, valid, earlier, same = _rank_in_tile(
+            ids_ptr, (segment * TILES + tile) * TILE, n_entries, token_limit, top_k, experts, TILE, CHUNK
+        )
+        before = tl.load(row + key, mask=valid, other=0)
+        tl.store(ranks_ptr + index, before + earlier, mask=valid)
+        # Every thread has read the row before the last entry of each expert updates it.
+        tl.debug_barrier()
+        tl.store(row + key, before + same, mask=valid & (earlier == same - 1))
 
 
 @triton.jit
@@ -424,47 +438,38 @@ def _layout(
 
 
 @triton.jit
-def _histogram_kernel(ids_ptr, out_ptr, n_entries, token_limit, top_k, experts, TILE: tl.constexpr, CHUNK: tl.constexpr):
-    """Local histogram: one atomic add per distinct expert of a tile (on a zeroed ``out``)."""
-    _, key, valid, earlier, same = _rank_in_tile(
-        ids_ptr, tl.program_id(0) * TILE, n_entries, token_limit, top_k, experts, TILE, CHUNK
-    )
-    tl.atomic_add(out_ptr + key, same, mask=valid & (earlier == 0))
-
-
-@triton.jit
 def _count_kernel(
-    ids_ptr, counts_ptr, ranks_ptr, tokens_ptr, token_limit, n_entries, n_tiles, top_k, experts,
-    TILE: tl.constexpr, CHUNK: tl.constexpr, BLOCK_E: tl.constexpr, PER_RANK: tl.constexpr,
+    ids_ptr, counts_ptr, ranks_ptr, tokens_ptr, token_limit, n_entries, n_segments, top_k, experts,
+    TILE: tl.constexpr, TILES: tl.constexpr, CHUNK: tl.constexpr, BLOCK_E: tl.constexpr, PER_RANK: tl.constexpr,
 ):
-    """Group planner: tile ``program_id(0)`` of rank ``program_id(1)``."""
-    rank = tl.program_id(1)
-    _count_tile(
-        ids_ptr + rank * n_entries, counts_ptr + rank.to(tl.int64) * n_tiles * experts, ranks_ptr + rank * n_entries,
-        tl.program_id(0), n_entries, _token_limit(tokens_ptr, token_limit, rank, PER_RANK), top_k, experts,
-        TILE, CHUNK, BLOCK_E,
+    """Segment ``program_id(0)`` of slab ``program_id(1)`` (a rank's entries)."""
+    slab = tl.program_id(1)
+    _count_segment(
+        ids_ptr + slab * n_entries, counts_ptr + slab.to(tl.int64) * n_segments * experts, ranks_ptr + slab * n_entries,
+        tl.program_id(0), n_entries, _token_limit(tokens_ptr, token_limit, slab, PER_RANK), top_k, experts,
+        TILE, TILES, CHUNK, BLOCK_E,
     )
 
 
 @triton.jit
 def _scan_kernel(
-    counts_ptr, prefix_ptr, hist_ptr, n_tiles, experts,
+    counts_ptr, prefix_ptr, hist_ptr, n_rows, experts,
     ROWS: tl.constexpr, BLOCK_EC: tl.constexpr, WRITE_HIST: tl.constexpr,
 ):
-    """Rows ``[n_tiles, E]`` of slab ``program_id(1)`` -> their exclusive prefix over rows into
-    ``prefix_ptr`` (``counts_ptr`` itself for the tile rows, in place); totals -> ``hist[slab]``.
+    """Rows ``[n_rows, E]`` of slab ``program_id(1)`` -> their exclusive prefix over rows into
+    ``prefix_ptr`` (``counts_ptr`` itself for the segment rows, in place); totals -> ``hist[slab]``.
 
-    Slabs are a rank's tile rows (per-tile histograms) or, for the staged layout, the gathered
+    Slabs are a rank's segment rows (per-segment histograms) or, for the staged layout, the gathered
     ``[R, E]`` histogram as one slab (entries of each expert on lower source ranks, and ``count``).
     """
     rank = tl.program_id(1).to(tl.int64)
     expert = tl.program_id(0) * BLOCK_EC + tl.arange(0, BLOCK_EC)
     in_e = expert < experts
     carry = tl.zeros([BLOCK_EC], tl.int32)
-    for first in range(0, n_tiles, ROWS):
-        tile = first + tl.arange(0, ROWS)
-        mask = (tile < n_tiles)[:, None] & in_e[None, :]
-        offset = (rank * n_tiles + tile)[:, None] * experts + expert[None, :]
+    for first in range(0, n_rows, ROWS):
+        row = first + tl.arange(0, ROWS)
+        mask = (row < n_rows)[:, None] & in_e[None, :]
+        offset = (rank * n_rows + row)[:, None] * experts + expert[None, :]
         value = tl.load(counts_ptr + offset, mask=mask, other=0)
         tl.store(prefix_ptr + offset, tl.cumsum(value, axis=0) - value + carry[None, :], mask=mask)
         carry += tl.sum(value, axis=0)
@@ -541,62 +546,37 @@ def _shard_kernel(
     )
 
 @triton.jit
-def _rank_prologue_kernel(
-    hist_ptr, total_entries, tol_fixed, experts, experts_per_rank, align,
-    alloc_ptr, acum_ptr, before_ptr, slots_ptr, groups_ptr, offsets_ptr, padding_ptr, received_ptr,
-    group_start_ptr,
-    ids_ptr, counts_ptr, ranks_ptr, n_entries, token_limit, top_k,
-    RANKS: tl.constexpr, POLICY: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_EPN: tl.constexpr,
-    TILE: tl.constexpr, CHUNK: tl.constexpr, BLOCK_E: tl.constexpr,
-):
-    """Rank planner, first launch: programs ``< R`` lay out rank ``pid``, the others count tiles.
-
-    The two jobs share no data, so one launch runs both.
-    """
-    pid = tl.program_id(0)
-    if pid < RANKS:
-        _layout(
-            pid, hist_ptr, total_entries, tol_fixed, experts, experts_per_rank, align,
-            alloc_ptr, acum_ptr, before_ptr, slots_ptr, groups_ptr, offsets_ptr, padding_ptr, received_ptr,
-            group_start_ptr, RANKS, POLICY, BLOCK_R, BLOCK_EPN,
-        )
-    else:
-        _count_tile(
-            ids_ptr, counts_ptr, ranks_ptr, pid - RANKS, n_entries, token_limit, top_k, experts,
-            TILE, CHUNK, BLOCK_E,
-        )
-
-
-@triton.jit
 def _destination_kernel(
-    ids_ptr, counts_ptr, before_ptr, acum_ptr, group_start_ptr, dest_rank_ptr, dest_row_ptr, tokens_ptr,
-    token_limit, first_rank, n_entries, n_tiles, top_k, experts, ranks,
-    TILE: tl.constexpr, BLOCK_R: tl.constexpr, LOG_R: tl.constexpr, SCANNED: tl.constexpr,
+    ids_ptr, counts_ptr, ranks_ptr, before_ptr, acum_ptr, group_start_ptr, dest_rank_ptr, dest_row_ptr, tokens_ptr,
+    token_limit, first_rank, n_entries, n_segments, top_k, experts, ranks,
+    TILE: tl.constexpr, TILES: tl.constexpr, BLOCK_R: tl.constexpr, LOG_R: tl.constexpr, SCANNED: tl.constexpr,
     PER_RANK: tl.constexpr,
 ):
     """Destination rank and row of every entry of tile ``program_id(0)`` of slab ``program_id(1)``.
 
-    Slab ``k`` holds the entries of source rank ``first_rank + k``. ``dest_row`` holds each valid
-    entry's rank in its tile on entry (from the count kernel) and the row on exit. With
-    ``SCANNED``, ``counts`` holds per tile the entries of each expert in earlier tiles; without,
-    a slab is a single tile and there are none.
+    Slab ``k`` holds the entries of source rank ``first_rank + k``. ``ranks`` holds each valid
+    entry's rank in its segment of ``TILES`` tiles (from the count kernel; ``ranks`` may be
+    ``dest_row`` itself, each entry is read before it is written). With ``SCANNED``, ``counts``
+    holds per segment the entries of each expert in earlier segments; without, a slab is a single
+    segment and there are none.
     """
     tile = tl.program_id(0)
     slab = tl.program_id(1)
     source = first_rank + slab
     ids_ptr += slab * n_entries
+    ranks_ptr += slab * n_entries
     dest_rank_ptr += slab * n_entries
     dest_row_ptr += slab * n_entries
-    counts_ptr += slab.to(tl.int64) * n_tiles * experts
+    counts_ptr += slab.to(tl.int64) * n_segments * experts
     index, key, valid = _tile_keys(
         ids_ptr, tile * TILE, n_entries, _token_limit(tokens_ptr, token_limit, slab, PER_RANK), top_k, experts,
         TILE,
     )
     expert = tl.where(valid, key, 0)
-    position = tl.load(dest_row_ptr + index, mask=valid, other=0)
+    position = tl.load(ranks_ptr + index, mask=valid, other=0)
     position += tl.load(before_ptr + source * experts + expert, mask=valid, other=0)
     if SCANNED:
-        position += tl.load(counts_ptr + tile.to(tl.int64) * experts + expert, mask=valid, other=0)
+        position += tl.load(counts_ptr + (tile // TILES).to(tl.int64) * experts + expert, mask=valid, other=0)
     # Number of destinations whose cumulative allocation is <= position (binary lifting over the
     # non-decreasing acum[e, :]): the first d with acum[e, d] > position.
     dest = tl.zeros([TILE], tl.int32)
@@ -788,13 +768,56 @@ def _search_meta(ranks: int) -> dict[str, int]:
     return {"BLOCK_R": block, "LOG_R": block.bit_length() - 1}
 
 
-def _tile_meta(entries: int, experts: int) -> dict[str, int]:
+def _count_meta(entries: int, experts: int) -> dict[str, int]:
+    """Tiles of the count kernel for ``entries = s*K`` per rank: ``TILE`` entries per compare
+    matrix, ``TILES`` tiles per segment (one program), so that a rank has about
+    ``_SEGMENTS_PER_RANK`` segments (fewer for small steps, whose segments are single tiles)."""
     tile = _tile_size(entries)
-    return {"TILE": tile, "CHUNK": min(tile, _COMPARE_CHUNK), "BLOCK_E": _pow2(experts)}
+    tiles = min(_MAX_SEGMENT_TILES, _pow2(triton.cdiv(entries, tile * _SEGMENTS_PER_RANK)))
+    return {"TILE": tile, "TILES": tiles, "CHUNK": min(tile, _COMPARE_CHUNK), "BLOCK_E": _pow2(experts)}
 
 
-def local_histogram_triton(topk_ids: torch.Tensor, experts: int, tokens: int | None = None) -> torch.Tensor:
-    """This rank's tokens per expert, the row it contributes to the histogram exchange.
+def _segments(entries: int, meta: dict[str, int]) -> int:
+    return triton.cdiv(entries, meta["TILE"] * meta["TILES"])
+
+
+@dataclass(frozen=True)
+class RankCounts:
+    """One rank's entries counted on the GPU: the histogram row it contributes to the exchange,
+    and what :func:`plan_rank_triton` needs of the ids afterwards (so it does not count again).
+
+    Made by :func:`count_rank_triton` before the histogram exchange; pass it as
+    ``plan_rank_triton(..., counts=...)`` with the same ``topk_ids`` and ``tokens``.
+
+    Attributes:
+        tokens_per_expert: ``[E] int32``, this rank's real entries per expert.
+        entry_ranks: ``[s, K] int32``, per valid entry the entries of its expert before it in its
+            segment of the flat ``(t, k)`` order (undefined for other entries).
+        segment_prefix: ``[segments, E] int32``, per segment the entries of each expert in earlier
+            segments (a single segment holds its own counts instead: nothing comes before it, and
+            the planner does not read them).
+        tokens: the real tokens counted (rows ``t >= tokens`` are padding).
+    """
+
+    tokens_per_expert: torch.Tensor
+    entry_ranks: torch.Tensor
+    segment_prefix: torch.Tensor
+    tokens: int
+
+    def check_for(self, topk_ids: torch.Tensor, experts: int, tokens: int) -> None:
+        """Raise unless these counts were made for ids of ``topk_ids``' shape, ``E`` and ``tokens``."""
+        if tuple(self.entry_ranks.shape) != tuple(topk_ids.shape) or self.entry_ranks.device != topk_ids.device:
+            raise ValueError(f"counts were made for ids of shape {list(self.entry_ranks.shape)} on "
+                             f"{self.entry_ranks.device}, got topk_ids {list(topk_ids.shape)} on {topk_ids.device}")
+        if self.tokens_per_expert.shape[0] != experts:
+            raise ValueError(f"counts were made for E={self.tokens_per_expert.shape[0]}, got config.experts={experts}")
+        if self.tokens != tokens:
+            raise ValueError(f"counts were made for tokens={self.tokens}, got tokens={tokens}")
+
+
+def count_rank_triton(topk_ids: torch.Tensor, experts: int, tokens: int | None = None) -> RankCounts:
+    """Count this rank's entries: the histogram row it contributes to the exchange, plus the
+    stable ranks :func:`plan_rank_triton` uses afterwards (two launches, no host synchronisation).
 
     Args:
         topk_ids: ``[s, K]`` int32 or int64 expert ids on the GPU.
@@ -802,13 +825,14 @@ def local_histogram_triton(topk_ids: torch.Tensor, experts: int, tokens: int | N
         tokens: real tokens (default ``s``); rows ``t >= tokens`` are padding and not counted.
 
     Returns:
-        ``[E] int32`` on ``topk_ids.device``. Ids outside ``[0, E)`` are not counted (not checked).
+        The :class:`RankCounts`; its ``tokens_per_expert`` is ``[E] int32`` on ``topk_ids.device``.
+        Ids outside ``[0, E)`` are not counted (not checked).
     """
     if not isinstance(topk_ids, torch.Tensor) or topk_ids.dim() != 2:
         raise ValueError(f"topk_ids must be a [s, K] tensor, got {getattr(topk_ids, 'shape', type(topk_ids))}")
     if topk_ids.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
-    if not isinstance(experts, int) or not 1 <= experts <= MAX_EXPERTS:
+    if not isinstance(experts, int) or isinstance(experts, bool) or not 1 <= experts <= MAX_EXPERTS:
         raise ValueError(f"experts must be an int in [1, {MAX_EXPERTS}], got {experts!r}")
     step, top_k = topk_ids.shape
     if step < 1 or top_k < 1:
@@ -821,12 +845,21 @@ def local_histogram_triton(topk_ids: torch.Tensor, experts: int, tokens: int | N
     _check_device(topk_ids, "topk_ids")
     ids = topk_ids.contiguous()
     entries = ids.numel()
-    meta = _tile_meta(entries, experts)
-    out = torch.zeros(experts, dtype=torch.int32, device=ids.device)
-    _histogram_kernel[(triton.cdiv(entries, meta["TILE"]),)](
-        ids, out, entries, limit, top_k, experts, TILE=meta["TILE"], CHUNK=meta["CHUNK"], num_warps=4
+    meta = _count_meta(entries, experts)
+    segments = _segments(entries, meta)
+    rows = torch.empty(segments, experts, dtype=torch.int32, device=ids.device)
+    entry_ranks = torch.empty(step, top_k, dtype=torch.int32, device=ids.device)
+    # ids stands in for the unread per-rank tokens pointer
+    _count_kernel[(segments, 1)](ids, rows, entry_ranks, ids, limit, entries, segments, top_k, experts, **meta,
+                                 PER_RANK=False, num_warps=4)
+    if segments == 1:  # the one row is the histogram and no segment comes before it
+        return RankCounts(rows[0], entry_ranks, rows, limit)
+    total = torch.empty(experts, dtype=torch.int32, device=ids.device)
+    _scan_kernel[(triton.cdiv(experts, _SCAN_EXPERTS), 1)](
+        rows, rows, total, segments, experts,
+        ROWS=min(_pow2(segments), _SCAN_ROWS), BLOCK_EC=_SCAN_EXPERTS, WRITE_HIST=True, num_warps=4,
     )
-    return out
+    return RankCounts(total, entry_ranks, rows, limit)
 
 
 def make_plan_triton(
@@ -873,29 +906,29 @@ def make_plan_triton(
     ranks, experts = config.ranks, config.experts
     ids = topk_ids.contiguous()
     entries = step * config.top_k
-    meta = _tile_meta(entries, experts)
-    n_tiles = triton.cdiv(entries, meta["TILE"])
+    meta = _count_meta(entries, experts)
+    segments = _segments(entries, meta)
     # Per-rank token counts go to the device (a small host-to-device copy); the common case of
     # full ranks passes s as a scalar instead (and ids as an unread pointer), which keeps the
     # call graph-capturable.
     per_rank = tokens is not None
     token_limits = torch.tensor(counts, dtype=torch.int32, device=device) if per_rank else ids
 
-    scanned = n_tiles > 1
-    tile_counts = torch.empty(ranks * n_tiles, experts, dtype=torch.int32, device=device)
-    # With one tile per rank its row is the rank's histogram and there is nothing to prefix.
-    hist = torch.empty(ranks, experts, dtype=torch.int32, device=device) if scanned else tile_counts
+    scanned = segments > 1
+    segment_counts = torch.empty(ranks * segments, experts, dtype=torch.int32, device=device)
+    # With one segment per rank its row is the rank's histogram and there is nothing to prefix.
+    hist = torch.empty(ranks, experts, dtype=torch.int32, device=device) if scanned else segment_counts
     dest_rank = torch.empty(ranks, step, config.top_k, dtype=torch.int32, device=device)
     dest_row = torch.empty_like(dest_rank)
 
-    _count_kernel[(n_tiles, ranks)](
-        ids, tile_counts, dest_row, token_limits, step, entries, n_tiles, config.top_k, experts,
+    _count_kernel[(segments, ranks)](
+        ids, segment_counts, dest_row, token_limits, step, entries, segments, config.top_k, experts,
         **meta, PER_RANK=per_rank, num_warps=4,
     )
     if scanned:
         _scan_kernel[(triton.cdiv(experts, _SCAN_EXPERTS), ranks)](
-            tile_counts, tile_counts, hist, n_tiles, experts,
-            ROWS=min(_pow2(n_tiles), _SCAN_ROWS), BLOCK_EC=_SCAN_EXPERTS, WRITE_HIST=True, num_warps=4,
+            segment_counts, segment_counts, hist, segments, experts,
+            ROWS=min(_pow2(segments), _SCAN_ROWS), BLOCK_EC=_SCAN_EXPERTS, WRITE_HIST=True, num_warps=4,
         )
     plan_fields: dict[str, object] = dict(policy=policy, shard_rows=config.step_rows(ranks * step, policy))
     if policy == "auto":
@@ -903,10 +936,12 @@ def make_plan_triton(
     else:
         tables = _Tables(config, device)
         _launch_layout(hist, sum(counts) * config.top_k, config, policy, tables)
-    _destination_kernel[(n_tiles, ranks)](
-        ids, tile_counts, tables.before, tables.acum, tables.group_start, dest_rank, dest_row, token_limits,
-        step, 0, entries, n_tiles, config.top_k, experts, ranks,
-        **_search_meta(ranks), TILE=meta["TILE"], SCANNED=scanned, PER_RANK=per_rank, num_warps=4,
+    # dest_row holds the entries' ranks in their segments and is overwritten in place.
+    _destination_kernel[(triton.cdiv(entries, meta["TILE"]), ranks)](
+        ids, segment_counts, dest_row, tables.before, tables.acum, tables.group_start, dest_rank, dest_row, token_limits,
+        step, 0, entries, segments, config.top_k, experts, ranks,
+        **_search_meta(ranks), TILE=meta["TILE"], TILES=meta["TILES"], SCANNED=scanned, PER_RANK=per_rank,
+        num_warps=4,
     )
     return Plan(
         **plan_fields,
@@ -927,24 +962,27 @@ def plan_rank_triton(
     total_tokens: int | None = None,
     tokens: int | None = None,
     cost: CostProfile | None = None,
+    counts: RankCounts | None = None,
 ) -> RankPlan:
     """One rank's plan on its GPU from the gathered histogram; equals :func:`flatep.plan.plan_rank`.
 
-    Three launches (two when ``s*K`` fits in one tile of the count kernel; four more for
-    ``R > 32``), no host synchronisation, graph-capturable.
+    Two launches after :func:`count_rank_triton` (four more for ``R > 32``), no host
+    synchronisation, graph-capturable.
 
     Args:
         rank: this rank, in ``[0, R)``.
         topk_ids: ``[s, K]`` int32 (or int64) ids of this rank on the GPU.
         tokens_per_expert: ``[R, E]`` int32 (or int64) histogram gathered from every rank (row ``r``
-            = :func:`local_histogram_triton` of rank ``r``), on the same device. Trusted: it must
-            match every rank's ids and sum to ``total_tokens * K`` (not checked; the reference
-            planner checks).
+            = ``count_rank_triton(...).tokens_per_expert`` of rank ``r``), on the same device.
+            Trusted: it must match every rank's ids and sum to ``total_tokens * K`` (not checked;
+            the reference planner checks).
         config: group sizes (``R <= 256``, ``E <= 2048``, ``R*s*K < 2**31``).
         policy: ``exact``, ``bounded``, ``none`` or ``auto``.
         total_tokens: tokens over the group (default ``R * s``).
         tokens: this rank's real tokens (default ``s``); rows beyond are padding, planned as ``-1``.
         cost: the :class:`flatep.CostProfile` of ``auto`` (every rank must pass the same).
+        counts: this rank's :class:`RankCounts` of the same ``topk_ids`` and ``tokens``, made
+            before the exchange (default: counted here, up to two more launches).
 
     Returns:
         The :class:`RankPlan`, int32 tensors on ``topk_ids.device``.
@@ -975,46 +1013,31 @@ def plan_rank_triton(
         raise ValueError(f"total_tokens must be in [1, R*s = {config.ranks * step}], got {total_tokens}")
     _check_entries(config, step)
     _check_device(topk_ids, "topk_ids")
+    if counts is None:
+        counts = count_rank_triton(topk_ids, config.experts, limit)
+    elif not isinstance(counts, RankCounts):
+        raise ValueError(f"counts must be a RankCounts from count_rank_triton, got {type(counts).__name__}")
+    else:
+        counts.check_for(topk_ids, config.experts, limit)
     device = topk_ids.device
-    ranks, experts = config.ranks, config.experts
     ids = topk_ids.contiguous()
     hist = tokens_per_expert.to(torch.int32).contiguous()
     entries = step * config.top_k
-    meta = _tile_meta(entries, experts)
-    n_tiles = triton.cdiv(entries, meta["TILE"])
-    scanned = n_tiles > 1
+    meta = _count_meta(entries, config.experts)
+    segments = counts.segment_prefix.shape[0]
 
-    tile_counts = torch.empty(n_tiles, experts, dtype=torch.int32, device=device)
-    dest_rank = torch.empty(step, config.top_k, dtype=torch.int32, device=device)
-    dest_row = torch.empty_like(dest_rank)
-    plan_fields: dict[str, object] = dict(policy=policy, shard_rows=config.step_rows(ranks * step, policy))
-    if policy == "auto" or config.ranks > _FUSED_MAX_RANKS:
-        if policy == "auto":
-            tables, _, plan_fields = _auto_tables(hist, total, config, cost)
-        else:
-            tables = _Tables(config, device)
-            _launch_layout(hist, total * config.top_k, config, policy, tables)
-        _count_kernel[(n_tiles, 1)](  # ids stands in for the unread per-rank tokens pointer
-            ids, tile_counts, dest_row, ids, limit, entries, n_tiles, config.top_k, experts,
-            **meta, PER_RANK=False, num_warps=4,
-        )
+    plan_fields: dict[str, object] = dict(policy=policy, shard_rows=config.step_rows(config.ranks * step, policy))
+    if policy == "auto":
+        tables, _, plan_fields = _auto_tables(hist, total, config, cost)
     else:
         tables = _Tables(config, device)
-        _rank_prologue_kernel[(ranks + n_tiles,)](
-            hist, total * config.top_k, config.tolerance_fixed, experts, config.experts_per_rank, config.step_align(total),
-            *tables.args(),
-            ids, tile_counts, dest_row, entries, limit, config.top_k,
-            **_layout_meta(config, policy), **meta, num_warps=4,
-        )
-    if scanned:
-        _scan_kernel[(triton.cdiv(experts, _SCAN_EXPERTS), 1)](
-            tile_counts, tile_counts, hist, n_tiles, experts,
-            ROWS=min(_pow2(n_tiles), _SCAN_ROWS), BLOCK_EC=_SCAN_EXPERTS, WRITE_HIST=False, num_warps=4,
-        )
-    _destination_kernel[(n_tiles, 1)](  # ids stands in for the unread per-rank tokens pointer
-        ids, tile_counts, tables.before, tables.acum, tables.group_start, dest_rank, dest_row, ids,
-        limit, rank, entries, n_tiles, config.top_k, experts, ranks,
-        **_search_meta(ranks), TILE=meta["TILE"], SCANNED=scanned, PER_RANK=False,
+        _launch_layout(hist, total * config.top_k, config, policy, tables)
+    dest_rank = torch.empty(step, config.top_k, dtype=torch.int32, device=device)
+    dest_row = torch.empty_like(dest_rank)
+    _destination_kernel[(triton.cdiv(entries, meta["TILE"]), 1)](  # ids stands in for the unread tokens pointer
+        ids, counts.segment_prefix, counts.entry_ranks, tables.before, tables.acum, tables.group_start, dest_rank,
+        dest_row, ids, limit, rank, entries, segments, config.top_k, config.experts, config.ranks,
+        **_search_meta(config.ranks), TILE=meta["TILE"], TILES=meta["TILES"], SCANNED=segments > 1, PER_RANK=False,
         num_warps=4,
     )
     return RankPlan(

@@ -21,7 +21,7 @@ import flatep.plan.triton as planner  # noqa: E402
 from flatep import EPConfig  # noqa: E402
 from flatep.plan import make_plan, plan_rank  # noqa: E402
 from flatep.plan.reference import build_layout  # noqa: E402
-from flatep.plan.triton import local_histogram_triton, make_plan_triton, plan_rank_triton  # noqa: E402
+from flatep.plan.triton import count_rank_triton, make_plan_triton, plan_rank_triton  # noqa: E402
 from flatep.routing import ADVERSARIAL, adversarial_topk, skewed_topk  # noqa: E402
 from tests.plan.cases import padded_ids, planner_cases  # noqa: E402
 
@@ -52,15 +52,19 @@ def check_group(ids: torch.Tensor, config: EPConfig, policy: str, tokens: list[i
 
 
 def check_rank(rank: int, ids: torch.Tensor, config: EPConfig, policy: str, tokens: list[int] | None, expected) -> None:
-    """local_histogram_triton and plan_rank_triton == plan_rank for one rank of ``expected``."""
+    """count_rank_triton and plan_rank_triton == plan_rank for one rank of ``expected``, with
+    the counts made before the exchange and without them."""
     total = sum(tokens) if tokens else None
     own = tokens[rank] if tokens else None
-    local = local_histogram_triton(ids[rank].to(DEVICE), config.experts, own)
-    assert torch.equal(local, expected.tokens_per_expert[rank].to(DEVICE))
+    mine = ids[rank].to(DEVICE)
+    counts = count_rank_triton(mine, config.experts, own)
+    assert torch.equal(counts.tokens_per_expert, expected.tokens_per_expert[rank].to(DEVICE).int())
     reference = plan_rank(rank, ids[rank], expected.tokens_per_expert, config, policy, total, own)
-    got = plan_rank_triton(rank, ids[rank].to(DEVICE), expected.tokens_per_expert.to(DEVICE), config, policy, total, own)
-    assert_same(reference, got)
-    assert got.rank == rank
+    gathered = expected.tokens_per_expert.to(DEVICE)
+    for given in (counts, None):
+        got = plan_rank_triton(rank, mine, gathered, config, policy, total, own, counts=given)
+        assert_same(reference, got)
+        assert got.rank == rank
 
 
 def check_all(ids: torch.Tensor, config: EPConfig, policy: str, tokens: list[int] | None = None, ranks=None) -> None:
@@ -146,12 +150,15 @@ def test_int64_ids_are_accepted():
     check_all(ids, config, "exact")
 
 
+@pytest.mark.parametrize("segments_per_rank", [256, 2, 1])
 @pytest.mark.parametrize("scan_rows", [1024, 2])
-def test_many_tiles_per_rank(monkeypatch, scan_rows):
-    """Tiles of 16 entries: several tiles per rank, prefixed by the scan launch in one pass or in
-    chunks of two tile rows."""
+def test_many_tiles_per_rank(monkeypatch, scan_rows, segments_per_rank):
+    """Tiles of 16 entries: several tiles per rank, in segments of one tile (256), of several
+    (2: two or three segments per rank) or all in one segment (1), the segments prefixed by the
+    scan launch in one pass or in chunks of two rows."""
     monkeypatch.setattr(planner, "_tile_size", lambda entries: 16)
     monkeypatch.setattr(planner, "_SCAN_ROWS", scan_rows)
+    monkeypatch.setattr(planner, "_SEGMENTS_PER_RANK", segments_per_rank)
     config = config_for(3, 6, 3, 20, align=4)
     tokens = [20, 9, 14]
     ids = padded_ids(skewed_topk(3, 6, 3, 20, 2.0, seed=4), tokens)
@@ -163,8 +170,8 @@ def test_many_tiles_per_rank(monkeypatch, scan_rows):
 def test_out_of_range_ids_are_skipped_not_read():
     """The documented no-sync behaviour: ids outside [0, E) of real tokens count nowhere."""
     ids = torch.tensor([[0, 9], [-3, 1], [1, 1]], dtype=torch.int32)
-    assert local_histogram_triton(ids.to(DEVICE), 4).tolist() == [1, 3, 0, 0]
-    assert local_histogram_triton(ids.to(DEVICE), 4, tokens=2).tolist() == [1, 1, 0, 0]
+    assert count_rank_triton(ids.to(DEVICE), 4).tokens_per_expert.tolist() == [1, 3, 0, 0]
+    assert count_rank_triton(ids.to(DEVICE), 4, tokens=2).tokens_per_expert.tolist() == [1, 1, 0, 0]
 
 
 def test_bad_input_is_rejected_before_any_kernel():
@@ -196,9 +203,19 @@ def test_bad_input_is_rejected_before_any_kernel():
     with pytest.raises(ValueError, match="tokens must be in"):
         plan_rank_triton(0, ids[0], hist, config, tokens=5)
     with pytest.raises(ValueError, match="experts must be an int"):
-        local_histogram_triton(ids[0], 0)
+        count_rank_triton(ids[0], 0)
     with pytest.raises(ValueError, match=r"\[s, K\]"):
-        local_histogram_triton(ids, 4)
+        count_rank_triton(ids, 4)
+    counts = count_rank_triton(ids[0], config.experts)
+    with pytest.raises(ValueError, match="counts were made for tokens=4, got tokens=3"):
+        plan_rank_triton(0, ids[0], hist, config, tokens=3, counts=counts)
+    with pytest.raises(ValueError, match=r"counts were made for ids of shape \[4, 2\]"):
+        plan_rank_triton(0, ids[0, :3], hist, config, counts=counts)
+    with pytest.raises(ValueError, match="counts were made for E=4"):
+        plan_rank_triton(0, ids[0], torch.zeros(2, 6, dtype=torch.int32, device=DEVICE),
+                         config.replace(experts=6), counts=counts)
+    with pytest.raises(ValueError, match="counts must be a RankCounts"):
+        plan_rank_triton(0, ids[0], hist, config, counts=hist)
 
 
 def test_int32_limits_are_guarded_before_any_kernel():
@@ -213,7 +230,7 @@ def test_int32_limits_are_guarded_before_any_kernel():
     with pytest.raises(ValueError, match=r"topk_ids: R\*s\*K must be < 2\*\*31"):
         plan_rank_triton(0, ids[0], hist, config)
     with pytest.raises(ValueError, match=r"topk_ids: s\*K must be < 2\*\*31"):
-        local_histogram_triton(ids.reshape(1 << 28, 8), 256)
+        count_rank_triton(ids.reshape(1 << 28, 8), 256)
 
 
 @pytest.mark.parametrize("ranks", [2, 64])

@@ -38,7 +38,8 @@ def step_inputs(world: int, routing: str | float, biases: bool) -> dict[str, tor
     """Global fp32 inputs ``x [R, s, H]``, ``topk_ids``, ``topk_weights [R, s, K]``, ``w13 [E, 2I, H]``,
     ``w2 [E, H, I]``, ``b13 [E, 2I]`` and ``b2 [E, H]`` (or None), and ``grad_out [R, s, H]``."""
     config = config_for(world)
-    x, ids, weights, w13, w2 = make_inputs(config, TOKENS, routing, torch.float32, seed=3)
+    # On the CPU also on a GPU machine: the workers and the local reference run plain torch there.
+    x, ids, weights, w13, w2 = (t.cpu() for t in make_inputs(config, TOKENS, routing, torch.float32, seed=3))
     generator = torch.Generator().manual_seed(4)
     b13 = torch.randn(config.experts, 2 * config.intermediate, generator=generator) * 0.1 if biases else None
     b2 = torch.randn(config.experts, config.hidden, generator=generator) * 0.1 if biases else None

@@ -21,7 +21,7 @@ from flatep.kernels.backend import interpreting
 from flatep.plan import histogram
 from flatep.routing import adversarial_topk, skewed_topk
 from flatep.transport.collective import receive_order, send_order
-from tests.helpers import launch_workers, relative_error, tolerance
+from tests.helpers import DEVICE, launch_workers, relative_error, tolerance
 from tests.transport.backward_worker import CASES, case_name, config_for, step_inputs
 from tests.transport.worker import bits, cases, padded_case, padded_counts
 
@@ -153,10 +153,12 @@ def test_steps_without_eager_checks_equal_the_local_transport_and_report_bad_ids
     the results equal the local transport; bad ids on one rank surface at every rank's check()."""
     world = 2
     results = launch(world, tmp_path, "--transport", "collective", "--suite", "lazy", interpret=True)
-    group = init_group("local", ranks=world, device="cpu")
+    # The reference runs the Triton kernels too: compiled on a GPU, interpreted on a CPU-only machine.
+    group = init_group("local", ranks=world, device=DEVICE)
     for case in cases(world, "small")[:4]:
         x, ids, weights, w13, w2 = case.inputs(torch.device("cpu"))
-        local = ep_moe(x, ids, weights, w13, w2, config=case.config, group=group, policy=case.policy, backend="triton")
+        local = ep_moe(*(t.to(DEVICE) for t in (x, ids, weights, w13, w2)), config=case.config, group=group,
+                       policy=case.policy, backend="triton").cpu()
         for rank in range(world):
             # bf16: the interpreter rounds the experts' activations unlike torch (see the module docstring)
             assert relative_error(results[rank][case.name], local[rank]) < tolerance(case.dtype), (case.name, rank)
