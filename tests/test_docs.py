@@ -5,6 +5,8 @@ A snippet runs in this process, unless its first line says otherwise:
 - ``needs a GPU`` / ``needs ... a model checkpoint``: it is skipped where that is missing, and the
   next snippet of the same file must be its CPU variant (first line ``# CPU variant...`` or
   ``# ... CPU variant; ...``), which runs.
+- ``needs the NAME package``: an optional dependency (an extra of pyproject.toml that the CI does
+  not install); it is skipped where ``NAME`` cannot be imported, and runs on a CPU otherwise.
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ SNIPPETS = [
     for index, code in enumerate(re.findall(r"```python\n(.*?)```", path.read_text(), re.S))
 ]
 TORCHRUN = re.compile(r"torchrun --nproc-per-node (\d+)")
+PACKAGE = re.compile(r"needs the (\w+) package")
 
 
 def _first_line(code: str) -> str:
@@ -80,6 +83,9 @@ def test_snippet_runs(path, index, code, tmp_path, monkeypatch):
     needs = _needs(code)
     if "a model checkpoint" in needs:
         pytest.skip("needs a model checkpoint; its CPU variant follows it")
+    package = PACKAGE.search(_first_line(code))
+    if package:
+        pytest.importorskip(package.group(1))
     launch = TORCHRUN.search(_first_line(code))
     if "a GPU" in needs and torch.cuda.device_count() < (int(launch.group(1)) if launch else 1):
         pytest.skip("needs a GPU per process; its CPU variant follows it")
