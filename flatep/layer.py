@@ -18,6 +18,7 @@ from flatep.experts.pool import ExpertPool, check_expert_weights, check_slot_set
 from flatep.kernels.backend import check_programs, interpreting, use_triton
 from flatep.kernels.combine import combine_grid, combine_torch, combine_triton
 from flatep.kernels.dispatch import dispatch_grids, dispatch_torch, dispatch_triton
+from flatep.plan.auto import slot_rows
 from flatep.plan.cost import CostProfile, check_cost
 from flatep.plan.reference import _check_ids, _valid_mask, histogram, make_plan, plan_rank
 from flatep.plan.split import split_slot_rows
@@ -137,9 +138,14 @@ def buffer_rows(config: EPConfig, policy: str) -> int:
     """Rows of the receive buffers of a group for ``config`` and ``policy``: those of a full step (``s = S``).
 
     Every step of any ``s`` uses the same buffers, so memory does not grow with the number of
-    distinct batch sizes a run sees. ``exact`` plans come in the split layout (twice the planner's
-    rows: home rows, then slot rows); ``none`` plans borrow nothing.
+    distinct batch sizes a run sees. ``exact`` and ``bounded`` plans come in the split layout (twice
+    the planner's rows: home rows, then slot rows); ``none`` plans borrow nothing; ``auto`` plans
+    have a home half sized like ``none`` and a slot half sized by
+    :func:`flatep.plan.auto.slot_rows` (not twice the home half, which at Kimi-K2 sizes alone
+    would not fit a GPU's memory).
     """
+    if policy == "auto":
+        return config.shard_rows(policy) + slot_rows(config, config.ranks * config.capacity)
     return config.shard_rows(policy) * (1 if policy == "none" else 2)
 
 

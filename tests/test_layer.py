@@ -488,3 +488,20 @@ def test_a_step_beyond_the_kernels_launch_limits_raises_before_anything_runs():
     w13, w2 = torch.zeros(2, 16, 8, device=DEVICE), torch.zeros(2, 8, 8, device=DEVICE)
     with pytest.raises(ValueError, match="token blocks in one launch exceed"):
         ep_moe(x, ids, weights, w13, w2, config=config, group=group, backend="triton")
+
+
+def test_auto_buffers_hold_every_step_without_doubling_the_classic_half():
+    """auto's receive buffers: a home half sized like classic's plus the slot half of the largest
+    step, enough for the split plan of every step size (they were twice classic's, 113 GiB at
+    Kimi-K2 with s = 8192, which no GPU holds)."""
+    from flatep.layer import buffer_rows
+    from flatep.plan.split import split_slot_rows
+
+    config = EPConfig(ranks=4, experts=16, top_k=4, hidden=8, intermediate=8, capacity=64, align=16)
+    rows = buffer_rows(config, "auto")
+    assert config.shard_rows("none") < rows < 2 * config.shard_rows("none")
+    for step in (1, 3, 17, 64):
+        ids = torch.randint(0, config.experts, (config.ranks, step, config.top_k), dtype=torch.int32)
+        ids[:, :, 0] = 0  # skewed: the exact candidates borrow
+        plan = split_slot_rows(make_plan(ids, config, "auto"))
+        assert plan.shard_rows <= rows, step
