@@ -18,7 +18,7 @@ from flatep.experts.pool import ExpertPool, check_expert_weights, check_slot_set
 from flatep.kernels.backend import check_programs, interpreting, use_triton
 from flatep.kernels.combine import combine_grid, combine_torch, combine_triton
 from flatep.kernels.dispatch import dispatch_grids, dispatch_torch, dispatch_triton
-from flatep.plan.auto import slot_rows
+from flatep.plan.auto import candidates_for, slot_rows
 from flatep.plan.cost import CostProfile, check_cost
 from flatep.plan.reference import _check_ids, _valid_mask, histogram, make_plan, plan_rank
 from flatep.plan.split import split_slot_rows
@@ -134,6 +134,22 @@ def _as_all_experts(tensor: torch.Tensor | None, config: EPConfig) -> torch.Tens
     return tensor
 
 
+def planned_policy(policy: str, cost: CostProfile | None, config: EPConfig, total_tokens: int) -> tuple[str, dict]:
+    """The policy a step is planned with, and the planner's cost argument.
+
+    ``auto`` steps where moving weights can never pay (:func:`flatep.plan.auto.candidates_for`
+    keeps classic alone; decided from ``T`` on the host, so a captured graph keeps it) are
+    planned as ``none``: classic's plan, unsplit, with no model to evaluate and no slot half, so
+    such a step costs what classic costs. The plan still says it was made for ``auto``
+    (``plan.made_for.policy``) and uses ``auto``'s buffers.
+    """
+    if policy != "auto":
+        return policy, {}
+    if len(candidates_for(config, cost, total_tokens)) == 1:
+        return "none", {}
+    return policy, {"cost": cost}
+
+
 def buffer_rows(config: EPConfig, policy: str) -> int:
     """Rows of the receive buffers of a group for ``config`` and ``policy``: those of a full step (``s = S``).
 
@@ -181,8 +197,9 @@ def check_plan(plan: Layout, topk_ids: torch.Tensor, config: EPConfig, group: Gr
     """
     if not isinstance(plan, Layout) or not hasattr(plan, "dest_rank"):
         raise ValueError(f"plan must be a Plan or RankPlan from flatep.plan_step, got {type(plan).__name__}")
-    if plan.policy != policy:
-        raise ValueError(f"plan was made with policy {plan.policy!r}, not {policy!r}")
+    made_with = plan.policy if plan.made_for is None else plan.made_for.policy
+    if made_with != policy:
+        raise ValueError(f"plan was made with policy {made_with!r}, not {policy!r}")
     if not group.stacked and not (isinstance(plan, RankPlan) and plan.rank == group.first_rank):
         raise ValueError(f"plan must be this rank's RankPlan (rank {group.first_rank}), from plan_step")
     if tuple(plan.dest_rank.shape) != tuple(topk_ids.shape) or tuple(plan.tokens_per_expert.shape) != (config.ranks, config.experts):
@@ -303,15 +320,17 @@ def plan_step(
         raise ValueError(f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
     ids = topk_ids.contiguous()
     if group.stacked:
+        total = ids.shape[0] * ids.shape[1] if tokens is None else sum(int(count) for count in tokens)
+        planned, planner_cost = planned_policy(policy, cost, config, max(total, 1))
         if not (ids.is_cuda and supports_triton_planner(config)):
-            plan = make_plan(ids, config, policy, tokens, cost)
+            plan = make_plan(ids, config, planned, tokens, **planner_cost)
         else:
             counts = [ids.shape[1]] * config.ranks if tokens is None else [int(count) for count in tokens]
             if _checks_now(group):
                 _valid_mask(ids, counts, config.experts, "topk_ids")
             else:
                 group.flag("ids", _invalid_ids(ids, counts, config.experts))
-            plan = make_plan_triton(ids, config, policy, tokens, cost)
+            plan = make_plan_triton(ids, config, planned, tokens, **planner_cost)
         counts = None if tokens is None else tuple(int(count) for count in tokens)
     else:
         if dtype not in _DTYPE_CODES:
@@ -385,15 +404,17 @@ def _plan_this_rank(
     total = config.ranks * step if tokens is None else int(everyone[:, -2].sum())
     if total == 0:
         raise ValueError("no rank has tokens in this step")
+    planned, planner_cost = planned_policy(policy, cost, config, total)
     if on_device:
         # Counted once: the histogram row to exchange and the ranks the planner needs afterwards.
         counts = count_rank_triton(topk_ids, config.experts, real)
         gathered = group.all_gather(counts.tokens_per_expert)
-        return plan_rank_triton(group.first_rank, topk_ids, gathered, config, policy, total_tokens=total, tokens=real,
-                                cost=cost, counts=counts)
+        return plan_rank_triton(group.first_rank, topk_ids, gathered, config, planned, total_tokens=total, tokens=real,
+                                counts=counts, **planner_cost)
     valid = (torch.arange(step, device=topk_ids.device).unsqueeze(1) < real).expand_as(topk_ids)
     gathered = group.all_gather(histogram(topk_ids.unsqueeze(0), valid.unsqueeze(0), config.experts)[0])
-    return plan_rank(group.first_rank, topk_ids, gathered, config, policy, total_tokens=total, tokens=real, cost=cost)
+    return plan_rank(group.first_rank, topk_ids, gathered, config, planned, total_tokens=total, tokens=real,
+                     **planner_cost)
 
 
 def _raise_for_header(
@@ -452,7 +473,9 @@ def dispatch_step(
     tokens, top_k = topk_weights.shape[-2:]
     config = config or (plan.made_for.config if plan.made_for is not None else None)
     if config is not None:
-        shard, shard_weights = shard_buffers(group, config, plan.policy, x.dtype)
+        # An auto step planned as classic (see _planned) uses auto's buffers: their home half holds it.
+        sized_for = plan.policy if plan.made_for is None else plan.made_for.policy
+        shard, shard_weights = shard_buffers(group, config, sized_for, x.dtype)
     else:
         shard = group.buffer("shard", (plan.shard_rows, hidden), x.dtype)
         shard_weights = group.buffer("shard_weights", (plan.shard_rows,), torch.float32)

@@ -505,3 +505,29 @@ def test_auto_buffers_hold_every_step_without_doubling_the_classic_half():
         ids[:, :, 0] = 0  # skewed: the exact candidates borrow
         plan = split_slot_rows(make_plan(ids, config, "auto"))
         assert plan.shard_rows <= rows, step
+
+
+@pytest.mark.parametrize("backend", TRITON_BACKENDS)
+def test_auto_where_moving_never_pays_runs_the_classic_step(backend):
+    """A step where no moving candidate can pay (a slow link, decode sizes) is planned as classic:
+    no slot half, no model, the classic plan itself; the plan says it was made for auto and is
+    accepted back by ep_moe(policy="auto"); the layer equals the dense MoE. Larger steps of the
+    same layer still plan auto."""
+    from flatep import CostProfile
+    from flatep.plan.auto import moving_never_pays
+
+    slow_link = CostProfile(link_gbps=10.0, hbm_gbps=2700.0, gemm_tflops=620.0, group_us=2.0, push_us=20.0, tile_rows=128)
+    config = EPConfig(ranks=4, experts=16, top_k=2, hidden=256, intermediate=128, capacity=64)
+    group = init_group("local", ranks=4, device=DEVICE)
+    x, ids, weights, w13, w2 = make_inputs(config, 2, "one", torch.float32, seed=5)
+    assert moving_never_pays(config, slow_link, config.ranks * 2)
+    plan = plan_step(ids, config, group, "auto", cost=slow_link)
+    assert plan.policy == "none" and plan.auto is None and plan.made_for.policy == "auto"
+    classic = plan_step(ids, config, group, "none")
+    assert torch.equal(plan.dest_row, classic.dest_row) and torch.equal(plan.offsets, classic.offsets)
+    out = ep_moe(x, ids, weights, w13, w2, config=config, group=group, policy="auto", cost=slow_link, plan=plan,
+                 backend=backend)
+    assert relative_error(out, dense_moe(x, ids, weights, w13, w2)) < tolerance(torch.float32)
+    big = make_inputs(config, 64, 3.0, torch.float32, seed=6)[1]
+    assert not moving_never_pays(config, slow_link, config.ranks * 64)
+    assert plan_step(big, config, group, "auto", cost=slow_link).policy == "auto"

@@ -33,7 +33,7 @@ from flatep.bench.timing import Timing, copy_ceiling_gbps, device_name, gemm_cei
 from flatep.config import MODEL_SHAPES, POLICIES, EPConfig, align_up, preset
 from flatep.experts.grouped import grouped_swiglu
 from flatep.experts.pool import ExpertPool
-from flatep.layer import combine_step, dispatch_step, ep_moe, experts_step
+from flatep.layer import combine_step, dispatch_step, ep_moe, experts_step, planned_policy
 from flatep.plan.auto import Candidate
 from flatep.plan.cost import CostProfile, predict
 from flatep.plan.reference import make_plan
@@ -359,8 +359,9 @@ def _ep_cell(
     # The planner ep_moe uses: sync-free Triton on the GPU, the reference on the CPU.
     triton_planner = device.type == "cuda" and supports_triton_planner(config)
     planner = make_plan_triton if triton_planner else make_plan
-    # A profile may be passed with policy auto only (the planners refuse it otherwise).
-    planner_cost = dict(cost=cost) if policy == "auto" else {}
+    # As ep_moe plans: auto at step sizes where moving weights never pays is planned as classic,
+    # and a profile goes to the planners with auto only (they refuse it otherwise).
+    policy, planner_cost = planned_policy(policy, cost, config, config.ranks * cell.tokens)
     plan_t = time_stats(lambda: split_slot_rows(planner(cell.ids, config, policy, **planner_cost)), **{**timing, "graph": triton_planner})
     plan = planner(cell.ids, config, policy, **planner_cost)
     if policy in SIZED_TO_STEP:
@@ -374,9 +375,13 @@ def _ep_cell(
         for rank in range(config.ranks)
     ]
     combine_t = time_stats(lambda: combine_step(shard, plan, group, cell.tokens, config.top_k, cell.x.dtype, backend), **timing)
+    # The layer's receive buffers sized for this cell's s, not the sweep's largest: classic's and
+    # auto's home halves hold R*s*K rows per virtual rank, which at Kimi-K2 with s = 8192 beside the
+    # pool's experts exceed one GPU (a real rank holds one R-th of both).
+    step_config = config.replace(capacity=cell.tokens)
     step_t = time_stats(
-        lambda: ep_moe(cell.x, cell.ids, cell.weights, config=config, group=group, policy=policy, pool=pool, plan=plan,
-                       backend=backend, **planner_cost),
+        lambda: ep_moe(cell.x, cell.ids, cell.weights, config=step_config, group=group, policy=policy, pool=pool,
+                       plan=plan, backend=backend, **planner_cost),
         **timing,
     )
     group.close()
