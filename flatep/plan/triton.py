@@ -796,18 +796,24 @@ class RankCounts:
             segments (a single segment holds its own counts instead: nothing comes before it, and
             the planner does not read them).
         tokens: the real tokens counted (rows ``t >= tokens`` are padding).
+        ids_address: ``data_ptr()`` of the ids tensor counted (a host integer: the planner refuses
+            counts of another tensor without reading the device; the same buffer refilled for a
+            new step, as a CUDA graph replays it, is the caller's to count again).
     """
 
     tokens_per_expert: torch.Tensor
     entry_ranks: torch.Tensor
     segment_prefix: torch.Tensor
     tokens: int
+    ids_address: int
 
     def check_for(self, topk_ids: torch.Tensor, experts: int, tokens: int) -> None:
-        """Raise unless these counts were made for ids of ``topk_ids``' shape, ``E`` and ``tokens``."""
+        """Raise unless these counts were made from ``topk_ids`` itself, for ``E`` and ``tokens``."""
         if tuple(self.entry_ranks.shape) != tuple(topk_ids.shape) or self.entry_ranks.device != topk_ids.device:
             raise ValueError(f"counts were made for ids of shape {list(self.entry_ranks.shape)} on "
                              f"{self.entry_ranks.device}, got topk_ids {list(topk_ids.shape)} on {topk_ids.device}")
+        if self.ids_address != topk_ids.data_ptr():
+            raise ValueError("counts were made from another topk_ids tensor: pass the ids they counted")
         if self.tokens_per_expert.shape[0] != experts:
             raise ValueError(f"counts were made for E={self.tokens_per_expert.shape[0]}, got config.experts={experts}")
         if self.tokens != tokens:
@@ -852,13 +858,13 @@ def count_rank_triton(topk_ids: torch.Tensor, experts: int, tokens: int | None =
     _count_kernel[(segments, 1)](ids, rows, entry_ranks, ids, limit, entries, segments, top_k, experts, **meta,
                                  PER_RANK=False, num_warps=4)
     if segments == 1:  # the one row is the histogram and no segment comes before it
-        return RankCounts(rows[0], entry_ranks, rows, limit)
+        return RankCounts(rows[0], entry_ranks, rows, limit, topk_ids.data_ptr())
     total = torch.empty(experts, dtype=torch.int32, device=ids.device)
     _scan_kernel[(triton.cdiv(experts, _SCAN_EXPERTS), 1)](
         rows, rows, total, segments, experts,
         ROWS=min(_pow2(segments), _SCAN_ROWS), BLOCK_EC=_SCAN_EXPERTS, WRITE_HIST=True, num_warps=4,
     )
-    return RankCounts(total, entry_ranks, rows, limit)
+    return RankCounts(total, entry_ranks, rows, limit, topk_ids.data_ptr())
 
 
 def make_plan_triton(

@@ -214,6 +214,8 @@ def test_bad_input_is_rejected_before_any_kernel():
     with pytest.raises(ValueError, match="counts were made for E=4"):
         plan_rank_triton(0, ids[0], torch.zeros(2, 6, dtype=torch.int32, device=DEVICE),
                          config.replace(experts=6), counts=counts)
+    with pytest.raises(ValueError, match="counts were made from another topk_ids tensor"):
+        plan_rank_triton(0, ids[0].clone(), hist, config, counts=counts)
     with pytest.raises(ValueError, match="counts must be a RankCounts"):
         plan_rank_triton(0, ids[0], hist, config, counts=hist)
 
