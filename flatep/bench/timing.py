@@ -109,3 +109,11 @@ def device_name(device: torch.device) -> str:
     import platform
 
     return f"CPU ({platform.machine()}, {torch.get_num_threads()} threads)"
+
+
+def read_ceiling_gbps(device: torch.device, megabytes: int = 4096) -> float:
+    """Device-memory read bandwidth in GB/s: an fp32-accumulated sum over ``megabytes`` of bf16
+    (reads only, as streaming expert weights does; large enough that no cache holds it)."""
+    data = torch.randn(megabytes * 2**20 // 2, device=device, dtype=torch.bfloat16)
+    elapsed = time_us(lambda: data.sum(dtype=torch.float32), device, warmup=2, iters=10, graph=True)
+    return data.numel() * data.element_size() / elapsed / 1e3

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from flatep.kernels.activation import copy_rows_triton, swiglu_weighted_torch, swiglu_weighted_triton
 from flatep.kernels.backend import use_triton
+from flatep.kernels.decode_gemm import DECODE_ROWS_PER_GROUP, gate_up_swiglu_triton, grouped_mm_triton
 from flatep.kernels.quant_gemm import fp8_grouped_mm_triton, mxfp4_grouped_mm_triton
 from flatep.quant.fp8 import dequantize_fp8_activations, quantize_fp8_activations
 from flatep.quant.tensor import QuantizedTensor
@@ -126,6 +127,20 @@ def row_groups(offsets: torch.Tensor, rows: int) -> torch.Tensor:
     return groups.clamp_max(offsets.shape[0] - 1)
 
 
+def _decode_shaped(shard: torch.Tensor, route_weights: torch.Tensor, w13, w2) -> bool:
+    """Whether :mod:`flatep.kernels.decode_gemm` runs a shard's experts: bf16 rows and weights on
+    CUDA, at most :data:`DECODE_ROWS_PER_GROUP` rows per group on average (the shapes alone decide,
+    so a captured graph keeps its kernels)."""
+    tensors = (shard, w13, w2)
+    return (
+        shard.is_cuda
+        and all(isinstance(t, torch.Tensor) and t.dtype == torch.bfloat16 for t in tensors)
+        and shard.stride(1) == 1 and w13.stride(2) == 1 and w2.stride(2) == 1
+        and route_weights.dtype == torch.float32 and route_weights.is_contiguous()
+        and shard.shape[0] <= DECODE_ROWS_PER_GROUP * w13.shape[0]
+    )
+
+
 def grouped_swiglu(
     shard: torch.Tensor,
     route_weights: torch.Tensor,
@@ -166,7 +181,10 @@ def grouped_swiglu(
             of a row and its fp32 route weight unrounded, so that combine rounds once per token.
         backend: ``auto``, ``triton`` or ``torch`` (:func:`flatep.kernels.backend.use_triton`). With
             Triton, ``precision="fp32"``, no biases and :func:`swiglu`, the steps between the GEMMs
-            run over the rows before ``offsets[-1]`` only (read on the device: no sync).
+            run over the rows before ``offsets[-1]`` only (read on the device: no sync); there,
+            bf16 shards on CUDA with at most :data:`flatep.kernels.decode_gemm.DECODE_ROWS_PER_GROUP`
+            rows per group on average run the decode kernels instead (gate/up fused with the
+            activation, each active expert's weights read once).
         out: optional ``[rows, H]`` tensor to write the result into (its dtype is then the
             ``out_dtype``); with Triton only its rows before ``offsets[-1]`` are written.
 
@@ -178,10 +196,19 @@ def grouped_swiglu(
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     out_dtype = out.dtype if out is not None else out_dtype or shard.dtype
     intermediate = w2.shape[-1]
-    hidden_states = _grouped_matmul(shard, w13, offsets, backend)
     biased = b13 is not None or b2 is not None
     bounded = use_triton(shard.device, backend)
-    if precision == "fp32" and not biased and activation is swiglu and bounded:
+    fused = precision == "fp32" and not biased and activation is swiglu and bounded
+    if fused and _decode_shaped(shard, route_weights, w13, w2):
+        activated = gate_up_swiglu_triton(shard, w13, route_weights, offsets)
+        if out is not None and out.dtype == torch.bfloat16 and out.stride(1) == 1:
+            return grouped_mm_triton(activated, w2, offsets, out=out)
+        result = grouped_mm_triton(activated, w2, offsets)
+        out = out if out is not None else torch.empty(result.shape, dtype=out_dtype, device=result.device)
+        copy_rows_triton(out, result, offsets[-1:])
+        return out
+    hidden_states = _grouped_matmul(shard, w13, offsets, backend)
+    if fused:
         # Same function, but the elementwise steps skip rows past offsets[-1] (several times the
         # real rows at small batch); those rows of the result stay undefined, as the GEMMs leave them.
         activated = torch.empty(shard.shape[0], intermediate, dtype=shard.dtype, device=shard.device)

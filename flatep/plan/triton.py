@@ -81,6 +81,10 @@ _SCAN_ROWS = 1024
 # tiles long (the tiles of a segment run one after another in one program).
 _SEGMENTS_PER_RANK = 512
 _MAX_SEGMENT_TILES = 8
+# Warps of the layout programs (their serial rounds are chains of reductions: fewer warps make
+# each reduction cheaper) and of the count programs.
+_LAYOUT_WARPS = 4
+_COUNT_WARPS = 4
 
 
 def _pow2(value: int) -> int:
@@ -741,7 +745,7 @@ def _launch_layout(hist: torch.Tensor, total_entries: int, config: EPConfig, pol
     if config.ranks <= _FUSED_MAX_RANKS:
         _layout_kernel[(config.ranks,)](
             hist, total_entries, config.tolerance_fixed, config.experts, config.experts_per_rank, align,
-            *tables.args(), **meta, num_warps=4,
+            *tables.args(), **meta, num_warps=_LAYOUT_WARPS,
         )
         return
     blocks = {name: meta[name] for name in ("RANKS", "BLOCK_R", "BLOCK_EPN")}
@@ -752,13 +756,13 @@ def _launch_layout(hist: torch.Tensor, total_entries: int, config: EPConfig, pol
         ROWS=min(_pow2(config.ranks), _SCAN_ROWS), BLOCK_EC=_SCAN_EXPERTS, WRITE_HIST=True, num_warps=4,
     )
     _balance_kernel[(1,)](
-        count, total_entries, config.tolerance_fixed, config.experts_per_rank, quotas, **meta, num_warps=4,
+        count, total_entries, config.tolerance_fixed, config.experts_per_rank, quotas, **meta, num_warps=_LAYOUT_WARPS,
     )
-    _split_kernel[(config.ranks,)](count, quotas, tables.alloc, tables.acum, config.experts_per_rank, **blocks, num_warps=4)
+    _split_kernel[(config.ranks,)](count, quotas, tables.alloc, tables.acum, config.experts_per_rank, **blocks, num_warps=_LAYOUT_WARPS)
     _shard_kernel[(config.ranks,)](
         tables.alloc, quotas, config.experts, config.experts_per_rank, align,
         tables.slot_experts, tables.group_experts, tables.offsets, tables.padding, tables.received,
-        tables.group_start, **blocks, num_warps=4,
+        tables.group_start, **blocks, num_warps=_LAYOUT_WARPS,
     )
 
 
@@ -856,7 +860,7 @@ def count_rank_triton(topk_ids: torch.Tensor, experts: int, tokens: int | None =
     entry_ranks = torch.empty(step, top_k, dtype=torch.int32, device=ids.device)
     # ids stands in for the unread per-rank tokens pointer
     _count_kernel[(segments, 1)](ids, rows, entry_ranks, ids, limit, entries, segments, top_k, experts, **meta,
-                                 PER_RANK=False, num_warps=4)
+                                 PER_RANK=False, num_warps=_COUNT_WARPS)
     if segments == 1:  # the one row is the histogram and no segment comes before it
         return RankCounts(rows[0], entry_ranks, rows, limit, topk_ids.data_ptr())
     total = torch.empty(experts, dtype=torch.int32, device=ids.device)
@@ -928,7 +932,7 @@ def make_plan_triton(
 
     _count_kernel[(segments, ranks)](
         ids, segment_counts, dest_row, token_limits, step, entries, segments, config.top_k, experts,
-        **meta, PER_RANK=per_rank, num_warps=4,
+        **meta, PER_RANK=per_rank, num_warps=_COUNT_WARPS,
     )
     if scanned:
         _scan_kernel[(triton.cdiv(experts, _SCAN_EXPERTS), ranks)](

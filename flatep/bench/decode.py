@@ -1,0 +1,132 @@
+"""GPU benchmark of one rank's experts at decode sizes: the decode kernels against ``torch._grouped_mm``.
+
+``python -m flatep.bench.decode [--models kimi-k2 kimi-k3] [--out decode.json]`` times, on one GPU
+with CUDA-graph timing (median of replays), one EP8 rank's experts (``E/8`` bf16 experts) at
+``rows`` rows per active expert:
+
+- ``torch``: gate/up ``torch._grouped_mm``, the weighted SwiGLU kernel, down ``torch._grouped_mm``
+  (the path :func:`flatep.experts.grouped_swiglu` takes above the crossover);
+- ``decode``: :func:`flatep.kernels.decode_gemm.gate_up_swiglu_triton` then
+  :func:`~flatep.kernels.decode_gemm.grouped_mm_triton`, with the default tiles
+  (:func:`~flatep.kernels.decode_gemm.decode_config`) and each of :data:`CANDIDATES`.
+
+Bytes counted: the weights of the active experts (``3 * H * I * 2`` bytes each), read once; the
+rows (a few MB at most) are left out. Each time is printed beside the time those bytes take at the
+read ceiling measured in the same run (an fp32 sum over 4 GiB of bf16), and as a fraction of it.
+Each decode arm is checked against the torch arm first (relative error recorded). The result names
+the crossover: the largest rows per expert up to which the default decode tiles beat ``torch``.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+
+import torch
+
+from flatep.bench.timing import device_name, read_ceiling_gbps, time_us
+from flatep.config import preset
+from flatep.kernels.activation import swiglu_weighted_triton
+from flatep.kernels.decode_gemm import decode_config, gate_up_swiglu_triton, grouped_mm_triton
+from flatep.kernels.quant_gemm import GemmConfig
+
+ROWS_PER_EXPERT = (1, 2, 4, 8, 16, 32, 64, 128)
+SPARSE_ACTIVE = 12  # experts active on the slowest rank at s=1 (Kimi-K2, EP8): a cell of its own
+CANDIDATES = (
+    GemmConfig(16, 128, 128, num_warps=4, num_stages=4, swap_ab=True),
+    GemmConfig(16, 32, 128, num_warps=4, num_stages=4, swap_ab=True),
+    GemmConfig(16, 64, 64, num_warps=4, num_stages=6, swap_ab=True),
+    GemmConfig(16, 64, 256, num_warps=4, num_stages=3, swap_ab=True),
+    GemmConfig(16, 64, 128, num_warps=8, num_stages=4, swap_ab=True),
+    GemmConfig(32, 64, 128, num_warps=4, num_stages=4, swap_ab=True),
+    GemmConfig(64, 64, 128, num_warps=4, num_stages=3, swap_ab=False),
+)
+
+
+def _cell(model: str, rows: int, active: int, device: torch.device, ceiling_gbps: float, iters: int) -> dict:
+    config = preset(model)
+    hidden, inter, groups = config.hidden, config.intermediate, config.experts_per_rank
+    w13 = (torch.randn(groups, 2 * inter, hidden, device=device) * hidden**-0.5).bfloat16()
+    w2 = (torch.randn(groups, hidden, inter, device=device) * inter**-0.5).bfloat16()
+    counts = torch.zeros(groups, dtype=torch.int32, device=device)
+    counts[torch.randperm(groups, device=device)[:active]] = rows
+    offsets = counts.cumsum(0, dtype=torch.int32)
+    total = rows * active
+    x = torch.randn(total, hidden, device=device).bfloat16()
+    route_weights = torch.rand(total, device=device)
+    activated = torch.empty(total, inter, dtype=torch.bfloat16, device=device)
+    out = torch.empty(total, hidden, dtype=torch.bfloat16, device=device)
+
+    def torch_arm() -> torch.Tensor:
+        hidden_states = torch._grouped_mm(x, w13.mT, offs=offsets)
+        swiglu_weighted_triton(hidden_states, route_weights, offsets[-1:], activated)
+        return torch._grouped_mm(activated, w2.mT, offs=offsets)
+
+    def decode_arm(tiles: GemmConfig | None):
+        def run() -> torch.Tensor:
+            gate_up_swiglu_triton(x, w13, route_weights, offsets, tiles, out=activated)
+            return grouped_mm_triton(activated, w2, offsets, tiles, out=out)
+        return run
+
+    weight_bytes = active * 3 * hidden * inter * 2
+    floor_us = weight_bytes / ceiling_gbps / 1e3
+    reference = torch_arm().float()
+    arms = {"torch": torch_arm, "decode": decode_arm(None)}
+    arms.update({f"decode {dataclasses.astuple(tiles)}": decode_arm(tiles) for tiles in CANDIDATES})
+    results = {}
+    for name, run in arms.items():
+        error = 0.0 if name == "torch" else ((run().float() - reference).norm() / reference.norm()).item()
+        elapsed = time_us(run, device, warmup=1, iters=iters, graph=True)
+        results[name] = {"us": elapsed, "of_read_ceiling": floor_us / elapsed, "rel_error": error}
+    best = min((name for name in results if name.startswith("decode")), key=lambda name: results[name]["us"])
+    return {
+        "model": model, "rows_per_expert": rows, "active_experts": active, "weight_bytes": weight_bytes,
+        "read_floor_us": floor_us, "default_tiles": dataclasses.astuple(decode_config(total, groups)),
+        "arms": results, "best_decode": best,
+    }
+
+
+def _crossover(cells: list[dict]) -> int:
+    """Largest rows per expert up to which the default decode tiles beat ``torch`` in every cell."""
+    crossover = 0
+    for rows in sorted({cell["rows_per_expert"] for cell in cells}):
+        if all(cell["arms"]["decode"]["us"] < cell["arms"]["torch"]["us"] for cell in cells if cell["rows_per_expert"] == rows):
+            crossover = rows
+        else:
+            break
+    return crossover
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=["kimi-k2", "kimi-k3"], help="model shapes (flatep.config presets)")
+    parser.add_argument("--rows", nargs="+", type=int, default=list(ROWS_PER_EXPERT), help="rows per active expert")
+    parser.add_argument("--iters", type=int, default=20, help="timed graph replays per arm (CPU: eager calls)")
+    parser.add_argument("--out", default=None, help="JSON file to write (default: print only)")
+    args = parser.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    ceiling = read_ceiling_gbps(device, 4096 if device.type == "cuda" else 64)
+    print(f"{device_name(device)}: read ceiling {ceiling:.0f} GB/s (fp32 sum over bf16)")
+    cells = []
+    for model in args.models:
+        groups = preset(model).experts_per_rank
+        shapes = [(1, min(SPARSE_ACTIVE, groups))] + [(rows, groups) for rows in args.rows]
+        for rows, active in shapes:
+            cell = _cell(model, rows, active, device, ceiling, args.iters)
+            cells.append(cell)
+            arms = cell["arms"]
+            print(f"{model} {active:4d} experts x {rows:4d} rows: floor {cell['read_floor_us']:8.1f} us | torch "
+                  f"{arms['torch']['us']:8.1f} ({arms['torch']['of_read_ceiling']:.0%}) | decode {arms['decode']['us']:8.1f} "
+                  f"({arms['decode']['of_read_ceiling']:.0%}) | best {cell['best_decode']} {arms[cell['best_decode']]['us']:.1f} "
+                  f"({arms[cell['best_decode']]['of_read_ceiling']:.0%})", flush=True)
+    result = {"device": device_name(device), "read_ceiling_gbps": ceiling, "crossover_rows_per_expert": _crossover(cells),
+              "cells": cells}
+    print(f"crossover: the decode kernels beat torch._grouped_mm up to {result['crossover_rows_per_expert']} rows per expert")
+    if args.out:
+        with open(args.out, "w") as handle:
+            json.dump(result, handle, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,183 @@
+"""Grouped bf16 expert GEMMs for decode shards: each active expert's weights streamed once.
+
+At decode sizes a rank's experts hold a few rows each, so its two grouped GEMMs are weight-read
+bound: the time is the bytes of the active experts' weights over the device's read bandwidth.
+These kernels keep to that floor:
+
+- the grid covers only the row tiles that hold rows (``_program_tile`` of
+  :mod:`flatep.kernels.quant_gemm`: a running sum of the groups' tiles, read on the device, so a
+  call can be captured in a CUDA graph), and an empty group costs no weight read;
+- with ``swap_ab`` the product is computed transposed, ``W_tile @ A_tile.T``, so that the weight's
+  rows fill the tensor core's 64-row side while a decode row tile is 16 or 32 rows;
+- :func:`gate_up_swiglu_triton` fuses the gate/up GEMM with the activation and the route weight:
+  a program computes the gate columns ``[j, j + BLOCK_N)`` and the up columns ``[I + j, I + j +
+  BLOCK_N)`` of its rows and writes ``silu(gate) * up * route_weight`` (``[rows, I]``), so the
+  ``[rows, 2I]`` intermediate is never written and one launch less runs.
+
+The fused epilogue rounds gate and up to bf16 first, as the unfused path's GEMM output is, then
+computes the activation in fp32 and rounds once: the same function as
+:func:`flatep.experts.grouped.grouped_swiglu`'s ``fp32`` precision, up to the GEMMs' summation
+order. :func:`flatep.experts.grouped.grouped_swiglu` uses these kernels on CUDA where a group holds
+at most :data:`DECODE_ROWS_PER_GROUP` rows on average (the crossover against
+``torch._grouped_mm`` measured on the H200, see :func:`decode_config`).
+
+Under ``TRITON_INTERPRET=1`` the operands are upcast to fp32 before the dots and results rounded
+to bf16 in fp32 before the casts (the interpreter's bf16 arithmetic and casts truncate).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from flatep.kernels.backend import interpreting
+from flatep.kernels.quant_gemm import GemmConfig, _program_tile, _round_to_bf16
+
+DECODE_ROWS_PER_GROUP = 64
+"""Largest average rows per group for which :func:`flatep.experts.grouped.grouped_swiglu` takes
+these kernels over ``torch._grouped_mm`` (bf16 weights on CUDA)."""
+
+
+def decode_config(rows: int, groups: int) -> GemmConfig:
+    """Tiles for ``rows`` shard rows over ``groups`` groups: row tiles no taller than a group's
+    average, the product transposed (``swap_ab``) and a deep pipeline, as weight streaming wants."""
+    per_group = max(1, rows // max(groups, 1))
+    block_m = 16 if per_group <= 16 else 32 if per_group <= 32 else 64
+    return GemmConfig(block_m, 64, 128, num_warps=4, num_stages=4, group_m=8, swap_ab=True)
+
+
+@triton.jit
+def _decode_kernel(
+    a_ptr, w_ptr, weight_ptr, out_ptr, offsets_ptr, groups, N, stride_am, stride_wg, stride_wn, stride_om,
+    K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    GROUPS: tl.constexpr, SWAP_AB: tl.constexpr, GATED: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    group, first, last, first_column = _program_tile(offsets_ptr, groups, N, BLOCK_M, BLOCK_N, GROUP_M, GROUPS)
+    if group >= groups:
+        return
+    row = first + tl.arange(0, BLOCK_M)
+    row_mask = row < last
+    column = first_column + tl.arange(0, BLOCK_N)
+    column_mask = column < N
+    inner = tl.arange(0, BLOCK_K)
+    # A group's weights exceed 2**31 elements at real sizes: offsets in int64.
+    a_tile = a_ptr + row.to(tl.int64)[:, None] * stride_am + inner[None, :]
+    w_tile = w_ptr + group.to(tl.int64) * stride_wg + column.to(tl.int64)[:, None] * stride_wn + inner[None, :]
+    up_tile = w_tile + N * stride_wn  # GATED: the up rows follow the I gate rows
+    if SWAP_AB:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros_like(acc)
+    for k in range(0, K, BLOCK_K):
+        inner_mask = (k + inner < K)[None, :]
+        a = tl.load(a_tile + k, mask=row_mask[:, None] & inner_mask, other=0.0)
+        w = tl.load(w_tile + k, mask=column_mask[:, None] & inner_mask, other=0.0)
+        if INTERPRET:
+            a = a.to(tl.float32)
+            w = w.to(tl.float32)
+        if SWAP_AB:
+            acc += tl.dot(w, tl.trans(a))
+        else:
+            acc += tl.dot(a, tl.trans(w))
+        if GATED:
+            u = tl.load(up_tile + k, mask=column_mask[:, None] & inner_mask, other=0.0)
+            if INTERPRET:
+                u = u.to(tl.float32)
+            if SWAP_AB:
+                acc_up += tl.dot(u, tl.trans(a))
+            else:
+                acc_up += tl.dot(a, tl.trans(u))
+    if SWAP_AB:
+        acc = tl.trans(acc)
+        acc_up = tl.trans(acc_up)
+    if GATED:
+        # The unfused path rounds the gate/up GEMM's output to bf16 before the activation: so here.
+        gate = _round_to_bf16(acc)
+        up = _round_to_bf16(acc_up)
+        # NaN and +-inf route weights propagate into the row, as in a dense MoE.
+        route_weight = tl.load(weight_ptr + row, mask=row_mask, other=0.0).to(tl.float32)
+        acc = gate / (1.0 + tl.exp(-gate)) * up * route_weight[:, None]
+    if INTERPRET:
+        acc = _round_to_bf16(acc)
+    out = out_ptr + row.to(tl.int64)[:, None] * stride_om + column[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & column_mask[None, :])
+
+
+def _check(rows: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor) -> None:
+    if rows.dim() != 2 or rows.dtype != torch.bfloat16 or rows.stride(1) != 1:
+        raise ValueError(f"rows must be [M, K] bfloat16 with unit column stride, got {rows.dtype} {list(rows.shape)}")
+    if weights.dim() != 3 or weights.dtype != torch.bfloat16 or weights.stride(2) != 1 or weights.shape[2] != rows.shape[1]:
+        raise ValueError(f"weights must be [G, N, K={rows.shape[1]}] bfloat16 with unit stride along K, got "
+                         f"{weights.dtype} {list(weights.shape)} strides {weights.stride()}")
+    if offsets.dtype != torch.int32 or offsets.shape != (weights.shape[0],) or not offsets.is_contiguous():
+        raise ValueError(f"offsets must be a contiguous [{weights.shape[0]}] int32 tensor, got {offsets.dtype} "
+                         f"{list(offsets.shape)}")
+
+
+def _launch(rows, weights, route_weights, out, offsets, columns, config, gated) -> torch.Tensor:
+    groups, inner = weights.shape[0], rows.shape[1]
+    config = config or decode_config(rows.shape[0], groups)
+    if out is None:
+        out = torch.empty(rows.shape[0], columns, dtype=torch.bfloat16, device=rows.device)
+    elif out.shape != (rows.shape[0], columns) or out.dtype != torch.bfloat16 or out.stride(1) != 1:
+        raise ValueError(f"out must be [{rows.shape[0]}, {columns}] bfloat16 with unit column stride, got "
+                         f"{out.dtype} {list(out.shape)}")
+    if rows.shape[0] == 0:
+        return out
+    # Programs for any grouping: at most (rows + groups * (block_m - 1)) / block_m row tiles.
+    row_tiles = (rows.shape[0] + groups * (config.block_m - 1)) // config.block_m
+    _decode_kernel[(row_tiles * triton.cdiv(columns, config.block_n),)](
+        rows, weights, route_weights, out, offsets, groups, columns, rows.stride(0), weights.stride(0),
+        weights.stride(1), out.stride(0), inner,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
+        GROUPS=triton.next_power_of_2(groups), SWAP_AB=config.swap_ab, GATED=gated, INTERPRET=interpreting(),
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    return out
+
+
+def grouped_mm_triton(
+    rows: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor, config: GemmConfig | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``out[i] = rows[i] @ weights[g(i)].T``, as ``torch._grouped_mm(rows, weights.mT, offs=offsets)``.
+
+    Args:
+        rows: ``[M, K]`` bf16 (unit column stride).
+        weights: ``[G, N, K]`` bf16, unit stride along ``K`` (e.g. an expert slice of ``w2 [E, H, I]``).
+        offsets: ``[G]`` int32 inclusive end row of each group.
+        config: tiles (default :func:`decode_config`).
+        out: optional ``[M, N]`` bf16 (unit column stride) to write into.
+
+    Returns:
+        ``out`` or a new ``[M, N]`` bf16 tensor; rows at and past ``offsets[-1]`` are not written.
+    """
+    _check(rows, weights, offsets)
+    return _launch(rows, weights, offsets, out, offsets, weights.shape[1], config, gated=False)
+
+
+def gate_up_swiglu_triton(
+    rows: torch.Tensor, w13: torch.Tensor, route_weights: torch.Tensor, offsets: torch.Tensor,
+    config: GemmConfig | None = None, out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``out[i] = silu(gate_i) * up_i * route_weights[i]`` with ``[gate_i, up_i] = rows[i] @ w13[g(i)].T``.
+
+    Args:
+        rows: ``[M, H]`` bf16 (unit column stride).
+        w13: ``[G, 2I, H]`` bf16: each expert's ``I`` gate rows then its ``I`` up rows, unit stride along ``H``.
+        route_weights: ``[M]`` fp32 (contiguous) route weight of each row.
+        offsets: ``[G]`` int32 inclusive end row of each group.
+        config: tiles (default :func:`decode_config`).
+        out: optional ``[M, I]`` bf16 (unit column stride) to write into.
+
+    Returns:
+        ``out`` or a new ``[M, I]`` bf16 tensor; rows at and past ``offsets[-1]`` are not written.
+    """
+    _check(rows, w13, offsets)
+    if w13.shape[1] % 2:
+        raise ValueError(f"w13 must hold 2I rows per expert (gate then up), got {w13.shape[1]}")
+    if route_weights.shape != (rows.shape[0],) or route_weights.dtype != torch.float32 or not route_weights.is_contiguous():
+        raise ValueError(f"route_weights must be a contiguous [{rows.shape[0]}] float32 tensor, got "
+                         f"{route_weights.dtype} {list(route_weights.shape)}")
+    return _launch(rows, w13, route_weights, out, offsets, w13.shape[1] // 2, config, gated=True)

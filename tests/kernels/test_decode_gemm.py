@@ -1,0 +1,76 @@
+"""Decode kernels (interpreter on CPU, small shapes) against torch's grouped GEMM and the unfused SwiGLU."""
+import pytest
+import torch
+
+from flatep.experts.grouped import _decode_shaped
+from flatep.kernels.activation import swiglu_weighted_torch
+from flatep.kernels.decode_gemm import decode_config, gate_up_swiglu_triton, grouped_mm_triton
+from flatep.kernels.quant_gemm import GemmConfig
+from tests.helpers import DEVICE
+
+CONFIGS = [None, GemmConfig(16, 32, 32, swap_ab=False), GemmConfig(32, 16, 64, swap_ab=True)]
+
+
+def _operands(counts, hidden=96, inter=48, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    offsets = torch.tensor(counts).cumsum(0).to(torch.int32)
+    rows = int(offsets[-1]) + 5  # rows past the groups stay unwritten
+    x = torch.randn(rows, hidden, generator=generator).bfloat16()
+    w13 = (torch.randn(len(counts), 2 * inter, hidden, generator=generator) * 0.1).bfloat16()
+    w2 = (torch.randn(len(counts), hidden, inter, generator=generator) * 0.1).bfloat16()
+    route_weights = torch.rand(rows, generator=generator)
+    return tuple(tensor.to(DEVICE) for tensor in (x, w13, w2, route_weights, offsets))
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+@pytest.mark.parametrize("counts", [[3, 0, 17, 1], [0, 0, 40]])
+def test_grouped_mm_equals_torch(config, counts):
+    x, w13, w2, _, offsets = _operands(counts)
+    end = int(offsets[-1])
+    out = torch.full((x.shape[0], w2.shape[1]), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    rows = x[:, : w2.shape[2]].contiguous()
+    grouped_mm_triton(rows, w2, offsets, config, out=out)
+    expected = torch._grouped_mm(rows, w2.mT, offs=offsets)
+    torch.testing.assert_close(out[:end].float(), expected[:end].float(), rtol=1e-2, atol=1e-2)
+    assert out[end:].isnan().all()
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_gate_up_swiglu_equals_the_unfused_steps(config):
+    x, w13, _, route_weights, offsets = _operands([5, 9, 0, 2], seed=1)
+    end = int(offsets[-1])
+    route_weights[0] = float("nan")  # propagates into its row, as in a dense MoE
+    hidden_states = torch._grouped_mm(x, w13.mT, offs=offsets)
+    expected = swiglu_weighted_torch(hidden_states.float(), route_weights, torch.bfloat16)
+    out = torch.full((x.shape[0], w13.shape[1] // 2), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    gate_up_swiglu_triton(x, w13, route_weights, offsets, config, out=out)
+    assert out[0].isnan().all()
+    torch.testing.assert_close(out[1:end].float(), expected[1:end].float(), rtol=2e-2, atol=1e-3)
+    assert out[end:].isnan().all()
+
+
+def test_default_tiles_follow_rows_per_group():
+    assert decode_config(16, 16).block_m == 16
+    assert decode_config(32 * 48, 48).block_m == 32
+    assert decode_config(200 * 48, 48).block_m == 64
+    assert decode_config(16, 16).swap_ab
+
+
+def test_bad_operands_are_rejected():
+    x, w13, w2, route_weights, offsets = _operands([2, 2])
+    with pytest.raises(ValueError, match="rows must be"):
+        grouped_mm_triton(x.float(), w13, offsets)
+    with pytest.raises(ValueError, match="weights must be"):
+        grouped_mm_triton(x, w2, offsets)
+    with pytest.raises(ValueError, match="offsets must be"):
+        grouped_mm_triton(x, w13, offsets.long())
+    with pytest.raises(ValueError, match="route_weights must be"):
+        gate_up_swiglu_triton(x, w13, route_weights.double(), offsets)
+
+
+def test_decode_kernels_run_on_cuda_decode_shards_only():
+    x, w13, w2, route_weights, _ = _operands([2, 2])
+    assert _decode_shaped(x, route_weights, w13, w2) == x.is_cuda
+    assert not _decode_shaped(x.float(), route_weights, w13, w2)
+    many_rows = torch.empty(1000, x.shape[1], dtype=x.dtype, device=x.device)
+    assert not _decode_shaped(many_rows, route_weights, w13, w2)
