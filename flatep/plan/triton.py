@@ -236,7 +236,7 @@ def _home_grid(experts_per_rank, RANKS: tl.constexpr, BLOCK_R: tl.constexpr, BLO
 @triton.jit
 def _step_a(
     count, total_entries, tol_fixed,
-    RANKS: tl.constexpr, POLICY: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_EPN: tl.constexpr,
+    RANKS: tl.constexpr, POLICY, BLOCK_R: tl.constexpr, BLOCK_EPN: tl.constexpr,
 ):
     """Step A from the global counts ``[BLOCK_R, BLOCK_EPN]`` (home rank, local expert).
 
@@ -392,7 +392,7 @@ def _layout(
     d, hist_ptr, total_entries, tol_fixed, experts, experts_per_rank, align,
     alloc_ptr, acum_ptr, before_ptr, slots_ptr, groups_ptr, offsets_ptr, padding_ptr, received_ptr,
     group_start_ptr,
-    RANKS: tl.constexpr, POLICY: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_EPN: tl.constexpr,
+    RANKS: tl.constexpr, POLICY, BLOCK_R: tl.constexpr, BLOCK_EPN: tl.constexpr,
 ):
     """Program ``d`` of the fused layout (``R <= _FUSED_MAX_RANKS``): every table row of rank ``d``.
 
@@ -484,15 +484,33 @@ def _scan_kernel(
 def _layout_kernel(
     hist_ptr, total_entries, tol_fixed, experts, experts_per_rank, align,
     alloc_ptr, acum_ptr, before_ptr, slots_ptr, groups_ptr, offsets_ptr, padding_ptr, received_ptr,
-    group_start_ptr,
+    group_start_ptr, candidates_ptr, table_stride,
     RANKS: tl.constexpr, POLICY: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_EPN: tl.constexpr,
+    CANDIDATES: tl.constexpr,
 ):
-    """Group planner: the layout, one program per rank."""
-    _layout(
-        tl.program_id(0), hist_ptr, total_entries, tol_fixed, experts, experts_per_rank, align,
-        alloc_ptr, acum_ptr, before_ptr, slots_ptr, groups_ptr, offsets_ptr, padding_ptr, received_ptr,
-        group_start_ptr, RANKS, POLICY, BLOCK_R, BLOCK_EPN,
-    )
+    """Group planner: the layout, one program per rank (``program_id(0)``).
+
+    With ``CANDIDATES > 1`` (``auto``), ``program_id(1)`` is a candidate: its policy code and
+    tolerance are read from ``candidates [C, 2] int32`` and its tables lie ``table_stride``
+    elements after the previous candidate's, so every candidate is planned in one launch.
+    """
+    if CANDIDATES > 1:
+        candidate = tl.program_id(1)
+        policy = tl.load(candidates_ptr + 2 * candidate)
+        tolerance = tl.load(candidates_ptr + 2 * candidate + 1)
+        shift = candidate.to(tl.int64) * table_stride
+        _layout(
+            tl.program_id(0), hist_ptr, total_entries, tolerance, experts, experts_per_rank, align,
+            alloc_ptr + shift, acum_ptr + shift, before_ptr + shift, slots_ptr + shift, groups_ptr + shift,
+            offsets_ptr + shift, padding_ptr + shift, received_ptr + shift, group_start_ptr + shift,
+            RANKS, policy, BLOCK_R, BLOCK_EPN,
+        )
+    else:
+        _layout(
+            tl.program_id(0), hist_ptr, total_entries, tol_fixed, experts, experts_per_rank, align,
+            alloc_ptr, acum_ptr, before_ptr, slots_ptr, groups_ptr, offsets_ptr, padding_ptr, received_ptr,
+            group_start_ptr, RANKS, POLICY, BLOCK_R, BLOCK_EPN,
+        )
 
 
 @triton.jit
@@ -694,6 +712,32 @@ class _Tables:
         }
 
 
+_CANDIDATE_CODES: dict[tuple[torch.device, tuple[tuple[int, int], ...]], torch.Tensor] = {}
+
+
+def _candidate_codes(codes: tuple[tuple[int, int], ...], device: torch.device) -> torch.Tensor:
+    """``[C, 2] int32`` (policy code, tolerance in fixed point) of auto's candidates on ``device``.
+
+    Made once per device and kept. Made while a CUDA graph is being captured, it is copied from
+    pinned host memory (a copy the graph replays) and not kept: the graph's memory pool owns it.
+    """
+    key = (device, codes)
+    if key in _CANDIDATE_CODES:
+        return _CANDIDATE_CODES[key]
+    host = torch.tensor(codes, dtype=torch.int32)
+    if device.type != "cuda":
+        _CANDIDATE_CODES[key] = host.to(device)
+        return _CANDIDATE_CODES[key]
+    if torch.cuda.is_current_stream_capturing():
+        pinned = _PINNED_CODES.setdefault(codes, host.pin_memory())  # the graph's copy reads it at every replay
+        return pinned.to(device, non_blocking=True)
+    _CANDIDATE_CODES[key] = host.to(device)
+    return _CANDIDATE_CODES[key]
+
+
+_PINNED_CODES: dict[tuple[tuple[int, int], ...], torch.Tensor] = {}
+
+
 def _auto_tables(
     hist: torch.Tensor, total_tokens: int, config: EPConfig, cost: CostProfile | None
 ) -> tuple[_Tables, AutoChoice, dict[str, object]]:
@@ -711,9 +755,15 @@ def _auto_tables(
     cost = CostProfile.default() if cost is None else cost
     candidates = candidates_for(config, cost, total_tokens)
     storage = torch.empty(len(candidates), _Tables.size(config), dtype=torch.int32, device=hist.device)
-    for index, candidate in enumerate(candidates):
-        tables = _Tables(config, storage=storage[index])
-        _launch_layout(hist, total_tokens * config.top_k, candidate.config(config), candidate.policy, tables)
+    if config.ranks <= _FUSED_MAX_RANKS and len(candidates) > 1:
+        # One launch of R x C programs: the candidates' serial rounds run side by side.
+        codes = tuple((_POLICY_CODES[c.policy], c.config(config).tolerance_fixed) for c in candidates)
+        _launch_layout(hist, total_tokens * config.top_k, config, "exact", _Tables(config, storage=storage[0]),
+                       candidates=_candidate_codes(codes, hist.device))
+    else:
+        for index, candidate in enumerate(candidates):
+            tables = _Tables(config, storage=storage[index])
+            _launch_layout(hist, total_tokens * config.top_k, candidate.config(config), candidate.policy, tables)
     alloc_start = _Tables._places(config)[0][2]
     alloc = storage[:, alloc_start:alloc_start + config.experts * config.ranks].view(len(candidates), config.experts, config.ranks)
     prediction = predict_triton(hist, alloc, cost.constants(config))
@@ -733,21 +783,32 @@ def _layout_meta(config: EPConfig, policy: str) -> dict[str, int | bool]:
     }
 
 
-def _launch_layout(hist: torch.Tensor, total_entries: int, config: EPConfig, policy: str, tables: _Tables) -> None:
+def _launch_layout(
+    hist: torch.Tensor, total_entries: int, config: EPConfig, policy: str, tables: _Tables,
+    candidates: torch.Tensor | None = None,
+) -> None:
     """Fill ``tables`` from the gathered histogram ``hist [R, E] int32`` and ``T*K = total_entries``.
 
     Up to ``_FUSED_MAX_RANKS`` ranks: one launch of the fused layout. Beyond: four launches, each
     serial part done once: the prefix of ``hist`` over source ranks (``before`` and the global
     ``count``), step A in one program, step B per donor, step C per rank.
+
+    ``candidates`` (fused layout only): ``[C, 2] int32`` (policy code, tolerance in fixed point)
+    of ``C`` plans made in the same launch; ``tables`` is then the first of ``C`` consecutive
+    table buffers (``policy`` and ``config.tolerance`` are not used).
     """
     meta = _layout_meta(config, policy)
     align = config.step_align(total_entries // config.top_k)
     if config.ranks <= _FUSED_MAX_RANKS:
-        _layout_kernel[(config.ranks,)](
+        count = 1 if candidates is None else candidates.shape[0]
+        _layout_kernel[(config.ranks, count)](
             hist, total_entries, config.tolerance_fixed, config.experts, config.experts_per_rank, align,
-            *tables.args(), **meta, num_warps=_LAYOUT_WARPS,
+            *tables.args(), hist if candidates is None else candidates, _Tables.size(config), **meta, CANDIDATES=count,
+            num_warps=_LAYOUT_WARPS,
         )
         return
+    if candidates is not None:
+        raise ValueError(f"candidates are planned in one launch up to {_FUSED_MAX_RANKS} ranks, got R={config.ranks}")
     blocks = {name: meta[name] for name in ("RANKS", "BLOCK_R", "BLOCK_EPN")}
     count = torch.empty(config.experts, dtype=torch.int32, device=hist.device)
     quotas = torch.empty(2, config.ranks, dtype=torch.int32, device=hist.device)
