@@ -58,8 +58,9 @@ def _ceilings(first: dict[str, Any]) -> str:
                 "times are CPU times of the plain-torch paths, and planning is the host reference planner "
                 "(in Python: `auto` there plans each candidate that would move rows, so its plan time "
                 "is several classic ones; the Triton planner plans them in one pass).")
+    read = f", device read {first['read_ceiling_gbps']:.0f} GB/s" if first.get("read_ceiling_gbps") else ""
     return (f"Ceilings measured in this run: device copy {first['copy_ceiling_gbps']:.0f} GB/s (read+write), "
-            f"dense bf16 GEMM {first['gemm_ceiling_tflops']:.0f} TFLOP/s.")
+            f"dense bf16 GEMM {first['gemm_ceiling_tflops']:.0f} TFLOP/s{read}.")
 
 
 def _virtual_meaning(first: dict[str, Any]) -> str:
@@ -80,7 +81,8 @@ def _virtual_meaning(first: dict[str, Any]) -> str:
         "push = expert-weight bytes moved in all; egress/ingress max = the busiest rank's link bytes in dispatch "
         "and push (combine mirrors dispatch)"
         + ("; copy% = dispatch/combine kernels' bytes read+written over the copy ceiling; GEMM% = slowest "
-           "rank's expert TFLOP/s over the ceiling." if on_gpu else ".")
+           "rank's expert TFLOP/s over the ceiling; read% = the weights of the slowest rank's experts that hold "
+           "rows (GB, read once) over its experts time, as a fraction of the read ceiling." if on_gpu else ".")
     )
 
 
@@ -217,21 +219,24 @@ def summary_markdown(rows: list[dict[str, Any]]) -> str:
         "",
         "| arm | s | maxvio (target) | plan | dispatch | push | experts max | experts mean | combine | layer | "
         "link model | layer + link | dispatch MB/rank | dispatch egress/ingress max MB | push egress/ingress max MB | "
-        "push MB | copy% disp/comb | GEMM% | rows max |",
-        "|" + "---|" * 19,
+        "push MB | copy% disp/comb | GEMM% | read% (GB) | rows max |",
+        "|" + "---|" * 20,
     ]
     for row in sorted(rows, key=lambda r: (r["arm"], r["tokens"], r["maxvio_target"])):
         copy = "-"
         if row.get("dispatch_copy_fraction") is not None:
             copy = f"{100 * row['dispatch_copy_fraction']:.0f}/{100 * row['combine_copy_fraction']:.0f}"
         gemm = "-" if row.get("experts_gemm_fraction") is None else f"{100 * row['experts_gemm_fraction']:.0f}"
+        read = "-"
+        if row.get("experts_read_fraction") is not None:
+            read = f"{100 * row['experts_read_fraction']:.0f} ({row['weight_bytes_read_slowest'] / 1e9:.2f})"
         lines.append(
             f"| {row['arm']} | {row['tokens']} | {row['maxvio']:.2f} ({row['maxvio_target']:g}) | {_fmt(row['plan_us'])} | "
             f"{_fmt(row['dispatch_us'])} | {_fmt(row['push_us'])} | {_fmt(row['experts_us_max'])} | "
             f"{_fmt(row['experts_us_mean'])} | {_fmt(row['combine_us'])} | **{_spread(row, 'layer_us')}** | "
             f"{_fmt(row.get('link_model_us'))} | {_fmt(row.get('layer_with_link_model_us'))} | "
             f"{_mb(row['dispatch_bytes'])} | {_link_cells(row)} | {row['push_bytes'] / 1e6:.0f} | "
-            f"{copy} | {gemm} | {_fmt(row.get('rows_max'))} |"
+            f"{copy} | {gemm} | {read} | {_fmt(row.get('rows_max'))} |"
         )
     lines += ["", "## Layer time relative to maxvio 0 (slowest rank)", "", "| arm | s | ratios by maxvio target |", "|---|---|---|"]
     for entry in flatness(rows):

@@ -29,7 +29,7 @@ import torch
 import yaml
 
 from flatep.bench.accounting import link_model_us, plan_link_bytes
-from flatep.bench.timing import Timing, copy_ceiling_gbps, device_name, gemm_ceiling_tflops, time_stats
+from flatep.bench.timing import Timing, copy_ceiling_gbps, device_name, gemm_ceiling_tflops, read_ceiling_gbps, time_stats
 from flatep.config import MODEL_SHAPES, POLICIES, EPConfig, align_up, preset
 from flatep.experts.grouped import grouped_swiglu
 from flatep.experts.pool import ExpertPool
@@ -440,6 +440,9 @@ def _ep_cell(
         dispatch_copy_fraction=kernel_bytes / dispatch_t.median / 1e3,
         combine_copy_fraction=kernel_bytes / combine_t.median / 1e3,
         experts_tflops_slowest=float(padded_rows[slowest]) * flops_per_row / experts_us[slowest] / 1e6,
+        # Weights the slowest rank's GEMMs read: every expert with rows, once (decode is read bound).
+        weight_bytes_read_slowest=int(plan.active_groups()[slowest]) * expert_bytes,
+        experts_read_gbps_slowest=int(plan.active_groups()[slowest]) * expert_bytes / experts_us[slowest] / 1e3,
         rows_max=int(received.max()),
         rows_mean=float(received.mean()),
         padded_rows_max=int(padded_rows.max()),
@@ -626,6 +629,7 @@ def run(sweep: Sweep, out_dir: Path, device: torch.device, resume: bool = False,
     # little about its kernels (a 512^3 bf16 product can be slower than the experts' fp32 path).
     ceilings = dict(
         copy_ceiling_gbps=copy_ceiling_gbps(device, 1024) if on_gpu else None,
+        read_ceiling_gbps=read_ceiling_gbps(device, 4096) if on_gpu else None,
         gemm_ceiling_tflops=gemm_ceiling_tflops(device, 8192) if on_gpu else None,
     )
     todo = [c for c in cells(sweep) if (sweep.model_name, sweep.ranks, c[1], c[2], c[0]) not in done]
@@ -658,6 +662,8 @@ def run(sweep: Sweep, out_dir: Path, device: torch.device, resume: bool = False,
                 if name in row:
                     row[name] = row[name] / row["copy_ceiling_gbps"] if on_gpu else None
             row["experts_gemm_fraction"] = row["experts_tflops_slowest"] / row["gemm_ceiling_tflops"] if on_gpu else None
+            if "experts_read_gbps_slowest" in row:
+                row["experts_read_fraction"] = row["experts_read_gbps_slowest"] / row["read_ceiling_gbps"] if on_gpu else None
             results.write(json.dumps({k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}) + "\n")
             results.flush()
     return read_results(results_path)

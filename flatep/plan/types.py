@@ -119,6 +119,16 @@ class Layout:
         epn = self.slot_experts.shape[1]
         return self.offsets[:, epn - 1] + self.offsets[:, -1] - self.slot_base
 
+    def active_groups(self) -> torch.Tensor:
+        """``[R] int64``: groups (home experts and borrowed slots) holding rows on each rank: the
+        experts whose weights its GEMMs read."""
+        epn = self.slot_experts.shape[1]
+        starts = torch.zeros_like(self.offsets)
+        starts[:, 1:] = self.offsets[:, :-1]
+        if self.slot_base:
+            starts[:, epn] = self.slot_base
+        return (self.offsets > starts).sum(1)
+
     def donors(self) -> torch.Tensor:
         """``[R] int32``: the rank that lends rank ``d`` its borrowed experts, ``-1`` if none."""
         epn = self.slot_experts.shape[1]

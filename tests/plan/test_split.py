@@ -62,3 +62,14 @@ def test_split_moves_only_slot_rows_and_keeps_every_group_intact(case):
             assert sorted(rows[mine].tolist()) == list(range(first, first + count))
             start, pad = split.padding[rank, group].tolist()
             assert pad == end - first - count and (pad == 0 or start == first + count)
+
+
+@settings(max_examples=40, deadline=None)
+@given(planner_cases())
+def test_active_groups_counts_the_groups_with_rows_in_both_layouts(case):
+    ids, config, policy, tokens = case
+    plan = make_plan(ids, config, policy, tokens)
+    split = split_slot_rows(plan)
+    expected = [sum(end > first for first, end in group_ranges(split, rank)) for rank in range(config.ranks)]
+    assert split.active_groups().tolist() == expected
+    assert plan.active_groups().tolist() == expected
