@@ -70,6 +70,9 @@ def test_active_groups_counts_the_groups_with_rows_in_both_layouts(case):
     ids, config, policy, tokens = case
     plan = make_plan(ids, config, policy, tokens)
     split = split_slot_rows(plan)
-    expected = [sum(end > first for first, end in group_ranges(split, rank)) for rank in range(config.ranks)]
+    if split.slot_base:
+        expected = [sum(end > first for first, end in group_ranges(split, rank)) for rank in range(config.ranks)]
+    else:  # classic: one run of groups, each starting where the previous one ends
+        expected = [sum(end > first for first, end in zip([0] + ends[:-1], ends)) for ends in split.offsets.tolist()]
     assert split.active_groups().tolist() == expected
     assert plan.active_groups().tolist() == expected
