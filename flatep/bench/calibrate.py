@@ -2,9 +2,10 @@
 
 Measured, at the model's shapes:
 
-* the grouped GEMMs of the experts (``torch._grouped_mm`` gate/up, then down, bf16) over ``G``
-  groups of ``n`` rows each, for ``n`` from 1 to 4096: per-group time ``t(n)``;
-* HBM read bandwidth: a sum over a large bf16 tensor (reads only, as weight streaming does);
+* a rank's experts as the layer runs them (:func:`flatep.experts.grouped_swiglu`, bf16: the decode
+  kernels at few rows per group, ``torch._grouped_mm`` beyond) over its ``G = E/R`` groups of
+  ``n`` rows each, for ``n`` from 1 to 4096: per-group time ``t(n)``;
+* HBM read bandwidth: a sum over 4 GiB of bf16 (reads only, as weight streaming does);
 * link bandwidth: a copy from this GPU to a peer GPU when one exists (otherwise the ``base``
   profile's value is kept, and said so).
 
@@ -30,7 +31,7 @@ from flatep.config import MODEL_SHAPES, EPConfig, preset
 # Rows that are not multiples of every candidate tile, so that the tile size shows in the times.
 ROWS = (1, 16, 64, 128, 256, 320, 512, 1024, 1088, 2048, 2112, 4096)
 TILES = (64, 128, 256)
-READ_BYTES = 2**30
+READ_BYTES = 2**32
 LINK_BYTES = 2**28
 MIN_GROUP_US = 0.1
 GROUP_STEPS = 200  # candidate group times searched by the fit
@@ -62,18 +63,17 @@ def _event_timer(device) -> Timer:
 def _gemm(config: EPConfig, groups: int, rows: int, device) -> Measurement:
     import torch
 
+    from flatep.experts.grouped import grouped_swiglu
+
     def make() -> Callable[[], object]:
         hidden, intermediate = config.hidden, config.intermediate
         x = torch.randn(groups * rows, hidden, device=device, dtype=torch.bfloat16)
+        route_weights = torch.rand(groups * rows, device=device)
         w13 = torch.randn(groups, 2 * intermediate, hidden, device=device, dtype=torch.bfloat16) * hidden**-0.5
         w2 = torch.randn(groups, hidden, intermediate, device=device, dtype=torch.bfloat16) * intermediate**-0.5
         offs = torch.arange(1, groups + 1, device=device, dtype=torch.int32) * rows
-
-        def run() -> object:
-            up = torch._grouped_mm(x, w13.transpose(-2, -1), offs=offs)
-            return torch._grouped_mm(up[:, :intermediate].contiguous(), w2.transpose(-2, -1), offs=offs)
-
-        return run
+        # The experts as the layer runs them (its kernels switch with the rows per group).
+        return lambda: grouped_swiglu(x, route_weights, w13, w2, offs)
 
     return Measurement("gemm", {"groups": groups, "rows": rows}, make)
 
@@ -82,7 +82,7 @@ def _read(device) -> Measurement:
     import torch
 
     def make() -> Callable[[], object]:
-        data = torch.randn(READ_BYTES // 2, device=device).to(torch.bfloat16)
+        data = torch.randn(READ_BYTES // 2, device=device, dtype=torch.bfloat16)
         return lambda: data.sum(dtype=torch.float32)
 
     return Measurement("read", {"bytes": READ_BYTES}, make)
@@ -182,7 +182,8 @@ def calibrate(config: EPConfig, device, timer: Timer | None = None, base=None, l
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else str(device)
     if base is None:
         base = CostProfile.preset("h200") if "H200" in name else CostProfile.default()
-    groups = min(config.experts_per_rank, 8)
+    # A rank's groups: how many run side by side decides how fast their weights stream.
+    groups = config.experts_per_rank
     gemm_us = {}
     for rows in ROWS:
         gemm_us[rows] = timer(_gemm(config, groups, rows, device))
