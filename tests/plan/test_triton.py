@@ -271,22 +271,16 @@ def test_imbalance_bound_past_int32(ranks, policy):
     "ranks, experts_per_rank, top_k, step, routing, policy, group, planned",
     [
         (64, 2, 2, 3, 3.0, "exact", True, [0, 63]),  # skewed
-        (64, 1, 3, 2, "uniform", "none", True, [17]),
         (64, 32, 2, 2, 2.0, "bounded", True, [40]),  # E = 2048
         (128, 1, 2, 2, "one", "exact", True, [127]),  # every entry to expert 0: 127 receivers
-        (128, 1, 2, 2, "one", "bounded", False, [0]),
-        (256, 1, 2, 1, 2.0, "exact", True, [255]),
+        (256, 1, 2, 1, 2.0, "exact", False, [255]),
         (256, 1, 2, 2, 2.0, "bounded", False, [3]),
-        (256, 1, 2, 2, 2.0, "none", False, [128]),
     ],
 )
 def test_many_ranks_match_the_reference(ranks, experts_per_rank, top_k, step, routing, policy, group, planned):
     experts = ranks * experts_per_rank
     config = config_for(ranks, experts, top_k, step, align=4)
-    if routing == "uniform":
-        generator = torch.Generator().manual_seed(ranks)
-        ids = torch.randint(0, experts, (ranks, step, top_k), generator=generator, dtype=torch.int32)
-    elif isinstance(routing, str):
+    if isinstance(routing, str):
         ids = adversarial_topk(routing, ranks, experts, top_k, step)
     else:
         ids = skewed_topk(ranks, experts, top_k, step, routing, seed=ranks)
