@@ -1,4 +1,4 @@
-"""The backward pass of an EP MoE step on the local (virtual ranks) and collective (one rank per process) transports.
+"""The backward pass of an EP MoE step on the local (virtual ranks), collective and NVLink (one rank per process) transports.
 
 A step is three autograd functions chained over the forward's plan, which the backward reuses
 as it is (no re-planning):
@@ -10,13 +10,16 @@ as it is (no re-planning):
 - :class:`GroupedExperts`: shard rows -> expert output rows ``[R, rows, H]``, home experts from
   ``w13``/``w2`` (and ``b13``/``b2``) at their own ranks, borrowed experts read from the same
   tensors at the slot table's ids (on the local transport that read is the weight push; on the
-  collective transport the owners push them, :meth:`CollectiveGroup.push_experts`). Its backward
+  per-process transports the owners push them, :meth:`CollectiveGroup.push_experts`,
+  :meth:`NVLinkGroup.push_copies`). Its backward
   gives the rows' and route weights' gradients and every expert's weight gradients.
 - :class:`CombineRows`: output rows -> ``[R, s, H]``. Its backward is a dispatch of the output
   gradient to the very rows the forward summed (padding rows get zeros).
 
 Tensors carry a leading rank dimension: ``R`` on the local transport, ``1`` (this process's rank)
-on the collective one, where dispatch and combine are the group's all-to-alls instead of kernels.
+on the per-process ones, where dispatch and combine are the group's own (``dispatch``, ``combine``,
+``gather_entries``): all-to-alls on the collective transport, the dispatch and combine kernels over
+symmetric staging buffers on the NVLink one.
 
 What the forward keeps for the backward, per rank: the dispatched rows ``[rows, H]`` in ``x``'s
 dtype and their route weights ``[rows]`` fp32 (``rows`` = the plan's ``shard_rows``, sized by
@@ -24,14 +27,18 @@ dtype and their route weights ``[rows]`` fp32 (``rows`` = the plan's ``shard_row
 slots), and references to the weight tensors themselves (no copies). The gate/up GEMM and the
 activation are recomputed in the backward rather than kept (``[rows, 2I]`` and ``[rows, I]`` per
 rank would outweigh the rows), and the borrowed experts are read again from ``w13``/``w2`` (on the
-collective transport the forward keeps the pushed copies, ``epn`` experts: a second push would cost
-the messages again).
+per-process transports the forward keeps the pushed copies, ``epn`` experts: a second push would
+cost the messages again).
 
-The expert backward computes in fp32 whatever the weights' dtype: per group (one expert's
-contiguous rows) it recomputes the gate/up projection, takes the activation's derivative by
-autograd on that elementwise function alone (so :class:`flatep.experts.ClampedSwiGLU` and other
-activations work), and runs plain per-group matmuls for the input and weight gradients. It reads
-the plan's offsets and slot table on the host once per backward (a synchronisation on CUDA).
+The expert backward computes in fp32 whatever the weights' dtype and reads nothing back to the
+host: per home or slot part of a rank it recomputes the gate/up projection with a grouped GEMM,
+takes the activation's derivative by autograd on that elementwise function alone (so
+:class:`flatep.experts.ClampedSwiGLU` and other activations work), and runs grouped GEMMs for the
+input and weight gradients, over the plan's offsets on the device (:mod:`flatep.kernels.grouped_fp32`:
+Triton on CUDA, where ``torch._grouped_mm`` would synchronise in fp32; ``torch._grouped_mm`` on a
+CPU). Rows that hold no entry (group padding, rows outside every group) are masked by the plan's
+row counts (``group_start``, ``alloc``), not trusted to be zero: they add nothing to any gradient,
+even if they hold NaN. Only the weight gradients autograd asks for are computed.
 It differentiates the exact function ``w * (W2 act(W13 x + b13) + b2)``, which both precisions
 (``fp32`` and ``native``) round differently but compute alike.
 
@@ -39,10 +46,14 @@ Borrowed experts: a rank that computed with a borrowed expert computes that expe
 gradient from its own rows, in fp32, and the gradients are reduced into the home expert's in a
 fixed order: the home rank's own gradient first, then each receiver's in ascending rank. Every
 sum therefore happens in the same order on every run, and the gradients are bit-identical run to
-run; they equal a dense (non-EP) layer's within rounding. On the collective transport each receiver
-sends its fp32 slot gradients to the owner (:meth:`CollectiveGroup.return_slot_gradients`), which
-adds them in that same order, so its gradients equal the local transport's bit for bit. There a
-rank's weight gradient covers its home experts only: a ``[E, ...]`` tensor gets zeros elsewhere
+run; they equal a dense (non-EP) layer's within rounding. On the local transport the reduction is
+a gather, add and scatter of whole expert rows per receiver (a receiver holds an expert in one
+slot at most: no atomics), on the device. On the collective transport each receiver sends its fp32
+slot gradients to the owner (:meth:`CollectiveGroup.return_slot_gradients`, read on the host),
+which adds them in that same order; on the NVLink transport each owner reads them from the
+receivers' staging buffers and adds them on the device in that order
+(:meth:`NVLinkGroup.add_slot_gradients`). Both therefore equal the local transport's gradients bit
+for bit. There a rank's weight gradient covers its home experts only: a ``[E, ...]`` tensor gets zeros elsewhere
 (the other ranks' experts are theirs to train), an ``[epn, ...]`` slice gets all of it.
 """
 from __future__ import annotations
@@ -53,10 +64,11 @@ from typing import Any
 import torch
 from torch.autograd.function import once_differentiable
 
-from flatep.experts.grouped import Activation, grouped_swiglu
+from flatep.experts.grouped import Activation, grouped_swiglu, row_groups
 from flatep.kernels.backend import use_triton
 from flatep.kernels.combine import combine_torch, combine_triton
 from flatep.kernels.dispatch import dispatch_torch, dispatch_triton
+from flatep.kernels.grouped_fp32 import grouped_outer_mm, grouped_rows_mm
 from flatep.plan.types import Layout
 from flatep.transport.base import Group
 
@@ -206,7 +218,7 @@ def _expert_weights(
 
 
 def _push_slots(context: StepContext, tensors: tuple[torch.Tensor | None, ...]) -> tuple[torch.Tensor | None, ...]:
-    """On the collective transport: this rank's slots, ``[epn, ...]`` per tensor of ``tensors``
+    """On the per-process transports (collective, NVLink): this rank's slots, ``[epn, ...]`` per tensor of ``tensors``
     (``None`` stays ``None``), pushed from their owners' home experts; empty slots are zeros."""
     group, rank = context.group, context.group.local_ranks[0]
     slots = []
@@ -215,6 +227,9 @@ def _push_slots(context: StepContext, tensors: tuple[torch.Tensor | None, ...]) 
             slots.append(None)
             continue
         home = context.home(tensor, rank).contiguous()
+        if group.peer_addressable:  # NVLink: the push kernel moves weights between symmetric buffers only
+            slots.append(group.push_copies(home, context.plan.slot_experts))
+            continue
         slot = torch.zeros_like(home)
         group.push_experts(home, slot, context.plan.slot_experts)
         slots.append(slot)
@@ -260,148 +275,164 @@ class GroupedExperts(torch.autograd.Function):
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         context: StepContext = ctx.context
         shard, shard_weights, w13, w2, b13, b2 = ctx.saved_tensors
-        want_weights = any(ctx.needs_input_grad[2:6])
-        epn = context.experts_per_rank
+        tensors = (w13, w2, b13, b2)
+        wanted = tuple(t is not None and needed for t, needed in zip(tensors, ctx.needs_input_grad[2:6]))
         grad_shard = torch.zeros_like(shard)
         grad_shard_weights = torch.zeros_like(shard_weights)
-        # fp32 weight gradients of every rank's home experts [R, epn, ...] and slots.
-        home: list[list[torch.Tensor]] = []
-        slots: list[list[torch.Tensor]] = []
-        offsets = context.plan.offsets.tolist()  # host copy for the per-group loops (one sync on CUDA)
-        slot_ids = context.plan.slot_experts.tolist()
-        for local_index in range(shard.shape[0]):
-            rank = context.group.local_ranks[local_index]
-            for part, first, end in context.parts():
-                weights = _expert_weights(context, local_index, part, (w13, w2, b13, b2), ctx.pushed)
-                ends = offsets[rank][:epn] if part == "home" else [row - first for row in offsets[rank][epn:]]
+        stacked = context.group.stacked
+        # fp32 weight gradients: every expert's [E + 1, ...] on the local transport (the extra row
+        # takes empty slots' gradients, see _add_slots), this rank's home experts [epn, ...] otherwise.
+        experts = context.plan.alloc.shape[0] + 1 if stacked else context.experts_per_rank
+        totals = [torch.zeros(experts, *t.shape[1:], dtype=torch.float32, device=shard.device) if want else None
+                  for t, want in zip(tensors, wanted)]
+        # Parts outer, ranks inner: every home gradient is in place before the first slot gradient is
+        # added to it, so one rank's slot gradients at a time are alive, and the order is fixed.
+        for part, first, end in context.parts():
+            for local_index in range(shard.shape[0]):
+                rank = context.group.local_ranks[local_index]
+                weights = _expert_weights(context, local_index, part, tensors, ctx.pushed)
                 grads = _experts_backward(
-                    shard[local_index, first:end], shard_weights[local_index, first:end], grad_out[local_index, first:end],
-                    weights, ends, context.activation, grad_shard[local_index, first:end],
-                    grad_shard_weights[local_index, first:end], want_weights,
+                    shard[local_index, first:end], shard_weights[local_index, first:end],
+                    grad_out[local_index, first:end], _real_rows(context, rank, part, first, end), weights,
+                    _part_offsets(context, rank, part, first), context.activation, wanted, context.backend,
+                    grad_shard[local_index, first:end], grad_shard_weights[local_index, first:end],
                 )
-                (home if part == "home" else slots).append(grads)
-        if not want_weights:
-            return grad_shard, grad_shard_weights, None, None, None, None, None
-        tensors = (w13, w2, b13, b2)
-        if context.group.stacked:
-            totals = _reduce_stacked(home, slots, slot_ids, context)
-        else:
-            totals = _reduce_per_process(home[0], slots[0] if slots else None, tensors, context)
-        results = [None if t is None else total.to(t.dtype) for t, total in zip(tensors, totals)]
+                if part == "home":
+                    home = slice(rank * context.experts_per_rank, (rank + 1) * context.experts_per_rank) if stacked else slice(None)
+                    for total, grad in zip(totals, grads):
+                        if total is not None:
+                            total[home] = grad
+                elif stacked:
+                    _add_slots(totals, grads, context.plan.slot_experts[rank])
+                else:
+                    _add_returned_slots(totals, grads, context)
+        results = []
+        for tensor, total in zip(tensors, totals):
+            if total is not None and stacked:
+                total = total[:-1]
+            elif total is not None and context.home(tensor, context.group.local_ranks[0]) is not tensor:
+                # An [E, ...] tensor on a per-process transport: this rank's home rows, zeros elsewhere.
+                full = torch.zeros(tensor.shape, dtype=torch.float32, device=total.device)
+                rank = context.group.local_ranks[0]
+                full[rank * context.experts_per_rank : (rank + 1) * context.experts_per_rank] = total
+                total = full
+            results.append(None if total is None else total.to(tensor.dtype))
         return (grad_shard, grad_shard_weights, *results, None)
 
 
-def _reduce_stacked(
-    home: list[list[torch.Tensor]], slots: list[list[torch.Tensor]], slot_ids: list[list[int]], context: StepContext
-) -> list[torch.Tensor]:
-    """Local transport: fp32 ``[E, ...]`` weight gradients from every rank's home and slot gradients.
+def _real_rows(context: StepContext, rank: int, part: str, first: int, end: int) -> torch.Tensor:
+    """``[end - first]`` bool: which rows of ``rank``'s shard part hold a dispatched entry.
 
-    Home gradients in expert order (rank r holds [r*epn, (r+1)*epn)), then each receiver's
-    borrowed-expert gradients added to their owners', receivers in ascending rank: a fixed order.
+    A group's real rows are ``[group_start, group_start + alloc)`` of its expert on this rank (the
+    plan's row counts); its padding rows and the rows outside every group are not real, whatever
+    they hold (dispatch need not zero them). Read on the device only.
     """
-    totals = [torch.cat([grads[which] for grads in home]) for which in range(4)]
-    for local_index, grads in enumerate(slots):
-        rank = context.group.local_ranks[local_index]
-        for slot, expert in enumerate(slot_ids[rank]):
-            if expert >= 0:
-                for which in range(4):
-                    totals[which][expert] += grads[which][slot]
-    return totals
+    plan, epn = context.plan, context.experts_per_rank
+    experts = plan.group_experts[rank, :epn] if part == "home" else plan.group_experts[rank, epn:]
+    present = experts >= 0
+    expert = experts.long().clamp_min(0)
+    starts = plan.group_start[rank].long()[expert]
+    ends = starts + torch.where(present, plan.alloc[expert, rank].long(), 0)
+    row = torch.arange(first, end, device=experts.device).unsqueeze(1)
+    return ((row >= starts) & (row < ends)).any(1)
 
 
-def _reduce_per_process(
-    home: list[torch.Tensor], slots: list[torch.Tensor] | None, tensors: tuple[torch.Tensor | None, ...],
-    context: StepContext,
-) -> list[torch.Tensor | None]:
-    """Collective transport: fp32 weight gradients of this rank's home experts, shaped like ``tensors``.
+def _add_slots(totals: list[torch.Tensor | None], grads: list[torch.Tensor | None], slot_experts: torch.Tensor) -> None:
+    """Local transport: add one receiver's slot gradients ``[epn, ...]`` to their owners' rows of ``totals``.
 
-    The receivers send their slot gradients here (tensor by tensor, every rank in the same order)
-    and they are added after this rank's own, receivers in ascending rank: the local transport's
-    order. A ``[E, ...]`` tensor gets them in its home rows and zeros elsewhere.
+    A gather, an add and a scatter of whole rows: a receiver borrows an expert into one slot at
+    most, so each owner row is written once per receiver (no atomics, deterministic); empty slots
+    (``-1``) go to the extra last row, which is dropped. Called receiver by receiver in ascending
+    rank, after every home gradient: the documented order of the sums.
     """
-    rank = context.group.local_ranks[0]
-    epn = context.experts_per_rank
-    totals: list[torch.Tensor | None] = []
-    for which, tensor in enumerate(tensors):
-        if tensor is None:
-            totals.append(None)
+    for total, grad in zip(totals, grads):
+        if total is not None:
+            target = torch.where(slot_experts >= 0, slot_experts, total.shape[0] - 1).long()
+            total.index_copy_(0, target, total.index_select(0, target) + grad)
+
+
+def _add_returned_slots(totals: list[torch.Tensor | None], grads: list[torch.Tensor | None], context: StepContext) -> None:
+    """Per-process transports: send this rank's slot gradients to their owners and add the ones it owns to ``totals``.
+
+    Tensor by tensor, every rank in the same order. The collective transport returns them by messages
+    (read on the host, added here receiver by receiver in ascending rank); the NVLink transport adds
+    them on the device in that same order (:meth:`NVLinkGroup.add_slot_gradients`).
+    """
+    group, slot_experts = context.group, context.plan.slot_experts
+    for total, grad in zip(totals, grads):
+        if total is None:
             continue
-        total = home[which]
-        if slots is not None:
-            for index, _, values in context.group.return_slot_gradients(slots[which], context.plan.slot_experts):
-                total[index] += values
-        if context.home(tensor, rank) is not tensor:  # an [E, ...] tensor, not this rank's slice
-            full = torch.zeros(tensor.shape, dtype=torch.float32, device=total.device)
-            full[rank * epn : (rank + 1) * epn] = total
-            total = full
-        totals.append(total)
-    return totals
+        if group.peer_addressable:
+            group.add_slot_gradients(total, grad, slot_experts)
+            continue
+        for index, _, values in group.return_slot_gradients(grad, slot_experts):
+            total[index] += values
 
 
 def _experts_backward(
     rows: torch.Tensor,
     route_weights: torch.Tensor,
     grad_out: torch.Tensor,
+    real: torch.Tensor,
     weights: tuple[torch.Tensor | None, ...],
-    ends: list[int],
+    offsets: torch.Tensor,
     activation: Activation,
+    wanted: tuple[bool, ...],
+    backend: str,
     grad_rows: torch.Tensor,
     grad_route_weights: torch.Tensor,
-    want_weights: bool,
-) -> list[torch.Tensor]:
-    """Backward of one part (home or slots) of one rank's experts, group by group, in fp32.
+) -> list[torch.Tensor | None]:
+    """Backward of one part (home or slots) of one rank's experts, in fp32, with grouped GEMMs.
 
     ``y = w * (W2 a + b2)``, ``a = act(gate, up)``, ``[gate, up] = W13 x + b13`` per row of a
-    group. Writes ``grad_rows [n, H]`` (in the rows' dtype) and ``grad_route_weights [n]`` fp32
-    over every group's rows.
+    group. Writes ``grad_rows [n, H]`` (in the rows' dtype) and ``grad_route_weights [n]`` fp32;
+    rows that are not ``real`` get zeros and add nothing to the weight gradients, even if they
+    hold NaN. Reads nothing on the host: the GEMMs take ``offsets`` on the device
+    (:mod:`flatep.kernels.grouped_fp32`).
 
     Args:
-        rows: ``[n, H]``; route_weights: ``[n]`` fp32; grad_out: ``[n, H]``.
+        rows: ``[n, H]``; route_weights: ``[n]`` fp32; grad_out: ``[n, H]``; real: ``[n]`` bool.
         weights: ``(w13 [G, 2I, H], w2 [G, H, I], b13 [G, 2I] | None, b2 [G, H] | None)``.
-        ends: ``G`` inclusive end rows of the groups, from row 0 of ``rows``.
+        offsets: ``[G]`` int32 inclusive end rows of the groups, from row 0 of ``rows``.
+        wanted: which of ``(dW13, dW2, db13, db2)`` to compute.
+        backend: ``auto``/``triton`` (the Triton GEMMs) or ``torch`` (``torch._grouped_mm``).
 
     Returns:
-        fp32 ``[dW13 [G, 2I, H], dW2 [G, H, I], db13 [G, 2I], db2 [G, H]]`` (zeros for groups
-        without rows; the bias gradients even where the layer has no biases, then unused), or an
-        empty list without ``want_weights``.
+        fp32 ``[dW13 [G, 2I, H], dW2 [G, H, I], db13 [G, 2I], db2 [G, H]]``, ``None`` where not wanted.
     """
     w13, w2, b13, b2 = weights
-    groups, double_intermediate, hidden = w13.shape
-    intermediate = double_intermediate // 2
-    fp32 = dict(dtype=torch.float32, device=rows.device)
-    grads = [torch.zeros(groups, double_intermediate, hidden, **fp32), torch.zeros(groups, hidden, intermediate, **fp32),
-             torch.zeros(groups, double_intermediate, **fp32), torch.zeros(groups, hidden, **fp32)] if want_weights else []
-    start = 0
-    for group, end in enumerate(ends):
-        if end == start:
-            continue
-        x = rows[start:end].float()
-        route = route_weights[start:end].float().unsqueeze(-1)
-        grad_y = grad_out[start:end].float()
-        up_weights, down_weights = w13[group].float(), w2[group].float()
-        projected = x @ up_weights.T
-        if b13 is not None:
-            projected = projected + b13[group].float()
-        with torch.enable_grad():
-            gate = projected[:, :intermediate].detach().requires_grad_()
-            up = projected[:, intermediate:].detach().requires_grad_()
-            activated = activation(gate, up)
-        grad_activated = grad_y @ down_weights  # [n, I]: d(W2 a)/da applied to dy, before the route weight
-        grad_route = (grad_activated * activated.detach()).sum(-1)
-        if b2 is not None:
-            grad_route = grad_route + grad_y @ b2[group].float()
-        grad_gate, grad_up = torch.autograd.grad(activated, (gate, up), grad_activated * route, allow_unused=True)
-        grad_projected = torch.cat([torch.zeros_like(gate) if grad_gate is None else grad_gate,
-                                    torch.zeros_like(up) if grad_up is None else grad_up], dim=-1)
-        grad_rows[start:end] = (grad_projected @ up_weights).to(grad_rows.dtype)
-        grad_route_weights[start:end] = grad_route
-        if want_weights:
-            grads[0][group] = grad_projected.T @ x
-            grads[1][group] = grad_y.T @ (activated.detach() * route)
-            grads[2][group] = grad_projected.sum(0)
-            grads[3][group] = (grad_y * route).sum(0)
-        start = end
-    return grads
+    intermediate = w2.shape[-1]
+    # Rows that are not real become zeros (torch.where, not a product: NaN * 0 is NaN), so their
+    # gradients, and their terms in every weight gradient, are exactly zero.
+    x = torch.where(real.unsqueeze(-1), rows.float(), 0.0)
+    grad_y = torch.where(real.unsqueeze(-1), grad_out.float(), 0.0)
+    route = torch.where(real, route_weights.float(), 0.0).unsqueeze(-1)
+    groups = row_groups(offsets, rows.shape[0]) if b13 is not None or b2 is not None else None
+    projected = grouped_rows_mm(x, w13.transpose(-2, -1), offsets, backend)  # [n, 2I]
+    if b13 is not None:
+        projected = projected + b13.float()[groups]
+    with torch.enable_grad():
+        gate = projected[:, :intermediate].detach().requires_grad_()
+        up = projected[:, intermediate:].detach().requires_grad_()
+        activated = activation(gate, up)
+    grad_activated = grouped_rows_mm(grad_y, w2, offsets, backend)  # [n, I]: dy W2, before the route weight
+    grad_route = (grad_activated * activated.detach()).sum(-1)
+    if b2 is not None:
+        grad_route = grad_route + (grad_y * b2.float()[groups]).sum(-1)
+    grad_gate, grad_up = torch.autograd.grad(activated, (gate, up), grad_activated * route, allow_unused=True)
+    grad_projected = torch.cat([torch.zeros_like(gate) if grad_gate is None else grad_gate,
+                                torch.zeros_like(up) if grad_up is None else grad_up], dim=-1)
+    grad_rows.copy_(grouped_rows_mm(grad_projected, w13, offsets, backend))
+    grad_route_weights.copy_(torch.where(real, grad_route, 0.0))
+    # Bias gradients are per-group sums: a grouped product with a column of ones (4 wide: torch's
+    # grouped GEMM wants 16-byte rows), of which the first is kept.
+    ones = torch.ones(rows.shape[0], 4, dtype=torch.float32, device=rows.device) if wanted[2] or wanted[3] else None
+    return [
+        grouped_outer_mm(grad_projected, x, offsets, backend) if wanted[0] else None,
+        grouped_outer_mm(grad_y, activated.detach() * route, offsets, backend) if wanted[1] else None,
+        grouped_outer_mm(ones, grad_projected, offsets, backend)[:, 0] if wanted[2] else None,
+        grouped_outer_mm(ones, grad_y * route, offsets, backend)[:, 0] if wanted[3] else None,
+    ]
 
 
 def differentiable_step(

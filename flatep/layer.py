@@ -99,23 +99,8 @@ def refuse_autograd(reason: str, **tensors: torch.Tensor | None) -> None:
         )
 
 
-def _transport_without_backward(group: Group, what: str) -> str | None:
-    """Why ``what`` (``ep_moe``, ``EPMoE``) has no backward on ``group``'s transport, or ``None``.
-
-    The backward needs the local transport's kernels or the collective transport's messages; the
-    NVLink transport (peer-addressable, one rank per process) has neither wired for it yet.
-    """
-    if not group.stacked and group.peer_addressable:
-        return (f"{what}'s backward exists on the local and collective transports only for now "
-                f"(init_group('local', ranks=R) or init_group('collective')), not on {type(group).__name__}")
-    return None
-
-
-def _without_backward(group: Group, pool: ExpertPool | None, w13: object) -> str | None:
-    """Why a step with these arguments has no backward, or ``None`` when it has one."""
-    transport = _transport_without_backward(group, "ep_moe")
-    if transport is not None:
-        return transport
+def _without_backward(pool: ExpertPool | None, w13: object) -> str | None:
+    """Why a step with these arguments has no backward, or ``None`` when it has one (on every transport)."""
     if pool is not None:
         # A pool holds copies of the weights: training through it would leave the weights the
         # caller optimises (e.g. a model's experts) silently without gradients.
@@ -774,12 +759,11 @@ def ep_moe(
     Raises:
         ValueError: for bad arguments, before any kernel runs.
         NotImplementedError: with grad enabled, if an input (or a pool's tensor) requires grad on
-            a path without a backward: the NVLink transport, ``pool=`` (``pushed=`` included),
-            packed (fp8, mxfp4) weights.
+            a path without a backward: ``pool=`` (``pushed=`` included), packed (fp8, mxfp4) weights.
 
     Training: with grad enabled and ``x``, ``topk_weights``, ``w13``, ``w2``, ``b13`` or ``b2``
-    requiring grad, on the local or collective transport with float ``w13``/``w2`` (on the collective
-    one all ``E`` experts or this rank's ``E/R``; a rank's weight gradient covers its home experts),
+    requiring grad, on any transport with float ``w13``/``w2`` (on the per-process ones, collective
+    and NVLink, all ``E`` experts or this rank's ``E/R``; a rank's weight gradient covers its home experts),
     the step is differentiable (:mod:`flatep.backward`): the same forward values, bit for bit, and
     gradients for all of them.
     """
@@ -793,7 +777,7 @@ def ep_moe(
     inputs = dict(x=x, topk_weights=topk_weights, w13=w13, w2=w2, b13=b13, b2=b2, **pool_tensors)
     training = bool(requiring_grad(**inputs))
     if training:
-        reason = _without_backward(group, pool, w13)
+        reason = _without_backward(pool, w13)
         if reason is not None:
             refuse_autograd(reason, **inputs)
     if precision not in PRECISIONS:
@@ -973,19 +957,12 @@ class EPMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [R, s, H]`` (local transport) or ``[s, H]`` -> same shape and dtype.
 
-        Trains on the local and collective transports: with grad enabled and ``x`` or a parameter requiring grad,
+        Trains on every transport: with grad enabled and ``x`` or a parameter requiring grad,
         the routed experts run through :func:`ep_moe`'s differentiable step with ``w13``/``w2``
         themselves, so the router (through the route weights), the routed experts and the shared
         expert get gradients. Otherwise (inference) the routed experts run from the layer's pool.
-
-        Raises:
-            NotImplementedError: on the NVLink transport, with grad enabled while ``x`` or a
-                parameter requires grad (there is no backward there yet).
         """
         tensors = dict(x=x, **dict(self.named_parameters()))
-        reason = _transport_without_backward(self.group, "EPMoE")
-        if reason is not None:
-            refuse_autograd(reason, **tensors)
         logits = x.float() @ self.router.float().T
         topk_ids, topk_weights = route(logits, self.config.top_k, self.renormalize)
         options = dict(config=self.config, group=self.group, policy=self.policy, backend=self.backend, cost=self.cost,

@@ -10,9 +10,8 @@ import torch.nn.functional as F
 
 from flatep import CostProfile, EPConfig, EPMoE, ExpertPool, ep_moe, init_group, plan_step
 from flatep.experts.grouped import ClampedSwiGLU, swiglu
-from flatep.layer import _transport_without_backward, prefetch_experts
+from flatep.layer import prefetch_experts
 from flatep.quant.tensor import QuantizedTensor
-from flatep.transport.nvlink import NVLinkGroup
 from tests.helpers import DEVICE, make_inputs, relative_error
 
 NAMES = ("x", "topk_weights", "w13", "w2", "b13", "b2")
@@ -219,10 +218,10 @@ def one_process_collective_group(tmp_path):
         dist.destroy_process_group()
 
 
-def test_collective_transport_trains_like_the_local_one_and_nvlink_refuses(one_process_collective_group):
+def test_collective_transport_trains_like_the_local_one(one_process_collective_group):
     """One process (R = 1): ep_moe and EPMoE (whose w13/w2 are the rank's E/R experts) give the local
-    transport's gradients bit for bit (several processes: tests/transport/test_collective.py); the
-    NVLink transport still refuses, naming the transports that have a backward."""
+    transport's gradients bit for bit (several processes: tests/transport/test_collective.py; the
+    NVLink transport: tests/transport/test_nvlink_gpu.py)."""
     group = one_process_collective_group
     local = init_group("local", ranks=1, device="cpu")
     config = EPConfig(ranks=1, experts=2, top_k=2, hidden=16, intermediate=8, capacity=4, align=4)
@@ -245,10 +244,6 @@ def test_collective_transport_trains_like_the_local_one_and_nvlink_refuses(one_p
     reference(x.detach().cpu()).sum().backward()
     for (name, parameter), twin in zip(layer.named_parameters(), reference.parameters()):
         assert torch.equal(parameter.grad, twin.grad), name
-    nvlink = object.__new__(NVLinkGroup)  # its transport's flags only: no GPU needed
-    assert "backward exists on the local and collective transports only for now" in _transport_without_backward(
-        nvlink, "ep_moe")
-    assert _transport_without_backward(group, "EPMoE") is None and _transport_without_backward(local, "EPMoE") is None
 
 
 def dense_module(layer: EPMoE, x: torch.Tensor) -> tuple[torch.Tensor, dict]:
@@ -336,3 +331,55 @@ def test_activation_checkpointing_recomputes_the_step():
     again = torch.autograd.grad(recomputed, [tensors[n] for n in names], grad_out)
     for name, first, second in zip(names, plain, again):
         assert torch.equal(first, second), name
+
+
+def _poison_rows_outside_groups(monkeypatch):
+    """Make every dispatched shard row that holds no entry (group padding, rows outside every group) NaN,
+    in the forward's rows and route weights and in the backward's output-gradient rows."""
+    import flatep.backward as backward
+
+    scatter = backward._scatter
+
+    def poisoned(rows, route_weights, context):
+        shard, shard_weights = scatter(rows, route_weights, context)
+        for local_index, rank in enumerate(context.group.local_ranks):
+            real = torch.cat([backward._real_rows(context, rank, part, first, end)
+                              for part, first, end in context.parts()])
+            if context.plan.slot_base:  # rows between the home groups and slot_base are in no part's groups
+                assert real.shape[0] == context.plan.shard_rows
+            shard[local_index][~real] = float("nan")
+            shard_weights[local_index][~real] = float("nan")
+        return shard, shard_weights
+
+    monkeypatch.setattr(backward, "_scatter", poisoned)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("policy", ["exact", "none"])
+def test_rows_without_entries_add_nothing_even_when_they_hold_nan(monkeypatch, backend, policy):
+    """Dispatch need not zero the padding rows: the backward masks rows by the plan's row counts, so NaN
+    there changes no gradient (align=4 pads most groups)."""
+    _poison_rows_outside_groups(monkeypatch)
+    check_against_dense(small_config(ranks=4), 5, "one", policy, backend, seed=7)
+
+
+def test_the_backward_reads_nothing_back_to_the_host(monkeypatch):
+    """CPU: no tensor is read on the host (item, tolist, cpu, numpy, bool/int/float conversion) anywhere in
+    the backward of a step that borrows experts. On CUDA: torch.cuda.set_sync_debug_mode (tests/test_layer_gpu.py)."""
+    config = small_config(ranks=4)
+    group = init_group("local", ranks=4, device=DEVICE)
+    ids, tensors = leaves(config, 6, "one", seed=5)
+    out = ep_moe(tensors["x"], ids, tensors["topk_weights"], tensors["w13"], tensors["w2"], b13=tensors["b13"],
+                 b2=tensors["b2"], config=config, group=group, policy="exact", backend="torch")
+    assert (plan_step(ids, config, group).slot_experts >= 0).any()
+
+    def refuse(name):
+        def read(*args, **kwargs):
+            raise AssertionError(f"the backward read a tensor on the host (Tensor.{name})")
+        return read
+
+    for name in ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__"):
+        monkeypatch.setattr(torch.Tensor, name, refuse(name))
+    grads = torch.autograd.grad(out, list(tensors.values()), torch.ones_like(out))
+    monkeypatch.undo()
+    assert all(torch.isfinite(grad).all() for grad in grads)

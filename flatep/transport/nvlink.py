@@ -26,6 +26,9 @@ import torch.distributed as dist
 import triton
 import triton.language as tl
 
+from flatep.kernels.combine import combine_triton
+from flatep.kernels.dispatch import dispatch_triton
+from flatep.plan.types import RankPlan
 from flatep.transport.barrier import cross_rank_barrier
 from flatep.transport.base import Group, join_process_group
 
@@ -53,6 +56,55 @@ def scatter_to_peers(src: torch.Tensor, dst: torch.Tensor, dst_peers: torch.Tens
     block = 1024
     _scatter_to_peers_kernel[(triton.cdiv(numel, block),)](
         src, dst, dst_peers, rank, numel, RANKS=dst.shape[0], BLOCK=block,
+    )
+
+
+@triton.jit
+def _add_slot_gradients_kernel(total_ptr, staged_ptr, staged_peers_ptr, table_ptr, numel,
+                               RANKS: tl.constexpr, EPN: tl.constexpr, BLOCK: tl.constexpr):
+    expert = tl.program_id(0)
+    offset = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offset < numel
+    target = total_ptr + expert.to(tl.int64) * numel + offset
+    acc = tl.load(target, mask=mask)
+    for receiver in range(RANKS):  # ascending: the order every transport adds them in
+        slot = tl.load(table_ptr + receiver * (EPN + 1) + expert)
+        if slot >= 0:
+            source = staged_ptr + tl.load(staged_peers_ptr + receiver) + slot.to(tl.int64) * numel
+            acc += tl.load(source + offset, mask=mask)
+    tl.store(target, acc, mask=mask)
+
+
+def add_slot_gradients_triton(
+    total: torch.Tensor, staged: torch.Tensor, staged_peers: torch.Tensor, slot_experts: torch.Tensor, rank: int
+) -> None:
+    """Add to ``total`` the gradients that the receivers of this rank's experts computed in their slots.
+
+    For each home expert ``j`` of ``rank``, receivers in ascending rank: ``total[j] += staged[slot]``
+    of every receiver that borrowed it (into slot ``slot``), read from the receiver's copy of
+    ``staged`` over P2P. Nothing is read on the host.
+
+    Args:
+        total: ``[epn, *shape]`` fp32 contiguous: this rank's home gradients, added to in place.
+        staged: this process's copy of a symmetric ``[epn, *shape]`` fp32 buffer holding every rank's
+            slot gradients (each rank its own).
+        staged_peers: ``[R] int64`` element offsets of every rank's ``staged`` from this one.
+        slot_experts: ``[R, epn]`` int32 from the plan (``-1`` = empty slot).
+        rank: this process's rank.
+    """
+    ranks, epn = slot_experts.shape
+    # table[r, j]: the slot of receiver r that holds home expert j of this rank, -1 if none. A
+    # receiver borrows an expert into one slot at most, so each real entry is written once; every
+    # other slot writes the extra last column, which is never read.
+    local = slot_experts.long() - rank * epn
+    mine = (local >= 0) & (local < epn)
+    table = torch.full((ranks, epn + 1), -1, dtype=torch.int32, device=total.device)
+    slots = torch.arange(epn, dtype=torch.int32, device=total.device).expand(ranks, epn)
+    table.scatter_(1, torch.where(mine, local, epn), slots)
+    numel = total[0].numel()
+    block = 1024
+    _add_slot_gradients_kernel[(epn, triton.cdiv(numel, block))](
+        total, staged, staged_peers, table, numel, RANKS=ranks, EPN=epn, BLOCK=block,
     )
 
 
@@ -216,6 +268,110 @@ class NVLinkGroup(Group):
         scatter_to_peers(tensor, gathered, self.peer_offsets(gathered), self.rank)
         self.barrier()  # every peer's row has landed here
         return gathered.clone()
+
+    # -- backward (flatep.backward): the collective transport's primitives over peer stores ---------
+
+    def dispatch(self, x: torch.Tensor, topk_weights: torch.Tensor, plan: RankPlan, shard: torch.Tensor,
+                 shard_weights: torch.Tensor) -> None:
+        """Send every entry's row and route weight to its row of its destination's shard (collective).
+
+        The dispatch kernel writes into a symmetric staging buffer, which is then copied into
+        ``shard`` and ``shard_weights``: autograd keeps those until the backward, while the staging
+        buffer serves the next call.
+
+        Args:
+            x: ``[s, H]`` this rank's tokens; topk_weights: ``[s, K]`` fp32; plan: this rank's plan.
+            shard: ``[shard_rows, H]`` in ``x``'s dtype; shard_weights: ``[shard_rows]`` fp32
+                (written: real rows, and whatever the kernel writes to padding rows).
+        """
+        tokens, top_k = topk_weights.shape
+        rows = self.buffer("backward_rows", tuple(shard.shape), x.dtype)
+        weights = self.buffer("backward_route_weights", tuple(shard_weights.shape), torch.float32)
+        self.barrier()  # every peer has copied out what the buffers held before
+        dispatch_triton(
+            x.view(1, tokens, -1), topk_weights.view(1, tokens, top_k), plan.dest_rank.view(1, tokens, top_k),
+            plan.dest_row.view(1, tokens, top_k), plan.padding, rows, weights, self.peer_offsets(rows),
+            self.peer_offsets(weights), self.rank,
+        )
+        self.barrier()  # every rank's rows have landed here
+        shard.copy_(rows)
+        shard_weights.copy_(weights)
+
+    def combine(self, shard: torch.Tensor, plan: RankPlan, out_dtype: torch.dtype) -> torch.Tensor:
+        """Sum every token's K rows from the ranks' ``shard``s in fp32 (the combine kernel; collective).
+
+        Args:
+            shard: ``[shard_rows, H]`` this rank's rows (any tensor: staged in a symmetric buffer).
+            plan: this rank's plan; out_dtype: dtype of the result.
+
+        Returns:
+            ``[s, H]`` in ``out_dtype``; padded tokens get zeros.
+        """
+        tokens, top_k = plan.dest_rank.shape
+        rows = self.buffer("backward_rows", tuple(shard.shape), shard.dtype)
+        self.barrier()  # every peer has finished reading the buffer's previous contents
+        rows.copy_(shard)
+        self.barrier()  # every rank's rows are in place
+        out = torch.empty(1, tokens, shard.shape[-1], dtype=out_dtype, device=shard.device)
+        combine_triton(out, plan.dest_rank.view(1, tokens, top_k), plan.dest_row.view(1, tokens, top_k), rows,
+                       self.peer_offsets(rows))
+        return out[0]
+
+    def gather_entries(self, values: torch.Tensor, plan: RankPlan) -> torch.Tensor:
+        """Each shard row's ``values`` returned to the entry dispatched to it, unsummed (collective).
+
+        Args:
+            values: ``[shard_rows, C]`` per row of this rank's shard (small: route-weight gradients).
+            plan: this rank's plan.
+
+        Returns:
+            ``[s, K, C]``: entry ``(t, k)`` gets its row's values; padded entries zeros.
+        """
+        every = self.all_gather(values)  # [R, shard_rows, C]
+        dest_rank, dest_row = plan.dest_rank.long(), plan.dest_row.long()
+        picked = every[dest_rank.clamp_min(0), dest_row.clamp_min(0)]
+        return torch.where((dest_rank >= 0).unsqueeze(-1), picked, 0)
+
+    def push_copies(self, home: torch.Tensor, slot_experts: torch.Tensor) -> torch.Tensor:
+        """This rank's slots filled from their owners' ``home`` experts (one projection; collective).
+
+        :meth:`push_experts` for tensors that are not symmetric (the weights autograd differentiates):
+        ``home`` is staged in a symmetric buffer, pushed by the push kernel, and the slots copied out.
+
+        Args:
+            home: ``[epn, *expert_shape]`` this rank's home experts.
+            slot_experts: ``[R, epn]`` int32 from the plan (``-1`` = empty slot).
+
+        Returns:
+            ``[epn, *expert_shape]`` in ``home``'s dtype; empty slots are zeros.
+        """
+        staged = self.buffer("backward_home", tuple(home.shape), home.dtype)
+        slots = self.buffer("backward_slots", tuple(home.shape), home.dtype)
+        self.barrier()  # every peer has copied out the previous push
+        staged.copy_(home)
+        slots.zero_()
+        self.barrier()  # every owner's experts are staged, every receiver's slots cleared
+        self.push_experts(staged, slots, slot_experts)
+        self.barrier()  # every push has landed
+        return slots.clone()
+
+    def add_slot_gradients(self, total: torch.Tensor, slot_grads: torch.Tensor, slot_experts: torch.Tensor) -> None:
+        """Return every receiver's borrowed-expert gradients to their owners (collective).
+
+        Each rank stages its ``slot_grads``; each owner adds the ones of its experts to ``total``
+        on the device, receivers in ascending rank (:func:`add_slot_gradients_triton`): the
+        collective transport's :meth:`return_slot_gradients` order, without reading the plan on the host.
+
+        Args:
+            total: ``[epn, *shape]`` fp32 contiguous, this rank's home gradients (added to in place).
+            slot_grads: ``[epn, *shape]`` fp32, this rank's gradient for each of its slots.
+            slot_experts: ``[R, epn]`` int32 from the plan.
+        """
+        staged = self.buffer("slot_gradients", tuple(slot_grads.shape), torch.float32)
+        self.barrier()  # every owner has finished reading the previous gradients
+        staged.copy_(slot_grads)
+        self.barrier()  # every receiver's gradients are in place
+        add_slot_gradients_triton(total, staged, self.peer_offsets(staged), slot_experts, self.rank)
 
     # -- control plane -------------------------------------------------------------------------
 

@@ -1,5 +1,6 @@
 """On one GPU shared by 2 processes: the NVLink transport's step has no host sync, captures in one CUDA graph
-with two layers, and a dead rank still raises (through ``group.check()`` after a replay)."""
+with two layers, a dead rank still raises (through ``group.check()`` after a replay), and its backward
+equals the local transport's."""
 from __future__ import annotations
 
 import pytest
@@ -28,4 +29,11 @@ def test_dead_rank_raises_through_check_after_a_replay(shared_gpu, tmp_path):
 
 def test_prefetched_push_into_a_second_slot_set_is_bit_identical(shared_gpu, tmp_path):
     output = launch_workers("tests.transport.graph_worker", 2, [f"file://{tmp_path}/store", "prefetch"], 600)
+    assert output.count("PASSED") == 2, output
+
+
+def test_backward_equals_the_local_transports_gradients_bit_for_bit(shared_gpu, tmp_path):
+    """ep_moe and EPMoE with grad over NVLink: gradients of x, topk_weights, w13, w2 (and biases) equal the
+    local transport's bit for bit (tests/transport/nvlink_backward_worker.py)."""
+    output = launch_workers("tests.transport.nvlink_backward_worker", 2, [f"file://{tmp_path}/store"], 600)
     assert output.count("PASSED") == 2, output

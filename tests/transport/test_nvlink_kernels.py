@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from flatep.transport.barrier import cross_rank_barrier
-from flatep.transport.nvlink import scatter_to_peers
+from flatep.transport.nvlink import add_slot_gradients_triton, scatter_to_peers
 from tests.helpers import DEVICE
 
 
@@ -72,3 +72,25 @@ def test_scatter_to_peers_writes_row_rank_of_every_copy(shape, dtype):
         scatter_to_peers(rows[rank], gathered[rank], peers - peers[rank], rank)
     for owner in range(ranks):
         assert torch.equal(gathered[owner], torch.stack(rows))
+
+
+def test_owners_add_their_borrowed_experts_gradients_in_ascending_receiver_order():
+    """Each owner adds, from every receiver's staged slot gradients, those of its own experts: the same fp32
+    sums in the same order as the local transport (home first, then receivers ascending), bit for bit."""
+    ranks, epn, shape = 4, 3, (5, 7)
+    generator = torch.Generator().manual_seed(0)
+    # Receivers borrow from one donor each (ascending, then -1); expert 1 of rank 0 is borrowed twice.
+    slot_experts = torch.tensor([[4, 5, -1], [0, 1, 2], [1, -1, -1], [-1, -1, -1]], dtype=torch.int32)
+    staged = torch.randn(ranks, epn, *shape, generator=generator)
+    staged[slot_experts < 0] = float("nan")  # empty slots are never read
+    home = torch.randn(ranks, epn, *shape, generator=generator)
+    expected = home.clone()
+    for receiver in range(ranks):
+        for slot, expert in enumerate(slot_experts[receiver].tolist()):
+            if expert >= 0:
+                expected[expert // epn, expert % epn] += staged[receiver, slot]
+    staged, home, slot_experts = staged.to(DEVICE), home.to(DEVICE), slot_experts.to(DEVICE)
+    peers = torch.arange(ranks, dtype=torch.int64, device=DEVICE) * staged.stride(0)
+    for rank in range(ranks):
+        add_slot_gradients_triton(home[rank], staged[rank], peers - peers[rank], slot_experts, rank)
+    assert torch.equal(home.cpu(), expected)
