@@ -21,13 +21,13 @@ _TILE_ELEMENTS = 4096  # a block holds at most this many (expert, rank) pairs
 
 # Integer arguments are never specialised (a constant of 1 would become a constexpr) and are
 # widened to int64 before any product: femtosecond constants overflow int32.
-_CONSTANTS = ("tile_rows", "row_fs", "weight_fs", "group_fs", "push_fs", "weight_link_fs", "row_link_fs")
+_CONSTANTS = ("tile_rows", "row_fs", "weight_fs", "group_fs", "push_fs", "weight_link_fs", "row_link_fs", "weight_bytes")
 
 
 @triton.jit(do_not_specialize=_CONSTANTS)
 def _predict_kernel(
-    hist_ptr, alloc_ptr, rank_fs_ptr, layer_fs_ptr, moved_ptr,
-    experts, epn, tile_rows, row_fs, weight_fs, group_fs, push_fs, weight_link_fs, row_link_fs,
+    hist_ptr, alloc_ptr, alloc_stride, rank_fs_ptr, layer_fs_ptr, moved_ptr, bytes_ptr,
+    experts, epn, tile_rows, row_fs, weight_fs, group_fs, push_fs, weight_link_fs, row_link_fs, weight_bytes,
     RANKS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr,
 ):
     candidate = tl.program_id(0)
@@ -42,7 +42,7 @@ def _predict_kernel(
     local = tl.zeros([BLOCK_R], dtype=tl.int64)
     computed = tl.zeros([BLOCK_R], dtype=tl.int64)
     own = tl.zeros([BLOCK_R], dtype=tl.int64)
-    alloc_base = alloc_ptr + candidate.to(tl.int64) * experts * RANKS
+    alloc_base = alloc_ptr + candidate.to(tl.int64) * alloc_stride
     for first in range(0, experts, BLOCK_E):
         expert = first + tl.arange(0, BLOCK_E)
         mask = (expert < experts)[:, None] & rank_mask[None, :]
@@ -71,6 +71,7 @@ def _predict_kernel(
     tl.store(rank_fs_ptr + candidate * RANKS + rank, rank_fs, mask=rank_mask)
     tl.store(layer_fs_ptr + candidate, tl.max(tl.where(rank_mask, rank_fs, -1), axis=0))
     tl.store(moved_ptr + candidate, moved)
+    tl.store(bytes_ptr + candidate, moved * weight_bytes.to(tl.int64))
 
 
 def predict_triton(tokens_per_expert: torch.Tensor, alloc: torch.Tensor, constants: CostConstants) -> Prediction:
@@ -78,7 +79,8 @@ def predict_triton(tokens_per_expert: torch.Tensor, alloc: torch.Tensor, constan
 
     Args:
         tokens_per_expert: ``[R, E]`` int32/int64 gathered histogram.
-        alloc: ``[C, E, R]`` int32/int64 allocation of each candidate, on the same device.
+        alloc: ``[C, E, R]`` int32/int64 allocation of each candidate, on the same device; each
+            candidate's ``[E, R]`` contiguous, candidates at any stride (e.g. rows of a table buffer).
         constants: from :meth:`flatep.CostProfile.constants`.
 
     Returns:
@@ -92,16 +94,19 @@ def predict_triton(tokens_per_expert: torch.Tensor, alloc: torch.Tensor, constan
     if tokens_per_expert.device != alloc.device:
         raise ValueError(f"tokens_per_expert must be on {alloc.device} like alloc, got {tokens_per_expert.device}")
     candidates, experts, ranks = alloc.shape
+    if alloc.stride(1) != ranks or alloc.stride(2) != 1:
+        alloc = alloc.contiguous()
     block_r = triton.next_power_of_2(ranks)
     block_e = max(1, min(triton.next_power_of_2(experts), _TILE_ELEMENTS // block_r))
     device = alloc.device
     rank_fs = torch.empty(candidates, ranks, dtype=torch.int64, device=device)
     layer_fs = torch.empty(candidates, dtype=torch.int64, device=device)
     moved = torch.empty(candidates, dtype=torch.int64, device=device)
+    moved_bytes = torch.empty(candidates, dtype=torch.int64, device=device)
     _predict_kernel[(candidates,)](
-        tokens_per_expert.contiguous(), alloc.contiguous(), rank_fs, layer_fs, moved,
+        tokens_per_expert.contiguous(), alloc, alloc.stride(0), rank_fs, layer_fs, moved, moved_bytes,
         experts, experts // ranks, constants.tile_rows, constants.row_fs, constants.weight_fs, constants.group_fs,
         constants.push_fs, constants.weight_bytes * constants.byte_fs, constants.row_bytes * constants.byte_fs,
-        RANKS=ranks, BLOCK_R=block_r, BLOCK_E=block_e, num_warps=4,
+        constants.weight_bytes, RANKS=ranks, BLOCK_R=block_r, BLOCK_E=block_e, num_warps=4,
     )
-    return Prediction(rank_fs=rank_fs, layer_fs=layer_fs, experts_moved=moved, bytes_moved=moved * constants.weight_bytes)
+    return Prediction(rank_fs=rank_fs, layer_fs=layer_fs, experts_moved=moved, bytes_moved=moved_bytes)

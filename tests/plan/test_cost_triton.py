@@ -29,9 +29,14 @@ def test_predict_triton_equals_predict(ranks, experts_per_rank, candidates, prof
     config = EPConfig(ranks=ranks, experts=experts, top_k=2, hidden=64, intermediate=32, capacity=64)
     constants = profile.constants(config)
     expected = predict(hist, alloc, constants)
-    got = predict_triton(hist.to(DEVICE), alloc.to(DEVICE), constants)
-    for field in ("rank_fs", "layer_fs", "experts_moved", "bytes_moved"):
-        assert torch.equal(getattr(got, field).cpu(), getattr(expected, field)), field
+    # Candidates as rows of a wider table buffer, as the Triton planners hold them (no copy).
+    table = torch.full((candidates, experts * ranks + 9), -7, dtype=torch.int32)
+    table[:, 5:5 + experts * ranks] = alloc.reshape(candidates, -1)
+    strided = table.to(DEVICE)[:, 5:5 + experts * ranks].view(candidates, experts, ranks)
+    for given in (alloc.to(DEVICE), strided):
+        got = predict_triton(hist.to(DEVICE), given, constants)
+        for field in ("rank_fs", "layer_fs", "experts_moved", "bytes_moved"):
+            assert torch.equal(getattr(got, field).cpu(), getattr(expected, field)), field
 
 
 def test_predict_triton_rejects_mismatched_shapes():
