@@ -13,7 +13,7 @@ as it is (no re-planning):
   collective transport the owners push them, :meth:`CollectiveGroup.push_experts`). Its backward
   gives the rows' and route weights' gradients and every expert's weight gradients.
 - :class:`CombineRows`: output rows -> ``[R, s, H]``. Its backward is a dispatch of the output
-  gradient to the very rows the forward summed (padding rows get zeros).
+  gradient to the very rows the forward summed (padding rows are not written: see below).
 
 Tensors carry a leading rank dimension: ``R`` on the local transport, ``1`` (this process's rank)
 on the collective one, where dispatch and combine are the group's all-to-alls instead of kernels.
@@ -34,6 +34,12 @@ activations work), and runs plain per-group matmuls for the input and weight gra
 the plan's offsets and slot table on the host once per backward (a synchronisation on CUDA).
 It differentiates the exact function ``w * (W2 act(W13 x + b13) + b2)``, which both precisions
 (``fp32`` and ``native``) round differently but compute alike.
+
+Padding rows: dispatch leaves the rows that pad each group to ``align`` unwritten (in the forward
+and in the backward's dispatches alike), so they hold garbage, NaN included. The expert backward
+therefore runs over each group's real rows only (its padded end less its padding count from the
+plan): weight gradients sum over rows, and a padding row must contribute nothing to them. The
+padding rows' input gradients stay zero, and no combine reads them.
 
 Borrowed experts: a rank that computed with a borrowed expert computes that expert's weight
 gradient from its own rows, in fp32, and the gradients are reduced into the home expert's in a
@@ -106,7 +112,8 @@ class StepContext:
 
 def _scatter(rows: torch.Tensor, route_weights: torch.Tensor, context: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
     """Dispatch ``rows [R, s, H]`` and ``route_weights [R, s, K]`` fp32 into fresh ``[R, shard_rows, H]`` and
-    ``[R, shard_rows]`` fp32 tensors (padding rows zeroed; rows outside every group left unwritten).
+    ``[R, shard_rows]`` fp32 tensors (only planned rows written: padding rows hold garbage, which
+    :func:`_experts_backward` never reads).
 
     Fresh tensors, not the group's shared buffers: autograd keeps them until the backward, while the
     next layer reuses the buffers.
@@ -120,11 +127,10 @@ def _scatter(rows: torch.Tensor, route_weights: torch.Tensor, context: StepConte
         return shard, shard_weights
     dest_rank, dest_row = context.entries(tokens, route_weights.shape[-1])
     if use_triton(rows.device, context.backend):
-        dispatch_triton(rows, route_weights, dest_rank, dest_row, plan.padding, shard, shard_weights,
-                        group.peer_offsets(shard), group.peer_offsets(shard_weights), group.first_rank,
-                        programs=context.comm_programs)
+        dispatch_triton(rows, route_weights, dest_rank, dest_row, shard, shard_weights,
+                        group.peer_offsets(shard), group.peer_offsets(shard_weights), programs=context.comm_programs)
     else:
-        dispatch_torch(rows, route_weights, dest_rank, dest_row, plan.padding, shard, shard_weights)
+        dispatch_torch(rows, route_weights, dest_rank, dest_row, shard, shard_weights)
     return shard, shard_weights
 
 
@@ -267,16 +273,18 @@ class GroupedExperts(torch.autograd.Function):
         # fp32 weight gradients of every rank's home experts [R, epn, ...] and slots.
         home: list[list[torch.Tensor]] = []
         slots: list[list[torch.Tensor]] = []
-        offsets = context.plan.offsets.tolist()  # host copy for the per-group loops (one sync on CUDA)
+        # Host copies for the per-group loops (one sync on CUDA each).
+        offsets, padding = context.plan.offsets.tolist(), context.plan.padding[..., 1].tolist()
         slot_ids = context.plan.slot_experts.tolist()
         for local_index in range(shard.shape[0]):
             rank = context.group.local_ranks[local_index]
             for part, first, end in context.parts():
                 weights = _expert_weights(context, local_index, part, (w13, w2, b13, b2), ctx.pushed)
-                ends = offsets[rank][:epn] if part == "home" else [row - first for row in offsets[rank][epn:]]
+                groups = slice(0, epn) if part == "home" else slice(epn, 2 * epn)
+                ends = [row - first for row in offsets[rank][groups]]
                 grads = _experts_backward(
                     shard[local_index, first:end], shard_weights[local_index, first:end], grad_out[local_index, first:end],
-                    weights, ends, context.activation, grad_shard[local_index, first:end],
+                    weights, ends, padding[rank][groups], context.activation, grad_shard[local_index, first:end],
                     grad_shard_weights[local_index, first:end], want_weights,
                 )
                 (home if part == "home" else slots).append(grads)
@@ -344,6 +352,7 @@ def _experts_backward(
     grad_out: torch.Tensor,
     weights: tuple[torch.Tensor | None, ...],
     ends: list[int],
+    padding: list[int],
     activation: Activation,
     grad_rows: torch.Tensor,
     grad_route_weights: torch.Tensor,
@@ -353,12 +362,14 @@ def _experts_backward(
 
     ``y = w * (W2 a + b2)``, ``a = act(gate, up)``, ``[gate, up] = W13 x + b13`` per row of a
     group. Writes ``grad_rows [n, H]`` (in the rows' dtype) and ``grad_route_weights [n]`` fp32
-    over every group's rows.
+    over every group's real rows; reads nothing of its padding rows (garbage, even NaN: dispatch
+    leaves them unwritten), whose gradients keep the values they had (the caller's zeros).
 
     Args:
         rows: ``[n, H]``; route_weights: ``[n]`` fp32; grad_out: ``[n, H]``.
         weights: ``(w13 [G, 2I, H], w2 [G, H, I], b13 [G, 2I] | None, b2 [G, H] | None)``.
-        ends: ``G`` inclusive end rows of the groups, from row 0 of ``rows``.
+        ends: ``G`` inclusive padded end rows of the groups, from row 0 of ``rows``.
+        padding: ``G`` padding rows at the end of each group (the plan's ``padding[..., 1]``).
 
     Returns:
         fp32 ``[dW13 [G, 2I, H], dW2 [G, H, I], db13 [G, 2I], db2 [G, H]]`` (zeros for groups
@@ -372,8 +383,12 @@ def _experts_backward(
     grads = [torch.zeros(groups, double_intermediate, hidden, **fp32), torch.zeros(groups, hidden, intermediate, **fp32),
              torch.zeros(groups, double_intermediate, **fp32), torch.zeros(groups, hidden, **fp32)] if want_weights else []
     start = 0
-    for group, end in enumerate(ends):
+    for group, (padded_end, pad) in enumerate(zip(ends, padding)):
+        # Real rows only: a padding row's garbage must reach neither the weight gradients (sums
+        # over rows) nor anything else.
+        end = padded_end - pad
         if end == start:
+            start = padded_end
             continue
         x = rows[start:end].float()
         route = route_weights[start:end].float().unsqueeze(-1)
@@ -400,7 +415,7 @@ def _experts_backward(
             grads[1][group] = grad_y.T @ (activated.detach() * route)
             grads[2][group] = grad_projected.sum(0)
             grads[3][group] = (grad_y * route).sum(0)
-        start = end
+        start = padded_end
     return grads
 
 

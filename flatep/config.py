@@ -109,9 +109,10 @@ class EPConfig:
 
         The rule: the power of two at or above the mean rows per expert, ``T*K/E``, within
         ``[min(16, align), align]``. Large steps keep ``align`` (Kimi-K2 at 8 ranks: from 64 tokens
-        per rank on, with the default 128); decode steps pad to 16 or 32 rows, so that dispatch
-        zeroes, and the row-wise expert kernels touch, a few rows per group instead of up to 127
-        (on the H200 at Kimi-K2, s=128: dispatch 237-280 us with 128, 71-76 us with 16). A plan,
+        per rank on, with the default 128); decode steps pad to 16 or 32 rows, so that the grouped GEMMs
+        and the row-wise expert kernels touch a few padding rows per group instead of up to 127
+        (on the H200 at Kimi-K2, s=128, when dispatch still zeroed padding: dispatch 237-280 us
+        with 128, 71-76 us with 16; dispatch no longer writes padding rows at all). A plan,
         its shard rows and its padding all follow from ``T``, so every rank and planner agrees, and
         buffers sized at capacity with ``align`` hold every step.
         """

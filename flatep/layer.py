@@ -17,7 +17,7 @@ from flatep.experts.grouped import PRECISIONS, Activation, grouped_swiglu, swigl
 from flatep.experts.pool import ExpertPool, check_expert_weights, check_slot_sets
 from flatep.kernels.backend import check_programs, interpreting, use_triton
 from flatep.kernels.combine import combine_grid, combine_torch, combine_triton
-from flatep.kernels.dispatch import dispatch_grids, dispatch_torch, dispatch_triton
+from flatep.kernels.dispatch import dispatch_grid, dispatch_torch, dispatch_triton
 from flatep.plan.auto import candidates_for, slot_rows
 from flatep.plan.cost import CostProfile, check_cost
 from flatep.plan.reference import _check_ids, _valid_mask, histogram, make_plan, plan_rank
@@ -264,7 +264,7 @@ def check_inputs(
             raise ValueError(f"{name} must be on the group's device {group.device}, got {tensor.device}")
     if use_triton(x.device, backend) and group.peer_addressable:
         ranks_here = len(group.local_ranks)
-        dispatch_grids(ranks_here, tokens, 2 * config.experts_per_rank, programs=comm_programs)
+        dispatch_grid(ranks_here, tokens, programs=comm_programs)
         combine_grid(ranks_here, tokens, programs=comm_programs)
     return x.contiguous(), topk_ids.to(torch.int32).contiguous(), topk_weights.float().contiguous()
 
@@ -486,14 +486,13 @@ def dispatch_step(
         group.dispatch(x, topk_weights, plan, shard, shard_weights)
     elif use_triton(x.device, backend):
         dispatch_triton(
-            x.view(-1, tokens, hidden), topk_weights.view(-1, tokens, top_k), dest_rank, dest_row, plan.padding,
-            shard, shard_weights, group.peer_offsets(shard), group.peer_offsets(shard_weights), group.first_rank,
-            programs=comm_programs,
+            x.view(-1, tokens, hidden), topk_weights.view(-1, tokens, top_k), dest_rank, dest_row,
+            shard, shard_weights, group.peer_offsets(shard), group.peer_offsets(shard_weights), programs=comm_programs,
         )
     else:
         if not group.stacked:
             raise ValueError("the torch dispatch path needs the local transport")
-        dispatch_torch(x, topk_weights, dest_rank, dest_row, plan.padding, shard, shard_weights)
+        dispatch_torch(x, topk_weights, dest_rank, dest_row, shard, shard_weights)
     group.barrier()
     return shard, shard_weights
 

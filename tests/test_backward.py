@@ -116,6 +116,21 @@ def test_gradients_through_the_triton_kernels(routing, policy, biases):
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_gradients_never_read_the_unwritten_padding_rows(backend, monkeypatch):
+    """Dispatch leaves padding rows unwritten: with every fresh float tensor full of NaN (the
+    backward's shards and row gradients included), the gradients still equal the dense MoE's."""
+    empty = torch.empty
+
+    def poisoned(*args, **kwargs):
+        tensor = empty(*args, **kwargs)
+        return tensor.fill_(float("nan")) if tensor.is_floating_point() else tensor
+
+    monkeypatch.setattr(torch, "empty", poisoned)
+    plan = check_against_dense(small_config(ranks=4), 5, 1.0, "exact", backend, seed=4)
+    assert int(plan.padding[..., 1].sum()) > 0  # there were padding rows to ignore
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_gradients_with_ragged_real_token_counts(backend):
     """A plan for fewer real tokens on some ranks: padded tokens get no output and no gradient."""
     check_against_dense(small_config(ranks=4), 6, "one", "exact", backend, counts=[6, 2, 0, 5])

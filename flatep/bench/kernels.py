@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
             if block_t * block_h > 16384:
                 continue
             dispatch_us = time_us(lambda: dispatch_triton(
-                x, weights, plan.dest_rank, plan.dest_row, plan.padding, shard, shard_weights, peers, weight_peers, 0,
+                x, weights, plan.dest_rank, plan.dest_row, shard, shard_weights, peers, weight_peers,
                 block_t=block_t, block_h=block_h, num_warps=warps), device, warmup=3, iters=10)
             combine_us = time_us(lambda: combine_triton(
                 out, plan.dest_rank, plan.dest_row, shard, peers, block_t=block_t, block_h=block_h, num_warps=warps),

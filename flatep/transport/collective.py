@@ -6,7 +6,8 @@ transports move, with messages instead of peer stores:
 * histograms by ``all_gather``;
 * dispatch by one ``all_to_all_single``: each rank sends its entries sorted by (destination rank,
   destination row), every row packed with its fp32 route weight; the receiver writes each row of
-  the ``uint8`` payload to its row of the shard and zeroes the padding rows of its groups;
+  the ``uint8`` payload to its row of the shard (padding rows are left unwritten, as by the
+  dispatch kernel: :mod:`flatep.kernels.dispatch`);
 * combine by the reverse ``all_to_all_single`` and a sum in fp32 over ``k = 0..K-1`` in the same
   order as the combine kernel, so outputs are bit-equal to the local transport's;
 * the weight push by point-to-point messages from each owner to each receiver's slot.
@@ -174,7 +175,7 @@ class CollectiveGroup(Group):
             x: ``[s, H]`` this rank's tokens (bf16 or fp32, contiguous).
             topk_weights: ``[s, K]`` fp32 route weights.
             plan: this rank's plan.
-            shard: ``[shard_rows, H]`` this rank's receive shard (written: real rows, padding zeroed).
+            shard: ``[shard_rows, H]`` this rank's receive shard (written: real rows only).
             shard_weights: ``[shard_rows]`` fp32 route weight of each shard row (written likewise).
         """
         order, send_counts = send_order(plan, self.world)
@@ -192,12 +193,6 @@ class CollectiveGroup(Group):
         targets = rows[: received.shape[0]]
         shard_weights[targets] = received[:, :4].contiguous().view(torch.float32).view(-1)
         shard[targets] = received[:, 4:].view(x.dtype)
-        padding = plan.padding[self.rank].long()  # [G, 2] (first row, count)
-        position = torch.arange(shard.shape[0], device=self.device).unsqueeze(0)
-        start = padding[:, :1]
-        in_padding = ((position >= start) & (position < start + padding[:, 1:])).any(0)
-        shard.masked_fill_(in_padding.unsqueeze(-1), 0)
-        shard_weights.masked_fill_(in_padding, 0)
 
     def _return_entries(self, shard: torch.Tensor, plan: RankPlan) -> tuple[torch.Tensor, torch.Tensor]:
         """Send every shard row back to the entry it came from (the reverse all-to-all of dispatch).

@@ -7,7 +7,7 @@ import torch
 from flatep import EPConfig, ExpertPool, init_group, make_plan
 from flatep.kernels.backend import MAX_WORK_ITEMS, comm_grid, use_triton
 from flatep.kernels.combine import combine_grid, combine_triton
-from flatep.kernels.dispatch import dispatch_grids, dispatch_triton
+from flatep.kernels.dispatch import dispatch_grid, dispatch_triton
 from flatep.kernels.push import push_programs
 from flatep.layer import combine_step, dispatch_step
 from flatep.plan.split import split_slot_rows
@@ -54,11 +54,7 @@ def test_dispatch_puts_every_row_where_the_plan_says(config, tokens, routing, po
     index = (plan.dest_rank[valid].long(), plan.dest_row[valid].long())
     expected[index] = x.unsqueeze(2).expand(-1, -1, config.top_k, -1)[valid]
     expected_weights[index] = weights[valid]
-    for rank in range(config.ranks):
-        for start, count in plan.padding[rank].tolist():
-            expected[rank, start : start + count] = 0
-            expected_weights[rank, start : start + count] = 0
-    # Real rows exact, padding zero, and every other row still poisoned (nothing else written).
+    # Real rows exact, and every other row, padding included, still poisoned (nothing else written).
     assert torch.equal(shard, expected)
     assert torch.equal(shard_weights, expected_weights)
 
@@ -130,10 +126,10 @@ CUDA_AXIS0_LIMIT = 2**31 - 1
 def test_comm_grids_stay_within_cuda_limits(tokens, ranks_here, programs):
     """Every launch is 1-D (CUDA caps axes 1 and 2 at 65,535 programs, axis 0 at 2**31 - 1) and covers all its work."""
     for block_t in (1, 2, 8):
-        dispatch, padding = dispatch_grids(ranks_here, tokens, 2 * 48, block_t, programs)
+        dispatch = dispatch_grid(ranks_here, tokens, block_t, programs)
         combine = combine_grid(ranks_here, tokens, block_t, programs)
         work = ranks_here * -(-tokens // block_t)
-        for grid, items in ((dispatch, work), (combine, work), (padding, ranks_here * 2 * 48)):
+        for grid, items in ((dispatch, work), (combine, work)):
             assert len(grid) == 1 and 1 <= grid[0] <= CUDA_AXIS0_LIMIT
             assert grid[0] == (items if programs is None else min(items, programs))
     assert push_programs(torch.device("cpu"), programs) == min(2, programs or 2)
@@ -147,9 +143,8 @@ def test_launch_beyond_the_kernel_limits_raises_before_any_kernel():
     shard, peers = torch.zeros(1, 4, 8), torch.zeros(1, dtype=torch.int64)
     with pytest.raises(ValueError, match="token blocks in one launch exceed"):
         combine_triton(out, entries, entries, shard, peers)
-    padding = torch.zeros(1, 2, 2, dtype=torch.int32)
     with pytest.raises(ValueError, match="token blocks in one launch exceed"):
-        dispatch_triton(out, out, entries, entries, padding, shard, shard[:, :, 0], peers, peers, 0, block_t=1)
+        dispatch_triton(out, out, entries, entries, shard, shard[:, :, 0], peers, peers, block_t=1)
     for bad in (0, -1, 2.0, True):
         with pytest.raises(ValueError, match="comm_programs must be None or a positive int"):
             comm_grid(4, bad)
