@@ -142,9 +142,10 @@ def test_launch_beyond_the_kernel_limits_raises_before_any_kernel():
     entries = torch.zeros(1, 1, 1, dtype=torch.int32).expand(1, tokens, 1)
     shard, peers = torch.zeros(1, 4, 8), torch.zeros(1, dtype=torch.int64)
     with pytest.raises(ValueError, match="token blocks in one launch exceed"):
-        combine_triton(out, entries, entries, shard, peers)
+        combine_triton(out, entries, entries, entries, entries, shard, peers)
     with pytest.raises(ValueError, match="token blocks in one launch exceed"):
-        dispatch_triton(out, out, entries, entries, shard, shard[:, :, 0], peers, peers, block_t=1)
+        dispatch_triton(out, out, entries, entries, entries, entries, shard, shard[:, :, 0], shard, peers, peers, peers,
+                        False, block_t=1)
     for bad in (0, -1, 2.0, True):
         with pytest.raises(ValueError, match="comm_programs must be None or a positive int"):
             comm_grid(4, bad)
