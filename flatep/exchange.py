@@ -75,6 +75,7 @@ def combine_rows(
         backend, programs: see :func:`flatep.ep_moe`.
         sums: where the runs' sums go, shaped like ``rows`` (default ``rows`` itself: its carrier
             rows are overwritten); only carrier rows are written and read. Symmetric on nvlink.
+            Unused without ``plan.dedup``: each run is then its carrier's row alone, already its sum.
 
     Returns:
         ``[n, s, H]`` on the peer-addressable transports, ``[s, H]`` on the collective one;
@@ -83,7 +84,8 @@ def combine_rows(
     hidden = rows.shape[-1]
     if not group.peer_addressable:
         return group.combine(rows.view(-1, hidden), plan, links.view(-1, 2), out_dtype)
-    sums = rows if sums is None else sums
+    # Without dedup there is nothing to sum, and combine reads ``rows`` themselves (``sums`` stays unwritten).
+    sums = rows if sums is None or not plan.dedup else sums
     tables = entry_tables(plan, tokens, top_k)
     if use_triton(rows.device, backend):
         if plan.dedup:
