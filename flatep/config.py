@@ -49,8 +49,7 @@ class EPConfig:
             above it moves. ``0`` (default) balances every uneven step; a larger value moves
             fewer experts, at the price of shards that hold ``(1 + tolerance)`` times the mean
             rows. Planners use it in fixed point (:attr:`tolerance_fixed`).
-        dedup: send each token once per destination rank (default ``False`` for now: on the
-            collective transport the deduplicated backward is not yet bit-equal to the local one). A token whose ``K``
+        dedup: send each token once per destination rank (default). A token whose ``K``
             experts live on fewer than ``K`` ranks crosses the link once per rank: dispatch sends
             the row of the token's first entry (in ``k`` order) bound for each rank, and that rank
             copies it into the token's other rows there; combine first sums, on each computing
@@ -67,7 +66,7 @@ class EPConfig:
     capacity: int
     align: int = 128
     tolerance: float = 0.0
-    dedup: bool = False
+    dedup: bool = True
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):

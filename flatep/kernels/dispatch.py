@@ -264,7 +264,9 @@ def link_values(
     rows = dest_row.long().gather(-1, position)
     continues = (runs[..., 1:] >= 0) & (runs[..., 1:] == runs[..., :-1])
     following = torch.where(continues, rows[..., 1:], -1)
-    following = torch.cat([following, torch.full_like(following[..., :1], -1)], dim=-1)
+    # The last position has no successor (a fresh column: with K = 1 ``following`` is empty).
+    end = torch.full((*following.shape[:-1], 1), -1, dtype=following.dtype, device=following.device)
+    following = torch.cat([following, end], dim=-1)
     top_k = send_order.shape[-1]
     # Scatter each position's successor to its entry; unplanned positions go to a spare last column.
     nxt = torch.full((*head.shape[:-1], top_k + 1), -1, dtype=torch.int64, device=head.device)
