@@ -620,8 +620,8 @@ def run(sweep: Sweep, out_dir: Path, device: torch.device, resume: bool = False,
     identity = dict(
         sweep=sweep.name, model=sweep.model_name, ranks=sweep.ranks, hidden=config.hidden, experts=config.experts,
         top_k=config.top_k, intermediate=config.intermediate, align=config.align, tolerance=config.tolerance,
-        dedup=config.dedup, link_gbps_model=sweep.link_gbps, warmup=sweep.warmup, iters=sweep.iters, device=hardware, backend=backend,
-        weights=sweep.weights, cost_profile=cost.to_dict(),
+        dedup=config.dedup, link_gbps_model=sweep.link_gbps, warmup=sweep.warmup, iters=sweep.iters, device=hardware,
+        backend=backend, weights=sweep.weights, cost_profile=cost.to_dict(),
     )
     out_dir.mkdir(parents=True, exist_ok=True)
     results_path = out_dir / "results.jsonl"
