@@ -4,17 +4,20 @@ A step is three autograd functions chained over the forward's plan, which the ba
 as it is (no re-planning):
 
 - :class:`DispatchRows`: ``x [R, s, H]``, ``topk_weights [R, s, K]`` fp32 -> shard rows
-  ``[R, rows, H]`` and their route weights ``[R, rows]`` fp32. Its backward is a combine: each
-  token's input gradient is the fp32 sum of its K rows' gradients, and each route weight's
-  gradient is read back from the row it was dispatched to.
+  ``[R, rows, H]``, their route weights ``[R, rows]`` fp32 and the dispatch's links (each token
+  crosses the link once per destination rank and is expanded there: :mod:`flatep.exchange`). Its
+  backward is a combine: each token's input gradient is the sum of its K rows' gradients (each
+  rank's rows of the token summed first, then the partial sums, as the forward's combine sums), and
+  each route weight's gradient is read back from the row it was dispatched to.
 - :class:`GroupedExperts`: shard rows -> expert output rows ``[R, rows, H]``, home experts from
   ``w13``/``w2`` (and ``b13``/``b2``) at their own ranks, borrowed experts read from the same
   tensors at the slot table's ids (on the local transport that read is the weight push; on the
   per-process transports the owners push them, :meth:`CollectiveGroup.push_experts`,
   :meth:`NVLinkGroup.push_copies`). Its backward
   gives the rows' and route weights' gradients and every expert's weight gradients.
-- :class:`CombineRows`: output rows -> ``[R, s, H]``. Its backward is a dispatch of the output
-  gradient to the very rows the forward summed (padding rows get zeros).
+- :class:`CombineRows`: output rows (and the links) -> ``[R, s, H]``. Its backward is a dispatch
+  of the output gradient to the token's carriers, expanded there into the very rows the forward
+  summed (padding rows are not written: see below).
 
 Tensors carry a leading rank dimension: ``R`` on the local transport, ``1`` (this process's rank)
 on the per-process ones, where dispatch and combine are the group's own (``dispatch``, ``combine``,
@@ -42,6 +45,12 @@ even if they hold NaN. Only the weight gradients autograd asks for are computed.
 It differentiates the exact function ``w * (W2 act(W13 x + b13) + b2)``, which both precisions
 (``fp32`` and ``native``) round differently but compute alike.
 
+Padding rows: dispatch leaves the rows that pad each group to ``align`` unwritten (in the forward
+and in the backward's dispatches alike), so they hold garbage, NaN included. The expert backward
+therefore runs over each group's real rows only (its padded end less its padding count from the
+plan): weight gradients sum over rows, and a padding row must contribute nothing to them. The
+padding rows' input gradients stay zero, and no combine reads them.
+
 Borrowed experts: a rank that computed with a borrowed expert computes that expert's weight
 gradient from its own rows, in fp32, and the gradients are reduced into the home expert's in a
 fixed order: the home rank's own gradient first, then each receiver's in ascending rank. Every
@@ -64,10 +73,8 @@ from typing import Any
 import torch
 from torch.autograd.function import once_differentiable
 
+from flatep.exchange import combine_rows, dispatch_rows
 from flatep.experts.grouped import Activation, grouped_swiglu, row_groups
-from flatep.kernels.backend import use_triton
-from flatep.kernels.combine import combine_torch, combine_triton
-from flatep.kernels.dispatch import dispatch_torch, dispatch_triton
 from flatep.kernels.grouped_fp32 import grouped_outer_mm, grouped_rows_mm
 from flatep.plan.types import Layout
 from flatep.transport.base import Group
@@ -116,9 +123,13 @@ class StepContext:
         return tensor[rank * epn : (rank + 1) * epn]
 
 
-def _scatter(rows: torch.Tensor, route_weights: torch.Tensor, context: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
+def _scatter(
+    rows: torch.Tensor, route_weights: torch.Tensor, context: StepContext
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Dispatch ``rows [R, s, H]`` and ``route_weights [R, s, K]`` fp32 into fresh ``[R, shard_rows, H]`` and
-    ``[R, shard_rows]`` fp32 tensors (padding rows zeroed; rows outside every group left unwritten).
+    ``[R, shard_rows]`` fp32 tensors, and their ``[R, shard_rows, 2]`` int32 links (once per
+    destination rank, then expanded; only real rows written: padding rows hold garbage, which
+    :func:`_experts_backward` never reads).
 
     Fresh tensors, not the group's shared buffers: autograd keeps them until the backward, while the
     next layer reuses the buffers.
@@ -127,46 +138,43 @@ def _scatter(rows: torch.Tensor, route_weights: torch.Tensor, context: StepConte
     ranks, tokens, hidden = rows.shape
     shard = torch.empty(ranks, plan.shard_rows, hidden, dtype=rows.dtype, device=rows.device)
     shard_weights = torch.empty(ranks, plan.shard_rows, dtype=torch.float32, device=rows.device)
-    if not group.stacked:
-        group.dispatch(rows[0], route_weights[0], plan, shard[0], shard_weights[0])
-        return shard, shard_weights
-    dest_rank, dest_row = context.entries(tokens, route_weights.shape[-1])
-    if use_triton(rows.device, context.backend):
-        dispatch_triton(rows, route_weights, dest_rank, dest_row, plan.padding, shard, shard_weights,
-                        group.peer_offsets(shard), group.peer_offsets(shard_weights), group.first_rank,
-                        programs=context.comm_programs)
-    else:
-        dispatch_torch(rows, route_weights, dest_rank, dest_row, plan.padding, shard, shard_weights)
-    return shard, shard_weights
+    links = torch.empty(ranks, plan.shard_rows, 2, dtype=torch.int32, device=rows.device)
+    dispatch_rows(rows, route_weights, plan, group, shard, shard_weights, links, context.backend, context.comm_programs)
+    return shard, shard_weights, links
 
 
-def _gather(shard: torch.Tensor, tokens: int, top_k: int, out_dtype: torch.dtype, context: StepContext) -> torch.Tensor:
-    """Combine: ``[R, s, H]`` in ``out_dtype``, every token the fp32 sum of its K rows of ``shard [R, rows, H]``."""
-    if not context.group.stacked:
-        return context.group.combine(shard[0], context.plan, out_dtype).unsqueeze(0)
-    dest_rank, dest_row = context.entries(tokens, top_k)
-    if use_triton(shard.device, context.backend):
-        out = torch.empty(shard.shape[0], tokens, shard.shape[-1], dtype=out_dtype, device=shard.device)
-        combine_triton(out, dest_rank, dest_row, shard, context.group.peer_offsets(shard), programs=context.comm_programs)
-        return out
-    return combine_torch(dest_rank, dest_row, shard, out_dtype)
+def _gather(shard: torch.Tensor, links: torch.Tensor, tokens: int, top_k: int, out_dtype: torch.dtype,
+            context: StepContext) -> torch.Tensor:
+    """Combine: ``[R, s, H]`` in ``out_dtype``, every token the sum of its K rows of ``shard [R, rows, H]``
+    (each rank's rows of a token summed first, into a fresh tensor: ``shard`` is left as it is)."""
+    sums = torch.empty_like(shard) if context.group.peer_addressable else None
+    out = combine_rows(shard, context.plan, context.group, links, tokens, top_k, out_dtype, context.backend,
+                       context.comm_programs, sums=sums)
+    return out if context.group.stacked else out.unsqueeze(0)
 
 
 class DispatchRows(torch.autograd.Function):
-    """``(x [R, s, H], topk_weights [R, s, K] fp32) -> (shard [R, rows, H], shard_weights [R, rows] fp32)``."""
+    """``(x [R, s, H], topk_weights [R, s, K] fp32) -> (shard [R, rows, H], shard_weights [R, rows] fp32,
+    links [R, rows, 2] int32)`` (the links are not differentiable; combine needs them)."""
 
     @staticmethod
     def forward(
         ctx: Any, x: torch.Tensor, topk_weights: torch.Tensor, context: StepContext
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         ctx.context, ctx.x_dtype, ctx.tokens, ctx.top_k = context, x.dtype, x.shape[-2], topk_weights.shape[-1]
-        return _scatter(x, topk_weights, context)
+        shard, shard_weights, links = _scatter(x, topk_weights, context)
+        ctx.mark_non_differentiable(links)
+        ctx.save_for_backward(links)
+        return shard, shard_weights, links
 
     @staticmethod
     @once_differentiable
-    def backward(ctx: Any, grad_shard: torch.Tensor, grad_shard_weights: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    def backward(ctx: Any, grad_shard: torch.Tensor, grad_shard_weights: torch.Tensor,
+                 _grad_links: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         context, tokens = ctx.context, ctx.tokens
-        grad_x = _gather(grad_shard.contiguous(), tokens, ctx.top_k, ctx.x_dtype, context)
+        (links,) = ctx.saved_tensors
+        # A token's gradient is the sum of its rows' gradients: each rank's rows summed, then combined.
+        grad_x = _gather(grad_shard.contiguous(), links, tokens, ctx.top_k, ctx.x_dtype, context)
         dest_rank, dest_row = context.entries(tokens, ctx.top_k)
         planned = dest_rank >= 0
         # Each route weight went to one row beside its token's copy: its gradient is that row's.
@@ -179,22 +187,23 @@ class DispatchRows(torch.autograd.Function):
 
 
 class CombineRows(torch.autograd.Function):
-    """``rows [R, rows, H] -> [R, s, H]`` in ``out_dtype``: every token the sum of its K rows."""
+    """``(rows [R, rows, H], links [R, rows, 2] int32) -> [R, s, H]`` in ``out_dtype``: every token the sum of its K rows."""
 
     @staticmethod
-    def forward(ctx: Any, rows: torch.Tensor, tokens: int, top_k: int, out_dtype: torch.dtype,
+    def forward(ctx: Any, rows: torch.Tensor, links: torch.Tensor, tokens: int, top_k: int, out_dtype: torch.dtype,
                 context: StepContext) -> torch.Tensor:
         ctx.context, ctx.rows_dtype, ctx.top_k = context, rows.dtype, top_k
-        return _gather(rows, tokens, top_k, out_dtype, context)
+        return _gather(rows, links, tokens, top_k, out_dtype, context)
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        # The gradient of a sum reaches each summand unchanged: send it to the rows combine read.
+        # The gradient of a sum reaches each summand unchanged: dispatch it to the token's carriers
+        # and expand it there into every row combine summed (padding rows are not written).
         ranks, tokens, _ = grad_out.shape
         unused_weights = torch.zeros(ranks, tokens, ctx.top_k, dtype=torch.float32, device=grad_out.device)
-        grad_rows, _ = _scatter(grad_out.to(ctx.rows_dtype).contiguous(), unused_weights, ctx.context)
-        return grad_rows, None, None, None, None
+        grad_rows, _, _ = _scatter(grad_out.to(ctx.rows_dtype).contiguous(), unused_weights, ctx.context)
+        return grad_rows, None, None, None, None, None
 
 
 def _expert_weights(
@@ -473,7 +482,7 @@ def differentiable_step(
                           comm_programs)
     if not group.stacked:  # one rank per process: a rank dimension of 1, so both transports share the code
         x, topk_weights = x.unsqueeze(0), topk_weights.unsqueeze(0)
-    shard, shard_weights = DispatchRows.apply(x, topk_weights, context)
+    shard, shard_weights, links = DispatchRows.apply(x, topk_weights, context)
     rows = GroupedExperts.apply(shard, shard_weights, w13, w2, b13, b2, context)
-    out = CombineRows.apply(rows, x.shape[-2], topk_weights.shape[-1], x.dtype, context)
+    out = CombineRows.apply(rows, links, x.shape[-2], topk_weights.shape[-1], x.dtype, context)
     return out if group.stacked else out[0]

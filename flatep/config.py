@@ -49,6 +49,13 @@ class EPConfig:
             above it moves. ``0`` (default) balances every uneven step; a larger value moves
             fewer experts, at the price of shards that hold ``(1 + tolerance)`` times the mean
             rows. Planners use it in fixed point (:attr:`tolerance_fixed`).
+        dedup: send each token once per destination rank (default). A token whose ``K``
+            experts live on fewer than ``K`` ranks crosses the link once per rank: dispatch sends
+            the row of the token's first entry (in ``k`` order) bound for each rank, and that rank
+            copies it into the token's other rows there; combine first sums, on each computing
+            rank, the token's rows computed there (ascending ``k``) into one partial sum, and
+            sends that back (see :class:`flatep.plan.types.Plan`). ``False``: every entry's row
+            crosses the link on its own (the baseline ``flatep bench`` compares against).
     """
 
     ranks: int
@@ -59,11 +66,15 @@ class EPConfig:
     capacity: int
     align: int = 128
     tolerance: float = 0.0
+    dedup: bool = True
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            if field.name == "tolerance":
+            if field.name == "dedup":
+                if not isinstance(value, bool):
+                    raise ValueError(f"EPConfig.dedup must be True or False, got {value!r}")
+            elif field.name == "tolerance":
                 if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= MAX_TOLERANCE:
                     raise ValueError(
                         f"EPConfig.tolerance must be a finite number >= 0 and <= {MAX_TOLERANCE}, got {value!r}"
@@ -109,9 +120,10 @@ class EPConfig:
 
         The rule: the power of two at or above the mean rows per expert, ``T*K/E``, within
         ``[min(16, align), align]``. Large steps keep ``align`` (Kimi-K2 at 8 ranks: from 64 tokens
-        per rank on, with the default 128); decode steps pad to 16 or 32 rows, so that dispatch
-        zeroes, and the row-wise expert kernels touch, a few rows per group instead of up to 127
-        (on the H200 at Kimi-K2, s=128: dispatch 237-280 us with 128, 71-76 us with 16). A plan,
+        per rank on, with the default 128); decode steps pad to 16 or 32 rows, so that the grouped GEMMs
+        and the row-wise expert kernels touch a few padding rows per group instead of up to 127
+        (on the H200 at Kimi-K2, s=128, when dispatch still zeroed padding: dispatch 237-280 us
+        with 128, 71-76 us with 16; dispatch no longer writes padding rows at all). A plan,
         its shard rows and its padding all follow from ``T``, so every rank and planner agrees, and
         buffers sized at capacity with ``align`` hold every step.
         """
@@ -177,7 +189,7 @@ class EPConfig:
         """
         return self.shard_rows(policy) * self.hidden * element_size
 
-    def replace(self, **changes: float) -> "EPConfig":
+    def replace(self, **changes: float | bool) -> "EPConfig":
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)
 

@@ -16,11 +16,12 @@ from flatep.config import POLICIES, EPConfig, check_policy
 from flatep.experts.grouped import PRECISIONS, Activation, grouped_swiglu, swiglu
 from flatep.experts.pool import ExpertPool, check_expert_weights, check_slot_sets
 from flatep.kernels.backend import check_programs, interpreting, use_triton
-from flatep.kernels.combine import combine_grid, combine_torch, combine_triton
-from flatep.kernels.dispatch import dispatch_grids, dispatch_torch, dispatch_triton
+from flatep.exchange import combine_rows, dispatch_rows
+from flatep.kernels.combine import combine_grid
+from flatep.kernels.dispatch import dispatch_grid
 from flatep.plan.auto import candidates_for, slot_rows
 from flatep.plan.cost import CostProfile, check_cost
-from flatep.plan.reference import _check_ids, _valid_mask, histogram, make_plan, plan_rank
+from flatep.plan.reference import _check_ids, _valid_mask, dedup_tables, histogram, make_plan, plan_rank
 from flatep.plan.split import split_slot_rows
 from flatep.plan.triton import count_rank_triton, make_plan_triton, plan_rank_triton, supports_triton_planner
 from flatep.plan.types import Layout, MadeFor, Plan, RankPlan, ids_fingerprint
@@ -28,14 +29,9 @@ from flatep.quant.tensor import QuantizedTensor, expert_weight_nbytes
 from flatep.transport.base import Group
 
 # What ranks of a per-process group must agree on before they exchange anything sized by it.
-_AGREED = ("s", "R", "E", "K", "H", "I", "capacity", "align", "tolerance", "policy", "dtype")
+_AGREED = ("s", "R", "E", "K", "H", "I", "capacity", "align", "tolerance", "dedup", "policy", "dtype")
 _DTYPE_CODES = {None: 0, torch.bfloat16: 1, torch.float32: 2}
 _TOLERANCE_SCALE = 2**20  # the header is int64: tolerance travels in fixed point
-
-
-def _entries(plan: Layout, tokens: int, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The plan's destinations as ``[n, s, K]`` for the ranks this process drives."""
-    return plan.dest_rank.view(-1, tokens, top_k), plan.dest_row.view(-1, tokens, top_k)
 
 
 def _capturing() -> bool:
@@ -150,6 +146,11 @@ def buffer_rows(config: EPConfig, policy: str) -> int:
     return config.shard_rows(policy) * (1 if policy == "none" else 2)
 
 
+def link_buffer(group: Group, rows: int) -> torch.Tensor:
+    """The group's ``[.., rows, 2]`` int32 link table of shards of ``rows`` rows (written by dispatch, read by combine)."""
+    return group.buffer("shard_links", (rows, 2), torch.int32)
+
+
 def shard_buffers(group: Group, config: EPConfig, policy: str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """The group's receive buffers for ``config``/``policy``/``dtype``: ``(shard [.., rows, H], weights [.., rows] fp32)``.
 
@@ -157,6 +158,7 @@ def shard_buffers(group: Group, config: EPConfig, policy: str, dtype: torch.dtyp
     and step of that shape, ``rows`` = :func:`buffer_rows`.
     """
     rows = buffer_rows(config, policy)
+    link_buffer(group, rows)  # allocated with the shards (collectively on nvlink), not first inside a step
     return (group.buffer("shard", (rows, config.hidden), dtype), group.buffer("shard_weights", (rows,), torch.float32))
 
 
@@ -211,7 +213,13 @@ def check_plan(plan: Layout, topk_ids: torch.Tensor, config: EPConfig, group: Gr
     group.flag("plan", planned & ~(fits & (dest_row < start + count)))
     safe_rank = torch.where(planned, rank, -1).to(torch.int32)
     safe_row = torch.where(planned, dest_row.clamp(0, plan.shard_rows - 1), -1).to(torch.int32)
-    return dataclasses.replace(plan, dest_rank=safe_rank, dest_row=safe_row)
+    if plan.dedup != config.dedup:
+        raise ValueError(f"plan was made with dedup={plan.dedup}, not with the config's dedup={config.dedup}")
+    # The kernels index entries through carrier and send_order: use tables derived from the safe
+    # destinations, and flag a plan whose own tables differ.
+    carrier, send_order = dedup_tables(safe_rank, config.dedup)
+    group.flag("plan", (carrier != plan.carrier) | (send_order != plan.send_order))
+    return dataclasses.replace(plan, dest_rank=safe_rank, dest_row=safe_row, carrier=carrier, send_order=send_order)
 
 
 def check_inputs(
@@ -249,7 +257,7 @@ def check_inputs(
             raise ValueError(f"{name} must be on the group's device {group.device}, got {tensor.device}")
     if use_triton(x.device, backend) and group.peer_addressable:
         ranks_here = len(group.local_ranks)
-        dispatch_grids(ranks_here, tokens, 2 * config.experts_per_rank, programs=comm_programs)
+        dispatch_grid(ranks_here, tokens, programs=comm_programs)
         combine_grid(ranks_here, tokens, programs=comm_programs)
     return x.contiguous(), topk_ids.to(torch.int32).contiguous(), topk_weights.float().contiguous()
 
@@ -351,7 +359,8 @@ def _header(
     key = (config, policy, dtype)
     if key not in constants:
         values = [config.ranks, config.experts, config.top_k, config.hidden, config.intermediate, config.capacity,
-                  config.align, round(config.tolerance * _TOLERANCE_SCALE), POLICIES.index(policy), _DTYPE_CODES[dtype]]
+                  config.align, round(config.tolerance * _TOLERANCE_SCALE), int(config.dedup), POLICIES.index(policy),
+                  _DTYPE_CODES[dtype]]
         constants[key] = torch.tensor(values, dtype=torch.int64, device=group.device)
     counts = torch.empty(2, dtype=torch.int64, device=group.device)
     counts[0].fill_(step)
@@ -437,7 +446,11 @@ def dispatch_step(
     comm_programs: int | None = None,
     barrier_before: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scatter rows and route weights into the receive shards, then barrier (every rank's rows have landed).
+    """Scatter rows and route weights into the receive shards, barrier, and expand (every real row holds its token).
+
+    Rows cross the link once per (token, destination rank) and are copied into the token's other
+    rows there (:func:`flatep.exchange.dispatch_rows`); the links that tell combine how to sum them
+    back go to the group's :func:`link_buffer`. Padding rows are left unwritten.
 
     Args:
         x: ``[R, s, H]`` (local) or ``[s, H]`` tokens; topk_weights: ``[.., s, K]`` fp32.
@@ -455,7 +468,6 @@ def dispatch_step(
         planner functions themselves, which does not say, gets buffers of its own ``plan.shard_rows``).
     """
     hidden = x.shape[-1]
-    tokens, top_k = topk_weights.shape[-2:]
     config = config or (plan.made_for.config if plan.made_for is not None else None)
     if config is not None:
         # An auto step planned as classic (see _planned) uses auto's buffers: their home half holds it.
@@ -464,22 +476,10 @@ def dispatch_step(
     else:
         shard = group.buffer("shard", (plan.shard_rows, hidden), x.dtype)
         shard_weights = group.buffer("shard_weights", (plan.shard_rows,), torch.float32)
-    dest_rank, dest_row = _entries(plan, tokens, top_k)
     if barrier_before:  # peers may still be combining the previous step out of these shards
         group.barrier()
-    if not group.peer_addressable:
-        group.dispatch(x, topk_weights, plan, shard, shard_weights)
-    elif use_triton(x.device, backend):
-        dispatch_triton(
-            x.view(-1, tokens, hidden), topk_weights.view(-1, tokens, top_k), dest_rank, dest_row, plan.padding,
-            shard, shard_weights, group.peer_offsets(shard), group.peer_offsets(shard_weights), group.first_rank,
-            programs=comm_programs,
-        )
-    else:
-        if not group.stacked:
-            raise ValueError("the torch dispatch path needs the local transport")
-        dispatch_torch(x, topk_weights, dest_rank, dest_row, plan.padding, shard, shard_weights)
-    group.barrier()
+    dispatch_rows(x, topk_weights, plan, group, shard, shard_weights, link_buffer(group, shard.shape[-2]), backend,
+                  comm_programs)
     return shard, shard_weights
 
 
@@ -537,23 +537,16 @@ def combine_step(
     shard: torch.Tensor, plan: Layout, group: Group, tokens: int, top_k: int, out_dtype: torch.dtype, backend: str = "auto",
     *, comm_programs: int | None = None,
 ) -> torch.Tensor:
-    """Barrier, then sum every token's K expert outputs from the shards: ``[n, s, H]`` (or ``[s, H]``).
+    """Sum every token's expert outputs from the shards: ``[n, s, H]`` (or ``[s, H]``).
 
-    ``comm_programs`` caps the combine kernel's programs (Triton only; ``None``: uncapped).
+    Each rank first sums, in its own shard, the rows of each token computed there into that
+    token's carrier row (overwriting it), then barriers, then every token adds its carriers' rows
+    (:func:`flatep.exchange.combine_rows`). Reads the links of the step's :func:`dispatch_step`.
+    ``comm_programs`` caps the kernels' programs (Triton only; ``None``: uncapped).
     """
-    group.barrier()
-    if not group.peer_addressable:
-        return group.combine(shard, plan, out_dtype)
-    hidden = shard.shape[-1]
-    dest_rank, dest_row = _entries(plan, tokens, top_k)
-    if use_triton(shard.device, backend):
-        out = torch.empty(dest_rank.shape[0], tokens, hidden, dtype=out_dtype, device=shard.device)
-        combine_triton(out, dest_rank, dest_row, shard, group.peer_offsets(shard), programs=comm_programs)
-    else:
-        if not group.stacked:
-            raise ValueError("the torch combine path needs the local transport")
-        out = combine_torch(dest_rank, dest_row, shard, out_dtype)
-    return out if group.stacked else out[0]
+    out = combine_rows(shard, plan, group, link_buffer(group, shard.shape[-2]), tokens, top_k, out_dtype, backend,
+                       comm_programs)
+    return out if group.stacked or not group.peer_addressable else out[0]
 
 
 _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}

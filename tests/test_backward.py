@@ -115,6 +115,21 @@ def test_gradients_through_the_triton_kernels(routing, policy, biases):
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_gradients_never_read_the_unwritten_padding_rows(backend, monkeypatch):
+    """Dispatch leaves padding rows unwritten: with every fresh float tensor full of NaN (the
+    backward's shards and row gradients included), the gradients still equal the dense MoE's."""
+    empty = torch.empty
+
+    def poisoned(*args, **kwargs):
+        tensor = empty(*args, **kwargs)
+        return tensor.fill_(float("nan")) if tensor.is_floating_point() else tensor
+
+    monkeypatch.setattr(torch, "empty", poisoned)
+    plan = check_against_dense(small_config(ranks=4), 5, 1.0, "exact", backend, seed=4)
+    assert int(plan.padding[..., 1].sum()) > 0  # there were padding rows to ignore
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_gradients_with_ragged_real_token_counts(backend):
     """A plan for fewer real tokens on some ranks: padded tokens get no output and no gradient."""
     check_against_dense(small_config(ranks=4), 6, "one", "exact", backend, counts=[6, 2, 0, 5])
@@ -341,7 +356,7 @@ def _poison_rows_outside_groups(monkeypatch):
     scatter = backward._scatter
 
     def poisoned(rows, route_weights, context):
-        shard, shard_weights = scatter(rows, route_weights, context)
+        shard, shard_weights, links = scatter(rows, route_weights, context)
         for local_index, rank in enumerate(context.group.local_ranks):
             real = torch.cat([backward._real_rows(context, rank, part, first, end)
                               for part, first, end in context.parts()])
@@ -349,7 +364,7 @@ def _poison_rows_outside_groups(monkeypatch):
                 assert real.shape[0] == context.plan.shard_rows
             shard[local_index][~real] = float("nan")
             shard_weights[local_index][~real] = float("nan")
-        return shard, shard_weights
+        return shard, shard_weights, links
 
     monkeypatch.setattr(backward, "_scatter", poisoned)
 

@@ -3,11 +3,14 @@
 What crosses the link in one step (bytes per rank; a row whose destination is its own rank stays
 on the device and is counted apart, as ``local``):
 
-- dispatch: one row of ``H`` elements plus its fp32 route weight per (token, k) entry (the
-  dispatch kernel sends every entry; tokens are not deduplicated). Source rank: egress; the
-  destination rank: ingress.
-- combine: the reverse of dispatch, one row of ``H`` elements per entry (the destination shard's
-  rank sends it back: egress; the token's rank receives it: ingress).
+- dispatch: one row of ``H`` elements per (token, destination rank) with a deduplicating plan
+  (``plan.dedup``: only the token's carrier rows cross, see :class:`flatep.plan.types.Plan`), one
+  per (token, k) entry without; plus per entry the metadata the implementation sends beside it
+  (:func:`entry_metadata_bytes`: its fp32 route weight, and with dedup its int32 link pair). Source
+  rank: egress; the destination rank: ingress.
+- combine: the reverse of dispatch's rows, one row of ``H`` elements per row dispatch sent (with
+  dedup, the run's partial sum; the destination shard's rank sends it back: egress; the token's
+  rank receives it: ingress). No metadata: the plan tells each side where every row goes.
 - push: every borrowed expert's weights (``expert_bytes``) leave its home rank (the donor:
   egress) and enter the borrowing rank (ingress). A push is paid by its donor, not averaged.
 
@@ -33,50 +36,81 @@ def _push_bytes(slot_experts: torch.Tensor, expert_bytes: int) -> dict[str, list
     return dict(egress=egress.tolist(), ingress=ingress.tolist())
 
 
+def entry_metadata_bytes(dedup: bool) -> int:
+    """Bytes dispatch sends beside every entry: its fp32 route weight, and with dedup its link (two
+    int32 rows: its carrier's and the next of its run), on every transport alike."""
+    return 4 + (8 if dedup else 0)
+
+
+def carried(plan: Plan | RankPlan) -> torch.Tensor:
+    """``[..., s, K] bool``: the entries whose row crosses to their destination (the carriers; every
+    planned entry without dedup)."""
+    top_k = plan.carrier.shape[-1]
+    return plan.carrier == torch.arange(top_k, device=plan.carrier.device)
+
+
+def rows_to_ranks(plan: RankPlan) -> torch.Tensor:
+    """``[R] int64``: the rows one rank's dispatch sends to each rank (its own included)."""
+    dest = plan.dest_rank.reshape(-1).long()
+    return torch.bincount(dest[carried(plan).reshape(-1)], minlength=plan.slot_experts.shape[0])
+
+
 def plan_link_bytes(plan: Plan, row_bytes: int, expert_bytes: int) -> dict[str, dict[str, list[int]]]:
     """Bytes each rank sends and receives over the link in every phase of a whole group's plan.
 
     Args:
-        plan: a :class:`Plan` (``dest_rank [R, s, K] int32``, ``-1`` for padding entries).
+        plan: a :class:`Plan` (``dest_rank``, ``carrier [R, s, K] int32``, ``-1`` for padding entries).
         row_bytes: bytes of one token row (``H * element size``).
         expert_bytes: bytes of one expert's weights as the push moves them.
 
     Returns:
         ``{phase: {"egress": [R], "ingress": [R], "local": [R]}}`` for ``dispatch``, ``combine``
-        (``local``: bytes of rows that stay on their rank) and ``push`` (no ``local``).
+        (``local``: bytes of rows, and their metadata, that stay on their rank) and ``push`` (no ``local``).
     """
     ranks = plan.dest_rank.shape[0]
     dest = plan.dest_rank.reshape(ranks, -1).long()
+    rows = carried(plan).reshape(ranks, -1)
     source = torch.arange(ranks, device=dest.device).view(-1, 1).expand_as(dest)
     remote = (dest >= 0) & (dest != source)
-    local = ((dest >= 0) & (dest == source)).sum(1)
-    sent = remote.sum(1)  # entries each source rank sends to other ranks
-    arrived = torch.bincount(dest[remote], minlength=ranks)  # entries each rank receives from others
-    dispatch_row = row_bytes + 4  # the fp32 route weight travels beside each row
+    local = (dest >= 0) & (dest == source)
+    # Entries (their metadata) and rows each source rank sends to others; those each rank receives.
+    entries_out, rows_out = remote.sum(1), (remote & rows).sum(1)
+    entries_in = torch.bincount(dest[remote], minlength=ranks)
+    rows_in = torch.bincount(dest[remote & rows], minlength=ranks)
+    meta = entry_metadata_bytes(plan.dedup)
     return dict(
-        dispatch=dict(egress=(sent * dispatch_row).tolist(), ingress=(arrived * dispatch_row).tolist(),
-                      local=(local * dispatch_row).tolist()),
-        combine=dict(egress=(arrived * row_bytes).tolist(), ingress=(sent * row_bytes).tolist(),
-                     local=(local * row_bytes).tolist()),
+        dispatch=dict(egress=(rows_out * row_bytes + entries_out * meta).tolist(),
+                      ingress=(rows_in * row_bytes + entries_in * meta).tolist(),
+                      local=((local & rows).sum(1) * row_bytes + local.sum(1) * meta).tolist()),
+        combine=dict(egress=(rows_in * row_bytes).tolist(), ingress=(rows_out * row_bytes).tolist(),
+                     local=((local & rows).sum(1) * row_bytes).tolist()),
         push=_push_bytes(plan.slot_experts, expert_bytes),
     )
 
 
-def rank_link_bytes(plan: RankPlan, row_bytes: int, expert_bytes: int) -> dict[str, dict[str, int]]:
+def rank_link_bytes(plan: RankPlan, row_bytes: int, expert_bytes: int, rows_in: int) -> dict[str, dict[str, int]]:
     """:func:`plan_link_bytes` for one rank of a per-process group, from its own :class:`RankPlan`.
 
-    Rows arriving from other ranks are the rank's real rows (``received``) less its local ones.
+    Entries arriving from other ranks are the rank's real rows (``received``) less its local ones;
+    the rows arriving (``rows_in``: with dedup fewer than those entries) are not in this rank's plan.
+
+    Args:
+        rows_in: rows other ranks' dispatches send this rank: the sum over the other ranks of their
+            :func:`rows_to_ranks` at this rank (an all-to-all of them in a per-process group).
     """
     rank = plan.rank
     dest = plan.dest_rank.reshape(-1)
-    local = int((dest == rank).sum())
-    sent = int(((dest >= 0) & (dest != rank)).sum())
-    arrived = int(plan.received[rank]) - local
+    rows = carried(plan).reshape(-1)
+    local, remote = dest == rank, (dest >= 0) & (dest != rank)
+    local_entries, local_rows = int(local.sum()), int((local & rows).sum())
+    entries_out, rows_out = int(remote.sum()), int((remote & rows).sum())
+    entries_in = int(plan.received[rank]) - local_entries
+    meta = entry_metadata_bytes(plan.dedup)
     push = _push_bytes(plan.slot_experts, expert_bytes)
-    dispatch_row = row_bytes + 4
     return dict(
-        dispatch=dict(egress=sent * dispatch_row, ingress=arrived * dispatch_row, local=local * dispatch_row),
-        combine=dict(egress=arrived * row_bytes, ingress=sent * row_bytes, local=local * row_bytes),
+        dispatch=dict(egress=rows_out * row_bytes + entries_out * meta, ingress=rows_in * row_bytes + entries_in * meta,
+                      local=local_rows * row_bytes + local_entries * meta),
+        combine=dict(egress=rows_in * row_bytes, ingress=rows_out * row_bytes, local=local_rows * row_bytes),
         push=dict(egress=push["egress"][rank], ingress=push["ingress"][rank]),
     )
 

@@ -6,7 +6,8 @@ rank's (what the layer waits for). Arms: ``flat`` (policy ``exact``), ``classic`
 ``none``) and ``a2a``: plain ``torch.distributed.all_to_all_single`` of the same classic-EP rows
 (dispatch and the reverse combine only, no experts), the baseline of any EP library.
 
-Bytes: ``dispatch_bytes`` is logical, ``s*K*H*2`` per rank (one copy per selected expert; local
+Bytes: ``dispatch_bytes`` is logical, the busiest rank's rows times ``H*2`` (one row per token and
+destination rank with ``EPConfig.dedup``, one per selected expert without: ``s*K*H*2``; local
 rows included); every rank's ``link_bytes`` (dispatch, combine, push: egress, ingress, and the
 local rows apart) come from its own plan (:func:`flatep.bench.accounting.rank_link_bytes`), and
 ``link_bytes_max`` is the most any rank sends or receives in dispatch. With ``--link-gbps`` a
@@ -25,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from flatep.bench.accounting import PHASES, link_model_us, rank_link_bytes
+from flatep.bench.accounting import PHASES, carried, link_model_us, rank_link_bytes, rows_to_ranks
 from flatep.bench.timing import copy_ceiling_gbps, device_name, gemm_ceiling_tflops, time_us
 from flatep.config import MODEL_SHAPES, EPConfig, preset
 from flatep.experts.pool import ExpertPool
@@ -77,11 +78,18 @@ def _ep_cell(group, pool: ExpertPool, x, ids, weights, config: EPConfig, policy:
     experts_us = time_us(lambda: experts_step(shard, shard_weights, pool, plan, group, 0), **timing)
     combine_us = time_us(lambda: combine_step(shard, plan, group, x.shape[0], config.top_k, x.dtype), **timing)
     step_us = time_us(lambda: ep_moe(x, ids, weights, config=config, group=group, policy=policy, pool=pool), **timing)
+    # The rows other ranks send here are in their plans, not this one: one all-to-all of the counts.
+    rows_out = rows_to_ranks(plan)
+    rows_in = torch.empty_like(rows_out)
+    dist.all_to_all_single(rows_in, rows_out)
+    rank = group.first_rank
     return dict(
         plan_us=plan_us, dispatch_us=dispatch_us, push_us=push_us, experts_us=experts_us, combine_us=combine_us,
-        step_us=step_us, rows=int(plan.received[group.first_rank]),
-        link_bytes=rank_link_bytes(plan, config.hidden * x.element_size(), config.expert_bytes(x.element_size())),
-        borrowed=int((plan.slot_experts[group.first_rank] >= 0).sum()),
+        step_us=step_us, rows=int(plan.received[rank]),
+        sent_rows=int(carried(plan).sum()),
+        link_bytes=rank_link_bytes(plan, config.hidden * x.element_size(), config.expert_bytes(x.element_size()),
+                                   int(rows_in.sum() - rows_in[rank])),
+        borrowed=int((plan.slot_experts[rank] >= 0).sum()),
     )
 
 
@@ -107,7 +115,8 @@ def _summarize(per_rank: list[dict[str, Any]], config: EPConfig, tokens: int, li
     def slowest(name: str) -> float:
         return max(rank.get(name, 0.0) for rank in per_rank)
 
-    logical = tokens * config.top_k * config.hidden * 2
+    # The busiest rank's dispatch rows (a2a cells send every entry).
+    logical = max(rank.get("sent_rows", tokens * config.top_k) for rank in per_rank) * config.hidden * 2
     experts = [rank.get("experts_us", 0.0) for rank in per_rank]
     summary = dict(
         plan_us=slowest("plan_us"), dispatch_us=slowest("dispatch_us"), push_us=slowest("push_us"),

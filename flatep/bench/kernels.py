@@ -3,8 +3,12 @@
 ``python -m flatep.bench.kernels [--model kimi-k2] [--tokens 4096] [--out FILE.json]`` times each
 kernel configuration (tokens per program, columns per step, warps) on R virtual ranks of one GPU
 and prints achieved bandwidth (bytes read + written) beside the copy ceiling measured in the same
-run. Bytes counted: dispatch reads each token row once and writes K rows; combine reads K rows and
-writes one; push reads and writes every pushed expert.
+run. Bytes counted: dispatch reads each token row once and writes its carriers' rows (K rows per
+token without ``EPConfig.dedup``, one per destination rank with it); combine reads those rows and
+writes one; push reads and writes every pushed expert. Only the two exchange kernels are timed:
+with dedup the destinations' expansion after dispatch and the run sums before combine
+(:func:`flatep.kernels.dispatch.expand_triton`, :func:`flatep.kernels.combine.sum_runs_triton`)
+are not, so their figures are those of the link-facing kernels alone.
 """
 from __future__ import annotations
 
@@ -15,11 +19,13 @@ import sys
 
 import torch
 
+from flatep.bench.accounting import carried
 from flatep.bench.timing import copy_ceiling_gbps, device_name, time_us
 from flatep.config import preset
 from flatep.kernels.combine import combine_triton
 from flatep.kernels.dispatch import dispatch_triton
 from flatep.kernels.push import push_triton
+from flatep.layer import link_buffer
 from flatep.plan.reference import make_plan
 from flatep.routing import skewed_topk
 from flatep.transport.local import LocalGroup
@@ -60,19 +66,21 @@ def main(argv: list[str] | None = None) -> int:
         weights = torch.rand(args.ranks, tokens, config.top_k, device=device)
         shard = group.buffer("shard", (plan.shard_rows, config.hidden), torch.bfloat16)
         shard_weights = group.buffer("shard_weights", (plan.shard_rows,), torch.float32)
-        peers, weight_peers = group.peer_offsets(shard), group.peer_offsets(shard_weights)
+        links = link_buffer(group, plan.shard_rows)
+        peers, weight_peers, link_peers = (group.peer_offsets(t) for t in (shard, shard_weights, links))
         out = torch.empty_like(x)
         row_bytes = config.hidden * 2
-        moved = args.ranks * tokens * (config.top_k + 1) * row_bytes
+        moved = (args.ranks * tokens + int(carried(plan).sum())) * row_bytes
         for block_t, block_h, warps in itertools.product([1, 2, 4, 8, 16], [512, 1024, 2048], [4, 8]):
             if block_t * block_h > 16384:
                 continue
             dispatch_us = time_us(lambda: dispatch_triton(
-                x, weights, plan.dest_rank, plan.dest_row, plan.padding, shard, shard_weights, peers, weight_peers, 0,
-                block_t=block_t, block_h=block_h, num_warps=warps), device, warmup=3, iters=10)
-            combine_us = time_us(lambda: combine_triton(
-                out, plan.dest_rank, plan.dest_row, shard, peers, block_t=block_t, block_h=block_h, num_warps=warps),
+                x, weights, plan.dest_rank, plan.dest_row, plan.carrier, plan.send_order, shard, shard_weights, links,
+                peers, weight_peers, link_peers, plan.dedup, block_t=block_t, block_h=block_h, num_warps=warps),
                 device, warmup=3, iters=10)
+            combine_us = time_us(lambda: combine_triton(
+                out, plan.dest_rank, plan.dest_row, plan.carrier, plan.send_order, shard, peers, block_t=block_t,
+                block_h=block_h, num_warps=warps), device, warmup=3, iters=10)
             record = dict(kernel_config=dict(block_t=block_t, block_h=block_h, num_warps=warps), tokens=tokens,
                           dispatch_us=dispatch_us, combine_us=combine_us,
                           dispatch_fraction=moved / dispatch_us / 1e3 / ceiling,

@@ -77,9 +77,10 @@ def _virtual_meaning(first: dict[str, Any]) -> str:
         "combine), max(bytes the rank sends, bytes it receives over the link) / "
         f"{first.get('link_gbps_model')} GB/s, summed over phases, for the busiest rank; rows that stay on "
         "their rank are not counted; a push is paid by its donor. `layer + link` = the largest over ranks "
-        "of the layer with that rank's experts and modelled link time. Bytes: dispatch = logical s*K*H*2 per rank; "
+        "of the layer with that rank's experts and modelled link time. Bytes: dispatch = logical, the busiest "
+        "rank's rows x H x 2 (s*K rows per rank without dedup, one per token and destination rank with it); "
         "push = expert-weight bytes moved in all; egress/ingress max = the busiest rank's link bytes in dispatch "
-        "and push (combine mirrors dispatch)"
+        "and push (combine mirrors dispatch's rows, without their per-entry metadata)"
         + ("; copy% = dispatch/combine kernels' bytes read+written over the copy ceiling; GEMM% = slowest "
            "rank's expert TFLOP/s over the ceiling; read% = the weights of the slowest rank's experts that hold "
            "rows (GB, read once) over its experts time, as a fraction of the read ceiling." if on_gpu else ".")
@@ -201,7 +202,8 @@ def summary_markdown(rows: list[dict[str, Any]]) -> str:
     meaning = (
         "Times in µs (median), each the slowest of the R processes (one per rank). `layer` = a whole "
         "`ep_moe` step of the slowest rank; for `a2a` (plain `all_to_all_single` of classic-EP rows, no "
-        "experts) dispatch + combine. Bytes: dispatch = logical s*K*H*2 per rank, local rows included; "
+        "experts) dispatch + combine. Bytes: dispatch = logical, the busiest rank's rows x H x 2 (s*K without "
+        "dedup, one per token and destination rank with it), local rows included; "
         "egress/ingress max = the busiest rank's bytes over the link, local rows excluded."
         if processes else _virtual_meaning(first)
     )

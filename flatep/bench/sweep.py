@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import yaml
 
-from flatep.bench.accounting import link_model_us, plan_link_bytes
+from flatep.bench.accounting import carried, link_model_us, plan_link_bytes
 from flatep.bench.timing import Timing, copy_ceiling_gbps, device_name, gemm_ceiling_tflops, read_ceiling_gbps, time_stats
 from flatep.config import MODEL_SHAPES, POLICIES, EPConfig, align_up, preset
 from flatep.experts.grouped import grouped_swiglu
@@ -49,7 +49,7 @@ ARMS = {"flat": "exact", "classic": "none", "dense": None}
 Any other arm name must be a planner policy (:data:`flatep.config.POLICIES`) and plans with it."""
 CELL_KEY = ("model", "ranks", "tokens", "maxvio_target", "arm")
 IDENTITY = ("sweep", "model", "ranks", "hidden", "experts", "top_k", "intermediate", "align", "tolerance",
-            "link_gbps_model", "warmup", "iters", "device", "backend", "weights", "cost_profile")
+            "dedup", "link_gbps_model", "warmup", "iters", "device", "backend", "weights", "cost_profile")
 """Fields every row of one results file shares: ``--resume`` refuses a file whose rows differ."""
 
 
@@ -84,6 +84,8 @@ class Sweep:
         align: group padding of the shards (:attr:`flatep.EPConfig.align`).
         tolerance: imbalance the flat arm lets pass without moving weights
             (:attr:`flatep.EPConfig.tolerance`).
+        dedup: send each token once per destination rank (:attr:`flatep.EPConfig.dedup`); ``False``
+            runs the per-entry baseline.
         weights: format of the expert pool, one of :data:`flatep.quant.WEIGHT_FORMATS`
             (``bf16``; ``fp8``: e4m3 with 128x128 block scales, needs ``H`` and ``I`` multiples
             of 128; ``mxfp4``: e2m1 with a scale per 32, needs multiples of 32), random values.
@@ -103,6 +105,7 @@ class Sweep:
     link_gbps: float = 370.0
     align: int = 128
     tolerance: float = 0.0
+    dedup: bool = True
     weights: str = "bf16"
     cost: str | None = None
 
@@ -173,12 +176,13 @@ class Sweep:
             if self.model not in MODEL_SHAPES:
                 raise ValueError(f"model must be one of {sorted(MODEL_SHAPES)} or a shape dict, got {self.model!r}")
             return preset(self.model, ranks=self.ranks, capacity=capacity, align=self.align).replace(
-                tolerance=self.tolerance
+                tolerance=self.tolerance, dedup=self.dedup
             )
         needed = {"hidden", "experts", "top_k", "intermediate"}
         if set(self.model) != needed:
             raise ValueError(f"model dict must have exactly the keys {sorted(needed)}, got {sorted(self.model)}")
-        return EPConfig(ranks=self.ranks, capacity=capacity, align=self.align, tolerance=self.tolerance, **self.model)
+        return EPConfig(ranks=self.ranks, capacity=capacity, align=self.align, tolerance=self.tolerance, dedup=self.dedup,
+                        **self.model)
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
@@ -396,6 +400,10 @@ def _ep_cell(
     slots_per_rank = (plan.slot_experts >= 0).sum(1).cpu()
     borrowed = int(slots_per_rank.sum())
     link_bytes = plan_link_bytes(plan, hidden * element, expert_bytes)
+    # Rows each rank's dispatch sends (one per token and destination rank with dedup), and those that leave it.
+    sent = carried(plan).reshape(ranks, -1)
+    remote = sent & (plan.dest_rank.reshape(ranks, -1) != torch.arange(ranks, device=sent.device).view(-1, 1))
+    sent_rows_max, remote_rows_max = int(sent.sum(1).max()), int(remote.sum(1).max())
     link_us = link_model_us(link_bytes, sweep.link_gbps)
     measured_for_model, measured_rank = model_terms_us(
         experts_us, link_model_us(link_bytes, cost.link_gbps)["total"], push_t.median / ranks, borrowed > 0
@@ -427,8 +435,8 @@ def _ep_cell(
         **_spread("step_us", step_t),
         layer_us=layer_us,
         layer_us_spread=[layer(lambda t: t.min), layer(lambda t: t.max)],
-        dispatch_bytes=entries * hidden * element,
-        combine_bytes=entries * hidden * element,
+        dispatch_bytes=sent_rows_max * hidden * element,
+        combine_bytes=sent_rows_max * hidden * element,
         expert_bytes=expert_bytes,
         push_bytes=borrowed * expert_bytes,
         borrowed_experts=borrowed,
@@ -447,7 +455,7 @@ def _ep_cell(
         rows_mean=float(received.mean()),
         padded_rows_max=int(padded_rows.max()),
         step_align=config.step_align(config.ranks * cell.tokens),
-        remote_rows_max=max(link_bytes["dispatch"]["egress"]) // (hidden * element + 4),
+        remote_rows_max=remote_rows_max,
         link_bytes=link_bytes,
         link_model_us_per_rank=link_us,
         link_model_us=max(link_us["total"]),
@@ -615,8 +623,8 @@ def run(sweep: Sweep, out_dir: Path, device: torch.device, resume: bool = False,
     identity = dict(
         sweep=sweep.name, model=sweep.model_name, ranks=sweep.ranks, hidden=config.hidden, experts=config.experts,
         top_k=config.top_k, intermediate=config.intermediate, align=config.align, tolerance=config.tolerance,
-        link_gbps_model=sweep.link_gbps, warmup=sweep.warmup, iters=sweep.iters, device=hardware, backend=backend,
-        weights=sweep.weights, cost_profile=cost.to_dict(),
+        dedup=config.dedup, link_gbps_model=sweep.link_gbps, warmup=sweep.warmup, iters=sweep.iters, device=hardware,
+        backend=backend, weights=sweep.weights, cost_profile=cost.to_dict(),
     )
     out_dir.mkdir(parents=True, exist_ok=True)
     results_path = out_dir / "results.jsonl"

@@ -165,9 +165,10 @@ def grouped_swiglu(
     formula (see the module docstring).
 
     Args:
-        shard: ``[rows, H]`` received rows (padding rows zero).
-        route_weights: ``[rows]`` fp32 route weight of each row (padding rows zero; rows past the
-            last group may hold stale values and are ignored).
+        shard: ``[rows, H]`` received rows (padding rows hold anything, NaN included: every row
+            is computed on its own, so they reach only their own output rows, which combine never reads).
+        route_weights: ``[rows]`` fp32 route weight of each row (padding rows likewise; rows past
+            the last group may hold stale values and are ignored).
         w13: ``[G, 2I, H]`` gate rows then up rows of each group's expert (the layer passes ``G =
             epn``: a rank's home experts, or its slots); a float tensor, or packed fp8 / mxfp4
             weights (:class:`flatep.quant.QuantizedTensor`, see :func:`quantized_grouped_mm`).

@@ -1,8 +1,13 @@
-"""Combine: each token gathers its K rows from the shards and sums them in fp32 (unweighted).
+"""Combine: each token sums its expert outputs from the shards in fp32 (unweighted), once per rank.
 
-The experts have already multiplied each row by its route weight, so combine is a plain sum. The
-grid is 1-D and its programs walk (rank, token block) items with a grid-stride loop, so a capped
-grid (``programs``) sums every token exactly as an uncapped one does.
+The experts have already multiplied each row by its route weight, so combine is a plain sum, in two
+steps (see :class:`flatep.plan.types.Plan`): with a deduplicating plan, each computing rank first
+sums every run of its own shard, the rows of one token there in ascending ``k`` (fp32, rounded
+once to the rows' dtype), into the run's carrier row (:func:`sum_runs_triton`; nothing to do
+without dedup); then every token reads its carriers' rows, one per destination rank, and adds them
+in the plan's ``send_order`` (ascending destination rank) in fp32 (:func:`combine_triton`). The
+grids are 1-D and their programs walk their work items with a grid-stride loop, so a capped grid
+(``programs``) sums every token exactly as an uncapped one does.
 """
 from __future__ import annotations
 
@@ -10,12 +15,14 @@ import torch
 import triton
 import triton.language as tl
 
+from flatep.config import next_pow2
 from flatep.kernels.backend import column_block, comm_grid, token_block
+from flatep.kernels.dispatch import real_rows, row_block, row_grid
 
 
 @triton.jit
 def _combine_kernel(
-    out_ptr, dest_rank_ptr, dest_row_ptr, shard_ptr, shard_peers_ptr,
+    out_ptr, dest_rank_ptr, dest_row_ptr, carrier_ptr, order_ptr, shard_ptr, shard_peers_ptr,
     tokens, blocks, work, out_rank_stride, entry_rank_stride,
     H: tl.constexpr, K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
@@ -28,14 +35,47 @@ def _combine_kernel(
             column = start + tl.arange(0, BLOCK_H)
             column_mask = column < H
             total = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32)
-            for k in tl.static_range(K):
-                dest = tl.load(dest_rank_ptr + entry_base + k, mask=token_mask, other=-1)
-                row = tl.load(dest_row_ptr + entry_base + k, mask=token_mask, other=0)
-                live = token_mask & (dest >= 0)
+            for i in tl.static_range(K):  # the send order: carriers by ascending destination rank
+                entry = tl.load(order_ptr + entry_base + i, mask=token_mask, other=-1)
+                live = token_mask & (entry >= 0)
+                carrier = tl.load(carrier_ptr + entry_base + entry, mask=live, other=-1)
+                live = live & (carrier == entry)
+                dest = tl.load(dest_rank_ptr + entry_base + entry, mask=live, other=0)
+                row = tl.load(dest_row_ptr + entry_base + entry, mask=live, other=0)
                 source = tl.load(shard_peers_ptr + dest, mask=live, other=0) + row.to(tl.int64) * H
                 values = tl.load(shard_ptr + source[:, None] + column[None, :], mask=live[:, None] & column_mask[None, :], other=0.0)
                 total += values.to(tl.float32)
             tl.store(out_rows[:, None] + column[None, :], total.to(out_ptr.dtype.element_ty), mask=token_mask[:, None] & column_mask[None, :])
+
+
+@triton.jit
+def _sum_runs_kernel(
+    rows_ptr, sums_ptr, links_ptr, offsets_ptr, padding_ptr, first_rank, rows, slot_base, blocks, work,
+    H: tl.constexpr, K: tl.constexpr, EPN: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    # Work item = (local rank, block of BLOCK_R shard rows); a carrier's program walks its run.
+    for item in range(tl.program_id(0), work, tl.num_programs(0)):
+        local, rank, row, inside = row_block(item, blocks, first_rank, rows, BLOCK_R)
+        real = inside & real_rows(row, offsets_ptr + rank * 2 * EPN, padding_ptr + rank * 4 * EPN, slot_base,
+                                  EPN, 2 * EPN, BLOCK_G)
+        links = links_ptr + local * rows * 2
+        head = tl.load(links + row * 2, mask=real, other=-1).to(tl.int64)
+        carrier = real & (head == row)
+        source = rows_ptr + local * rows * H
+        target = sums_ptr + local * rows * H
+        for start in range(0, H, BLOCK_H):
+            column = start + tl.arange(0, BLOCK_H)
+            column_mask = column < H
+            total = tl.zeros([BLOCK_R, BLOCK_H], dtype=tl.float32)
+            member = tl.where(carrier, row, -1)
+            for _ in tl.static_range(K):  # a run has at most K rows, in ascending k
+                on = member >= 0
+                values = tl.load(source + member[:, None] * H + column[None, :], mask=on[:, None] & column_mask[None, :], other=0.0)
+                total += values.to(tl.float32)
+                member = tl.load(links + member * 2 + 1, mask=on, other=-1).to(tl.int64)
+            tl.store(target + row[:, None] * H + column[None, :], total.to(sums_ptr.dtype.element_ty),
+                     mask=carrier[:, None] & column_mask[None, :])
 
 
 def combine_grid(ranks_here: int, tokens: int, block_t: int = 1, programs: int | None = None) -> tuple[int]:
@@ -51,6 +91,8 @@ def combine_triton(
     out: torch.Tensor,
     dest_rank: torch.Tensor,
     dest_row: torch.Tensor,
+    carrier: torch.Tensor,
+    send_order: torch.Tensor,
     shard: torch.Tensor,
     shard_peers: torch.Tensor,
     block_t: int = 1,
@@ -58,12 +100,14 @@ def combine_triton(
     num_warps: int = 4,
     programs: int | None = None,
 ) -> None:
-    """``out[r, t] = sum_k shard[dest_rank[r,t,k]][dest_row[r,t,k]]``, accumulated in fp32.
+    """``out[r, t]`` = the fp32 sum, in ``send_order``, of the rows of token ``(r, t)``'s carriers.
+
+    With a deduplicating plan the carriers' rows must hold their runs' sums (:func:`sum_runs_triton`).
 
     Args:
         out: ``[n, s, H]`` output of the ``n`` ranks this process drives (written; padded tokens
             get zeros).
-        dest_rank, dest_row: ``[n, s, K]`` int32 from the plan.
+        dest_rank, dest_row, carrier, send_order: ``[n, s, K]`` int32 from the plan.
         shard: base of this process's shard buffer (``[.., rows, H]``).
         shard_peers: ``[R] int64`` element offsets of every rank's shard from ``shard``'s base.
         block_t, block_h, num_warps: tuning (see ``python -m flatep.bench.kernels``). The defaults
@@ -82,20 +126,78 @@ def combine_triton(
     grid = combine_grid(ranks_here, tokens, block_t, programs)
     block_h = block_h or column_block(hidden, shard.element_size())
     _combine_kernel[grid](
-        out, dest_rank, dest_row, shard, shard_peers,
+        out, dest_rank, dest_row, carrier, send_order, shard, shard_peers,
         tokens, triton.cdiv(tokens, block_t), ranks_here * triton.cdiv(tokens, block_t), tokens * hidden, tokens * top_k,
         H=hidden, K=top_k, BLOCK_T=block_t, BLOCK_H=block_h, num_warps=num_warps,
     )
 
 
-def combine_torch(dest_rank: torch.Tensor, dest_row: torch.Tensor, shards: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+def sum_runs_triton(
+    rows: torch.Tensor, sums: torch.Tensor, links: torch.Tensor, offsets: torch.Tensor, padding: torch.Tensor,
+    slot_base: int, first_rank: int, top_k: int, block_r: int = 4, programs: int | None = None,
+) -> None:
+    """Write into each carrier row of ``sums`` the fp32 sum of its run's ``rows`` (ascending ``k``), rounded once.
+
+    Args:
+        rows: ``[n, rows, H]`` (or ``[rows, H]``) this process's expert outputs, contiguous.
+        sums: like ``rows`` (may be ``rows`` itself: each program reads its run before it writes
+            the carrier row, and no other run reads that row); only carrier rows are written.
+        links: ``[n, rows, 2]`` (or ``[rows, 2]``) int32 link tables from dispatch.
+        offsets, padding, slot_base: the plan's; first_rank: global rank of the first shard; top_k: ``K``.
+        block_r, programs: rows per work item; cap on the programs (results do not depend on it).
+    """
+    count, hidden = rows.shape[-2:]
+    ranks_here = rows.numel() // (count * hidden)
+    groups = offsets.shape[1]
+    grid = row_grid(ranks_here, count, block_r, programs)
+    blocks = triton.cdiv(count, block_r)
+    _sum_runs_kernel[grid](
+        rows, sums, links, offsets, padding, first_rank, count, slot_base, blocks, ranks_here * blocks,
+        H=hidden, K=top_k, EPN=groups // 2, BLOCK_G=next_pow2(groups), BLOCK_R=block_r,
+        BLOCK_H=column_block(hidden, rows.element_size()),
+    )
+
+
+def run_sums(rows: torch.Tensor, links: torch.Tensor, carriers: torch.Tensor, top_k: int) -> torch.Tensor:
+    """``[n, H]`` in ``rows``' dtype: the sum of each carrier's run of one shard, as the kernel sums it.
+
+    Args:
+        rows: ``[rows, H]`` one rank's expert outputs; links: ``[rows, 2]`` int32 its link table.
+        carriers: ``[n]`` int64 carrier rows; top_k: ``K`` (a run has at most ``K`` rows).
+    """
+    total = torch.zeros(carriers.numel(), rows.shape[-1], dtype=torch.float32, device=rows.device)
+    member = carriers
+    for _ in range(top_k):  # the kernel's order: the run's rows in ascending k, each added in fp32
+        on = member >= 0
+        total += torch.where(on.unsqueeze(-1), rows[member.clamp_min(0)].float(), 0.0)
+        member = torch.where(on, links[member.clamp_min(0), 1].long(), -1)
+    return total.to(rows.dtype)
+
+
+def sum_runs_torch(rows: torch.Tensor, sums: torch.Tensor, links: torch.Tensor, real: torch.Tensor, top_k: int) -> None:
+    """Plain-torch :func:`sum_runs_triton` on stacked ``[R, rows, H]`` tensors (``real [R, rows] bool``)."""
+    position = torch.arange(real.shape[1], device=real.device)
+    for rank in range(real.shape[0]):
+        carriers = (real[rank] & (links[rank, :, 0].long() == position)).nonzero().flatten()
+        sums[rank, carriers] = run_sums(rows[rank], links[rank], carriers, top_k).to(sums.dtype)
+
+
+def combine_torch(
+    dest_rank: torch.Tensor, dest_row: torch.Tensor, carrier: torch.Tensor, send_order: torch.Tensor,
+    shards: torch.Tensor, out_dtype: torch.dtype,
+) -> torch.Tensor:
     """Plain-torch combine on stacked shards: ``[R, s, H]`` in ``out_dtype``.
 
     Args:
-        dest_rank, dest_row: ``[R, s, K]`` int32 (``-1`` = padded entry, contributes nothing).
-        shards: ``[R, rows, H]``.
+        dest_rank, dest_row, carrier, send_order: ``[R, s, K]`` int32 (``-1`` = unplanned, contributes nothing).
+        shards: ``[R, rows, H]`` (carrier rows holding their runs' sums).
     """
-    valid = dest_rank >= 0
-    rows = shards[dest_rank.clamp_min(0).long(), dest_row.clamp_min(0).long()].float()
-    rows = torch.where(valid.unsqueeze(-1), rows, 0.0)  # unplanned rows may hold garbage, even NaN
-    return rows.sum(2).to(out_dtype)
+    total = torch.zeros(*dest_rank.shape[:-1], shards.shape[-1], dtype=torch.float32, device=shards.device)
+    for i in range(send_order.shape[-1]):  # the kernel's order and fp32 accumulation: bit-equal results
+        entry = send_order[..., i : i + 1].long()
+        live = (entry >= 0) & (carrier.gather(-1, entry.clamp_min(0)).long() == entry)
+        rank = dest_rank.gather(-1, entry.clamp_min(0)).clamp_min(0).long()
+        row = dest_row.gather(-1, entry.clamp_min(0)).clamp_min(0).long()
+        rows = shards[rank[..., 0], row[..., 0]].float()
+        total += torch.where(live, rows, 0.0)  # unplanned rows may hold garbage, even NaN
+    return total.to(out_dtype)

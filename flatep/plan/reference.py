@@ -175,6 +175,35 @@ def entry_destinations(
     return dest_rank.contiguous(), dest_row.contiguous()
 
 
+def dedup_tables(dest_rank: torch.Tensor, dedup: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each entry's carrier and each token's send order (see :class:`flatep.plan.types.Plan`).
+
+    Args:
+        dest_rank: ``[..., K]`` int32 destination rank of every entry (``-1``: unplanned).
+        dedup: whether an entry's carrier is the token's first entry bound for its rank (else itself).
+
+    Returns:
+        ``(carrier, send_order)``, each ``[..., K] int32``: ``carrier`` the ``k`` of each entry's
+        carrier (``-1`` unplanned); ``send_order`` the token's planned entries sorted by
+        (destination rank, ``k``), then ``-1``.
+    """
+    top_k = dest_rank.shape[-1]
+    k = torch.arange(top_k, device=dest_rank.device)
+    planned = dest_rank >= 0
+    if dedup:
+        same = dest_rank.unsqueeze(-1) == dest_rank.unsqueeze(-2)  # [..., k, k']: same destination
+        carrier = torch.where(same, k, top_k).amin(-1)
+    else:
+        carrier = k.expand_as(dest_rank)
+    carrier = torch.where(planned, carrier, -1)
+    # Keys are distinct among planned entries; unplanned ones all sort last.
+    last = int(torch.iinfo(torch.int64).max)
+    key = torch.where(planned, dest_rank.long() * top_k + k, last)
+    sorted_key, order = key.sort(-1)
+    send_order = torch.where(sorted_key < last, order, -1)
+    return carrier.to(torch.int32).contiguous(), send_order.to(torch.int32).contiguous()
+
+
 def make_plan(
     topk_ids: torch.Tensor,
     config: EPConfig,
@@ -205,7 +234,9 @@ def make_plan(
     tokens_per_expert = histogram(topk_ids, valid, config.experts)
     layout = build_layout(tokens_per_expert, config, policy, sum(counts), topk_ids.shape[1], cost)
     dest_rank, dest_row = entry_destinations(topk_ids, valid, range(config.ranks), layout)
-    return Plan(**vars(layout), dest_rank=dest_rank, dest_row=dest_row)
+    carrier, send_order = dedup_tables(dest_rank, config.dedup)
+    return Plan(**vars(layout), dest_rank=dest_rank, dest_row=dest_row, carrier=carrier, send_order=send_order,
+                dedup=config.dedup)
 
 
 def plan_rank(
@@ -257,4 +288,6 @@ def plan_rank(
         )
     layout = build_layout(tokens_per_expert.long(), config, policy, total, step, cost)
     dest_rank, dest_row = entry_destinations(topk_ids.unsqueeze(0), valid, [rank], layout)
-    return RankPlan(**vars(layout), rank=rank, dest_rank=dest_rank[0], dest_row=dest_row[0])
+    carrier, send_order = dedup_tables(dest_rank[0], config.dedup)
+    return RankPlan(**vars(layout), rank=rank, dest_rank=dest_rank[0], dest_row=dest_row[0], carrier=carrier,
+                    send_order=send_order, dedup=config.dedup)

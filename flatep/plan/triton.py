@@ -666,6 +666,52 @@ def _destination_kernel(
     tl.store(dest_row_ptr + index, tl.where(valid, row, -1), mask=inside)
 
 
+@triton.jit
+def _dedup_kernel(
+    dest_rank_ptr, carrier_ptr, order_ptr, tokens,
+    K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, DEDUP: tl.constexpr,
+):
+    """Carrier and send order of ``BLOCK_T`` tokens (the reference's :func:`dedup_tables`).
+
+    Pairwise over each token's ``K`` entries (``[BLOCK_T, K, K]``): an entry's carrier is the
+    smallest ``k'`` with its destination; its send position is the number of planned entries
+    before it in (destination, ``k``) order.
+    """
+    token = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    k = tl.arange(0, BLOCK_K)
+    inside = (token < tokens)[:, None] & (k < K)[None, :]
+    entry = token[:, None] * K + k[None, :]
+    dest = tl.load(dest_rank_ptr + entry, mask=inside, other=-1)  # [BLOCK_T, BLOCK_K]
+    planned = dest >= 0
+    mine, other = dest[:, :, None], dest[:, None, :]  # entry k on axis 1, entry k' on axis 2
+    k_other = k[None, None, :]
+    if DEDUP:
+        carrier = tl.min(tl.where((mine == other) & planned[:, None, :], k_other, BLOCK_K), axis=2)
+    else:
+        carrier = tl.zeros([BLOCK_T, BLOCK_K], tl.int32) + k[None, :]
+    tl.store(carrier_ptr + entry, tl.where(planned, carrier, -1), mask=inside)
+    before = planned[:, None, :] & ((other < mine) | ((other == mine) & (k_other < k[None, :, None])))
+    position = tl.sum(before.to(tl.int32), axis=2)
+    count = tl.sum(planned.to(tl.int32), axis=1)
+    slot = token[:, None] * K + position
+    tl.store(order_ptr + slot, tl.zeros([BLOCK_T, BLOCK_K], tl.int32) + k[None, :], mask=inside & planned)
+    tl.store(order_ptr + entry, tl.full([BLOCK_T, BLOCK_K], -1, tl.int32), mask=inside & (k[None, :] >= count[:, None]))
+
+
+def _launch_dedup(dest_rank: torch.Tensor, dedup: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(carrier, send_order)`` of ``dest_rank [..., K]`` int32 on the device (one launch, no sync)."""
+    top_k = dest_rank.shape[-1]
+    tokens = dest_rank.numel() // top_k
+    block_k = _pow2(top_k)
+    block_t = max(1, min(64, 4096 // (block_k * block_k)))
+    carrier = torch.empty_like(dest_rank)
+    order = torch.empty_like(dest_rank)
+    _dedup_kernel[(max(1, triton.cdiv(tokens, block_t)),)](
+        dest_rank, carrier, order, tokens, K=top_k, BLOCK_K=block_k, BLOCK_T=block_t, DEDUP=dedup, num_warps=4,
+    )
+    return carrier, order
+
+
 # ----------------------------------------------------------------------------------------------
 # Host wrappers
 # ----------------------------------------------------------------------------------------------
@@ -992,7 +1038,7 @@ def make_plan_triton(
 ) -> Plan:
     """Plan one step of a whole group of virtual ranks on the GPU; equals :func:`flatep.plan.make_plan`.
 
-    Four launches (three when ``s*K`` fits in one tile; three more for ``R > 32``), no host
+    Five launches (four when ``s*K`` fits in one tile; three more for ``R > 32``), no host
     synchronisation (graph-capturable when ``tokens`` is None; per-rank
     ``tokens`` are copied to the device, which a graph capture does not allow).
 
@@ -1071,7 +1117,13 @@ def make_plan_triton(
         **tables.layout_fields(),
         dest_rank=dest_rank,
         dest_row=dest_row,
+        **_dedup_fields(dest_rank, config.dedup),
     )
+
+
+def _dedup_fields(dest_rank: torch.Tensor, dedup: bool) -> dict[str, object]:
+    carrier, send_order = _launch_dedup(dest_rank, dedup)
+    return dict(carrier=carrier, send_order=send_order, dedup=dedup)
 
 
 def plan_rank_triton(
@@ -1087,7 +1139,7 @@ def plan_rank_triton(
 ) -> RankPlan:
     """One rank's plan on its GPU from the gathered histogram; equals :func:`flatep.plan.plan_rank`.
 
-    Two launches after :func:`count_rank_triton` (four more for ``R > 32``), no host
+    Three launches after :func:`count_rank_triton` (four more for ``R > 32``), no host
     synchronisation, graph-capturable.
 
     Args:
@@ -1169,4 +1221,5 @@ def plan_rank_triton(
         rank=rank,
         dest_rank=dest_rank,
         dest_row=dest_row,
+        **_dedup_fields(dest_rank, config.dedup),
     )

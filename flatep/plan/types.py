@@ -165,14 +165,35 @@ class Layout:
 class Plan(Layout):
     """The plan of a whole group (virtual ranks): layout plus every entry's destination.
 
+    How a token crosses the link once per destination rank (``carrier``, ``send_order``; see
+    :attr:`flatep.EPConfig.dedup`): the *carrier* of an entry is the token's first entry, in ``k``
+    order, bound for the same rank (under ``dedup=False``, the entry itself). Dispatch sends only
+    carriers' rows, and with each entry a link (its carrier's row, the next row of its run); the
+    destination copies each carrier row into the rows of the entries it carries. Combine sums, on
+    the destination, each carrier's run (ascending ``k``, fp32, rounded once to the rows' dtype)
+    into the carrier's row, and each token adds its carriers' partial sums in ``send_order``
+    (ascending destination rank, fp32). Every transport does these sums in this order, so their
+    outputs are bit-identical.
+
     Attributes:
         dest_rank: ``[R, s, K]`` rank whose shard receives entry ``(r, t, k)``; ``-1`` for tokens
             beyond ``tokens[r]`` in per-rank mode.
         dest_row: ``[R, s, K]`` row of that entry inside the destination shard; ``-1`` likewise.
+        carrier: ``[R, s, K]`` the ``k`` of entry ``(r, t, k)``'s carrier (``k`` itself for
+            carriers, the only entries whose rows cross the link); ``-1`` for unplanned entries.
+        send_order: ``[R, s, K]`` each token's planned entries (their ``k``) sorted by destination
+            rank, then ``k``; ``-1`` after them. The entries of one carrier are consecutive, the
+            carrier first (its *run*).
+        dedup: whether ``carrier`` deduplicates (:attr:`flatep.EPConfig.dedup` of the planner's
+            config); ``False``: every entry carries itself, and the destination has nothing to
+            copy or sum.
     """
 
     dest_rank: torch.Tensor
     dest_row: torch.Tensor
+    carrier: torch.Tensor
+    send_order: torch.Tensor
+    dedup: bool = field(kw_only=True)
 
 
 @dataclass(repr=False)
@@ -183,8 +204,13 @@ class RankPlan(Layout):
         rank: the rank this plan belongs to.
         dest_rank: ``[s, K]`` destination rank of each of this rank's entries (``-1`` padded).
         dest_row: ``[s, K]`` row inside the destination shard (``-1`` padded).
+        carrier, send_order: ``[s, K]``, as in :class:`Plan`.
+        dedup: as in :class:`Plan`.
     """
 
     rank: int
     dest_rank: torch.Tensor
     dest_row: torch.Tensor
+    carrier: torch.Tensor
+    send_order: torch.Tensor
+    dedup: bool = field(kw_only=True)

@@ -4,23 +4,30 @@ This is the path across nodes (NCCL) and on CPU (gloo). It moves exactly what th
 transports move, with messages instead of peer stores:
 
 * histograms by ``all_gather``;
-* dispatch by one ``all_to_all_single``: each rank sends its entries sorted by (destination rank,
-  destination row), every row packed with its fp32 route weight; the receiver writes each row of
-  the ``uint8`` payload to its row of the shard and zeroes the padding rows of its groups;
-* combine by the reverse ``all_to_all_single`` and a sum in fp32 over ``k = 0..K-1`` in the same
-  order as the combine kernel, so outputs are bit-equal to the local transport's;
+* dispatch by one ``all_to_all_single`` of bytes, after a small one of counts: each rank sends
+  the metadata of its entries sorted by (destination rank, destination row) (the fp32 route
+  weight, and with ``plan.dedup`` the entry's link: its carrier's row and the next row of its run),
+  then only its carriers' rows (once per token and destination rank, see
+  :class:`flatep.plan.types.Plan`); the receiver writes them to its real rows and copies each
+  carrier row into the rows it carries (padding rows are left unwritten, as by the dispatch kernel:
+  :mod:`flatep.kernels.dispatch`);
+* combine: each rank sums its runs (fp32, ascending ``k``), sends one partial sum per (token,
+  rank) back by the reverse ``all_to_all_single``, and each token adds its partial sums in fp32 in
+  the plan's ``send_order``, the order and arithmetic of the kernels, so outputs are bit-equal to
+  the local transport's;
 * the weight push by point-to-point messages from each owner to each receiver's slot.
 
 For the backward (:mod:`flatep.backward`), :meth:`CollectiveGroup.gather_entries` returns per-entry
 values from the shard rows without summing, and :meth:`CollectiveGroup.return_slot_gradients`
 sends borrowed experts' gradients back to their owners (the push reversed).
 
-No destination row travels: both sides derive the order of the rows from the plan alone (the
-sender sorts by destination row; the receiver knows from the gathered histogram which source
-rank each of its real rows comes from), so combine needs nothing but the plan and the shard.
+No destination row of an entry travels: both sides derive the order of the entries from the plan
+alone (the sender sorts by destination row; the receiver knows from the gathered histogram which
+source rank each of its real rows comes from). Only the links, which depend on the senders' ids,
+travel with the entries; combine needs the plan, the shard and those links.
 
 Host synchronisation: ``all_to_all_single`` takes its split sizes as Python lists, so dispatch and
-combine each read the per-rank row counts (derived from the plan) back to the host once, and the
+combine each read the per-rank row counts (derived from the plan and the links) back to the host once, and the
 push reads the slot table. This transport therefore cannot be captured in a CUDA graph; its
 collectives already order every exchange, so :meth:`CollectiveGroup.barrier` has nothing to do.
 """
@@ -31,8 +38,33 @@ import datetime
 import torch
 import torch.distributed as dist
 
+from flatep.kernels.combine import run_sums
+from flatep.kernels.dispatch import link_values
 from flatep.plan.types import Layout, RankPlan
 from flatep.transport.base import Group, join_process_group
+
+
+def _per_peer(parts: list[torch.Tensor], counts: list[list[int]]) -> list[torch.Tensor]:
+    """Byte views of ``parts`` (``[n_i, width_i]`` uint8, rows grouped by peer) interleaved peer by peer:
+    peer 0's rows of every part, then peer 1's, ...; ``counts[i][peer]`` rows of part ``i`` per peer."""
+    pieces, starts = [], [0] * len(parts)
+    for peer in range(len(counts[0])):
+        for i, part in enumerate(parts):
+            pieces.append(part[starts[i] : starts[i] + counts[i][peer]].reshape(-1))
+            starts[i] += counts[i][peer]
+    return pieces
+
+
+def _from_peers(received: torch.Tensor, widths: list[int], counts: list[list[int]]) -> list[torch.Tensor]:
+    """The inverse of :func:`_per_peer` on a received byte buffer: each part ``[n_i, widths[i]]`` uint8."""
+    parts: list[list[torch.Tensor]] = [[] for _ in widths]
+    offset = 0
+    for peer in range(len(counts[0])):
+        for i, width in enumerate(widths):
+            size = counts[i][peer] * width
+            parts[i].append(received[offset : offset + size].view(-1, width))
+            offset += size
+    return [torch.cat(part) for part in parts]
 
 
 def send_order(plan: RankPlan, ranks: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -167,37 +199,64 @@ class CollectiveGroup(Group):
         plan: RankPlan,
         shard: torch.Tensor,
         shard_weights: torch.Tensor,
+        links: torch.Tensor,
     ) -> None:
-        """Send every entry's row and route weight to its row of its destination's shard.
+        """Send every entry's route weight (and link), and each carrier's row once, to its destination.
+
+        One all-to-all of bytes: to each peer, the metadata of every entry bound for it (its fp32
+        route weight and, with ``plan.dedup``, its link: the rows of its carrier and of the next
+        entry of its run), then the rows of its carriers only. The receiver writes them to its
+        real rows and copies each carrier row into the rows it carries. Padding rows are left
+        unwritten. A small all-to-all first tells each receiver how many carrier rows come.
 
         Args:
             x: ``[s, H]`` this rank's tokens (bf16 or fp32, contiguous).
             topk_weights: ``[s, K]`` fp32 route weights.
             plan: this rank's plan.
-            shard: ``[shard_rows, H]`` this rank's receive shard (written: real rows, padding zeroed).
+            shard: ``[shard_rows, H]`` this rank's receive shard (written: real rows only).
             shard_weights: ``[shard_rows]`` fp32 route weight of each shard row (written likewise).
+            links: ``[shard_rows, 2]`` int32 link table (written with ``plan.dedup``; combine reads it).
         """
+        top_k = topk_weights.shape[-1]
         order, send_counts = send_order(plan, self.world)
         rows, receive_counts = receive_order(plan, self.rank)
-        send_split, receive_split = self._splits(send_counts, receive_counts)
-        sent = order[: sum(send_split)]
-        top_k = topk_weights.shape[-1]
-        row_bytes = x.shape[-1] * x.element_size()
-        # One message per peer: [fp32 route weight | row], so one all-to-all moves both.
-        payload = torch.empty(sent.numel(), 4 + row_bytes, dtype=torch.uint8, device=self.device)
-        payload[:, :4] = topk_weights.reshape(-1)[sent].view(torch.uint8).view(-1, 4)
-        payload[:, 4:] = x[sent // top_k].view(torch.uint8)
-        received = torch.empty(sum(receive_split), 4 + row_bytes, dtype=torch.uint8, device=self.device)
-        dist.all_to_all_single(received, payload, receive_split, send_split, group=self.process_group)
-        targets = rows[: received.shape[0]]
-        shard_weights[targets] = received[:, :4].contiguous().view(torch.float32).view(-1)
-        shard[targets] = received[:, 4:].view(x.dtype)
-        padding = plan.padding[self.rank].long()  # [G, 2] (first row, count)
-        position = torch.arange(shard.shape[0], device=self.device).unsqueeze(0)
-        start = padding[:, :1]
-        in_padding = ((position >= start) & (position < start + padding[:, 1:])).any(0)
-        shard.masked_fill_(in_padding.unsqueeze(-1), 0)
-        shard_weights.masked_fill_(in_padding, 0)
+        carrier = plan.carrier.reshape(-1).long()
+        is_carrier = carrier == torch.arange(carrier.numel(), device=self.device) % top_k
+        dest = plan.dest_rank.reshape(-1).long()
+        carrier_counts = torch.bincount(dest[is_carrier], minlength=self.world)
+        incoming = torch.empty_like(carrier_counts)
+        dist.all_to_all_single(incoming, carrier_counts, group=self.process_group)
+        counts = torch.cat([send_counts, receive_counts, carrier_counts, incoming]).tolist()
+        entries_out, entries_in, carriers_out, carriers_in = (counts[i * self.world : (i + 1) * self.world] for i in range(4))
+        sent = order[: sum(entries_out)]
+        # Metadata of every sent entry, in send order: [fp32 weight | int32 carrier row | int32 next row].
+        meta = [topk_weights.reshape(-1)[sent].view(torch.uint8).view(-1, 4)]
+        if plan.dedup:
+            head, nxt = link_values(plan.dest_row, plan.carrier, plan.send_order)
+            meta += [head.reshape(-1)[sent].int().view(torch.uint8).view(-1, 4), nxt.reshape(-1)[sent].int().view(torch.uint8).view(-1, 4)]
+        meta = torch.cat(meta, dim=1)
+        carriers = sent[is_carrier[sent]]  # still by (destination, row)
+        carried = x[carriers // top_k].view(torch.uint8)
+        meta_bytes, row_bytes = meta.shape[1], carried.shape[1]
+        payload = torch.cat(_per_peer([meta, carried], [entries_out, carriers_out]))
+        received = torch.empty(sum(entries_in) * meta_bytes + sum(carriers_in) * row_bytes, dtype=torch.uint8,
+                               device=self.device)
+        dist.all_to_all_single(
+            received, payload, [e * meta_bytes + c * row_bytes for e, c in zip(entries_in, carriers_in)],
+            [e * meta_bytes + c * row_bytes for e, c in zip(entries_out, carriers_out)], group=self.process_group,
+        )
+        meta_in, rows_in = _from_peers(received, [meta_bytes, row_bytes], [entries_in, carriers_in])
+        targets = rows[: meta_in.shape[0]]
+        shard_weights[targets] = meta_in[:, :4].contiguous().view(torch.float32).view(-1)
+        if not plan.dedup:
+            shard[targets] = rows_in.view(x.dtype)
+            return
+        link = meta_in[:, 4:].contiguous().view(torch.int32)  # [entries, 2] (carrier row, next row)
+        links[targets] = link
+        head = link[:, 0].long()
+        own = head == targets  # carriers arrive in the same order as their entries
+        shard[targets[own]] = rows_in.view(x.dtype)
+        shard[targets[~own]] = shard[head[~own]]  # the local copies: carrier rows are complete above
 
     def _return_entries(self, shard: torch.Tensor, plan: RankPlan) -> tuple[torch.Tensor, torch.Tensor]:
         """Send every shard row back to the entry it came from (the reverse all-to-all of dispatch).
@@ -224,21 +283,47 @@ class CollectiveGroup(Group):
         source[order[:sent]] = torch.arange(sent, device=self.device)
         return returned, source.view(tokens, top_k)
 
-    def combine(self, shard: torch.Tensor, plan: RankPlan, out_dtype: torch.dtype) -> torch.Tensor:
-        """Return every entry's expert output to its source and sum each token's K rows in fp32.
+    def combine(self, rows: torch.Tensor, plan: RankPlan, links: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        """Sum each run here, return one partial sum per (token, rank) to its source, and sum them per token.
+
+        The run sums and the per-token sums are those of the kernels (:mod:`flatep.kernels.combine`):
+        fp32 in ascending ``k``, rounded once to ``rows``' dtype; then fp32 in the plan's
+        ``send_order``. Outputs are bit-equal to the local transport's.
 
         Args:
-            shard: ``[shard_rows, H]`` this rank's shard after the experts ran.
-            plan: this rank's plan (the one dispatch used).
+            rows: ``[shard_rows, H]`` this rank's expert outputs (not modified).
+            plan: this rank's plan (the one dispatch used); links: the links dispatch wrote.
             out_dtype: dtype of the result.
 
         Returns:
             ``[s, H]`` in ``out_dtype``; padded tokens get zeros.
         """
-        returned, source = self._return_entries(shard, plan)
-        total = torch.zeros(source.shape[0], shard.shape[-1], dtype=torch.float32, device=self.device)
-        for k in range(source.shape[1]):  # k order and fp32 accumulation of the combine kernel: bit-equal results
-            total += returned[source[:, k]].float()
+        tokens, top_k = plan.dest_rank.shape
+        order, _ = send_order(plan, self.world)
+        targets, receive_counts = receive_order(plan, self.rank)
+        source = torch.repeat_interleave(torch.arange(self.world, device=self.device), receive_counts)
+        real = targets[: source.numel()]  # arrival order: by source rank, then row
+        carrier = plan.carrier.reshape(-1).long()
+        is_carrier = carrier == torch.arange(carrier.numel(), device=self.device) % top_k
+        own = (links[real, 0].long() == real) if plan.dedup else torch.ones_like(real, dtype=torch.bool)
+        outgoing_counts = torch.bincount(source[own], minlength=self.world)
+        dest = plan.dest_rank.reshape(-1).long()
+        returning_counts = torch.bincount(dest[is_carrier], minlength=self.world)
+        send_split, receive_split = self._splits(outgoing_counts, returning_counts)
+        carriers = real[own]
+        partial = run_sums(rows, links, carriers, top_k) if plan.dedup else rows[carriers]
+        mine = order[is_carrier[order] & (dest[order] >= 0)]  # this rank's carriers by (destination, row)
+        # The extra last row stays zero: entries that are not carriers read it, as the kernel's masked loads read 0.
+        returned = torch.zeros(mine.numel() + 1, rows.shape[-1], dtype=rows.dtype, device=self.device)
+        dist.all_to_all_single(returned[:-1], partial.contiguous(), receive_split, send_split, group=self.process_group)
+        index = torch.full((tokens * top_k,), mine.numel(), dtype=torch.int64, device=self.device)
+        index[mine] = torch.arange(mine.numel(), device=self.device)
+        index = index.view(tokens, top_k)
+        total = torch.zeros(tokens, rows.shape[-1], dtype=torch.float32, device=self.device)
+        for i in range(top_k):  # the combine kernel's order (send order) and fp32 accumulation: bit-equal results
+            entry = plan.send_order[:, i].long()
+            position = index.gather(1, entry.clamp_min(0).unsqueeze(1))[:, 0]
+            total += returned[torch.where(entry >= 0, position, mine.numel())].float()
         return total.to(out_dtype)
 
     def gather_entries(self, values: torch.Tensor, plan: RankPlan) -> torch.Tensor:

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import flatep
-from flatep.bench.accounting import link_model_us, plan_link_bytes, rank_link_bytes
+from flatep.bench.accounting import entry_metadata_bytes, link_model_us, plan_link_bytes, rank_link_bytes, rows_to_ranks
 from flatep.plan import plan_rank
 from flatep.routing import skewed_topk
 
@@ -14,7 +14,9 @@ EXPERT = 1000  # bytes of one expert's weights
 
 
 def _config(ranks: int, experts: int, tokens: int) -> flatep.EPConfig:
-    return flatep.EPConfig(ranks=ranks, experts=experts, top_k=1, hidden=8, intermediate=8, capacity=tokens, align=1)
+    # The per-entry baseline (dedup=False): every dispatched row carries only its route weight.
+    return flatep.EPConfig(ranks=ranks, experts=experts, top_k=1, hidden=8, intermediate=8, capacity=tokens, align=1,
+                           dedup=False)
 
 
 def _ids(rows: list[list[int]]) -> torch.Tensor:
@@ -70,14 +72,17 @@ def test_padding_entries_cross_no_link():
     assert link["dispatch"]["local"] == [0, 2 * (ROW + 4)]
 
 
+@pytest.mark.parametrize("dedup", [True, False])
 @pytest.mark.parametrize("policy", ["exact", "none"])
-def test_one_rank_of_a_per_process_group_counts_what_the_whole_plan_counts(policy):
-    config = flatep.EPConfig(ranks=4, experts=8, top_k=2, hidden=8, intermediate=8, capacity=16, align=1)
-    ids = skewed_topk(4, 8, 2, tokens=16, sigma=1.5, seed=3)
+def test_one_rank_of_a_per_process_group_counts_what_the_whole_plan_counts(policy, dedup):
+    config = flatep.EPConfig(ranks=4, experts=8, top_k=3, hidden=8, intermediate=8, capacity=16, align=1, dedup=dedup)
+    ids = skewed_topk(4, 8, 3, tokens=16, sigma=1.5, seed=3)
     whole = plan_link_bytes(flatep.make_plan(ids, config, policy), ROW, EXPERT)
     histogram = torch.stack([torch.bincount(ids[r].reshape(-1).long(), minlength=8) for r in range(4)])
+    plans = [plan_rank(rank, ids[rank], histogram, config, policy) for rank in range(4)]
+    rows = torch.stack([rows_to_ranks(plan) for plan in plans])  # [source, destination]
     for rank in range(4):
-        mine = rank_link_bytes(plan_rank(rank, ids[rank], histogram, config, policy), ROW, EXPERT)
+        mine = rank_link_bytes(plans[rank], ROW, EXPERT, int(rows[:, rank].sum() - rows[rank, rank]))
         for phase, directions in mine.items():
             for direction, value in directions.items():
                 assert value == whole[phase][direction][rank], (phase, direction, rank)
@@ -87,3 +92,27 @@ def test_link_model_rejects_a_non_positive_bandwidth():
     plan = flatep.make_plan(_ids([[0, 1], [2, 3]]), _config(2, 4, 2), policy="none")
     with pytest.raises(ValueError, match="link_gbps"):
         link_model_us(plan_link_bytes(plan, ROW, EXPERT), 0.0)
+
+
+@pytest.mark.parametrize("top_k", [8, 16])
+def test_dedup_cuts_link_rows_by_the_expected_distinct_ranks_per_token(top_k):
+    """Uniform routing at R = 8, s = 512 and Kimi-K2's 384 experts: with dedup a token's row crosses
+    once per distinct remote rank. Under uniform experts a token reaches R(1 - (1 - 1/R)^K) distinct
+    ranks in expectation, each remote with probability (R - 1)/R, as each of its K entries is; so
+    every rank's remote rows, in dispatch and combine, each way, fall by that over K (within 3%;
+    experts drawn without replacement shift it by under 1% at 48 experts per rank)."""
+    ranks, tokens, row = 8, 512, 7168 * 2  # a Kimi-K2 bf16 row
+    config = flatep.EPConfig(ranks=ranks, experts=384, top_k=top_k, hidden=8, intermediate=8, capacity=tokens, align=1)
+    generator = torch.Generator().manual_seed(top_k)
+    ids = torch.rand(ranks, tokens, config.experts, generator=generator).argsort(-1)[..., :top_k].int()
+    ratio = ranks * (1 - (1 - 1 / ranks) ** top_k) / top_k
+    per_entry, deduped = (plan_link_bytes(flatep.make_plan(ids, config.replace(dedup=dedup), "none"), row, EXPERT)
+                          for dedup in (False, True))
+    for direction in ("egress", "ingress"):
+        for rank in range(ranks):
+            entries = per_entry["dispatch"][direction][rank] // (row + 4)  # each a row and its route weight
+            rows = {"dispatch": (deduped["dispatch"][direction][rank] - entries * entry_metadata_bytes(True)) / row,
+                    "combine": deduped["combine"][direction][rank] / row}
+            expected = {"dispatch": entries, "combine": per_entry["combine"][direction][rank] / row}
+            for phase in rows:
+                assert abs(rows[phase] / expected[phase] / ratio - 1) < 0.03, (phase, direction, rank, ratio)

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 import flatep.bench.sweep as sweep_module
-from flatep.bench.accounting import PHASES
+from flatep.bench.accounting import PHASES, entry_metadata_bytes
 from flatep.bench.accounting import link_model_us
 from flatep.bench.report import AUTO_SLACK, PLOTS_SKIPPED, REQUIRED_FIELDS, auto_vs_best, model_error_stats
 from flatep.bench.sweep import Sweep, arm_policy, cells, shipped_configs
@@ -105,10 +105,15 @@ def test_every_ep_row_has_per_rank_link_bytes_and_the_busiest_rank_model(tmp_pat
         shared = row["layer_us"] - row["experts_us_max"]
         with_link = [shared + row["experts_us"][r] + totals[r] for r in range(row["ranks"])]
         assert row["layer_with_link_model_us"] == pytest.approx(max(with_link))
-        # Rows that stay local plus rows sent equal every entry of the rank.
-        entry = row["hidden"] * 2 + 4
+        # Rows that stay local plus rows sent: one per token and destination rank (dedup), each
+        # row H bf16 values, plus every entry's metadata; dispatch_bytes counts the busiest rank's rows.
+        meta, row_bytes = entry_metadata_bytes(row["dedup"]), row["hidden"] * 2
+        rows = []
         for rank in range(row["ranks"]):
-            assert link["dispatch"]["egress"][rank] + link["dispatch"]["local"][rank] == row["tokens"] * row["top_k"] * entry
+            sent = link["dispatch"]["egress"][rank] + link["dispatch"]["local"][rank] - row["tokens"] * row["top_k"] * meta
+            assert sent % row_bytes == 0 and row["tokens"] <= sent // row_bytes <= row["tokens"] * row["top_k"]
+            rows.append(sent // row_bytes)
+        assert row["dispatch_bytes"] == max(rows) * row_bytes
         if row["arm"] == "classic":
             assert row["plan_policy"] == "none" and link["push"]["egress"] == [0] * row["ranks"]
     summary = (tmp_path / "out" / "summary.md").read_text()

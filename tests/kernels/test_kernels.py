@@ -7,7 +7,7 @@ import torch
 from flatep import EPConfig, ExpertPool, init_group, make_plan
 from flatep.kernels.backend import MAX_WORK_ITEMS, comm_grid, use_triton
 from flatep.kernels.combine import combine_grid, combine_triton
-from flatep.kernels.dispatch import dispatch_grids, dispatch_triton
+from flatep.kernels.dispatch import dispatch_grid, dispatch_triton
 from flatep.kernels.push import push_programs
 from flatep.layer import combine_step, dispatch_step
 from flatep.plan.split import split_slot_rows
@@ -54,49 +54,73 @@ def test_dispatch_puts_every_row_where_the_plan_says(config, tokens, routing, po
     index = (plan.dest_rank[valid].long(), plan.dest_row[valid].long())
     expected[index] = x.unsqueeze(2).expand(-1, -1, config.top_k, -1)[valid]
     expected_weights[index] = weights[valid]
-    for rank in range(config.ranks):
-        for start, count in plan.padding[rank].tolist():
-            expected[rank, start : start + count] = 0
-            expected_weights[rank, start : start + count] = 0
-    # Real rows exact, padding zero, and every other row still poisoned (nothing else written).
+    # Real rows exact, and every other row, padding included, still poisoned (nothing else written).
     assert torch.equal(shard, expected)
     assert torch.equal(shard_weights, expected_weights)
+
+
+def combined(shard: torch.Tensor, plan) -> torch.Tensor:
+    """``[R, s, H]`` fp32: every token's rows of ``shard [R, rows, H]`` summed as combine sums them
+    (a literal loop): with dedup, each destination rank's rows of a token in fp32 in ascending ``k``,
+    rounded to the shard's dtype, then those partial sums in fp32 in ascending rank."""
+    ranks, tokens, top_k = plan.dest_rank.shape
+    out = torch.zeros(ranks, tokens, shard.shape[-1], device=shard.device)
+    for rank in range(ranks):
+        for token in range(tokens):
+            dest, row = plan.dest_rank[rank, token].tolist(), plan.dest_row[rank, token].tolist()
+            runs = {}
+            for k in range(top_k):
+                if dest[k] >= 0:
+                    run = dest[k] if plan.dedup else (dest[k], k)  # without dedup every entry is its own run
+                    runs.setdefault(run, []).append(shard[dest[k], row[k]].float())
+            for run in sorted(runs):
+                out[rank, token] += torch.stack(runs[run]).sum(0).to(shard.dtype).float()
+    return out
 
 
 @pytest.mark.parametrize("backend", TRITON_BACKENDS)
 @pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("config, tokens, routing", CASES)
 def test_combine_sums_the_k_rows_of_each_token(config, tokens, routing, split, backend):
+    # fp32 rows: combine rounds each rank's partial sum to the rows' dtype, and bf16 would round
+    # these traceable values (and the interpreter rounds ties unlike torch).
     group = init_group("local", ranks=config.ranks, device=DEVICE)
-    _, ids, weights, _, _ = make_inputs(config, tokens, routing, torch.bfloat16, seed=1)
-    x = traceable_rows(config.ranks, tokens, config.hidden, torch.bfloat16)
+    _, ids, weights, _, _ = make_inputs(config, tokens, routing, torch.float32, seed=1)
+    x = traceable_rows(config.ranks, tokens, config.hidden, torch.float32)
     plan = make_plan(ids, config)
     plan = split_slot_rows(plan) if split else plan
-    group.buffer("shard", (plan.shard_rows, config.hidden), torch.bfloat16).fill_(float("nan"))  # tail poison
+    group.buffer("shard", (plan.shard_rows, config.hidden), torch.float32).fill_(float("nan"))  # tail poison
     shard, _ = dispatch_step(x, weights, plan, group, backend)
+    dispatched = shard.clone()  # combine may overwrite carrier rows with their runs' sums
     out = combine_step(shard, plan, group, tokens, config.top_k, torch.float32, backend)
-    # Identity round trip: combine of the untouched shard is K * x (exact: fp32 sum of bf16-exact values).
-    assert torch.equal(out, x.float() * config.top_k)
+    # Identity round trip: combine of the untouched shard is K * x (exact: small integers and eighths).
+    assert torch.equal(out, x * config.top_k)
     # Each row scaled by a distinct factor: the sum must attribute rows to the right entry.
     scale = torch.randn(shard.shape[:2], device=DEVICE).abs() + 0.5
-    shard.copy_((shard.float() * scale.unsqueeze(-1)).to(shard.dtype))
+    scaled = dispatched * scale.unsqueeze(-1)
+    shard.copy_(scaled)
     out = combine_step(shard, plan, group, tokens, config.top_k, torch.float32, backend)
-    gathered = shard[plan.dest_rank.long(), plan.dest_row.long()].float().sum(2)
-    torch.testing.assert_close(out, gathered, rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(out, combined(scaled, plan), rtol=1e-6, atol=1e-5)
 
 
 def test_combine_paths_agree_bit_for_bit_and_skip_padded_tokens():
     config = EPConfig(ranks=4, experts=8, top_k=3, hidden=40, intermediate=16, capacity=6, align=4)
     group = init_group("local", ranks=4, device=DEVICE)
-    _, ids, weights, _, _ = make_inputs(config, 6, 2.0, torch.bfloat16, seed=5)
+    x, ids, weights, _, _ = make_inputs(config, 6, 2.0, torch.bfloat16, seed=5)
     tokens = [6, 2, 0, 5]
     for rank, count in enumerate(tokens):
         ids[rank, count:] = -1
     plan = make_plan(ids, config, tokens=tokens)
-    shard = group.buffer("shard", (plan.shard_rows, config.hidden), torch.bfloat16).normal_()
-    # The interpreter rounds fp32 -> bf16 differently from torch (ties), so compare bf16 output on GPU only.
-    out_dtype = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32
-    outs = [combine_step(shard, plan, group, 6, 3, out_dtype, backend) for backend in TRITON_BACKENDS]
+    # The interpreter rounds fp32 -> bf16 differently from torch (ties), and combine rounds each
+    # rank's partial sum to the rows' dtype: bf16 rows and output on GPU only.
+    dtype = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32
+    shard, _ = dispatch_step(x.to(dtype), weights, plan, group)  # writes the links combine reads
+    shard.normal_()
+    rows = shard.clone()
+    outs = []
+    for backend in TRITON_BACKENDS:
+        shard.copy_(rows)  # combine overwrites carrier rows with their runs' sums
+        outs.append(combine_step(shard, plan, group, 6, 3, dtype, backend))
     assert torch.equal(outs[0], outs[1])
     assert torch.equal(outs[0][2], torch.zeros_like(outs[0][2]))
 
@@ -130,10 +154,10 @@ CUDA_AXIS0_LIMIT = 2**31 - 1
 def test_comm_grids_stay_within_cuda_limits(tokens, ranks_here, programs):
     """Every launch is 1-D (CUDA caps axes 1 and 2 at 65,535 programs, axis 0 at 2**31 - 1) and covers all its work."""
     for block_t in (1, 2, 8):
-        dispatch, padding = dispatch_grids(ranks_here, tokens, 2 * 48, block_t, programs)
+        dispatch = dispatch_grid(ranks_here, tokens, block_t, programs)
         combine = combine_grid(ranks_here, tokens, block_t, programs)
         work = ranks_here * -(-tokens // block_t)
-        for grid, items in ((dispatch, work), (combine, work), (padding, ranks_here * 2 * 48)):
+        for grid, items in ((dispatch, work), (combine, work)):
             assert len(grid) == 1 and 1 <= grid[0] <= CUDA_AXIS0_LIMIT
             assert grid[0] == (items if programs is None else min(items, programs))
     assert push_programs(torch.device("cpu"), programs) == min(2, programs or 2)
@@ -146,10 +170,10 @@ def test_launch_beyond_the_kernel_limits_raises_before_any_kernel():
     entries = torch.zeros(1, 1, 1, dtype=torch.int32).expand(1, tokens, 1)
     shard, peers = torch.zeros(1, 4, 8), torch.zeros(1, dtype=torch.int64)
     with pytest.raises(ValueError, match="token blocks in one launch exceed"):
-        combine_triton(out, entries, entries, shard, peers)
-    padding = torch.zeros(1, 2, 2, dtype=torch.int32)
+        combine_triton(out, entries, entries, entries, entries, shard, peers)
     with pytest.raises(ValueError, match="token blocks in one launch exceed"):
-        dispatch_triton(out, out, entries, entries, padding, shard, shard[:, :, 0], peers, peers, 0, block_t=1)
+        dispatch_triton(out, out, entries, entries, entries, entries, shard, shard[:, :, 0], shard, peers, peers, peers,
+                        False, block_t=1)
     for bad in (0, -1, 2.0, True):
         with pytest.raises(ValueError, match="comm_programs must be None or a positive int"):
             comm_grid(4, bad)
