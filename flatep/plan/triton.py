@@ -85,7 +85,6 @@ _MAX_SEGMENT_TILES = 8
 # each reduction cheaper) and of the count programs.
 _LAYOUT_WARPS = 4
 _COUNT_WARPS = 4
-_COUNT_PREFETCH = False
 
 
 def _pow2(value: int) -> int:
@@ -124,12 +123,7 @@ def _tile_keys(ids_ptr, start, n_entries, token_limit, top_k, experts, SIZE: tl.
     A valid entry (``i < n_entries``, token ``i // K < token_limit``, id in ``[0, E)``) has its id
     as key; any other gets the unique negative key ``-1 - i``, so it equals nothing but itself.
     """
-    return _keys_at(ids_ptr, start + tl.arange(0, SIZE), n_entries, token_limit, top_k, experts)
-
-
-@triton.jit
-def _keys_at(ids_ptr, index, n_entries, token_limit, top_k, experts):
-    """:func:`_tile_keys` of the entries at ``index`` (a block of flat indices of any shape)."""
+    index = start + tl.arange(0, SIZE)
     inside = index < n_entries
     ids = tl.load(ids_ptr + index, mask=inside, other=-1)
     valid = inside & (index // top_k < token_limit) & (ids >= 0) & (ids < experts)
@@ -447,62 +441,17 @@ def _layout(
 
 
 @triton.jit
-def _count_segment_prefetched(
-    ids_ptr, counts_ptr, ranks_ptr, segment, n_entries, token_limit, top_k, experts,
-    TILE: tl.constexpr, TILES: tl.constexpr, CHUNK: tl.constexpr, BLOCK_E: tl.constexpr,
-):
-    """:func:`_count_segment` with the tiles' ids loaded and ranked together (``[TILES, TILE]``
-    blocks: one load latency instead of one per tile); only the running row stays serial."""
-    row = counts_ptr + segment.to(tl.int64) * experts
-    expert = tl.arange(0, BLOCK_E)
-    tl.store(row + expert, tl.zeros([BLOCK_E], tl.int32), mask=expert < experts)
-    tile_of = tl.arange(0, TILES)[:, None]
-    lane = tl.arange(0, TILE)
-    first = segment * TILES * TILE
-    index, key, valid = _keys_at(ids_ptr, first + tile_of * TILE + lane[None, :], n_entries, token_limit, top_k, experts)
-    earlier = tl.zeros([TILES, TILE], tl.int32)
-    same = tl.zeros([TILES, TILE], tl.int32)
-    for chunk in tl.static_range(TILE // CHUNK):
-        other_lane = chunk * CHUNK + tl.arange(0, CHUNK)
-        _, other_key, _ = _keys_at(ids_ptr, first + tile_of * TILE + other_lane[None, :], n_entries, token_limit, top_k,
-                                   experts)
-        equal = key[:, :, None] == other_key[:, None, :]
-        earlier += tl.sum((equal & (other_lane[None, None, :] < lane[None, :, None])).to(tl.int32), axis=2)
-        same += tl.sum(equal.to(tl.int32), axis=2)
-    for tile in range(TILES):
-        mine = tile_of == tile
-        tile_index = tl.sum(tl.where(mine, index, 0), axis=0)
-        tile_key = tl.sum(tl.where(mine, key, 0), axis=0)
-        tile_valid = tl.sum(tl.where(mine, valid.to(tl.int32), 0), axis=0) > 0
-        tile_earlier = tl.sum(tl.where(mine, earlier, 0), axis=0)
-        tile_same = tl.sum(tl.where(mine, same, 0), axis=0)
-        tl.debug_barrier()  # the zeros, and the last tile's counts, land before the reads
-        before = tl.load(row + tile_key, mask=tile_valid, other=0)
-        tl.store(ranks_ptr + tile_index, before + tile_earlier, mask=tile_valid)
-        tl.debug_barrier()  # every thread has read the row before it changes
-        tl.store(row + tile_key, before + tile_same, mask=tile_valid & (tile_earlier == tile_same - 1))
-
-
-@triton.jit
 def _count_kernel(
     ids_ptr, counts_ptr, ranks_ptr, tokens_ptr, token_limit, n_entries, n_segments, top_k, experts,
     TILE: tl.constexpr, TILES: tl.constexpr, CHUNK: tl.constexpr, BLOCK_E: tl.constexpr, PER_RANK: tl.constexpr,
-    PREFETCH: tl.constexpr = False,
 ):
     """Segment ``program_id(0)`` of slab ``program_id(1)`` (a rank's entries)."""
     slab = tl.program_id(1)
-    if PREFETCH:
-        _count_segment_prefetched(
-            ids_ptr + slab * n_entries, counts_ptr + slab.to(tl.int64) * n_segments * experts,
-            ranks_ptr + slab * n_entries, tl.program_id(0), n_entries,
-            _token_limit(tokens_ptr, token_limit, slab, PER_RANK), top_k, experts, TILE, TILES, CHUNK, BLOCK_E,
-        )
-    else:
-        _count_segment(
-            ids_ptr + slab * n_entries, counts_ptr + slab.to(tl.int64) * n_segments * experts,
-            ranks_ptr + slab * n_entries, tl.program_id(0), n_entries,
-            _token_limit(tokens_ptr, token_limit, slab, PER_RANK), top_k, experts, TILE, TILES, CHUNK, BLOCK_E,
-        )
+    _count_segment(
+        ids_ptr + slab * n_entries, counts_ptr + slab.to(tl.int64) * n_segments * experts, ranks_ptr + slab * n_entries,
+        tl.program_id(0), n_entries, _token_limit(tokens_ptr, token_limit, slab, PER_RANK), top_k, experts,
+        TILE, TILES, CHUNK, BLOCK_E,
+    )
 
 
 @triton.jit
@@ -1018,7 +967,7 @@ def count_rank_triton(topk_ids: torch.Tensor, experts: int, tokens: int | None =
     entry_ranks = torch.empty(step, top_k, dtype=torch.int32, device=ids.device)
     # ids stands in for the unread per-rank tokens pointer
     _count_kernel[(segments, 1)](ids, rows, entry_ranks, ids, limit, entries, segments, top_k, experts, **meta,
-                                 PER_RANK=False, PREFETCH=_COUNT_PREFETCH, num_warps=_COUNT_WARPS)
+                                 PER_RANK=False, num_warps=_COUNT_WARPS)
     if segments == 1:  # the one row is the histogram and no segment comes before it
         return RankCounts(rows[0], entry_ranks, rows, limit, topk_ids.data_ptr())
     total = torch.empty(experts, dtype=torch.int32, device=ids.device)
