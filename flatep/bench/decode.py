@@ -23,6 +23,7 @@ import dataclasses
 import json
 
 import torch
+from triton.runtime.errors import OutOfResources
 
 from flatep.bench.timing import device_name, read_ceiling_gbps, time_us
 from flatep.config import preset
@@ -33,7 +34,7 @@ from flatep.kernels.quant_gemm import GemmConfig
 ROWS_PER_EXPERT = (1, 2, 4, 8, 16, 32, 64, 128)
 SPARSE_ACTIVE = 12  # experts active on the slowest rank at s=1 (Kimi-K2, EP8): a cell of its own
 CANDIDATES = (
-    GemmConfig(16, 128, 128, num_warps=4, num_stages=4, swap_ab=True),
+    GemmConfig(16, 128, 128, num_warps=4, num_stages=3, swap_ab=True),
     GemmConfig(16, 32, 128, num_warps=4, num_stages=4, swap_ab=True),
     GemmConfig(16, 64, 64, num_warps=4, num_stages=6, swap_ab=True),
     GemmConfig(16, 64, 256, num_warps=4, num_stages=3, swap_ab=True),
@@ -75,10 +76,15 @@ def _cell(model: str, rows: int, active: int, device: torch.device, ceiling_gbps
     arms.update({f"decode {dataclasses.astuple(tiles)}": decode_arm(tiles) for tiles in CANDIDATES})
     results = {}
     for name, run in arms.items():
-        error = 0.0 if name == "torch" else ((run().float() - reference).norm() / reference.norm()).item()
+        try:
+            error = 0.0 if name == "torch" else ((run().float() - reference).norm() / reference.norm()).item()
+        except OutOfResources as exc:  # a candidate's pipeline does not fit this GPU's shared memory
+            results[name] = {"skipped": str(exc)}
+            continue
         elapsed = time_us(run, device, warmup=1, iters=iters, graph=True)
         results[name] = {"us": elapsed, "of_read_ceiling": floor_us / elapsed, "rel_error": error}
-    best = min((name for name in results if name.startswith("decode")), key=lambda name: results[name]["us"])
+    timed = [name for name in results if name.startswith("decode") and "us" in results[name]]
+    best = min(timed, key=lambda name: results[name]["us"])
     return {
         "model": model, "rows_per_expert": rows, "active_experts": active, "weight_bytes": weight_bytes,
         "read_floor_us": floor_us, "default_tiles": dataclasses.astuple(decode_config(total, groups)),

@@ -13,7 +13,7 @@ def test_decode_bench_writes_every_arm(tmp_path, monkeypatch):
     result = json.loads(out.read_text())
     assert [(cell["active_experts"], cell["rows_per_expert"]) for cell in result["cells"]] == [(2, 1), (2, 4)]
     for cell in result["cells"]:
-        assert set(cell["arms"]) == {"torch", "decode", "decode (16, 128, 128, 4, 4, 8, True)"}
+        assert set(cell["arms"]) == {"torch", "decode", "decode (16, 128, 128, 4, 3, 8, True)"}
         assert all(arm["rel_error"] < 1e-2 for arm in cell["arms"].values())
         assert cell["weight_bytes"] == cell["active_experts"] * 3 * 64 * 32 * 2
 
