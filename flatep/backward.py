@@ -139,7 +139,11 @@ def _scatter(
     shard = torch.empty(ranks, plan.shard_rows, hidden, dtype=rows.dtype, device=rows.device)
     shard_weights = torch.empty(ranks, plan.shard_rows, dtype=torch.float32, device=rows.device)
     links = torch.empty(ranks, plan.shard_rows, 2, dtype=torch.int32, device=rows.device)
-    dispatch_rows(rows, route_weights, plan, group, shard, shard_weights, links, context.backend, context.comm_programs)
+    if group.peer_addressable and not group.stacked:  # NVLink: the kernels need symmetric buffers, staged there
+        group.dispatch(rows[0], route_weights[0], plan, shard[0], shard_weights[0], links[0])
+    else:
+        dispatch_rows(rows, route_weights, plan, group, shard, shard_weights, links, context.backend,
+                      context.comm_programs)
     return shard, shard_weights, links
 
 
@@ -147,10 +151,13 @@ def _gather(shard: torch.Tensor, links: torch.Tensor, tokens: int, top_k: int, o
             context: StepContext) -> torch.Tensor:
     """Combine: ``[R, s, H]`` in ``out_dtype``, every token the sum of its K rows of ``shard [R, rows, H]``
     (each rank's rows of a token summed first, into a fresh tensor: ``shard`` is left as it is)."""
-    sums = torch.empty_like(shard) if context.group.peer_addressable else None
-    out = combine_rows(shard, context.plan, context.group, links, tokens, top_k, out_dtype, context.backend,
+    group = context.group
+    if group.peer_addressable and not group.stacked:  # NVLink: staged in symmetric buffers
+        return group.combine(shard[0], context.plan, links[0], out_dtype).unsqueeze(0)
+    sums = torch.empty_like(shard) if group.peer_addressable else None
+    out = combine_rows(shard, context.plan, group, links, tokens, top_k, out_dtype, context.backend,
                        context.comm_programs, sums=sums)
-    return out if context.group.stacked else out.unsqueeze(0)
+    return out if group.stacked else out.unsqueeze(0)
 
 
 class DispatchRows(torch.autograd.Function):

@@ -66,7 +66,7 @@ class EPConfig:
     capacity: int
     align: int = 128
     tolerance: float = 0.0
-    dedup: bool = True
+    dedup: bool = False
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):

@@ -105,7 +105,7 @@ class Sweep:
     link_gbps: float = 370.0
     align: int = 128
     tolerance: float = 0.0
-    dedup: bool = True
+    dedup: bool = False
     weights: str = "bf16"
     cost: str | None = None
 

@@ -26,8 +26,6 @@ import torch.distributed as dist
 import triton
 import triton.language as tl
 
-from flatep.kernels.combine import combine_triton
-from flatep.kernels.dispatch import dispatch_triton
 from flatep.plan.types import RankPlan
 from flatep.transport.barrier import cross_rank_barrier
 from flatep.transport.base import Group, join_process_group
@@ -272,50 +270,52 @@ class NVLinkGroup(Group):
     # -- backward (flatep.backward): the collective transport's primitives over peer stores ---------
 
     def dispatch(self, x: torch.Tensor, topk_weights: torch.Tensor, plan: RankPlan, shard: torch.Tensor,
-                 shard_weights: torch.Tensor) -> None:
-        """Send every entry's row and route weight to its row of its destination's shard (collective).
+                 shard_weights: torch.Tensor, links: torch.Tensor) -> None:
+        """Send every token's rows and route weights to their rows of the destinations' shards (collective).
 
-        The dispatch kernel writes into a symmetric staging buffer, which is then copied into
-        ``shard`` and ``shard_weights``: autograd keeps those until the backward, while the staging
-        buffer serves the next call.
+        :func:`flatep.exchange.dispatch_rows` into symmetric staging buffers, then copied into
+        ``shard``, ``shard_weights`` and ``links``: autograd keeps those until the backward, while
+        the staging buffers serve the next call.
 
         Args:
             x: ``[s, H]`` this rank's tokens; topk_weights: ``[s, K]`` fp32; plan: this rank's plan.
-            shard: ``[shard_rows, H]`` in ``x``'s dtype; shard_weights: ``[shard_rows]`` fp32
-                (written: real rows, and whatever the kernel writes to padding rows).
+            shard: ``[shard_rows, H]`` in ``x``'s dtype; shard_weights: ``[shard_rows]`` fp32;
+                links: ``[shard_rows, 2]`` int32 (written: real rows; padding rows hold whatever
+                the staging buffers held).
         """
-        tokens, top_k = topk_weights.shape
+        from flatep.exchange import dispatch_rows  # flatep.exchange imports the transports
+
         rows = self.buffer("backward_rows", tuple(shard.shape), x.dtype)
         weights = self.buffer("backward_route_weights", tuple(shard_weights.shape), torch.float32)
+        staged_links = self.buffer("backward_links", tuple(links.shape), torch.int32)
         self.barrier()  # every peer has copied out what the buffers held before
-        dispatch_triton(
-            x.view(1, tokens, -1), topk_weights.view(1, tokens, top_k), plan.dest_rank.view(1, tokens, top_k),
-            plan.dest_row.view(1, tokens, top_k), plan.padding, rows, weights, self.peer_offsets(rows),
-            self.peer_offsets(weights), self.rank,
-        )
-        self.barrier()  # every rank's rows have landed here
+        dispatch_rows(x, topk_weights, plan, self, rows, weights, staged_links)
         shard.copy_(rows)
         shard_weights.copy_(weights)
+        links.copy_(staged_links)
 
-    def combine(self, shard: torch.Tensor, plan: RankPlan, out_dtype: torch.dtype) -> torch.Tensor:
-        """Sum every token's K rows from the ranks' ``shard``s in fp32 (the combine kernel; collective).
+    def combine(self, shard: torch.Tensor, plan: RankPlan, links: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        """Sum every token's K rows from the ranks' ``shard``s (:func:`flatep.exchange.combine_rows`; collective).
 
         Args:
             shard: ``[shard_rows, H]`` this rank's rows (any tensor: staged in a symmetric buffer).
-            plan: this rank's plan; out_dtype: dtype of the result.
+            plan: this rank's plan; links: ``[shard_rows, 2]`` int32 from :meth:`dispatch`;
+            out_dtype: dtype of the result.
 
         Returns:
             ``[s, H]`` in ``out_dtype``; padded tokens get zeros.
         """
+        from flatep.exchange import combine_rows
+
         tokens, top_k = plan.dest_rank.shape
         rows = self.buffer("backward_rows", tuple(shard.shape), shard.dtype)
-        self.barrier()  # every peer has finished reading the buffer's previous contents
+        sums = self.buffer("backward_sums", tuple(shard.shape), shard.dtype)
+        staged_links = self.buffer("backward_links", tuple(links.shape), torch.int32)
+        self.barrier()  # every peer has finished reading the buffers' previous contents
         rows.copy_(shard)
-        self.barrier()  # every rank's rows are in place
-        out = torch.empty(1, tokens, shard.shape[-1], dtype=out_dtype, device=shard.device)
-        combine_triton(out, plan.dest_rank.view(1, tokens, top_k), plan.dest_row.view(1, tokens, top_k), rows,
-                       self.peer_offsets(rows))
-        return out[0]
+        staged_links.copy_(links)
+        out = combine_rows(rows, plan, self, staged_links, tokens, top_k, out_dtype, sums=sums)
+        return out.view(tokens, -1)
 
     def gather_entries(self, values: torch.Tensor, plan: RankPlan) -> torch.Tensor:
         """Each shard row's ``values`` returned to the entry dispatched to it, unsummed (collective).
