@@ -41,12 +41,12 @@ def test_two_processes_write_results_for_every_arm(tmp_path):
         # What one rank sends over the link another receives; every entry is sent or stays local.
         for phase in ("dispatch", "combine", "push"):
             assert sum(link[phase]["egress"]) == sum(link[phase]["ingress"])
-        # Each rank's rows (one per token and destination rank: dedup is the default) and every
-        # entry's metadata (its route weight and link).
+        # Each rank's rows (one per entry: dedup is off by default) and every entry's metadata
+        # (its route weight).
         sent = [rank["sent_rows"] for rank in row["per_rank"]]
-        assert all(8 <= rows <= 8 * 2 for rows in sent)  # 8 tokens, K = 2: one or two ranks each
+        assert sent == [8 * 2, 8 * 2]  # 8 tokens, K = 2
         assert [out + local for out, local in zip(link["dispatch"]["egress"], link["dispatch"]["local"])] == [
-            rows * 64 * 2 + 8 * 2 * entry_metadata_bytes(True) for rows in sent]
+            rows * 64 * 2 + 8 * 2 * entry_metadata_bytes(False) for rows in sent]
         assert row["dispatch_bytes"] == max(sent) * 64 * 2
         totals = [sum(max(link[p]["egress"][r], link[p]["ingress"][r]) for p in ("dispatch", "combine", "push")) / 1e5 for r in range(2)]
         assert row["link_model_us"] == pytest.approx(max(totals))
