@@ -84,8 +84,8 @@ class Sweep:
         align: group padding of the shards (:attr:`flatep.EPConfig.align`).
         tolerance: imbalance the flat arm lets pass without moving weights
             (:attr:`flatep.EPConfig.tolerance`).
-        dedup: send each token once per destination rank (:attr:`flatep.EPConfig.dedup`); ``False``
-            runs the per-entry baseline.
+        dedup: send each token once per destination rank (:attr:`flatep.EPConfig.dedup`, default
+            off); ``False`` runs the per-entry path.
         weights: format of the expert pool, one of :data:`flatep.quant.WEIGHT_FORMATS`
             (``bf16``; ``fp8``: e4m3 with 128x128 block scales, needs ``H`` and ``I`` multiples
             of 128; ``mxfp4``: e2m1 with a scale per 32, needs multiples of 32), random values.
