@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from flatep.kernels.backend import interpreting
-from flatep.kernels.quant_gemm import GemmConfig, _program_tile, _round_to_bf16
+from flatep.kernels.quant_gemm import GemmConfig, _output, _program_tile, _round_to_bf16
 
 DECODE_ROWS_PER_GROUP = 64
 """Largest average rows per group for which :func:`flatep.experts.grouped.grouped_swiglu` takes
@@ -118,11 +118,7 @@ def _check(rows: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor) -> 
 def _launch(rows, weights, route_weights, out, offsets, columns, config, gated) -> torch.Tensor:
     groups, inner = weights.shape[0], rows.shape[1]
     config = config or decode_config(rows.shape[0], groups)
-    if out is None:
-        out = torch.empty(rows.shape[0], columns, dtype=torch.bfloat16, device=rows.device)
-    elif out.shape != (rows.shape[0], columns) or out.dtype != torch.bfloat16 or out.stride(1) != 1:
-        raise ValueError(f"out must be [{rows.shape[0]}, {columns}] bfloat16 with unit column stride, got "
-                         f"{out.dtype} {list(out.shape)}")
+    out = _output(rows, columns, out)
     if rows.shape[0] == 0:
         return out
     # Programs for any grouping: at most (rows + groups * (block_m - 1)) / block_m row tiles.
