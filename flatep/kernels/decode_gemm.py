@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from flatep.kernels.backend import interpreting
-from flatep.kernels.quant_gemm import GemmConfig, _output, _program_tile, _round_to_bf16
+from flatep.kernels.quant_gemm import GemmConfig, _check_rows, _output, _program_tile, _round_to_bf16
 
 DECODE_ROWS_PER_GROUP = 64
 """Largest average rows per group for which :func:`flatep.experts.grouped.grouped_swiglu` takes
@@ -105,8 +105,7 @@ def _decode_kernel(
 
 
 def _check(rows: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor) -> None:
-    if rows.dim() != 2 or rows.dtype != torch.bfloat16 or rows.stride(1) != 1:
-        raise ValueError(f"rows must be [M, K] bfloat16 with unit column stride, got {rows.dtype} {list(rows.shape)}")
+    _check_rows(rows)
     if weights.dim() != 3 or weights.dtype != torch.bfloat16 or weights.stride(2) != 1 or weights.shape[2] != rows.shape[1]:
         raise ValueError(f"weights must be [G, N, K={rows.shape[1]}] bfloat16 with unit stride along K, got "
                          f"{weights.dtype} {list(weights.shape)} strides {weights.stride()}")

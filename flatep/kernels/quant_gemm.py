@@ -282,9 +282,13 @@ def _mxfp4_grouped_kernel(
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & column_mask[None, :])
 
 
-def _check_common(rows: torch.Tensor, values: torch.Tensor, offsets: torch.Tensor) -> None:
+def _check_rows(rows: torch.Tensor) -> None:
     if rows.dim() != 2 or rows.dtype != torch.bfloat16 or rows.stride(1) != 1:
         raise ValueError(f"rows must be [M, K] bfloat16 with unit column stride, got {rows.dtype} {list(rows.shape)}")
+
+
+def _check_common(rows: torch.Tensor, values: torch.Tensor, offsets: torch.Tensor) -> None:
+    _check_rows(rows)
     if values.dim() != 3 or not values.is_contiguous():
         raise ValueError(f"weight values must be a contiguous [G, N, ...] tensor, got {list(values.shape)}")
     if offsets.dtype != torch.int32 or offsets.shape != (values.shape[0],) or not offsets.is_contiguous():
