@@ -51,31 +51,41 @@ def _combine_kernel(
 @triton.jit
 def _sum_runs_kernel(
     rows_ptr, sums_ptr, links_ptr, offsets_ptr, padding_ptr, first_rank, rows, slot_base, blocks, work,
-    H: tl.constexpr, K: tl.constexpr, EPN: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_H: tl.constexpr,
+    H: tl.constexpr, K: tl.constexpr, K_SLOTS: tl.constexpr, EPN: tl.constexpr, BLOCK_G: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
-    # Work item = (local rank, block of BLOCK_R shard rows); a carrier's program walks its run.
+    # Work item = (local rank, block of BLOCK_R shard rows); a carrier's program sums its run.
+    # K_SLOTS = K rounded up to a power of two (a tensor dimension).
+    position = tl.arange(0, K_SLOTS)
     for item in range(tl.program_id(0), work, tl.num_programs(0)):
-        local, rank, row, inside = row_block(item, blocks, first_rank, rows, BLOCK_R)
-        real = inside & real_rows(row, offsets_ptr + rank * 2 * EPN, padding_ptr + rank * 4 * EPN, slot_base,
-                                  EPN, 2 * EPN, BLOCK_G)
-        links = links_ptr + local * rows * 2
-        head = tl.load(links + row * 2, mask=real, other=-1).to(tl.int64)
-        carrier = real & (head == row)
-        source = rows_ptr + local * rows * H
-        target = sums_ptr + local * rows * H
-        for start in range(0, H, BLOCK_H):
-            column = start + tl.arange(0, BLOCK_H)
-            column_mask = column < H
-            total = tl.zeros([BLOCK_R, BLOCK_H], dtype=tl.float32)
+        local, rank, row, inside, used = row_block(item, blocks, first_rank, rows, offsets_ptr, slot_base, EPN, BLOCK_R)
+        if used:
+            real = inside & real_rows(row, offsets_ptr + rank * 2 * EPN, padding_ptr + rank * 4 * EPN, slot_base,
+                                      EPN, 2 * EPN, BLOCK_G)
+            links = links_ptr + local * rows * 2
+            head = tl.load(links + row * 2, mask=real, other=-1).to(tl.int64)
+            carrier = real & (head == row)
+            # Walk each run once: members[:, i] = its i-th row (ascending k), -1 past its end. The
+            # column loop below then issues its K loads independently instead of re-walking the chain.
+            members = tl.full([BLOCK_R, K_SLOTS], -1, tl.int64)
             member = tl.where(carrier, row, -1)
-            for _ in tl.static_range(K):  # a run has at most K rows, in ascending k
-                on = member >= 0
-                values = tl.load(source + member[:, None] * H + column[None, :], mask=on[:, None] & column_mask[None, :], other=0.0)
-                total += values.to(tl.float32)
-                member = tl.load(links + member * 2 + 1, mask=on, other=-1).to(tl.int64)
-            tl.store(target + row[:, None] * H + column[None, :], total.to(sums_ptr.dtype.element_ty),
-                     mask=carrier[:, None] & column_mask[None, :])
+            for i in tl.static_range(K):  # a run has at most K rows
+                members = tl.where(position[None, :] == i, member[:, None], members)
+                member = tl.load(links + member * 2 + 1, mask=member >= 0, other=-1).to(tl.int64)
+            source = rows_ptr + local * rows * H
+            target = sums_ptr + local * rows * H
+            for start in range(0, H, BLOCK_H):
+                column = start + tl.arange(0, BLOCK_H)
+                column_mask = column < H
+                total = tl.zeros([BLOCK_R, BLOCK_H], dtype=tl.float32)
+                for i in tl.static_range(K):
+                    member = tl.sum(tl.where(position[None, :] == i, members, 0), axis=1)
+                    on = member >= 0
+                    values = tl.load(source + member[:, None] * H + column[None, :],
+                                     mask=on[:, None] & column_mask[None, :], other=0.0)
+                    total += values.to(tl.float32)
+                tl.store(target + row[:, None] * H + column[None, :], total.to(sums_ptr.dtype.element_ty),
+                         mask=carrier[:, None] & column_mask[None, :])
 
 
 def combine_grid(ranks_here: int, tokens: int, block_t: int = 1, programs: int | None = None) -> tuple[int]:
@@ -153,7 +163,7 @@ def sum_runs_triton(
     blocks = triton.cdiv(count, block_r)
     _sum_runs_kernel[grid](
         rows, sums, links, offsets, padding, first_rank, count, slot_base, blocks, ranks_here * blocks,
-        H=hidden, K=top_k, EPN=groups // 2, BLOCK_G=next_pow2(groups), BLOCK_R=block_r,
+        H=hidden, K=top_k, K_SLOTS=next_pow2(top_k), EPN=groups // 2, BLOCK_G=next_pow2(groups), BLOCK_R=block_r,
         BLOCK_H=column_block(hidden, rows.element_size()),
     )
 

@@ -109,11 +109,23 @@ def real_rows(row, offsets_ptr, padding_ptr, slot_base, EPN: tl.constexpr, GROUP
 
 
 @triton.jit
-def row_block(item, blocks, first_rank, rows, BLOCK_R: tl.constexpr):
-    """Work item ``item`` of the receiver-side kernels: ``(local rank, global rank, rows [BLOCK_R] int64, inside mask)``."""
-    local = item // blocks
-    row = ((item - local * blocks) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
-    return local, first_rank + local, row, row < rows
+def row_block(item, blocks, first_rank, rows, offsets_ptr, slot_base, EPN: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Work item ``item`` of the receiver-side kernels.
+
+    Returns ``(local rank, global rank, rows [BLOCK_R], inside mask, used)``, in int64: a shard's
+    element offsets (``local * rows * H``) pass ``2**31`` at Kimi-K2 sizes. ``used`` (a scalar)
+    says whether the block meets the rank's groups at all (see :func:`real_rows`): the buffers are
+    sized for a full step, so most blocks of a small step lie past the groups' end and are skipped
+    before any load.
+    """
+    local = (tl.full([], 0, tl.int64) + item) // blocks
+    first = (item - local * blocks) * BLOCK_R
+    row = first + tl.arange(0, BLOCK_R)
+    rank = first_rank + local
+    home_end = tl.load(offsets_ptr + rank * 2 * EPN + EPN - 1)
+    end = tl.load(offsets_ptr + rank * 2 * EPN + 2 * EPN - 1)
+    used = (first < end) & ((first < home_end) | (first + BLOCK_R > slot_base))
+    return local, rank, row, row < rows, used
 
 
 @triton.jit
@@ -123,18 +135,19 @@ def _expand_kernel(
 ):
     # Work item = (local rank, block of BLOCK_R shard rows), grid-strided like dispatch.
     for item in range(tl.program_id(0), work, tl.num_programs(0)):
-        local, rank, row, inside = row_block(item, blocks, first_rank, rows, BLOCK_R)
-        real = inside & real_rows(row, offsets_ptr + rank * 2 * EPN, padding_ptr + rank * 4 * EPN, slot_base,
-                                  EPN, 2 * EPN, BLOCK_G)
-        links = links_ptr + local * rows * 2
-        head = tl.load(links + row * 2, mask=real, other=0).to(tl.int64)
-        copy = real & (head != row)
-        shard = shard_ptr + local * rows * H
-        for start in range(0, H, BLOCK_H):
-            column = start + tl.arange(0, BLOCK_H)
-            mask = copy[:, None] & (column < H)[None, :]
-            tile = tl.load(shard + head[:, None] * H + column[None, :], mask=mask)
-            tl.store(shard + row[:, None] * H + column[None, :], tile, mask=mask)
+        local, rank, row, inside, used = row_block(item, blocks, first_rank, rows, offsets_ptr, slot_base, EPN, BLOCK_R)
+        if used:
+            real = inside & real_rows(row, offsets_ptr + rank * 2 * EPN, padding_ptr + rank * 4 * EPN, slot_base,
+                                      EPN, 2 * EPN, BLOCK_G)
+            links = links_ptr + local * rows * 2
+            head = tl.load(links + row * 2, mask=real, other=0).to(tl.int64)
+            copy = real & (head != row)
+            shard = shard_ptr + local * rows * H
+            for start in range(0, H, BLOCK_H):
+                column = start + tl.arange(0, BLOCK_H)
+                mask = copy[:, None] & (column < H)[None, :]
+                tile = tl.load(shard + head[:, None] * H + column[None, :], mask=mask)
+                tl.store(shard + row[:, None] * H + column[None, :], tile, mask=mask)
 
 
 def dispatch_grid(ranks_here: int, tokens: int, block_t: int = 2, programs: int | None = None) -> tuple[int]:

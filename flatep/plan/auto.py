@@ -99,15 +99,20 @@ def moving_never_pays(config: EPConfig, cost: CostProfile, total_tokens: int) ->
     Moving weights can lower ``b``'s time only through experts ``b`` lends (the rows it sheds) or
     borrows (its tokens that stop crossing the link), and each such expert costs ``b`` at least one
     expert's push over the link, paired at worst with one lent and one borrowed expert (the push term
-    is ``max(lent, borrowed)``). With ``n <= T*K`` rows per expert, a lent expert saves at most
-    ``group + max(weight, ceil(n/tile)*tile*row) + n*row_bytes*link`` and a borrowed one at most
-    ``n*row_bytes*link``. When one push costs at least both savings together, every moving
-    candidate leaves ``b`` at least as slow, so its layer time is at least classic's, and classic
-    wins the tie. Then ``auto`` need not plan the other candidates: at decode sizes it plans
-    classic only, and pays classic's planning time. Exact in the model's integer arithmetic.
+    is ``max(lent, borrowed)``). An expert holds at most ``n = T`` rows: a router picks ``K``
+    distinct experts per token. A lent expert then saves at most ``group + max(weight,
+    ceil(n/tile)*tile*row) + n*row_bytes*link`` and a borrowed one at most ``n*row_bytes*link``.
+    When one push costs at least both savings together, every moving candidate leaves ``b`` at
+    least as slow, so its layer time is at least classic's, and classic wins the tie. Then ``auto``
+    need not plan the other candidates: at decode sizes it plans classic only, and pays classic's
+    planning time. Exact in the model's integer arithmetic.
+
+    Routings that repeat an expert within a token (allowed, e.g. :func:`flatep.routing.adversarial_topk`'s
+    ``one``) can give an expert up to ``T*K`` rows; for them the pruned step is still correct and
+    classic, but the model might have preferred moving.
     """
     constants = cost.constants(config)
-    rows = total_tokens * config.top_k
+    rows = total_tokens
     tiles = -(-rows // constants.tile_rows)
     row_link = rows * constants.row_bytes * constants.byte_fs
     lent_saving = constants.group_fs + max(constants.weight_fs, tiles * constants.tile_rows * constants.row_fs) + row_link

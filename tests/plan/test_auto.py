@@ -142,10 +142,10 @@ def test_layer_equals_dense_under_auto(cost):
 SLOW_LINK = CostProfile(link_gbps=10.0, hbm_gbps=2700.0, gemm_tflops=620.0, group_us=2.0, push_us=20.0, tile_rows=128)
 
 
-@pytest.mark.parametrize("routing", ["skewed", "one", "duplicate", "next"])
+@pytest.mark.parametrize("routing", ["skewed", "next"])
 @pytest.mark.parametrize("seed", range(6))
 def test_when_moving_never_pays_every_candidate_is_at_least_classic(routing, seed):
-    """The host-side bound is safe: on every routing, no candidate the model sees beats classic."""
+    """The host-side bound is safe: on every routing with distinct ids per token, no candidate the model sees beats classic."""
     from flatep.routing import adversarial_topk
 
     config = EPConfig(ranks=4, experts=16, top_k=2, hidden=256, intermediate=128, capacity=8)
