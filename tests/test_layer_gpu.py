@@ -28,18 +28,23 @@ def kimi_k2():
 
 
 @pytest.mark.parametrize(
-    "tokens, routing, policy",
+    "tokens, routing, policy, dedup",
     [
-        (1, 0.0, "exact"), (999, 10.0, "exact"), (4096, 0.0, "exact"), (4096, 10.0, "exact"),
-        (4096, 20.0, "exact"), (4096, "one", "exact"), (2048, "next", "exact"), (1024, 10.0, "none"),
-        (999, 20.0, "none"), (1, 10.0, "none"),
+        (1, 0.0, "exact", False), (999, 10.0, "exact", False), (4096, 0.0, "exact", False),
+        (4096, 10.0, "exact", False), (4096, 20.0, "exact", False), (4096, "one", "exact", False),
+        (2048, "next", "exact", False), (1024, 10.0, "none", False), (999, 20.0, "none", False),
+        (1, 10.0, "none", False),
+        # Send once per destination rank: shard offsets past 2**31 elements at s=4096 (int64 in the
+        # receiver kernels), decode sizes, and a routing where every run is K rows long.
+        (4096, 10.0, "exact", True), (4096, "one", "exact", True), (999, 20.0, "none", True),
+        (128, 10.0, "none", True), (1, 0.0, "exact", True),
     ],
 )
-def test_kimi_k2_layer_equals_dense(kimi_k2, tokens, routing, policy):
+def test_kimi_k2_layer_equals_dense(kimi_k2, tokens, routing, policy, dedup):
     config, w13, w2, pool = kimi_k2
     # Receive buffers are sized from the capacity: this case's tokens, not the fixture's 4096 (under
     # none a shard holds every entry of the group, R*S*K rows: 30 GB for 8 virtual ranks at S=4096).
-    config = config.replace(capacity=tokens)
+    config = config.replace(capacity=tokens, dedup=dedup)
     group = init_group("local", ranks=8, device="cuda")
     if isinstance(routing, str):
         ids = adversarial_topk(routing, 8, config.experts, config.top_k, tokens)
@@ -56,15 +61,17 @@ def test_kimi_k2_layer_equals_dense(kimi_k2, tokens, routing, policy):
     out = ep_moe(x, ids, weights, config=config, group=group, policy=policy, pool=pool, plan=plan)
     reference = dense_moe(x, ids, weights, w13, w2)
     error = relative_error(out, reference)
-    print(f"kimi-k2 s={tokens} routing={routing} policy={policy}: relative error {error:.2e}")
+    print(f"kimi-k2 s={tokens} routing={routing} policy={policy} dedup={dedup}: relative error {error:.2e}")
     assert error < 1e-2
     group.close()
 
 
+@pytest.mark.parametrize("dedup", [False, True])
 @pytest.mark.parametrize("plan_inside", [False, True])
-def test_cuda_graph_replay_is_bit_identical_to_eager(kimi_k2, plan_inside):
+def test_cuda_graph_replay_is_bit_identical_to_eager(kimi_k2, plan_inside, dedup):
     """With the Triton planner the whole step, planning included, is captured; new routings replay."""
     config, _, _, pool = kimi_k2
+    config = config.replace(dedup=dedup)
     tokens = 512
     group = init_group("local", ranks=8, device="cuda")
     ids = skewed_topk(8, config.experts, config.top_k, tokens, 1.0).cuda()
