@@ -42,6 +42,27 @@ def column_block(columns: int, element_size: int) -> int:
     return min(triton.next_power_of_2(columns), 2048 // element_size)
 
 
+SPLIT_BELOW_ITEMS = 2048
+"""Launches of dispatch and combine with fewer token blocks than this split each row's columns
+into parts (:func:`column_parts`): at decode sizes there are too few rows for the copies to keep the
+memory system busy, and every program would walk all of a row's column chunks one after another."""
+
+
+def column_parts(token_items: int, columns: int, block_h: int) -> tuple[int, int]:
+    """``(parts, chunks per part)``: how dispatch and combine split each row's ``columns``.
+
+    A launch with ``token_items`` (ranks driven x token blocks) below :data:`SPLIT_BELOW_ITEMS`
+    gives each row ``parts`` work items of ``chunks per part`` chunks of ``block_h`` columns, so
+    that it has about :data:`SPLIT_BELOW_ITEMS` items (at most one chunk per item); larger
+    launches keep whole rows (``(1, all chunks)``). The shapes alone decide, so a captured graph
+    keeps its split, and every column is still written by exactly one program in the same arithmetic.
+    """
+    chunks = -(-columns // block_h)
+    wanted = 1 if token_items >= SPLIT_BELOW_ITEMS else min(chunks, -(-SPLIT_BELOW_ITEMS // max(token_items, 1)))
+    per_part = -(-chunks // wanted)
+    return -(-chunks // per_part), per_part
+
+
 # CUDA allows 2**31 - 1 programs on grid axis 0 (65,535 on axes 1 and 2, which is why the
 # communication kernels put all their work on axis 0). Their grid-stride loops count work items in
 # int32 and step by the grid size, so items stay below 2**30: the last step cannot wrap around.

@@ -16,24 +16,27 @@ import triton
 import triton.language as tl
 
 from flatep.config import next_pow2
-from flatep.kernels.backend import column_block, comm_grid, token_block
+from flatep.kernels.backend import column_block, column_parts, comm_grid, token_block
 from flatep.kernels.dispatch import real_rows, row_block, row_grid
 
 
 @triton.jit
 def _combine_kernel(
     out_ptr, dest_rank_ptr, dest_row_ptr, carrier_ptr, order_ptr, shard_ptr, shard_peers_ptr,
-    tokens, blocks, work, out_rank_stride, entry_rank_stride,
-    H: tl.constexpr, K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+    tokens, blocks, work, parts, out_rank_stride, entry_rank_stride,
+    H: tl.constexpr, K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, PART_COLUMNS: tl.constexpr,
 ):
-    # Work item = (local rank, block of BLOCK_T tokens), all on grid axis 0 (axis 1 stops at 65,535
-    # programs); a grid-stride loop lets a capped grid cover every item.
+    # Work item = (local rank, block of BLOCK_T tokens, column part), all on grid axis 0 (axis 1
+    # stops at 65,535 programs); a grid-stride loop lets a capped grid cover every item.
     for step in range(tl.program_id(0), work, tl.num_programs(0)):
-        local, token, token_mask, entry_base = token_block(step, blocks, tokens, entry_rank_stride, K, BLOCK_T)
+        part = step % parts
+        local, token, token_mask, entry_base = token_block(step // parts, blocks, tokens, entry_rank_stride, K, BLOCK_T)
         out_rows = out_ptr + local * out_rank_stride + token * H
-        for start in range(0, H, BLOCK_H):
+        first_column = part * PART_COLUMNS
+        column_end = tl.minimum(first_column + PART_COLUMNS, H)
+        for start in range(first_column, column_end, BLOCK_H):
             column = start + tl.arange(0, BLOCK_H)
-            column_mask = column < H
+            column_mask = column < column_end
             total = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32)
             for i in tl.static_range(K):  # the send order: carriers by ascending destination rank
                 entry = tl.load(order_ptr + entry_base + i, mask=token_mask, other=-1)
@@ -88,13 +91,14 @@ def _sum_runs_kernel(
                          mask=carrier[:, None] & column_mask[None, :])
 
 
-def combine_grid(ranks_here: int, tokens: int, block_t: int = 1, programs: int | None = None) -> tuple[int]:
-    """Grid of the combine kernel: 1-D, one program per (rank driven, block of ``block_t`` tokens), at most ``programs``.
+def combine_grid(ranks_here: int, tokens: int, block_t: int = 1, programs: int | None = None, parts: int = 1) -> tuple[int]:
+    """Grid of the combine kernel: 1-D, one program per (rank driven, block of ``block_t`` tokens,
+    column part: :func:`flatep.kernels.backend.column_parts`), at most ``programs``.
 
     Raises:
         ValueError: if the launch would exceed the kernels' work-item limit (:func:`comm_grid`).
     """
-    return comm_grid(ranks_here * triton.cdiv(tokens, block_t), programs, "token blocks")
+    return comm_grid(ranks_here * triton.cdiv(tokens, block_t) * parts, programs, "token blocks")
 
 
 def combine_triton(
@@ -133,12 +137,14 @@ def combine_triton(
     """
     ranks_here, tokens, hidden = out.shape
     top_k = dest_rank.shape[-1]
-    grid = combine_grid(ranks_here, tokens, block_t, programs)
+    blocks = triton.cdiv(tokens, block_t)
     block_h = block_h or column_block(hidden, shard.element_size())
+    parts, part_chunks = column_parts(ranks_here * blocks, hidden, block_h)
+    grid = combine_grid(ranks_here, tokens, block_t, programs, parts)
     _combine_kernel[grid](
         out, dest_rank, dest_row, carrier, send_order, shard, shard_peers,
-        tokens, triton.cdiv(tokens, block_t), ranks_here * triton.cdiv(tokens, block_t), tokens * hidden, tokens * top_k,
-        H=hidden, K=top_k, BLOCK_T=block_t, BLOCK_H=block_h, num_warps=num_warps,
+        tokens, blocks, ranks_here * blocks * parts, parts, tokens * hidden, tokens * top_k,
+        H=hidden, K=top_k, BLOCK_T=block_t, BLOCK_H=block_h, PART_COLUMNS=part_chunks * block_h, num_warps=num_warps,
     )
 
 

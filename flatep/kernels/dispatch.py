@@ -1,6 +1,7 @@
 """Dispatch: every token row goes straight to its final rows of the destination shards, once per rank.
 
-A work item is ``BLOCK_T`` tokens of one source rank: its program loads each ``BLOCK_H`` chunk of
+A work item is ``BLOCK_T`` tokens of one source rank (and, in small launches, one part of their
+columns: :func:`flatep.kernels.backend.column_parts`): its program loads each ``BLOCK_H`` chunk of
 their rows once and stores it to the rows of the token's *carriers* (zero copy: no permute before
 or after), and writes each entry's fp32 route weight beside its row. The grid is 1-D and its
 programs walk the work items with a grid-stride loop, so a grid capped below the item count
@@ -28,26 +29,32 @@ import triton
 import triton.language as tl
 
 from flatep.config import next_pow2
-from flatep.kernels.backend import column_block, comm_grid, token_block
+from flatep.kernels.backend import column_block, column_parts, comm_grid, token_block
 
 
 @triton.jit
 def _dispatch_kernel(
     x_ptr, weight_ptr, dest_rank_ptr, dest_row_ptr, carrier_ptr, order_ptr,
     shard_ptr, shard_weight_ptr, links_ptr, shard_peers_ptr, weight_peers_ptr, link_peers_ptr,
-    tokens, blocks, work, x_rank_stride, entry_rank_stride,
-    H: tl.constexpr, K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, DEDUP: tl.constexpr,
+    tokens, blocks, work, parts, x_rank_stride, entry_rank_stride,
+    H: tl.constexpr, K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, PART_COLUMNS: tl.constexpr,
+    DEDUP: tl.constexpr,
 ):
-    # Work item = (local rank, block of BLOCK_T tokens), all on grid axis 0 (axis 1 stops at 65,535
-    # programs); a grid-stride loop lets a capped grid cover every item.
+    # Work item = (local rank, block of BLOCK_T tokens, column part), all on grid axis 0 (axis 1
+    # stops at 65,535 programs); a grid-stride loop lets a capped grid cover every item. Part 0 also
+    # writes the route weights and links.
     for step in range(tl.program_id(0), work, tl.num_programs(0)):
-        local, token, token_mask, entry_base = token_block(step, blocks, tokens, entry_rank_stride, K, BLOCK_T)
+        part = step % parts
+        local, token, token_mask, entry_base = token_block(step // parts, blocks, tokens, entry_rank_stride, K, BLOCK_T)
+        first_column = part * PART_COLUMNS
+        column_end = tl.minimum(first_column + PART_COLUMNS, H)
+        token_mask_0 = token_mask & (token * 0 + part == 0)  # broadcast first: the interpreter's scalar compare is no mask
         for k in tl.static_range(K):
-            dest = tl.load(dest_rank_ptr + entry_base + k, mask=token_mask, other=-1)
-            row = tl.load(dest_row_ptr + entry_base + k, mask=token_mask, other=0)
-            live = token_mask & (dest >= 0)
+            dest = tl.load(dest_rank_ptr + entry_base + k, mask=token_mask_0, other=-1)
+            row = tl.load(dest_row_ptr + entry_base + k, mask=token_mask_0, other=0)
+            live = token_mask_0 & (dest >= 0)
             target = tl.load(weight_peers_ptr + dest, mask=live, other=0) + row
-            route = tl.load(weight_ptr + entry_base + k, mask=token_mask, other=0.0)
+            route = tl.load(weight_ptr + entry_base + k, mask=token_mask_0, other=0.0)
             tl.store(shard_weight_ptr + target, route, mask=live)
         if DEDUP:
             # Walk the send order; entry i's link is stored at step i + 1, once it is known whether
@@ -59,8 +66,8 @@ def _dispatch_kernel(
             head_row = tl.zeros([BLOCK_T], tl.int32)
             for i in tl.static_range(K + 1):
                 if i < K:
-                    entry = tl.load(order_ptr + entry_base + i, mask=token_mask, other=-1)
-                    live = token_mask & (entry >= 0)
+                    entry = tl.load(order_ptr + entry_base + i, mask=token_mask_0, other=-1)
+                    live = token_mask_0 & (entry >= 0)
                     dest = tl.load(dest_rank_ptr + entry_base + entry, mask=live, other=0)
                     row = tl.load(dest_row_ptr + entry_base + entry, mask=live, other=0)
                     carrier = tl.load(carrier_ptr + entry_base + entry, mask=live, other=-1)
@@ -76,9 +83,9 @@ def _dispatch_kernel(
                 head_row = tl.where(continues, head_row, row)
                 before_live, before_dest, before_row, before_carrier = live, dest, row, carrier
         x_rows = x_ptr + local * x_rank_stride + token * H
-        for start in range(0, H, BLOCK_H):
+        for start in range(first_column, column_end, BLOCK_H):
             column = start + tl.arange(0, BLOCK_H)
-            column_mask = column < H
+            column_mask = column < column_end
             tile_mask = token_mask[:, None] & column_mask[None, :]
             tile = tl.load(x_rows[:, None] + column[None, :], mask=tile_mask)
             for k in tl.static_range(K):
@@ -150,17 +157,18 @@ def _expand_kernel(
                 tl.store(shard + row[:, None] * H + column[None, :], tile, mask=mask)
 
 
-def dispatch_grid(ranks_here: int, tokens: int, block_t: int = 2, programs: int | None = None) -> tuple[int]:
+def dispatch_grid(ranks_here: int, tokens: int, block_t: int = 2, programs: int | None = None, parts: int = 1) -> tuple[int]:
     """Grid of the dispatch kernel: 1-D (see :func:`comm_grid`).
 
     Args:
         ranks_here: ranks this process drives; tokens: ``s``; block_t: tokens per item.
         programs: cap on the grid (``None``: one program per item).
+        parts: column parts per token block (:func:`flatep.kernels.backend.column_parts`).
 
     Raises:
         ValueError: if the launch would exceed the kernel's work-item limit.
     """
-    return comm_grid(ranks_here * triton.cdiv(tokens, block_t), programs, "token blocks")
+    return comm_grid(ranks_here * triton.cdiv(tokens, block_t) * parts, programs, "token blocks")
 
 
 def row_grid(ranks_here: int, rows: int, block_r: int, programs: int | None = None) -> tuple[int]:
@@ -213,13 +221,16 @@ def dispatch_triton(
     """
     ranks_here, tokens, hidden = x.shape
     top_k = dest_rank.shape[-1]
-    grid = dispatch_grid(ranks_here, tokens, block_t, programs)
+    blocks = triton.cdiv(tokens, block_t)
     block_h = block_h or column_block(hidden, x.element_size())
+    parts, part_chunks = column_parts(ranks_here * blocks, hidden, block_h)
+    grid = dispatch_grid(ranks_here, tokens, block_t, programs, parts)
     _dispatch_kernel[grid](
         x, route_weights, dest_rank, dest_row, carrier, send_order, shard, shard_weights, links,
         shard_peers, weight_peers, link_peers,
-        tokens, triton.cdiv(tokens, block_t), ranks_here * triton.cdiv(tokens, block_t), tokens * hidden, tokens * top_k,
-        H=hidden, K=top_k, BLOCK_T=block_t, BLOCK_H=block_h, DEDUP=dedup, num_warps=num_warps,
+        tokens, blocks, ranks_here * blocks * parts, parts, tokens * hidden, tokens * top_k,
+        H=hidden, K=top_k, BLOCK_T=block_t, BLOCK_H=block_h, PART_COLUMNS=part_chunks * block_h, DEDUP=dedup,
+        num_warps=num_warps,
     )
 
 

@@ -203,3 +203,44 @@ def test_capped_programs_give_bit_identical_results(config, tokens, routing):
     for other in results[1:]:
         for first, again in zip(results[0], other):
             assert torch.equal(first, again)
+
+
+def test_column_parts_split_small_launches_only():
+    from flatep.kernels.backend import SPLIT_BELOW_ITEMS, column_parts
+
+    assert column_parts(SPLIT_BELOW_ITEMS, 7168, 1024) == (1, 7)  # large launches keep whole rows
+    assert column_parts(1024, 7168, 1024) == (2, 4)  # Kimi-K2, s=128 on 8 ranks: two parts of 4 and 3 chunks
+    assert column_parts(1, 7168, 1024) == (7, 1)  # at most one chunk per item
+    assert column_parts(8, 40, 16) == (3, 1)  # a ragged last chunk
+    for items in (1, 3, 100, 700, 2047):
+        parts, per_part = column_parts(items, 7168, 512)
+        assert (parts - 1) * per_part < 14 <= parts * per_part  # every chunk in exactly one part
+
+
+@pytest.mark.skipif(not use_triton(DEVICE), reason="needs CUDA or TRITON_INTERPRET=1")
+@pytest.mark.parametrize("dedup", [False, True])
+def test_rows_split_into_column_parts_give_bit_identical_results(dedup):
+    """Narrow column chunks split each row over several work items (40 columns in chunks of 16: three
+    parts, the last ragged); dispatch and combine equal the whole-row launch bit for bit."""
+    from flatep.layer import link_buffer
+
+    config = EPConfig(ranks=4, experts=8, top_k=3, hidden=40, intermediate=16, capacity=5, align=4, dedup=dedup)
+    group = init_group("local", ranks=4, device=DEVICE)
+    _, ids, weights, _, _ = make_inputs(config, 5, 2.0, torch.float32, seed=11)
+    x = traceable_rows(4, 5, config.hidden, torch.float32)
+    plan = split_slot_rows(make_plan(ids, config))
+    tables = (plan.dest_rank, plan.dest_row, plan.carrier, plan.send_order)
+    results = []
+    for block_h in (64, 16):
+        shard = group.buffer("shard", (plan.shard_rows, config.hidden), torch.float32).fill_(POISON)
+        shard_weights = group.buffer("shard_weights", (plan.shard_rows,), torch.float32).fill_(POISON)
+        links = link_buffer(group, plan.shard_rows).fill_(-7)
+        peers = [group.peer_offsets(t) for t in (shard, shard_weights, links)]
+        dispatch_triton(x, weights, *tables, shard, shard_weights, links, *peers, dedup, block_h=block_h)
+        dispatched = (shard.clone(), shard_weights.clone(), links.clone())
+        out = torch.full_like(x, POISON)
+        combine_triton(out, *tables, shard, peers[0], block_h=block_h)
+        results.append((*dispatched, out))
+    for first, again in zip(*results):
+        assert torch.equal(first, again)
+    assert not torch.equal(results[0][0], torch.full_like(results[0][0], POISON))
