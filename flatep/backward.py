@@ -398,7 +398,8 @@ def _experts_backward(
     grad_rows: torch.Tensor,
     grad_route_weights: torch.Tensor,
 ) -> list[torch.Tensor | None]:
-    """Backward of one part (home or slots) of one rank's experts, in fp32, with grouped GEMMs.
+    """Backward of one part (home or slots) of one rank's experts, in fp32, with grouped GEMMs
+    (TF32 products for 16-bit weights on CUDA: :mod:`flatep.kernels.grouped_fp32`).
 
     ``y = w * (W2 a + b2)``, ``a = act(gate, up)``, ``[gate, up] = W13 x + b13`` per row of a
     group. Writes ``grad_rows [n, H]`` (in the rows' dtype) and ``grad_route_weights [n]`` fp32;
@@ -418,34 +419,37 @@ def _experts_backward(
     """
     w13, w2, b13, b2 = weights
     intermediate = w2.shape[-1]
+    # Weights stored in 16 bits carry less precision than TF32's operands: their products run on
+    # the tensor cores; fp32 weights keep IEEE fp32 products.
+    gemm = dict(backend=backend, precision="tf32" if w13.element_size() == 2 else "ieee")
     # Rows that are not real become zeros (torch.where, not a product: NaN * 0 is NaN), so their
     # gradients, and their terms in every weight gradient, are exactly zero.
     x = torch.where(real.unsqueeze(-1), rows.float(), 0.0)
     grad_y = torch.where(real.unsqueeze(-1), grad_out.float(), 0.0)
     route = torch.where(real, route_weights.float(), 0.0).unsqueeze(-1)
     groups = row_groups(offsets, rows.shape[0]) if b13 is not None or b2 is not None else None
-    projected = grouped_rows_mm(x, w13.transpose(-2, -1), offsets, backend)  # [n, 2I]
+    projected = grouped_rows_mm(x, w13.transpose(-2, -1), offsets, **gemm)  # [n, 2I]
     if b13 is not None:
         projected = projected + b13.float()[groups]
     with torch.enable_grad():
         gate = projected[:, :intermediate].detach().requires_grad_()
         up = projected[:, intermediate:].detach().requires_grad_()
         activated = activation(gate, up)
-    grad_activated = grouped_rows_mm(grad_y, w2, offsets, backend)  # [n, I]: dy W2, before the route weight
+    grad_activated = grouped_rows_mm(grad_y, w2, offsets, **gemm)  # [n, I]: dy W2, before the route weight
     grad_route = (grad_activated * activated.detach()).sum(-1)
     if b2 is not None:
         grad_route = grad_route + (grad_y * b2.float()[groups]).sum(-1)
     grad_gate, grad_up = torch.autograd.grad(activated, (gate, up), grad_activated * route, allow_unused=True)
     grad_projected = torch.cat([torch.zeros_like(gate) if grad_gate is None else grad_gate,
                                 torch.zeros_like(up) if grad_up is None else grad_up], dim=-1)
-    grad_rows.copy_(grouped_rows_mm(grad_projected, w13, offsets, backend))
+    grad_rows.copy_(grouped_rows_mm(grad_projected, w13, offsets, **gemm))
     grad_route_weights.copy_(torch.where(real, grad_route, 0.0))
-    # Bias gradients are per-group sums: a grouped product with a column of ones (4 wide: torch's
+    # Bias gradients are per-group sums (in IEEE fp32: small): a grouped product with a column of ones (4 wide: torch's
     # grouped GEMM wants 16-byte rows), of which the first is kept.
     ones = torch.ones(rows.shape[0], 4, dtype=torch.float32, device=rows.device) if wanted[2] or wanted[3] else None
     return [
-        grouped_outer_mm(grad_projected, x, offsets, backend) if wanted[0] else None,
-        grouped_outer_mm(grad_y, activated.detach() * route, offsets, backend) if wanted[1] else None,
+        grouped_outer_mm(grad_projected, x, offsets, **gemm) if wanted[0] else None,
+        grouped_outer_mm(grad_y, activated.detach() * route, offsets, **gemm) if wanted[1] else None,
         grouped_outer_mm(ones, grad_projected, offsets, backend)[:, 0] if wanted[2] else None,
         grouped_outer_mm(ones, grad_y * route, offsets, backend)[:, 0] if wanted[3] else None,
     ]

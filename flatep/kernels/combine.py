@@ -68,27 +68,31 @@ def _sum_runs_kernel(
             links = links_ptr + local * rows * 2
             head = tl.load(links + row * 2, mask=real, other=-1).to(tl.int64)
             carrier = real & (head == row)
-            # Walk each run once: members[:, i] = its i-th row (ascending k), -1 past its end. The
-            # column loop below then issues its K loads independently instead of re-walking the chain.
-            members = tl.full([BLOCK_R, K_SLOTS], -1, tl.int64)
-            member = tl.where(carrier, row, -1)
-            for i in tl.static_range(K):  # a run has at most K rows
-                members = tl.where(position[None, :] == i, member[:, None], members)
-                member = tl.load(links + member * 2 + 1, mask=member >= 0, other=-1).to(tl.int64)
-            source = rows_ptr + local * rows * H
-            target = sums_ptr + local * rows * H
-            for start in range(0, H, BLOCK_H):
-                column = start + tl.arange(0, BLOCK_H)
-                column_mask = column < H
-                total = tl.zeros([BLOCK_R, BLOCK_H], dtype=tl.float32)
-                for i in tl.static_range(K):
-                    member = tl.sum(tl.where(position[None, :] == i, members, 0), axis=1)
-                    on = member >= 0
-                    values = tl.load(source + member[:, None] * H + column[None, :],
-                                     mask=on[:, None] & column_mask[None, :], other=0.0)
-                    total += values.to(tl.float32)
-                tl.store(target + row[:, None] * H + column[None, :], total.to(sums_ptr.dtype.element_ty),
-                         mask=carrier[:, None] & column_mask[None, :])
+            if tl.max(carrier.to(tl.int32), axis=0) > 0:  # only blocks that hold a carrier sum anything
+                # Walk each run once: members[:, i] = its i-th row (ascending k), -1 past its end. The
+                # column loop below then issues its K loads independently instead of re-walking the chain.
+                members = tl.full([BLOCK_R, K_SLOTS], -1, tl.int64)
+                member = tl.where(carrier, row, -1)
+                for i in tl.static_range(K):  # a run has at most K rows
+                    members = tl.where(position[None, :] == i, member[:, None], members)
+                    member = tl.load(links + member * 2 + 1, mask=member >= 0, other=-1).to(tl.int64)
+                source = rows_ptr + local * rows * H
+                target = sums_ptr + local * rows * H
+                for start in range(0, H, BLOCK_H):
+                    column = start + tl.arange(0, BLOCK_H)
+                    column_mask = column < H
+                    total = tl.zeros([BLOCK_R, BLOCK_H], dtype=tl.float32)
+                    for i in tl.static_range(K):
+                        member = tl.sum(tl.where(position[None, :] == i, members, 0), axis=1)
+                        # Most runs are short: skip the i-th load where no run of the block has an i-th
+                        # row (adding its +0.0 changes no sum: a sum from +0.0 is never -0.0).
+                        if tl.max(member, axis=0) >= 0:
+                            on = member >= 0
+                            values = tl.load(source + member[:, None] * H + column[None, :],
+                                             mask=on[:, None] & column_mask[None, :], other=0.0)
+                            total += values.to(tl.float32)
+                    tl.store(target + row[:, None] * H + column[None, :], total.to(sums_ptr.dtype.element_ty),
+                             mask=carrier[:, None] & column_mask[None, :])
 
 
 def combine_grid(ranks_here: int, tokens: int, block_t: int = 1, programs: int | None = None, parts: int = 1) -> tuple[int]:
@@ -150,7 +154,7 @@ def combine_triton(
 
 def sum_runs_triton(
     rows: torch.Tensor, sums: torch.Tensor, links: torch.Tensor, offsets: torch.Tensor, padding: torch.Tensor,
-    slot_base: int, first_rank: int, top_k: int, block_r: int = 4, programs: int | None = None,
+    slot_base: int, first_rank: int, top_k: int, block_r: int = 1, programs: int | None = None,
 ) -> None:
     """Write into each carrier row of ``sums`` the fp32 sum of its run's ``rows`` (ascending ``k``), rounded once.
 
@@ -160,7 +164,8 @@ def sum_runs_triton(
             the carrier row, and no other run reads that row); only carrier rows are written.
         links: ``[n, rows, 2]`` (or ``[rows, 2]``) int32 link tables from dispatch.
         offsets, padding, slot_base: the plan's; first_rank: global rank of the first shard; top_k: ``K``.
-        block_r, programs: rows per work item; cap on the programs (results do not depend on it).
+        block_r, programs: rows per work item (one by default: a row's run is walked alone, and
+            loads past its end are skipped); cap on the programs (results do not depend on it).
     """
     count, hidden = rows.shape[-2:]
     ranks_here = rows.numel() // (count * hidden)
@@ -170,7 +175,7 @@ def sum_runs_triton(
     _sum_runs_kernel[grid](
         rows, sums, links, offsets, padding, first_rank, count, slot_base, blocks, ranks_here * blocks,
         H=hidden, K=top_k, K_SLOTS=next_pow2(top_k), EPN=groups // 2, BLOCK_G=next_pow2(groups), BLOCK_R=block_r,
-        BLOCK_H=column_block(hidden, rows.element_size()),
+        BLOCK_H=min(next_pow2(hidden), 4096),
     )
 
 

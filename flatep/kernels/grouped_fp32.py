@@ -16,9 +16,12 @@ read.
   program per (group, output tile), looping over the group's rows.
 
 Operands of any float dtype are loaded and converted to fp32 in registers (bfloat16 weights are
-never copied to fp32 whole), and the dots run in IEEE fp32 (no TF32), so results are fp32 products
-summed in fp32. Every output element is computed by one program in a fixed order: results are
-bit-identical from run to run.
+never copied to fp32 whole). ``precision`` picks the dots: ``"ieee"`` (the default) multiplies in
+IEEE fp32 on the CUDA cores, so results are fp32 products summed in fp32; ``"tf32"`` runs them on
+the tensor cores with the operands rounded to TF32 (10 mantissa bits, more than bfloat16's 7) and
+fp32 sums, several times faster (the backward of bfloat16 models uses it). Every output element is
+computed by one program in a fixed order: results are bit-identical from run to run, in either
+precision. The interpreter (``TRITON_INTERPRET=1``) computes both in fp32.
 """
 from __future__ import annotations
 
@@ -39,6 +42,7 @@ def _grouped_rows_kernel(
     a_ptr, b_ptr, out_ptr, offsets_ptr, M, N,
     stride_am, stride_ak, stride_bg, stride_bk, stride_bn, stride_om, stride_on,
     K: tl.constexpr, GROUPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     tile = tl.program_id(0)
     group = -1
@@ -69,7 +73,7 @@ def _grouped_rows_kernel(
                         mask=row_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
             b = tl.load(b_base + ks[:, None] * stride_bk + cols[None, :] * stride_bn,
                         mask=k_mask[:, None] & col_mask[None, :], other=0.0).to(tl.float32)
-            acc += tl.dot(a, b, input_precision="ieee")
+            acc += tl.dot(a, b, input_precision=PRECISION)
         tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :] * stride_on, acc,
                  mask=row_mask[:, None] & col_mask[None, :])
 
@@ -78,7 +82,7 @@ def _grouped_rows_kernel(
 def _grouped_outer_kernel(
     x_ptr, y_ptr, out_ptr, offsets_ptr, P, Q,
     stride_xm, stride_xp, stride_ym, stride_yq, stride_og, stride_op, stride_oq,
-    BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, PRECISION: tl.constexpr,
 ):
     group = tl.program_id(0)
     ps = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)
@@ -96,7 +100,7 @@ def _grouped_outer_kernel(
                     mask=row_mask[:, None] & p_mask[None, :], other=0.0).to(tl.float32)
         y = tl.load(y_ptr + rows[:, None] * stride_ym + qs[None, :] * stride_yq,
                     mask=row_mask[:, None] & q_mask[None, :], other=0.0).to(tl.float32)
-        acc += tl.dot(tl.trans(x), y, input_precision="ieee")
+        acc += tl.dot(tl.trans(x), y, input_precision=PRECISION)
         m += BLOCK_M
     out = out_ptr + group.to(tl.int64) * stride_og + ps[:, None] * stride_op + qs[None, :] * stride_oq
     tl.store(out, acc, mask=p_mask[:, None] & q_mask[None, :])
@@ -107,7 +111,17 @@ def _tile(size: int, block: int) -> int:
     return max(16, min(block, triton.next_power_of_2(size)))
 
 
-def grouped_rows_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, backend: str = "auto") -> torch.Tensor:
+PRECISIONS = ("ieee", "tf32")
+
+
+def _check_precision(precision: str) -> None:
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+
+
+def grouped_rows_mm(
+    a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, backend: str = "auto", precision: str = "ieee"
+) -> torch.Tensor:
     """``out[i] = a[i] @ b[g(i)]`` in fp32 for the group ``g(i)`` holding row ``i``.
 
     Args:
@@ -116,10 +130,12 @@ def grouped_rows_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, bac
         offsets: ``[G]`` int32 inclusive end row of each group.
         backend: ``auto``/``triton`` run the kernel on CUDA (and on CPU under ``TRITON_INTERPRET=1``);
             otherwise ``torch._grouped_mm`` (on CUDA its fallback, which synchronises).
+        precision: the Triton kernel's dots, ``"ieee"`` or ``"tf32"`` (see the module's docstring).
 
     Returns:
         ``[M, N]`` fp32; rows at and past ``offsets[-1]`` are zero.
     """
+    _check_precision(precision)
     rows, inner = a.shape
     groups, _, columns = b.shape
     if not use_triton(a.device, backend):
@@ -132,21 +148,25 @@ def grouped_rows_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, bac
     _grouped_rows_kernel[grid](
         a, b, out, offsets, rows, columns, a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2),
         out.stride(0), out.stride(1), K=inner, GROUPS=groups, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        PRECISION=precision,
     )
     return out
 
 
-def grouped_outer_mm(x: torch.Tensor, y: torch.Tensor, offsets: torch.Tensor, backend: str = "auto") -> torch.Tensor:
+def grouped_outer_mm(
+    x: torch.Tensor, y: torch.Tensor, offsets: torch.Tensor, backend: str = "auto", precision: str = "ieee"
+) -> torch.Tensor:
     """``out[g] = x[rows of g].T @ y[rows of g]`` in fp32: a weight gradient per group.
 
     Args:
         x: ``[M, P]`` fp32; y: ``[M, Q]`` fp32 (16-byte aligned rows for ``torch._grouped_mm`` on a CPU).
         offsets: ``[G]`` int32 inclusive end row of each group; rows past ``offsets[-1]`` are not read.
-        backend: as for :func:`grouped_rows_mm`.
+        backend, precision: as for :func:`grouped_rows_mm`.
 
     Returns:
         ``[G, P, Q]`` fp32 (zeros for groups without rows).
     """
+    _check_precision(precision)
     rows, inner_p = x.shape
     inner_q = y.shape[1]
     groups = offsets.shape[0]
@@ -158,5 +178,6 @@ def grouped_outer_mm(x: torch.Tensor, y: torch.Tensor, offsets: torch.Tensor, ba
     _grouped_outer_kernel[grid](
         x, y, out, offsets, inner_p, inner_q, x.stride(0), x.stride(1), y.stride(0), y.stride(1),
         out.stride(0), out.stride(1), out.stride(2), BLOCK_M=_OUTER_ROWS, BLOCK_P=block_p, BLOCK_Q=block_q,
+        PRECISION=precision,
     )
     return out

@@ -39,3 +39,22 @@ def test_grouped_outer_mm_equals_torch(ends, rows):
     torch.testing.assert_close(got.cpu(), expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(grouped_outer_mm(x.cpu(), y.cpu(), offsets.cpu(), backend="torch"), expected,
                                rtol=1e-5, atol=1e-5)
+
+
+def test_precision_is_checked_and_tf32_stays_close():
+    """``tf32`` products (tensor cores on CUDA; the interpreter computes fp32) stay within TF32's
+    rounding of the fp32 result; an unknown precision is refused before any kernel runs."""
+    ends, rows = CASES[0]
+    generator = torch.Generator().manual_seed(5)
+    offsets = torch.tensor(ends, dtype=torch.int32, device=DEVICE)
+    a = torch.randn(rows, 24, generator=generator).to(DEVICE)
+    b = torch.randn(4, 24, 40, generator=generator).to(DEVICE, torch.bfloat16)
+    exact = grouped_rows_mm(a, b, offsets, backend="triton")
+    torch.testing.assert_close(grouped_rows_mm(a, b, offsets, backend="triton", precision="tf32"), exact,
+                               rtol=2e-3, atol=2e-3)
+    outer = grouped_outer_mm(a, a, offsets, backend="triton")
+    torch.testing.assert_close(grouped_outer_mm(a, a, offsets, backend="triton", precision="tf32"), outer,
+                               rtol=2e-3, atol=2e-2)
+    for call in (grouped_rows_mm, grouped_outer_mm):
+        with pytest.raises(ValueError, match="precision must be one of"):
+            call(a, b if call is grouped_rows_mm else a, offsets, precision="bf16")

@@ -76,3 +76,27 @@ def test_active_groups_counts_the_groups_with_rows_in_both_layouts(case):
         expected = [sum(end > first for first, end in zip([0] + ends[:-1], ends)) for ends in split.offsets.tolist()]
     assert split.active_groups().tolist() == expected
     assert plan.active_groups().tolist() == expected
+
+
+@settings(max_examples=40, deadline=None)
+@given(planner_cases())
+def test_the_one_launch_split_equals_the_torch_ops(case):
+    """The Triton rewrite (CUDA, or the interpreter) writes the same tables as the torch ops, for
+    group plans and for one rank's plan."""
+    from flatep.kernels.backend import use_triton
+    from flatep.plan.reference import plan_rank
+    from flatep.plan.split import _split_torch, _split_triton
+
+    ids, config, policy, tokens = case
+    if not use_triton(ids.device) or policy == "none":
+        return
+    plan = make_plan(ids, config, policy, tokens)
+    last = config.ranks - 1
+    counts = [ids.shape[1]] * config.ranks if tokens is None else list(tokens)
+    rank_plan = plan_rank(last, ids[last], plan.tokens_per_expert, config, policy, total_tokens=sum(counts),
+                          tokens=counts[last])
+    for layout in (plan, rank_plan):
+        expected, got = _split_torch(layout, layout.shard_rows), _split_triton(layout, layout.shard_rows)
+        assert expected.keys() == got.keys() and "dest_row" in got
+        for name in expected:
+            assert torch.equal(expected[name], got[name]), name
