@@ -43,7 +43,11 @@ def test_grouped_outer_mm_equals_torch(ends, rows):
 
 def test_precision_is_checked_and_tf32_stays_close():
     """``tf32`` products (tensor cores on CUDA; the interpreter computes fp32) stay within TF32's
-    rounding of the fp32 result; an unknown precision is refused before any kernel runs."""
+    rounding of the fp32 result; an unknown precision is refused before any kernel runs.
+
+    The bounds: an operand rounded to TF32 (10 mantissa bits) is off by up to 2**-10 of itself, so
+    a sum of n products of unit normals drifts by about sqrt(n) * 1e-3 and at worst n * 2e-3
+    (n = 24 inner terms here, up to 65 rows in the outer products)."""
     ends, rows = CASES[0]
     generator = torch.Generator().manual_seed(5)
     offsets = torch.tensor(ends, dtype=torch.int32, device=DEVICE)
@@ -51,10 +55,10 @@ def test_precision_is_checked_and_tf32_stays_close():
     b = torch.randn(4, 24, 40, generator=generator).to(DEVICE, torch.bfloat16)
     exact = grouped_rows_mm(a, b, offsets, backend="triton")
     torch.testing.assert_close(grouped_rows_mm(a, b, offsets, backend="triton", precision="tf32"), exact,
-                               rtol=2e-3, atol=2e-3)
+                               rtol=1e-2, atol=5e-2)
     outer = grouped_outer_mm(a, a, offsets, backend="triton")
     torch.testing.assert_close(grouped_outer_mm(a, a, offsets, backend="triton", precision="tf32"), outer,
-                               rtol=2e-3, atol=2e-2)
+                               rtol=1e-2, atol=1e-1)
     for call in (grouped_rows_mm, grouped_outer_mm):
         with pytest.raises(ValueError, match="precision must be one of"):
             call(a, b if call is grouped_rows_mm else a, offsets, precision="bf16")
