@@ -92,6 +92,7 @@ class StepContext:
         rows_dtype: dtype of the expert output rows that combine sums (``combine_dtype``).
         backend: ``auto``, ``triton`` or ``torch`` (for dispatch, combine and the forward experts).
         comm_programs: cap on the dispatch and combine kernels' programs.
+        top_k: ``K``.
     """
 
     plan: Layout
@@ -102,6 +103,7 @@ class StepContext:
     rows_dtype: torch.dtype
     backend: str
     comm_programs: int | None
+    top_k: int
 
     def entries(self, tokens: int, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(dest_rank, dest_row)``, each ``[R, s, K]`` int32."""
@@ -280,7 +282,7 @@ class GroupedExperts(torch.autograd.Function):
                     shard[local_index, first:end], shard_weights[local_index, first:end], weights[0], weights[1],
                     _part_offsets(context, rank, part, first), b13=weights[2], b2=weights[3],
                     activation=context.activation, precision=context.precision, backend=context.backend,
-                    out=out[local_index, first:end],
+                    out=out[local_index, first:end], rows_per_group=context.plan.rows_per_expert(context.top_k),
                 )
         ctx.context, ctx.pushed = context, pushed
         ctx.save_for_backward(shard, shard_weights, w13, w2, b13, b2)
@@ -490,7 +492,7 @@ def differentiable_step(
         ``[R, s, H]`` (or ``[s, H]``) in ``x``'s dtype.
     """
     context = StepContext(plan, group, experts_per_rank, activation, precision, combine_dtype or x.dtype, backend,
-                          comm_programs)
+                          comm_programs, topk_weights.shape[-1])
     if not group.stacked:  # one rank per process: a rank dimension of 1, so both transports share the code
         x, topk_weights = x.unsqueeze(0), topk_weights.unsqueeze(0)
     shard, shard_weights, links = DispatchRows.apply(x, topk_weights, context)

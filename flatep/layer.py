@@ -520,6 +520,9 @@ def experts_step(
     target = target[local_index] if group.stacked else target
     epn = pool.config.experts_per_rank
     offsets = plan.offsets[rank]
+    # The shard is a buffer sized for the step's worst case: the kernels (decode or not, and their
+    # tiles) follow the rows an expert holds on average in this step, T*K/E.
+    rows_per_group = plan.rows_per_expert(pool.config.top_k)
     runs = [("home", 0, plan.slot_base or plan.shard_rows, offsets[:epn])]
     if plan.slot_base:
         runs.append(("slots", plan.slot_base, plan.shard_rows, offsets[epn:] - plan.slot_base))
@@ -529,7 +532,7 @@ def experts_step(
         w13, w2, b13, b2 = pool.compute_view(local_index, part)
         grouped_swiglu(
             rows[first:end], weights[first:end], w13, w2, part_offsets, b13=b13, b2=b2, activation=activation,
-            precision=precision, backend=backend, out=target[first:end],
+            precision=precision, backend=backend, out=target[first:end], rows_per_group=rows_per_group,
         )
 
 

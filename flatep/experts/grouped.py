@@ -127,17 +127,17 @@ def row_groups(offsets: torch.Tensor, rows: int) -> torch.Tensor:
     return groups.clamp_max(offsets.shape[0] - 1)
 
 
-def _decode_shaped(shard: torch.Tensor, route_weights: torch.Tensor, w13, w2) -> bool:
+def _decode_shaped(shard: torch.Tensor, route_weights: torch.Tensor, w13, w2, rows_per_group: int) -> bool:
     """Whether :mod:`flatep.kernels.decode_gemm` runs a shard's experts: bf16 rows and weights on
-    CUDA, at most :data:`DECODE_ROWS_PER_GROUP` rows per group on average (the shapes alone decide,
-    so a captured graph keeps its kernels)."""
+    CUDA, at most :data:`DECODE_ROWS_PER_GROUP` rows per group on average (host integers alone
+    decide, so a captured graph keeps its kernels)."""
     tensors = (shard, w13, w2)
     return (
         shard.is_cuda
         and all(isinstance(t, torch.Tensor) and t.dtype == torch.bfloat16 for t in tensors)
         and shard.stride(1) == 1 and w13.stride(2) == 1 and w2.stride(2) == 1
         and route_weights.dtype == torch.float32 and route_weights.is_contiguous()
-        and shard.shape[0] <= DECODE_ROWS_PER_GROUP * w13.shape[0]
+        and rows_per_group <= DECODE_ROWS_PER_GROUP
     )
 
 
@@ -155,6 +155,7 @@ def grouped_swiglu(
     out_dtype: torch.dtype | None = None,
     backend: str = "auto",
     out: torch.Tensor | None = None,
+    rows_per_group: int | None = None,
 ) -> torch.Tensor:
     """The experts of one rank over its receive shard.
 
@@ -188,6 +189,9 @@ def grouped_swiglu(
             activation, each active expert's weights read once).
         out: optional ``[rows, H]`` tensor to write the result into (its dtype is then the
             ``out_dtype``); with Triton only its rows before ``offsets[-1]`` are written.
+        rows_per_group: the real rows a group holds on average, a host int (default ``rows /
+            G``). It picks the decode kernels and their tiles; pass it when the shard is a buffer
+            sized for more rows than the step holds (the layer passes the step's ``T*K/E``).
 
     Returns:
         ``out``, or a new ``[rows, H]`` tensor in ``out_dtype``; rows past ``offsets[-1]`` are
@@ -200,11 +204,14 @@ def grouped_swiglu(
     biased = b13 is not None or b2 is not None
     bounded = use_triton(shard.device, backend)
     fused = precision == "fp32" and not biased and activation is swiglu and bounded
-    if fused and _decode_shaped(shard, route_weights, w13, w2):
-        activated = gate_up_swiglu_triton(shard, w13, route_weights, offsets)
+    groups = max(w13.shape[0], 1)
+    rows_per_group = -(-shard.shape[0] // groups) if rows_per_group is None else rows_per_group
+    if fused and _decode_shaped(shard, route_weights, w13, w2, rows_per_group):
+        tiles = decode_config(rows_per_group * groups, groups)
+        activated = gate_up_swiglu_triton(shard, w13, route_weights, offsets, config=tiles)
         if out is not None and out.dtype == torch.bfloat16 and out.stride(1) == 1:
-            return grouped_mm_triton(activated, w2, offsets, out=out)
-        result = grouped_mm_triton(activated, w2, offsets)
+            return grouped_mm_triton(activated, w2, offsets, config=tiles, out=out)
+        result = grouped_mm_triton(activated, w2, offsets, config=tiles)
         out = out if out is not None else torch.empty(result.shape, dtype=out_dtype, device=result.device)
         copy_rows_triton(out, result, offsets[-1:])
         return out

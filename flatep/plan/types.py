@@ -112,6 +112,11 @@ class Layout:
         """``R``, the ranks of the group."""
         return self.tokens_per_expert.shape[0]
 
+    def rows_per_expert(self, top_k: int) -> int:
+        """``ceil(T*K/E)``: the rows an expert holds on average in this step (a host int, from the
+        sizes alone: what the expert kernels and their tiles follow)."""
+        return -(-self.total_tokens * top_k // self.tokens_per_expert.shape[1])
+
     def padded_rows(self) -> torch.Tensor:
         """``[R] int32``: rows each rank's experts compute (its real rows plus group padding)."""
         if not self.slot_base:

@@ -69,8 +69,10 @@ def test_bad_operands_are_rejected():
 
 
 def test_decode_kernels_run_on_cuda_decode_shards_only():
+    """The rows per group decide, not the buffer's size: a layer's shard is sized for a full step."""
     x, w13, w2, route_weights, _ = _operands([2, 2])
-    assert _decode_shaped(x, route_weights, w13, w2) == x.is_cuda
-    assert not _decode_shaped(x.float(), route_weights, w13, w2)
+    assert _decode_shaped(x, route_weights, w13, w2, 2) == x.is_cuda
+    assert not _decode_shaped(x.float(), route_weights, w13, w2, 2)
     many_rows = torch.empty(1000, x.shape[1], dtype=x.dtype, device=x.device)
-    assert not _decode_shaped(many_rows, route_weights, w13, w2)
+    assert not _decode_shaped(many_rows, route_weights, w13, w2, 1000 // 2)
+    assert _decode_shaped(many_rows, route_weights, w13, w2, 2) == x.is_cuda
