@@ -383,12 +383,20 @@ def _ep_cell(
     # auto's home halves hold R*s*K rows per virtual rank, which at Kimi-K2 with s = 8192 beside the
     # pool's experts exceed one GPU (a real rank holds one R-th of both).
     step_config = config.replace(capacity=cell.tokens)
-    step_t = time_stats(
-        lambda: ep_moe(cell.x, cell.ids, cell.weights, config=step_config, group=group, policy=policy, pool=pool,
-                       plan=plan, backend=backend, **planner_cost),
-        **timing,
-    )
+    try:
+        step_t = time_stats(
+            lambda: ep_moe(cell.x, cell.ids, cell.weights, config=step_config, group=group, policy=policy, pool=pool,
+                           plan=plan, backend=backend, **planner_cost),
+            **timing,
+        )
+    except torch.cuda.OutOfMemoryError:
+        # Those buffers hold the worst case of this s (classic's and auto's home halves: R*s*K rows
+        # per virtual rank, 68 GB for auto at Kimi-K2, s = 8192): where they do not fit beside the
+        # pool, the phases above, on shards sized to the step, are still measured.
+        step_t = None
     group.close()
+    if step_t is None:
+        torch.cuda.empty_cache()
     # Everything below reads the device: no timing runs after this point.
     ranks, hidden, element = config.ranks, config.hidden, cell.x.element_size()
     expert_bytes = expert_weight_nbytes(pool.weights, hidden, config.intermediate)
@@ -432,7 +440,7 @@ def _ep_cell(
         experts_us=experts_us,
         experts_us_spread=[[t.min, t.max] for t in experts_t],
         **_spread("combine_us", combine_t),
-        **_spread("step_us", step_t),
+        **(_spread("step_us", step_t) if step_t else {"step_us": None, "step_note": "out of memory (whole-step buffers)"}),
         layer_us=layer_us,
         layer_us_spread=[layer(lambda t: t.min), layer(lambda t: t.max)],
         dispatch_bytes=sent_rows_max * hidden * element,

@@ -5,6 +5,7 @@ import json
 import sys
 
 import pytest
+import torch
 
 import flatep.bench.sweep as sweep_module
 from flatep.bench.accounting import PHASES, entry_metadata_bytes
@@ -139,6 +140,19 @@ def test_bench_without_matplotlib_writes_the_summary_and_says_plots_were_skipped
     assert not list(out.glob("*.png"))
     assert main(["bench", "--report", str(out / "results.jsonl")]) == 0
     assert PLOTS_SKIPPED in capsys.readouterr().out
+
+
+def test_a_whole_step_that_runs_out_of_memory_keeps_the_cell(tmp_path, monkeypatch):
+    """The whole-step timing uses the layer's worst-case buffers; when they do not fit, the cell keeps
+    its phase timings (shards sized to the step) and says why step_us is missing."""
+    def out_of_memory(*args, **kwargs):
+        raise torch.cuda.OutOfMemoryError("pretend: the whole-step buffers do not fit")
+
+    monkeypatch.setattr(sweep_module, "ep_moe", out_of_memory)
+    _, rows = _tiny_rows(tmp_path)
+    ep_rows = [row for row in rows if row["arm"] != "dense"]
+    assert ep_rows and all(row["step_us"] is None and "out of memory" in row["step_note"] for row in ep_rows)
+    assert all(row["layer_us"] > 0 and row["dispatch_us"] > 0 for row in ep_rows)
 
 
 def test_gpu_configs_time_at_least_ten_iterations():
