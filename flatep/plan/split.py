@@ -11,10 +11,10 @@ groups to start at the fixed row ``slot_base`` = the planner's ``shard_rows``: s
 
 It rewrites only row numbers (``dest_row``, ``offsets``, ``padding``, ``group_start``), with no
 host sync, so dispatch, combine and every transport use the split layout unchanged. Plans without
-borrowed experts (policy ``none``) are returned as they are. On CUDA (and under
-``TRITON_INTERPRET=1``) one Triton launch rewrites every table (:func:`_split_kernel`): as a
-dozen small torch ops the rewrite took about 40 us of a decode step's planning on the H200, more
-than the planner itself; the torch ops remain the check and the CPU path.
+borrowed experts (policy ``none``) are returned as they are. On CUDA one Triton launch rewrites
+every table (:func:`_split_kernel`): as a dozen small torch ops the rewrite took about 40 us of a
+decode step's planning on the H200, more than the planner itself; the torch ops remain the CPU
+path and the kernel's check (under ``TRITON_INTERPRET=1`` in the tests).
 """
 from __future__ import annotations
 
@@ -26,7 +26,6 @@ import triton
 import triton.language as tl
 
 from flatep.config import next_pow2
-from flatep.kernels.backend import use_triton
 from flatep.plan.types import Layout
 
 _ENTRY_BLOCK = 1024
@@ -50,7 +49,7 @@ def split_slot_rows(plan: L) -> L:
         return plan
     base = plan.shard_rows
     changes = dict(shard_rows=base + (plan.slot_rows or base), slot_base=base)
-    if use_triton(plan.offsets.device):
+    if plan.offsets.is_cuda:
         return dataclasses.replace(plan, **changes, **_split_triton(plan, base))
     return dataclasses.replace(plan, **changes, **_split_torch(plan, base))
 
