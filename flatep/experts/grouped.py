@@ -25,8 +25,8 @@ import torch.nn.functional as F
 
 from flatep.kernels.activation import copy_rows_triton, swiglu_weighted_torch, swiglu_weighted_triton
 from flatep.kernels.backend import use_triton
-from flatep.kernels.decode_gemm import DECODE_ROWS_PER_GROUP, gate_up_swiglu_triton, grouped_mm_triton
-from flatep.kernels.quant_gemm import fp8_grouped_mm_triton, mxfp4_grouped_mm_triton
+from flatep.kernels.decode_gemm import DECODE_ROWS_PER_GROUP, decode_config, gate_up_swiglu_triton, grouped_mm_triton
+from flatep.kernels.quant_gemm import default_config, fp8_grouped_mm_triton, mxfp4_grouped_mm_triton
 from flatep.quant.fp8 import dequantize_fp8_activations, quantize_fp8_activations
 from flatep.quant.tensor import QuantizedTensor
 
@@ -60,7 +60,8 @@ class ClampedSwiGLU:
 
 
 def _grouped_matmul(
-    rows: torch.Tensor, weights: torch.Tensor | QuantizedTensor, offsets: torch.Tensor, backend: str = "auto"
+    rows: torch.Tensor, weights: torch.Tensor | QuantizedTensor, offsets: torch.Tensor, backend: str = "auto",
+    rows_per_group: int | None = None,
 ) -> torch.Tensor:
     """``out[i] = rows[i] @ weights[g(i)].T`` for the group ``g(i)`` holding row ``i``.
 
@@ -71,9 +72,10 @@ def _grouped_matmul(
         offsets: ``[G]`` int32 inclusive end row of each group; rows past ``offsets[-1]`` are
             left unwritten.
         backend: for packed weights, ``auto``, ``triton`` or ``torch``.
+        rows_per_group: for packed weights, see :func:`quantized_grouped_mm`.
     """
     if isinstance(weights, QuantizedTensor):
-        return quantized_grouped_mm(rows, weights, offsets, backend)
+        return quantized_grouped_mm(rows, weights, offsets, backend, rows_per_group)
     if rows.is_cuda and rows.dtype != torch.bfloat16:
         # The CUDA grouped GEMM is bf16-only: fall back to one matmul per group (host sync; for checks).
         out = torch.empty(rows.shape[0], weights.shape[1], dtype=rows.dtype, device=rows.device)
@@ -86,7 +88,8 @@ def _grouped_matmul(
 
 
 def quantized_grouped_mm(
-    rows: torch.Tensor, weights: QuantizedTensor, offsets: torch.Tensor, backend: str = "auto"
+    rows: torch.Tensor, weights: QuantizedTensor, offsets: torch.Tensor, backend: str = "auto",
+    rows_per_group: int | None = None,
 ) -> torch.Tensor:
     """``out[i] = rows[i] @ W[g(i)].T`` with packed ``W``: ``[M, out]`` in ``rows``' dtype.
 
@@ -102,6 +105,8 @@ def quantized_grouped_mm(
         rows: ``[M, K]`` bf16 (or fp32: torch path only).
         weights: ``[G, N, K]`` fp8 or mxfp4.
         offsets: ``[G]`` int32 inclusive end row of each group.
+        rows_per_group: the real rows a group holds on average (a host int; default ``M / G``): the
+            Triton kernels' tiles follow it (:func:`flatep.kernels.quant_gemm.default_config`).
     """
     if rows.dim() != 2 or weights.shape[-1] != rows.shape[1] or len(weights.shape) != 3:
         raise ValueError(f"rows [M, K] and weights [G, N, K] must agree on K, got {list(rows.shape)} and {list(weights.shape)}")
@@ -109,7 +114,9 @@ def quantized_grouped_mm(
         raise ValueError(f"offsets must be [{weights.shape[0]}] int32, got {list(offsets.shape)} {offsets.dtype}")
     if use_triton(rows.device, backend) and rows.dtype == torch.bfloat16:
         kernel = fp8_grouped_mm_triton if weights.format == "fp8" else mxfp4_grouped_mm_triton
-        return kernel(rows, weights.values, weights.scales, offsets)
+        groups = weights.shape[0]
+        config = None if rows_per_group is None else default_config(rows_per_group * groups, groups, weights.format)
+        return kernel(rows, weights.values, weights.scales, offsets, config=config)
     if weights.format == "fp8":
         activations = dequantize_fp8_activations(*quantize_fp8_activations(rows))
     else:
@@ -205,9 +212,9 @@ def grouped_swiglu(
     bounded = use_triton(shard.device, backend)
     fused = precision == "fp32" and not biased and activation is swiglu and bounded
     groups = max(w13.shape[0], 1)
-    rows_per_group = -(-shard.shape[0] // groups) if rows_per_group is None else rows_per_group
-    if fused and _decode_shaped(shard, route_weights, w13, w2, rows_per_group):
-        tiles = decode_config(rows_per_group * groups, groups)
+    per_group = -(-shard.shape[0] // groups) if rows_per_group is None else rows_per_group
+    if fused and _decode_shaped(shard, route_weights, w13, w2, per_group):
+        tiles = decode_config(per_group * groups, groups)
         activated = gate_up_swiglu_triton(shard, w13, route_weights, offsets, config=tiles)
         if out is not None and out.dtype == torch.bfloat16 and out.stride(1) == 1:
             return grouped_mm_triton(activated, w2, offsets, config=tiles, out=out)
@@ -215,15 +222,16 @@ def grouped_swiglu(
         out = out if out is not None else torch.empty(result.shape, dtype=out_dtype, device=result.device)
         copy_rows_triton(out, result, offsets[-1:])
         return out
-    hidden_states = _grouped_matmul(shard, w13, offsets, backend)
+    hidden_states = _grouped_matmul(shard, w13, offsets, backend, rows_per_group)
     if fused:
         # Same function, but the elementwise steps skip rows past offsets[-1] (several times the
         # real rows at small batch); those rows of the result stay undefined, as the GEMMs leave them.
         activated = torch.empty(shard.shape[0], intermediate, dtype=shard.dtype, device=shard.device)
         swiglu_weighted_triton(hidden_states, route_weights, offsets[-1:], activated)
-        result = _grouped_matmul(activated, w2, offsets, backend)  # converted (real rows only) on delivery
+        result = _grouped_matmul(activated, w2, offsets, backend, rows_per_group)  # converted (real rows only) on delivery
     else:
-        result = _torch_experts(hidden_states, route_weights, w2, offsets, b13, b2, activation, precision, out_dtype, backend)
+        result = _torch_experts(hidden_states, route_weights, w2, offsets, b13, b2, activation, precision, out_dtype, backend,
+                                rows_per_group)
     if out is None and result.dtype == out_dtype:
         return result
     if out is None:
@@ -246,6 +254,7 @@ def _torch_experts(
     precision: str,
     out_dtype: torch.dtype,
     backend: str = "auto",
+    rows_per_group: int | None = None,
 ) -> torch.Tensor:
     """:func:`grouped_swiglu` after the gate/up GEMM, in plain torch over every row: ``[rows, H]`` in ``out_dtype``."""
     intermediate = w2.shape[-1]
@@ -256,7 +265,7 @@ def _torch_experts(
         if b13 is not None:
             hidden_states = hidden_states + b13[groups]
         out = _grouped_matmul(activation(hidden_states[:, :intermediate], hidden_states[:, intermediate:]), w2, offsets,
-                              backend)
+                              backend, rows_per_group)
         if b2 is not None:
             out = out + b2[groups]
         # A bf16 route weight times a bf16 row is exact in fp32: one rounding, as a bf16 product has.
@@ -265,7 +274,7 @@ def _torch_experts(
     if b13 is not None:
         hidden_states = hidden_states + b13[groups].float()
     activated = swiglu_weighted_torch(hidden_states, route_weights, dtype, activation)
-    out = _grouped_matmul(activated, w2, offsets, backend)
+    out = _grouped_matmul(activated, w2, offsets, backend, rows_per_group)
     if b2 is None:
         return out.to(out_dtype)
     return (out.float() + weights * b2[groups].float()).to(out_dtype)

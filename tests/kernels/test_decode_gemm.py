@@ -76,3 +76,25 @@ def test_decode_kernels_run_on_cuda_decode_shards_only():
     many_rows = torch.empty(1000, x.shape[1], dtype=x.dtype, device=x.device)
     assert not _decode_shaped(many_rows, route_weights, w13, w2, 1000 // 2)
     assert _decode_shaped(many_rows, route_weights, w13, w2, 2) == x.is_cuda
+
+
+@pytest.mark.parametrize("rows_per_group", [None, 4])
+def test_grouped_swiglu_takes_the_decode_kernels_with_the_step_tiles(monkeypatch, rows_per_group):
+    """grouped_swiglu's decode branch (forced on here: on CPU the shapes test is CUDA-only) runs the
+    kernels with the tiles of ``rows_per_group`` and equals the GEMM path."""
+    import flatep.experts.grouped as grouped
+    from flatep.kernels.backend import use_triton
+
+    if not use_triton(torch.device(DEVICE)):
+        pytest.skip("needs CUDA or TRITON_INTERPRET=1")
+    x, w13, w2, route_weights, offsets = _operands([5, 9, 0, 2], seed=3)
+    end = int(offsets[-1])
+    expected = grouped.grouped_swiglu(x, route_weights, w13, w2, offsets, backend="torch")
+    seen = []
+    launch = grouped.gate_up_swiglu_triton
+    monkeypatch.setattr(grouped, "_decode_shaped", lambda *args: True)
+    monkeypatch.setattr(grouped, "gate_up_swiglu_triton",
+                        lambda *args, config=None, **kwargs: seen.append(config) or launch(*args, config=config, **kwargs))
+    got = grouped.grouped_swiglu(x, route_weights, w13, w2, offsets, rows_per_group=rows_per_group)
+    assert seen == [decode_config((rows_per_group or -(-x.shape[0] // 4)) * 4, 4)]
+    torch.testing.assert_close(got[:end].float(), expected[:end].float(), rtol=3e-2, atol=3e-3)

@@ -213,3 +213,24 @@ def test_only_rows_before_the_last_offset_are_written(format, sizes, out_feature
     assert out[end:].isnan().all()
     if end:
         assert relative_error(out[:end], quantized_grouped_mm(rows, packed, offsets, backend="torch")[:end]) < 4e-3
+
+
+@needs_triton
+@pytest.mark.parametrize("format", ["fp8", "mxfp4"])
+def test_packed_tiles_follow_the_rows_per_group_hint(format, monkeypatch):
+    """A shard sized for a full step holds few rows per group at decode: the kernels take the tiles
+    of the hint (``rows_per_group``), not of the buffer's size, and compute the same rows."""
+    import flatep.experts.grouped as grouped
+    from flatep.kernels.quant_gemm import default_config
+
+    rows, packed, offsets = grouped_inputs(format, [5, 0, 9, 2], 256, 256, seed=4, padding=400)
+    end = int(offsets[-1])
+    name = "fp8_grouped_mm_triton" if format == "fp8" else "mxfp4_grouped_mm_triton"
+    launch, seen = getattr(grouped, name), []
+    monkeypatch.setattr(grouped, name, lambda *args, config=None: seen.append(config) or launch(*args, config=config))
+    hinted = quantized_grouped_mm(rows, packed, offsets, rows_per_group=4)
+    plain = quantized_grouped_mm(rows, packed, offsets)
+    assert seen == [default_config(16, 4, format), None]
+    assert default_config(16, 4, format) != default_config(rows.shape[0], 4, format)  # the buffer's would differ
+    assert torch.equal(hinted[:end].isnan(), plain[:end].isnan())
+    torch.testing.assert_close(hinted[:end].float(), plain[:end].float(), rtol=2e-2, atol=2e-2)
