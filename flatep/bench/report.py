@@ -63,12 +63,20 @@ def _ceilings(first: dict[str, Any]) -> str:
             f"dense bf16 GEMM {first['gemm_ceiling_tflops']:.0f} TFLOP/s{read}.")
 
 
+def _calls_meaning(first: dict[str, Any]) -> str:
+    calls = first.get("graph_calls") or 1
+    if calls == 1:
+        return " (one phase per graph: each time includes a replay's fixed cost)"
+    return f" ({calls} copies of the phase back to back in one graph, time per copy)"
+
+
 def _virtual_meaning(first: dict[str, Any]) -> str:
     on_gpu = first.get("timing") == "cuda_graph"
     where = "one GPU" if on_gpu else "the CPU"
     return (
         f"Times in µs: median over {first.get('iters', '?')} timed iterations, (min-max) beside it"
-        f"{', every phase timed as CUDA-graph replays' if on_gpu else ''}; the arms of a cell ran back to back. "
+        f"{', every phase timed as CUDA-graph replays' if on_gpu else ''}"
+        f"{_calls_meaning(first) if on_gpu else ''}; the arms of a cell ran back to back. "
         "A difference inside the spread is not a result. `layer` = slowest-rank layer time: planning + the "
         "per-rank share of the dispatch, push and combine launches (each covers all R virtual ranks) + the "
         "slowest rank's experts; its spread adds the phases' minima (maxima). `dense` = one device computing "

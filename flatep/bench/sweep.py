@@ -49,7 +49,7 @@ ARMS = {"flat": "exact", "classic": "none", "dense": None}
 Any other arm name must be a planner policy (:data:`flatep.config.POLICIES`) and plans with it."""
 CELL_KEY = ("model", "ranks", "tokens", "maxvio_target", "arm")
 IDENTITY = ("sweep", "model", "ranks", "hidden", "experts", "top_k", "intermediate", "align", "tolerance",
-            "dedup", "link_gbps_model", "warmup", "iters", "device", "backend", "weights", "cost_profile")
+            "dedup", "link_gbps_model", "warmup", "iters", "graph_calls", "device", "backend", "weights", "cost_profile")
 """Fields every row of one results file shares: ``--resume`` refuses a file whose rows differ."""
 
 
@@ -80,6 +80,11 @@ class Sweep:
         arms: the arms, in the order each cell runs them: ``flat``, ``classic``, ``dense``, or a
             planner policy by name (see :func:`arm_policy`).
         warmup, iters: timing repetitions (median and min-max spread of ``iters``).
+        graph_calls: on a GPU, copies of each phase captured back to back in one CUDA graph, its
+            replay time divided by their number (default 1: one phase per graph). A replay has a
+            fixed cost (about 10 us on the H200 for a phase of one tiny kernel) that a serving
+            step, one graph for the whole model, pays once; more calls per graph leave the
+            phases' own time.
         link_gbps: link bandwidth per direction used by the modelled link time.
         align: group padding of the shards (:attr:`flatep.EPConfig.align`).
         tolerance: imbalance the flat arm lets pass without moving weights
@@ -102,6 +107,7 @@ class Sweep:
     arms: list[str] = field(default_factory=lambda: list(ARMS))
     warmup: int = 3
     iters: int = 10
+    graph_calls: int = 1
     link_gbps: float = 370.0
     align: int = 128
     tolerance: float = 0.0
@@ -139,6 +145,8 @@ class Sweep:
             raise ValueError(f"arms must be distinct names from {known_arms()}, got {self.arms}")
         if not isinstance(self.iters, int) or self.iters < 1 or not isinstance(self.warmup, int) or self.warmup < 0:
             raise ValueError(f"iters must be >= 1 and warmup >= 0 (integers), got iters={self.iters}, warmup={self.warmup}")
+        if isinstance(self.graph_calls, bool) or not isinstance(self.graph_calls, int) or self.graph_calls < 1:
+            raise ValueError(f"graph_calls must be an integer >= 1, got {self.graph_calls!r}")
         if self.link_gbps <= 0:
             raise ValueError(f"link_gbps must be > 0, got {self.link_gbps}")
         if not self.tokens or any(not isinstance(t, int) or t < 1 for t in self.tokens):
@@ -359,7 +367,8 @@ def _ep_cell(
     group = LocalGroup(config.ranks, device)
     # On the GPU every phase is timed as CUDA-graph replays (as a serving step runs it): GPU time
     # without host launch overhead, which would otherwise dominate at small s.
-    timing = dict(device=device, warmup=sweep.warmup, iters=sweep.iters, graph=device.type == "cuda")
+    timing = dict(device=device, warmup=sweep.warmup, iters=sweep.iters, graph=device.type == "cuda",
+                  calls=sweep.graph_calls)
     # The planner ep_moe uses: sync-free Triton on the GPU, the reference on the CPU.
     triton_planner = device.type == "cuda" and supports_triton_planner(config)
     planner = make_plan_triton if triton_planner else make_plan
@@ -480,7 +489,8 @@ def _dense_cell(sweep: Sweep, config: EPConfig, cell: Cell, weights: "DenseWeigh
     x = cell.x.reshape(-1, config.hidden)
     ids = cell.ids.reshape(-1, config.top_k)
     route = cell.weights.reshape(-1, config.top_k)
-    dense = time_stats(lambda: dense_step(x, ids, route, w13, w2, backend), device, sweep.warmup, sweep.iters, graph=device.type == "cuda")
+    dense = time_stats(lambda: dense_step(x, ids, route, w13, w2, backend), device, sweep.warmup, sweep.iters,
+                       graph=device.type == "cuda", calls=sweep.graph_calls)
     share = [dense.min / config.ranks, dense.max / config.ranks]
     return dict(
         plan_us=0.0, dispatch_us=0.0, push_us=0.0, combine_us=0.0,
@@ -631,7 +641,8 @@ def run(sweep: Sweep, out_dir: Path, device: torch.device, resume: bool = False,
     identity = dict(
         sweep=sweep.name, model=sweep.model_name, ranks=sweep.ranks, hidden=config.hidden, experts=config.experts,
         top_k=config.top_k, intermediate=config.intermediate, align=config.align, tolerance=config.tolerance,
-        dedup=config.dedup, link_gbps_model=sweep.link_gbps, warmup=sweep.warmup, iters=sweep.iters, device=hardware,
+        dedup=config.dedup, link_gbps_model=sweep.link_gbps, warmup=sweep.warmup, iters=sweep.iters,
+        graph_calls=sweep.graph_calls, device=hardware,
         backend=backend, weights=sweep.weights, cost_profile=cost.to_dict(),
     )
     out_dir.mkdir(parents=True, exist_ok=True)

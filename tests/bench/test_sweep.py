@@ -64,6 +64,7 @@ def test_shipped_configs_load():
         ("name: x\nmodel: kimi-k2\nranks: 8\ntokens: [1]\nmaxvio: [0]\narms: [fast]\n", "arms must be"),
         ("name: x\nmodel: kimi-k2\nranks: 8\ntokens: [1]\nmaxvio: [0]\narms: [flat, flat]\n", "arms must be distinct"),
         ("name: x\nmodel: kimi-k2\nranks: 8\ntokens: [1]\nmaxvio: [0]\niters: 0\n", "iters must be"),
+        ("name: x\nmodel: kimi-k2\nranks: 8\ntokens: [1]\nmaxvio: [0]\ngraph_calls: 0\n", "graph_calls must be"),
         ("name: x\nmodel: llama\nranks: 8\ntokens: [1]\nmaxvio: [0]\n", "model must be one of"),
         ("name: x\nmodel: kimi-k2\nranks: 7\ntokens: [1]\nmaxvio: [0]\n", "divisible by ranks"),
         ("name: x\nmodel: kimi-k2\nranks: 8\ntokens: [1]\nmaxvio: [0]\ncolor: red\n", "unknown keys"),
@@ -153,6 +154,15 @@ def test_a_whole_step_that_runs_out_of_memory_keeps_the_cell(tmp_path, monkeypat
     ep_rows = [row for row in rows if row["arm"] != "dense"]
     assert ep_rows and all(row["step_us"] is None and "out of memory" in row["step_note"] for row in ep_rows)
     assert all(row["layer_us"] > 0 and row["dispatch_us"] > 0 for row in ep_rows)
+
+
+def test_the_summary_says_how_many_phase_copies_a_graph_held():
+    from flatep.bench.report import _virtual_meaning
+
+    first = dict(timing="cuda_graph", iters=10, link_gbps_model=370)
+    assert "one phase per graph" in _virtual_meaning({**first, "graph_calls": 1})
+    assert "4 copies of the phase back to back" in _virtual_meaning({**first, "graph_calls": 4})
+    assert "copies" not in _virtual_meaning({**first, "timing": "eager", "graph_calls": 4})
 
 
 def test_gpu_configs_time_at_least_ten_iterations():
