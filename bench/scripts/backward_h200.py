@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import json
 import os
 import statistics
@@ -231,6 +232,12 @@ def main(argv: list[str] | None = None) -> int:
                 if time.perf_counter() - began > args.budget:
                     timing.append(dict(tokens=tokens, maxvio_target=target, policy=policy, status="skipped (time budget)"))
                     continue
+                if run["device"].type == "cuda":
+                    # The previous cell's activations and gradients go back to the device first (on
+                    # the H200 two of the three flat cells at s = 8192 ran out of memory without it,
+                    # the third, same size, fit).
+                    gc.collect()
+                    torch.cuda.empty_cache()
                 try:
                     cell = time_cell(run, w13, w2, group, tokens, target, policy, args.iters)
                 except torch.cuda.OutOfMemoryError:
