@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from flatep.kernels.backend import interpreting
-from flatep.kernels.quant_gemm import GemmConfig, _check_rows, _output, _program_tile, _round_to_bf16
+from flatep.kernels.quant_gemm import GemmConfig, _check_rows, _output, _program_tile, _round_to_bf16, _tile_dot
 
 DECODE_ROWS_PER_GROUP = 64
 """Largest average rows per group for which :func:`flatep.experts.grouped.grouped_swiglu` takes
@@ -73,21 +73,10 @@ def _decode_kernel(
         inner_mask = (k + inner < K)[None, :]
         a = tl.load(a_tile + k, mask=row_mask[:, None] & inner_mask, other=0.0)
         w = tl.load(w_tile + k, mask=column_mask[:, None] & inner_mask, other=0.0)
-        if INTERPRET:
-            a = a.to(tl.float32)
-            w = w.to(tl.float32)
-        if SWAP_AB:
-            acc += tl.dot(w, tl.trans(a))
-        else:
-            acc += tl.dot(a, tl.trans(w))
+        acc += _tile_dot(a, w, SWAP_AB, INTERPRET)
         if GATED:
             u = tl.load(up_tile + k, mask=column_mask[:, None] & inner_mask, other=0.0)
-            if INTERPRET:
-                u = u.to(tl.float32)
-            if SWAP_AB:
-                acc_up += tl.dot(u, tl.trans(a))
-            else:
-                acc_up += tl.dot(a, tl.trans(u))
+            acc_up += _tile_dot(a, u, SWAP_AB, INTERPRET)
     if SWAP_AB:
         acc = tl.trans(acc)
         acc_up = tl.trans(acc_up)

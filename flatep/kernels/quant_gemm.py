@@ -134,6 +134,21 @@ def _program_tile(
 
 
 @triton.jit
+def _tile_dot(a, w, SWAP_AB: tl.constexpr, INTERPRET: tl.constexpr):
+    """One K step of a row tile ``a [BLOCK_M, BLOCK_K]`` and a weight tile ``w [BLOCK_N, BLOCK_K]``:
+    ``w @ a.T`` (``[BLOCK_N, BLOCK_M]``) with ``SWAP_AB``, else ``a @ w.T``, in fp32; the operands
+    are upcast to fp32 first under the interpreter."""
+    if INTERPRET:
+        a = a.to(tl.float32)
+        w = w.to(tl.float32)
+    if SWAP_AB:
+        product = tl.dot(w, tl.trans(a))
+    else:
+        product = tl.dot(a, tl.trans(w))
+    return product
+
+
+@triton.jit
 def _round_to_e4m3(x):
     """``x`` (fp32 in [-448, 448]) rounded to nearest even on the e4m3 grid, in fp32: 3 mantissa
     bits for normal values (a carry may bump the exponent), steps of 2**-9 below 2**-6."""
@@ -201,16 +216,14 @@ def _fp8_grouped_kernel(
     for step in range(0, k_blocks):
         a = tl.load(a_tile + step * BLOCK_K, mask=row_mask[:, None], other=0.0)
         w = tl.load(w_tile + step * BLOCK_K, mask=column_mask[:, None], other=0.0)
-        if INTERPRET:
-            a = a.to(tl.float32)
-            w = w.to(tl.float32)
         a_scale = tl.load(a_scales + step, mask=row_mask, other=0.0)
         w_scale = tl.load(w_scales + step, mask=column_mask, other=0.0)
         # One K step is one scale block of both operands: scale the block's partial product.
+        product = _tile_dot(a, w, SWAP_AB, INTERPRET)
         if SWAP_AB:
-            acc += tl.dot(w, tl.trans(a)) * w_scale[:, None] * a_scale[None, :]
+            acc += product * w_scale[:, None] * a_scale[None, :]
         else:
-            acc += tl.dot(a, tl.trans(w)) * a_scale[:, None] * w_scale[None, :]
+            acc += product * a_scale[:, None] * w_scale[None, :]
     if SWAP_AB:
         acc = tl.trans(acc)
     if INTERPRET:
@@ -267,13 +280,7 @@ def _mxfp4_grouped_kernel(
         # [BLOCK_N, HALF, 2] -> [BLOCK_N, BLOCKS, 32]: byte j's low nibble is column 2j, its high one 2j+1.
         decoded = tl.reshape(tl.join(_e2m1_to_fp32(packed & 15), _e2m1_to_fp32(packed >> 4)), [BLOCK_N, BLOCKS, 32])
         w = tl.reshape(decoded * scale[:, :, None], [BLOCK_N, BLOCK_K]).to(tl.bfloat16)  # exact: e2m1 times 2**e
-        if INTERPRET:
-            a = a.to(tl.float32)
-            w = w.to(tl.float32)
-        if SWAP_AB:
-            acc += tl.dot(w, tl.trans(a))
-        else:
-            acc += tl.dot(a, tl.trans(w))
+        acc += _tile_dot(a, w, SWAP_AB, INTERPRET)
     if SWAP_AB:
         acc = tl.trans(acc)
     if INTERPRET:
