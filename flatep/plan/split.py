@@ -118,27 +118,25 @@ def _split_kernel(
 
 
 def _split_triton(plan: Layout, base: int) -> dict[str, torch.Tensor]:
-    """The rewritten tables of :func:`split_slot_rows` in one launch (no host sync, graph-capturable)."""
+    """The rewritten tables of :func:`split_slot_rows` in one launch (no host sync, graph-capturable).
+
+    The plan's tables are int32, as every planner writes them (:class:`flatep.plan.types.Layout`).
+    """
     ranks, experts = plan.group_start.shape
     epn = experts // ranks
-    tables = (plan.offsets, plan.padding, plan.group_start)
-    if any(t.dtype != torch.int32 or not t.is_contiguous() for t in tables):
-        return _split_torch(plan, base)
-    offsets, padding, group_start = (torch.empty_like(t) for t in tables)
-    dest_row = getattr(plan, "dest_row", None)
-    rows = dest_row is not None and dest_row.dtype == plan.dest_rank.dtype == torch.int32 and dest_row.is_contiguous() \
-        and plan.dest_rank.is_contiguous()
-    if dest_row is not None and not rows:
-        return _split_torch(plan, base)
-    entries = dest_row.numel() if rows else 0
-    new_dest_row = torch.empty_like(dest_row) if rows else offsets
-    _split_kernel[(max(ranks, triton.cdiv(entries, _ENTRY_BLOCK)),)](
-        plan.offsets, plan.padding, plan.group_start, plan.dest_rank if rows else offsets, dest_row if rows else offsets,
-        offsets, padding, group_start, new_dest_row, base, ranks, entries,
-        EPN=epn, EXPERTS=experts, BLOCK_G=next_pow2(2 * epn), BLOCK_E=next_pow2(experts), BLOCK=_ENTRY_BLOCK,
-        ROWS=rows, num_warps=4,
-    )
+    tables = [table.contiguous() for table in (plan.offsets, plan.padding, plan.group_start)]
+    offsets, padding, group_start = (torch.empty_like(table) for table in tables)
     changes = dict(offsets=offsets, padding=padding, group_start=group_start)
+    # A layout without entries (the base type) rewrites its tables only: the kernel's entry pointers then
+    # stand in with a table, and ROWS leaves them unread.
+    rows = getattr(plan, "dest_row", None) is not None
+    dest_rank, dest_row = (plan.dest_rank.contiguous(), plan.dest_row.contiguous()) if rows else (offsets, offsets)
     if rows:
-        changes["dest_row"] = new_dest_row
+        changes["dest_row"] = torch.empty_like(dest_row)
+    entries = dest_row.numel() if rows else 0
+    _split_kernel[(max(ranks, triton.cdiv(entries, _ENTRY_BLOCK)),)](
+        *tables, dest_rank, dest_row, offsets, padding, group_start, changes.get("dest_row", offsets), base, ranks,
+        entries, EPN=epn, EXPERTS=experts, BLOCK_G=next_pow2(2 * epn), BLOCK_E=next_pow2(experts),
+        BLOCK=_ENTRY_BLOCK, ROWS=rows, num_warps=4,
+    )
     return changes
