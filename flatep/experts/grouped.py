@@ -197,10 +197,10 @@ def grouped_swiglu(
         out: optional ``[rows, H]`` tensor to write the result into (its dtype is then the
             ``out_dtype``); with Triton only its rows before ``offsets[-1]`` are written.
         rows_per_group: the real rows a group holds on average, a host int (default ``rows /
-            G``). It decides whether the decode kernels run (their tiles follow the larger of it
-            and the shard's rows per group), and picks the packed GEMMs' tiles; pass it when the
-            shard is a buffer sized for more rows than the step holds (the layer passes the step's
-            ``T*K/E``).
+            G``). It decides whether the decode kernels run and picks their tiles and the packed
+            GEMMs' tiles; pass it when the shard is a buffer sized for more rows than the step
+            holds (the layer passes the step's ``T*K/E``), so that the kernels do not depend on
+            the buffer's size.
 
     Returns:
         ``out``, or a new ``[rows, H]`` tensor in ``out_dtype``; rows past ``offsets[-1]`` are
@@ -216,11 +216,11 @@ def grouped_swiglu(
     groups = max(w13.shape[0], 1)
     per_group = -(-shard.shape[0] // groups) if rows_per_group is None else rows_per_group
     if fused and _decode_shaped(shard, route_weights, w13, w2, per_group):
-        # Tiles no shorter than the shard's rows per group: under skew the busiest rank's hot groups
-        # hold several times the mean, and short row tiles re-read their weights per tile (H200,
-        # Kimi-K2, 64 rows per expert: 32-row tiles 1285 us, 64-row tiles 1079-1124 us; at 16 rows
-        # per expert 64-row tiles cost 6% more than 16-row ones).
-        tiles = decode_config(max(per_group * groups, shard.shape[0]), groups)
+        # Tiles follow the rows a group holds in this step, never the size of the buffer the shard
+        # lives in (sized for the step's worst case, or for another policy's: on the H200 at
+        # Kimi-K2, s = 128, classic's experts took 995 us with 32-row tiles and auto's, the same
+        # groups in a larger buffer, 1087 us with the 64-row tiles its buffer implied).
+        tiles = decode_config(per_group * groups, groups)
         activated = gate_up_swiglu_triton(shard, w13, route_weights, offsets, config=tiles)
         if out is not None and out.dtype == torch.bfloat16 and out.stride(1) == 1:
             return grouped_mm_triton(activated, w2, offsets, config=tiles, out=out)

@@ -81,8 +81,8 @@ def test_decode_kernels_run_on_cuda_decode_shards_only():
 @pytest.mark.parametrize("rows_per_group", [None, 4, 40])
 def test_grouped_swiglu_takes_the_decode_kernels_with_the_step_tiles(monkeypatch, rows_per_group):
     """grouped_swiglu's decode branch (forced on here: on CPU the shapes test is CUDA-only) runs the
-    kernels with tiles for the larger of ``rows_per_group`` and the shard's rows per group, and
-    equals the GEMM path."""
+    kernels with tiles for ``rows_per_group`` (default: the shard's rows per group), never for the
+    buffer's size, and equals the GEMM path."""
     import flatep.experts.grouped as grouped
     from flatep.kernels.backend import use_triton
 
@@ -97,5 +97,5 @@ def test_grouped_swiglu_takes_the_decode_kernels_with_the_step_tiles(monkeypatch
     monkeypatch.setattr(grouped, "gate_up_swiglu_triton",
                         lambda *args, config=None, **kwargs: seen.append(config) or launch(*args, config=config, **kwargs))
     got = grouped.grouped_swiglu(x, route_weights, w13, w2, offsets, rows_per_group=rows_per_group)
-    assert seen == [decode_config(max((rows_per_group or 0) * 4, x.shape[0]), 4)]
+    assert seen == [decode_config((rows_per_group or -(-x.shape[0] // 4)) * 4, 4)]
     torch.testing.assert_close(got[:end].float(), expected[:end].float(), rtol=3e-2, atol=3e-3)
