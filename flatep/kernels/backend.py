@@ -33,6 +33,21 @@ def use_triton(device: torch.device, backend: str = "auto") -> bool:
     return available
 
 
+PROGRAMS_PER_SM = 2
+"""Programs per SM of the persistent grouped GEMM launches (:func:`resident_programs`)."""
+
+INTERPRETER_PROGRAMS = 4
+"""Programs of those launches under the interpreter: a few, so that each walks several tiles."""
+
+
+def resident_programs(device: torch.device) -> int:
+    """Programs a persistent launch on ``device`` takes: :data:`PROGRAMS_PER_SM` per SM on CUDA
+    (each program loops over tiles, so more would only queue), :data:`INTERPRETER_PROGRAMS` on CPU."""
+    if device.type != "cuda":
+        return INTERPRETER_PROGRAMS
+    return PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def column_block(columns: int, element_size: int) -> int:
     """Columns one program step moves per row: 2 KiB (16-byte vectors per thread), fewer for narrow rows.
 

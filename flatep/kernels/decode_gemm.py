@@ -4,9 +4,10 @@ At decode sizes a rank's experts hold a few rows each, so its two grouped GEMMs 
 bound: the time is the bytes of the active experts' weights over the device's read bandwidth.
 These kernels keep to that floor:
 
-- the grid covers only the row tiles that hold rows (``_program_tile`` of
+- a persistent grid loops over the row tiles that hold rows only (the tile table of
   :mod:`flatep.kernels.quant_gemm`: a running sum of the groups' tiles, read on the device, so a
-  call can be captured in a CUDA graph), and an empty group costs no weight read;
+  call can be captured in a CUDA graph); an empty group costs no weight read, and the rows of the
+  buffer past the step's rows cost no program;
 - with ``swap_ab`` the product is computed transposed, ``W_tile @ A_tile.T``, so that the weight's
   rows fill the tensor core's 64-row side while a decode row tile is 16 or 32 rows;
 - :func:`gate_up_swiglu_triton` fuses the gate/up GEMM with the activation and the route weight:
@@ -31,7 +32,7 @@ import triton
 import triton.language as tl
 
 from flatep.kernels.backend import interpreting
-from flatep.kernels.quant_gemm import GemmConfig, _check_rows, _output, _program_tile, _round_to_bf16, _tile_dot
+from flatep.kernels.quant_gemm import GemmConfig, _check_rows, _grid, _locate_tile, _output, _round_to_bf16, _tile_dot, _tile_table
 
 DECODE_ROWS_PER_GROUP = 64
 """Largest average rows per group for which :func:`flatep.experts.grouped.grouped_swiglu` takes
@@ -52,9 +53,22 @@ def _decode_kernel(
     K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     GROUPS: tl.constexpr, SWAP_AB: tl.constexpr, GATED: tl.constexpr, INTERPRET: tl.constexpr,
 ):
-    group, first, last, first_column = _program_tile(offsets_ptr, groups, N, BLOCK_M, BLOCK_N, GROUP_M, GROUPS)
-    if group >= groups:
-        return
+    starts, ends, tiles, passed, total = _tile_table(offsets_ptr, groups, N, BLOCK_M, BLOCK_N, GROUPS)
+    tile = tl.program_id(0)
+    while tile < total:
+        group, first, last, first_column = _locate_tile(tile, starts, ends, tiles, passed, N, BLOCK_M, BLOCK_N, GROUP_M, GROUPS)
+        _decode_tile(a_ptr, w_ptr, weight_ptr, out_ptr, group, first, last, first_column, N, stride_am, stride_wg,
+                     stride_wn, stride_om, K, BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, GATED, INTERPRET)
+        tile += tl.num_programs(0)
+
+
+@triton.jit
+def _decode_tile(
+    a_ptr, w_ptr, weight_ptr, out_ptr, group, first, last, first_column, N, stride_am, stride_wg, stride_wn, stride_om,
+    K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr,
+    GATED: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """Rows ``[first, min(first + BLOCK_M, last))`` times columns ``[first_column, + BLOCK_N)`` of ``group``."""
     row = first + tl.arange(0, BLOCK_M)
     row_mask = row < last
     column = first_column + tl.arange(0, BLOCK_N)
@@ -109,9 +123,7 @@ def _launch(rows, weights, route_weights, out, offsets, columns, config, gated) 
     out = _output(rows, columns, out)
     if rows.shape[0] == 0:
         return out
-    # Programs for any grouping: at most (rows + groups * (block_m - 1)) / block_m row tiles.
-    row_tiles = (rows.shape[0] + groups * (config.block_m - 1)) // config.block_m
-    _decode_kernel[(row_tiles * triton.cdiv(columns, config.block_n),)](
+    _decode_kernel[_grid(rows.shape[0], groups, columns, config, rows.device)](
         rows, weights, route_weights, out, offsets, groups, columns, rows.stride(0), weights.stride(0),
         weights.stride(1), out.stride(0), inner,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,

@@ -3,17 +3,20 @@
 Same contract as ``torch._grouped_mm(rows, weights.T, offs=offsets)``: ``offsets [G]`` int32 holds
 the inclusive end row of each group, group ``g`` owns rows ``[offsets[g-1], offsets[g])``, and
 rows at and past ``offsets[-1]`` are neither read nor written. Nothing is read on the host, so a
-call can be captured in a CUDA graph: the grid is one-dimensional and sized from the shapes only
-(``(M + G * (BLOCK_M - 1)) // BLOCK_M`` row tiles, an upper bound on the tiles of any grouping,
-times the column blocks); every program finds its group, row tile and column block from a running
-sum of the groups' tiles and returns at once if it has none.
+call can be captured in a CUDA graph. The grid is persistent: a fixed number of programs (two per
+SM, fewer for small shapes) loop over the tiles the offsets hold, ``program, program + P, ...``;
+each finds its group, row tile and column block from a running sum of the groups' tiles. Nothing
+is launched per row of the buffer: a layer's shard is sized for the step's worst case (classic EP:
+every entry of the group on one rank), and a grid sized from it launched mostly programs that
+found no tile and returned (on the H200 at Kimi-K2, s = 128, about 90 us of a rank's experts for
+the tens of thousands of such programs of an auto shard).
 
-Programs are numbered group by group: all of group 0's (row tile, column block) programs, then group
+Tiles are numbered group by group: all of group 0's (row tile, column block) tiles, then group
 1's, and so on, so that the programs running together share one group's activations and weights
-in L2 (with the row tiles of every group in the grid's fastest dimension, each column block
-streamed all groups' activations from memory again). Within a group, bands of ``group_m`` row tiles
-take the column blocks in turn, row tiles fastest: the band's rows stay in L2 across its column
-blocks and each weight tile is read by the band's row tiles back to back.
+in L2 (with the row tiles of every group in the fastest dimension, each column block streamed all
+groups' activations from memory again). Within a group, bands of ``group_m`` row tiles take the
+column blocks in turn, row tiles fastest: the band's rows stay in L2 across its column blocks and
+each weight tile is read by the band's row tiles back to back.
 
 - fp8 (:func:`fp8_grouped_mm_triton`): the rows are first quantized per token per 128 columns
   (``scale = max(amax, 1e-10) / 448``, e4m3 rounded to nearest and saturated), as DeepSeek-V3 runs
@@ -46,7 +49,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flatep.kernels.backend import interpreting
+from flatep.kernels.backend import interpreting, resident_programs
 
 _FP8_BLOCK = 128
 _E4M3_MAX = tl.constexpr(448.0)
@@ -100,33 +103,37 @@ def default_config(rows: int, groups: int, format: str) -> GemmConfig:
 
 
 @triton.jit
-def _program_tile(
-    offsets_ptr, groups, N,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, GROUPS: tl.constexpr,
-):
-    """``(group, first_row, end_row, first_column)`` of this program; group ``>= groups`` if it has none.
-
-    Vectorised over the groups (``GROUPS`` = ``groups`` rounded up to a power of two): the row tiles
-    of every group and their running sum. Group ``g`` owns programs ``[base_g, base_g + tiles_g) *
-    column_blocks``, so ``program // column_blocks`` finds the group as a tile index would; within
-    the group, bands of ``GROUP_M`` row tiles (the last band may be shorter) each take all column
-    blocks, row tiles fastest.
-    """
-    program = tl.program_id(0)
-    column_blocks = tl.cdiv(N, BLOCK_N)
+def _tile_table(offsets_ptr, groups, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr):
+    """Per group (vectors over ``GROUPS`` = ``groups`` rounded up to a power of two): first row,
+    end row, row tiles and their running sum; and the launch's tiles in all (row tiles times
+    column blocks), read from the offsets on the device."""
     g = tl.arange(0, GROUPS)
     real = g < groups
     ends = tl.load(offsets_ptr + g, mask=real, other=0)
     starts = tl.load(offsets_ptr + g - 1, mask=real & (g > 0), other=0)
     tiles = tl.where(real, (tl.maximum(ends - starts, 0) + BLOCK_M - 1) // BLOCK_M, 0)
-    passed = tl.cumsum(tiles, axis=0)
-    group = tl.sum((passed <= program // column_blocks).to(tl.int32), axis=0)
+    return starts, ends, tiles, tl.cumsum(tiles, axis=0), tl.sum(tiles, axis=0) * tl.cdiv(N, BLOCK_N)
+
+
+@triton.jit
+def _locate_tile(
+    tile, starts, ends, tiles, passed, N,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, GROUPS: tl.constexpr,
+):
+    """``(group, first_row, end_row, first_column)`` of tile ``tile < total`` (see :func:`_tile_table`).
+
+    Group ``g`` owns tiles ``[base_g, base_g + tiles_g) * column_blocks``, so ``tile //
+    column_blocks`` finds the group; within the group, bands of ``GROUP_M`` row tiles (the last band
+    may be shorter) each take all column blocks, row tiles fastest.
+    """
+    column_blocks = tl.cdiv(N, BLOCK_N)
+    g = tl.arange(0, GROUPS)
+    group = tl.sum((passed <= tile // column_blocks).to(tl.int32), axis=0)
     mine = g == group
     count = tl.sum(tl.where(mine, tiles, 0), axis=0)
-    local = program - tl.sum(tl.where(mine, passed - tiles, 0), axis=0) * column_blocks
+    local = tile - tl.sum(tl.where(mine, passed - tiles, 0), axis=0) * column_blocks
     band = local // (GROUP_M * column_blocks)
-    # At least 1: a program past the last tile has count 0 and returns, but must not divide by 0.
-    band_tiles = tl.maximum(tl.minimum(count - band * GROUP_M, GROUP_M), 1)
+    band_tiles = tl.minimum(count - band * GROUP_M, GROUP_M)
     within = local - band * GROUP_M * column_blocks
     first = tl.sum(tl.where(mine, starts, 0), axis=0) + (band * GROUP_M + within % band_tiles) * BLOCK_M
     last = tl.sum(tl.where(mine, ends, 0), axis=0)
@@ -192,9 +199,21 @@ def _fp8_grouped_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, GROUPS: tl.constexpr,
     SWAP_AB: tl.constexpr, INTERPRET: tl.constexpr,
 ):
-    group, first, last, first_column = _program_tile(offsets_ptr, groups, N, BLOCK_M, BLOCK_N, GROUP_M, GROUPS)
-    if group >= groups:
-        return
+    starts, ends, tiles, passed, total = _tile_table(offsets_ptr, groups, N, BLOCK_M, BLOCK_N, GROUPS)
+    tile = tl.program_id(0)
+    while tile < total:
+        group, first, last, first_column = _locate_tile(tile, starts, ends, tiles, passed, N, BLOCK_M, BLOCK_N, GROUP_M, GROUPS)
+        _fp8_tile(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, group, first, last, first_column, N, stride_om, K,
+                  BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, INTERPRET)
+        tile += tl.num_programs(0)
+
+
+@triton.jit
+def _fp8_tile(
+    a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, group, first, last, first_column, N, stride_om, K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """Rows ``[first, min(first + BLOCK_M, last))`` times columns ``[first_column, + BLOCK_N)`` of ``group``."""
     k_blocks: tl.constexpr = K // BLOCK_K
     n_blocks = tl.cdiv(N, BLOCK_K)
     row = first + tl.arange(0, BLOCK_M)
@@ -247,9 +266,21 @@ def _mxfp4_grouped_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, GROUPS: tl.constexpr,
     SWAP_AB: tl.constexpr, INTERPRET: tl.constexpr,
 ):
-    group, first, last, first_column = _program_tile(offsets_ptr, groups, N, BLOCK_M, BLOCK_N, GROUP_M, GROUPS)
-    if group >= groups:
-        return
+    starts, ends, tiles, passed, total = _tile_table(offsets_ptr, groups, N, BLOCK_M, BLOCK_N, GROUPS)
+    tile = tl.program_id(0)
+    while tile < total:
+        group, first, last, first_column = _locate_tile(tile, starts, ends, tiles, passed, N, BLOCK_M, BLOCK_N, GROUP_M, GROUPS)
+        _mxfp4_tile(a_ptr, w_ptr, s_ptr, out_ptr, group, first, last, first_column, N, stride_am, stride_om, K,
+                    BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, INTERPRET)
+        tile += tl.num_programs(0)
+
+
+@triton.jit
+def _mxfp4_tile(
+    a_ptr, w_ptr, s_ptr, out_ptr, group, first, last, first_column, N, stride_am, stride_om, K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """Rows ``[first, min(first + BLOCK_M, last))`` times columns ``[first_column, + BLOCK_N)`` of ``group``."""
     HALF: tl.constexpr = BLOCK_K // 2
     BLOCKS: tl.constexpr = BLOCK_K // 32
     packed_k = K // 2
@@ -303,12 +334,15 @@ def _check_common(rows: torch.Tensor, values: torch.Tensor, offsets: torch.Tenso
                          f"{list(offsets.shape)}")
 
 
-def _grid(rows: int, groups: int, columns: int, config: GemmConfig) -> tuple[int]:
-    """Programs for any grouping of ``rows``: group ``g`` of ``r_g`` rows has ``ceil(r_g / block_m)
-    <= (r_g + block_m - 1) / block_m`` row tiles, which sum to at most ``(rows + groups * (block_m -
-    1)) / block_m`` over the groups; times the column blocks."""
+def _grid(rows: int, groups: int, columns: int, config: GemmConfig, device: torch.device) -> tuple[int]:
+    """Programs of a grouped GEMM launch: each loops over tiles ``program, program + P, ...`` below
+    the tiles the offsets hold (read on the device), so the launch costs nothing per row of the
+    buffer that holds no rows (a layer's shard is sized for the step's worst case, often tens of
+    times its rows). ``P`` is the fewer of an upper bound on any grouping's tiles (group ``g`` of
+    ``r_g`` rows has at most ``(r_g + block_m - 1) / block_m`` row tiles: ``(rows + groups *
+    (block_m - 1)) / block_m`` in all, times the column blocks) and two programs per SM."""
     row_tiles = (rows + groups * (config.block_m - 1)) // config.block_m
-    return (row_tiles * triton.cdiv(columns, config.block_n),)
+    return (max(1, min(row_tiles * triton.cdiv(columns, config.block_n), resident_programs(device))),)
 
 
 def _output(rows: torch.Tensor, columns: int, out: torch.Tensor | None) -> torch.Tensor:
@@ -375,7 +409,7 @@ def fp8_grouped_mm_triton(
         raise ValueError(f"fp8 block_k must be {_FP8_BLOCK} (one scale block), got {config.block_k}")
     quantized, row_scales = quantize_fp8_activations_triton(rows, offsets[-1:])
     out = _output(rows, columns, out)
-    _fp8_grouped_kernel[_grid(rows.shape[0], groups, columns, config)](
+    _fp8_grouped_kernel[_grid(rows.shape[0], groups, columns, config, rows.device)](
         quantized, row_scales, values, scales, out, offsets, groups, columns, out.stride(0), inner,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=_FP8_BLOCK, GROUP_M=config.group_m,
         GROUPS=triton.next_power_of_2(groups), SWAP_AB=config.swap_ab, INTERPRET=interpreting(),
@@ -418,7 +452,7 @@ def mxfp4_grouped_mm_triton(
     if config.block_k < 32 or config.block_k & (config.block_k - 1):
         raise ValueError(f"mxfp4 block_k must be a power of two, at least 32, got {config.block_k}")
     out = _output(rows, columns, out)
-    _mxfp4_grouped_kernel[_grid(rows.shape[0], groups, columns, config)](
+    _mxfp4_grouped_kernel[_grid(rows.shape[0], groups, columns, config, rows.device)](
         rows, values, scales, out, offsets, groups, columns, rows.stride(0), out.stride(0), inner,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
         GROUPS=triton.next_power_of_2(groups), SWAP_AB=config.swap_ab, INTERPRET=interpreting(),

@@ -11,10 +11,12 @@ import triton
 import triton.language as tl
 
 from flatep.experts.grouped import quantized_grouped_mm
+from flatep.kernels.backend import resident_programs
 from flatep.kernels.quant_gemm import (
     GemmConfig,
     _grid,
-    _program_tile,
+    _locate_tile,
+    _tile_table,
     fp8_grouped_mm_triton,
     mxfp4_grouped_mm_triton,
     quantize_fp8_activations_triton,
@@ -144,18 +146,23 @@ def test_many_groups_with_empty_ones(format):
 
 
 @triton.jit
-def _program_tiles_kernel(offsets_ptr, out_ptr, groups, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          GROUP_M: tl.constexpr, GROUPS: tl.constexpr):
-    group, first, last, first_column = _program_tile(offsets_ptr, groups, N, BLOCK_M, BLOCK_N, GROUP_M, GROUPS)
-    program = tl.program_id(0)
-    tl.store(out_ptr + 4 * program, group)
-    tl.store(out_ptr + 4 * program + 1, first)
-    tl.store(out_ptr + 4 * program + 2, last)
-    tl.store(out_ptr + 4 * program + 3, first_column)
+def _tile_order_kernel(offsets_ptr, out_ptr, total_ptr, groups, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       GROUP_M: tl.constexpr, GROUPS: tl.constexpr):
+    """The grouped GEMM kernels' loop: each program writes where each of its tiles lies."""
+    starts, ends, tiles, passed, total = _tile_table(offsets_ptr, groups, N, BLOCK_M, BLOCK_N, GROUPS)
+    tl.store(total_ptr + tl.program_id(0), total)
+    tile = tl.program_id(0)
+    while tile < total:
+        group, first, last, first_column = _locate_tile(tile, starts, ends, tiles, passed, N, BLOCK_M, BLOCK_N, GROUP_M, GROUPS)
+        tl.store(out_ptr + 4 * tile, group)
+        tl.store(out_ptr + 4 * tile + 1, first)
+        tl.store(out_ptr + 4 * tile + 2, last)
+        tl.store(out_ptr + 4 * tile + 3, first_column)
+        tile += tl.num_programs(0)
 
 
-def expected_program_order(sizes, columns, config):
-    """``(group, first row, end row, first column)`` of each program with work, in program order:
+def expected_tile_order(sizes, columns, config):
+    """``(group, first row, end row, first column)`` of each tile, in tile order:
     group by group, bands of ``group_m`` row tiles, all column blocks per band, row tiles fastest."""
     order, start = [], 0
     for group, size in enumerate(sizes):
@@ -177,18 +184,21 @@ def expected_program_order(sizes, columns, config):
     ([int(size) for size in torch.randint(0, 70, (29,), generator=torch.Generator().manual_seed(5))], 80,
      GemmConfig(32, 32, group_m=4)),  # many groups
 ])
-def test_programs_run_group_by_group_and_cover_every_tile_once(sizes, columns, config):
+def test_tiles_run_group_by_group_and_each_once_over_a_capped_grid(sizes, columns, config):
     offsets = torch.tensor(sizes, dtype=torch.int32).cumsum(0).to(torch.int32).to(DEVICE)
-    padding = 7  # rows past offsets[-1]: they count towards the grid's bound, never towards a tile
-    (programs,) = _grid(sum(sizes) + padding, len(sizes), columns, config)
-    tiles = torch.full((programs, 4), -1, dtype=torch.int32, device=DEVICE)
-    _program_tiles_kernel[(programs,)](offsets, tiles, len(sizes), columns, BLOCK_M=config.block_m,
-                                       BLOCK_N=config.block_n, GROUP_M=config.group_m,
-                                       GROUPS=triton.next_power_of_2(len(sizes)))
-    expected = expected_program_order(sizes, columns, config)
-    working = [tuple(row) for row in tiles.tolist() if row[0] < len(sizes)]
-    assert working == expected
-    assert tiles[:len(expected), 0].lt(len(sizes)).all()  # the programs with work come first
+    padding = 1000  # rows past offsets[-1] (a shard sized for more rows): they add no programs past the cap
+    (programs,) = _grid(sum(sizes) + padding, len(sizes), columns, config, DEVICE)
+    bound = (sum(sizes) + padding + len(sizes) * (config.block_m - 1)) // config.block_m * -(-columns // config.block_n)
+    assert programs == min(bound, resident_programs(DEVICE))
+    expected = expected_tile_order(sizes, columns, config)
+    tiles = torch.full((len(expected) + 1, 4), -1, dtype=torch.int32, device=DEVICE)
+    totals = torch.full((programs,), -1, dtype=torch.int32, device=DEVICE)
+    _tile_order_kernel[(programs,)](offsets, tiles, totals, len(sizes), columns, BLOCK_M=config.block_m,
+                                    BLOCK_N=config.block_n, GROUP_M=config.group_m,
+                                    GROUPS=triton.next_power_of_2(len(sizes)))
+    assert totals.eq(len(expected)).all()
+    assert [tuple(row) for row in tiles[:len(expected)].tolist()] == expected
+    assert tiles[len(expected)].eq(-1).all()  # nothing written past the last tile
 
 
 @needs_triton
