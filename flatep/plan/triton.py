@@ -28,9 +28,10 @@ The kernels (MoonEP's planner, Kimi-K3 technical report §5.2.1, made sync-free)
   ``O(R^2)`` over the grid: the same tables in four launches that do each part once, the scan
   over source ranks (``before`` and the global counts), step A (one program), step B (one program
   per donor) and step C (one program per rank, reading what it borrows from ``alloc``).
-* **destination** (one program per tile): global position of each entry (entries of its expert on
-  lower source ranks + earlier segments + rank in segment), binary search over the cumulative
-  allocation ``acum[e, :]`` for the destination, and the row inside that destination's group.
+* **destination** (one program per block of tokens): global position of each entry (entries of
+  its expert on lower source ranks + earlier segments + rank in segment), binary search over the
+  cumulative allocation ``acum[e, :]`` for the destination, the row inside that destination's
+  group, and then, as a token's entries are all in the program, its carriers and send order.
 
 A rank counts in two launches (one when its entries fit in one segment) before the exchange and
 plans in two after it (layout, destination); the group planner uses four (three). The staged
@@ -568,39 +569,48 @@ def _shard_kernel(
 
 @triton.jit
 def _destination_kernel(
-    ids_ptr, counts_ptr, ranks_ptr, before_ptr, acum_ptr, group_start_ptr, dest_rank_ptr, dest_row_ptr, tokens_ptr,
-    token_limit, first_rank, n_entries, n_segments, top_k, experts, ranks,
-    TILE: tl.constexpr, TILES: tl.constexpr, BLOCK_R: tl.constexpr, LOG_R: tl.constexpr, SCANNED: tl.constexpr,
-    PER_RANK: tl.constexpr,
+    ids_ptr, counts_ptr, ranks_ptr, before_ptr, acum_ptr, group_start_ptr, dest_rank_ptr, dest_row_ptr,
+    carrier_ptr, order_ptr, tokens_ptr, token_limit, first_rank, n_tokens, n_segments, experts, ranks,
+    K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, SEGMENT: tl.constexpr, BLOCK_R: tl.constexpr,
+    LOG_R: tl.constexpr, SCANNED: tl.constexpr, PER_RANK: tl.constexpr, DEDUP: tl.constexpr,
 ):
-    """Destination rank and row of every entry of tile ``program_id(0)`` of slab ``program_id(1)``.
+    """Destination rank and row of every entry of ``BLOCK_T`` tokens (``program_id(0)``) of slab
+    ``program_id(1)``, then those tokens' carriers and send order (the reference's
+    :func:`~flatep.plan.reference.dedup_tables`): one launch for both, as a token's entries are all here.
 
-    Slab ``k`` holds the entries of source rank ``first_rank + k``. ``ranks`` holds each valid
-    entry's rank in its segment of ``TILES`` tiles (from the count kernel; ``ranks`` may be
-    ``dest_row`` itself, each entry is read before it is written). With ``SCANNED``, ``counts``
-    holds per segment the entries of each expert in earlier segments; without, a slab is a single
-    segment and there are none.
+    Slab ``j`` holds the entries of source rank ``first_rank + j``. ``ranks`` holds each valid
+    entry's rank in its count segment of ``SEGMENT`` entries (from the count kernel; ``ranks`` may be
+    ``dest_row`` itself, each entry is read before it is written). With ``SCANNED``, ``counts`` holds
+    per segment the entries of each expert in earlier segments; without, a slab is a single segment.
+    Carriers and send order are pairwise over each token's ``K`` entries (``[BLOCK_T, K, K]``): an
+    entry's carrier is the smallest ``k'`` with its destination (its own ``k`` without ``DEDUP``); its
+    send position is the number of planned entries before it in (destination, ``k``) order.
     """
-    tile = tl.program_id(0)
     slab = tl.program_id(1)
     source = first_rank + slab
+    n_entries = n_tokens * K
     ids_ptr += slab * n_entries
     ranks_ptr += slab * n_entries
     dest_rank_ptr += slab * n_entries
     dest_row_ptr += slab * n_entries
+    carrier_ptr += slab * n_entries
+    order_ptr += slab * n_entries
     counts_ptr += slab.to(tl.int64) * n_segments * experts
-    index, key, valid = _tile_keys(
-        ids_ptr, tile * TILE, n_entries, _token_limit(tokens_ptr, token_limit, slab, PER_RANK), top_k, experts,
-        TILE,
-    )
-    expert = tl.where(valid, key, 0)
+    token = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    k = tl.arange(0, BLOCK_K)
+    inside = (token < n_tokens)[:, None] & (k < K)[None, :]
+    index = token[:, None] * K + k[None, :]  # [BLOCK_T, BLOCK_K]
+    ids = tl.load(ids_ptr + index, mask=inside, other=-1)
+    limit = _token_limit(tokens_ptr, token_limit, slab, PER_RANK)
+    valid = inside & (token < limit)[:, None] & (ids >= 0) & (ids < experts)
+    expert = tl.where(valid, ids, 0).to(tl.int32)
     position = tl.load(ranks_ptr + index, mask=valid, other=0)
     position += tl.load(before_ptr + source * experts + expert, mask=valid, other=0)
     if SCANNED:
-        position += tl.load(counts_ptr + (tile // TILES).to(tl.int64) * experts + expert, mask=valid, other=0)
+        position += tl.load(counts_ptr + (index // SEGMENT).to(tl.int64) * experts + expert, mask=valid, other=0)
     # Number of destinations whose cumulative allocation is <= position (binary lifting over the
     # non-decreasing acum[e, :]): the first d with acum[e, d] > position.
-    dest = tl.zeros([TILE], tl.int32)
+    dest = tl.zeros([BLOCK_T, BLOCK_K], tl.int32)
     for level in tl.static_range(LOG_R):
         step = BLOCK_R >> (level + 1)
         probe = dest + step - 1
@@ -610,55 +620,46 @@ def _destination_kernel(
     dest = tl.minimum(dest, ranks - 1)
     chunk_start = tl.load(acum_ptr + expert * ranks + dest - 1, mask=valid & (dest > 0), other=0)
     row = tl.load(group_start_ptr + dest * experts + expert, mask=valid, other=0) + position - chunk_start
-    inside = index < n_entries
-    tl.store(dest_rank_ptr + index, tl.where(valid, dest, -1), mask=inside)
+    dest = tl.where(valid, dest, -1)
+    tl.store(dest_rank_ptr + index, dest, mask=inside)
     tl.store(dest_row_ptr + index, tl.where(valid, row, -1), mask=inside)
 
-
-@triton.jit
-def _dedup_kernel(
-    dest_rank_ptr, carrier_ptr, order_ptr, tokens,
-    K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, DEDUP: tl.constexpr,
-):
-    """Carrier and send order of ``BLOCK_T`` tokens (the reference's :func:`dedup_tables`).
-
-    Pairwise over each token's ``K`` entries (``[BLOCK_T, K, K]``): an entry's carrier is the
-    smallest ``k'`` with its destination; its send position is the number of planned entries
-    before it in (destination, ``k``) order.
-    """
-    token = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
-    k = tl.arange(0, BLOCK_K)
-    inside = (token < tokens)[:, None] & (k < K)[None, :]
-    entry = token[:, None] * K + k[None, :]
-    dest = tl.load(dest_rank_ptr + entry, mask=inside, other=-1)  # [BLOCK_T, BLOCK_K]
-    planned = dest >= 0
     mine, other = dest[:, :, None], dest[:, None, :]  # entry k on axis 1, entry k' on axis 2
     k_other = k[None, None, :]
     if DEDUP:
-        carrier = tl.min(tl.where((mine == other) & planned[:, None, :], k_other, BLOCK_K), axis=2)
+        carrier = tl.min(tl.where((mine == other) & valid[:, None, :], k_other, BLOCK_K), axis=2)
     else:
         carrier = tl.zeros([BLOCK_T, BLOCK_K], tl.int32) + k[None, :]
-    tl.store(carrier_ptr + entry, tl.where(planned, carrier, -1), mask=inside)
-    before = planned[:, None, :] & ((other < mine) | ((other == mine) & (k_other < k[None, :, None])))
-    position = tl.sum(before.to(tl.int32), axis=2)
-    count = tl.sum(planned.to(tl.int32), axis=1)
-    slot = token[:, None] * K + position
-    tl.store(order_ptr + slot, tl.zeros([BLOCK_T, BLOCK_K], tl.int32) + k[None, :], mask=inside & planned)
-    tl.store(order_ptr + entry, tl.full([BLOCK_T, BLOCK_K], -1, tl.int32), mask=inside & (k[None, :] >= count[:, None]))
+    tl.store(carrier_ptr + index, tl.where(valid, carrier, -1), mask=inside)
+    before = valid[:, None, :] & ((other < mine) | ((other == mine) & (k_other < k[None, :, None])))
+    order = tl.sum(before.to(tl.int32), axis=2)
+    count = tl.sum(valid.to(tl.int32), axis=1)
+    tl.store(order_ptr + token[:, None] * K + order, tl.zeros([BLOCK_T, BLOCK_K], tl.int32) + k[None, :],
+             mask=inside & valid)
+    tl.store(order_ptr + index, tl.full([BLOCK_T, BLOCK_K], -1, tl.int32), mask=inside & (k[None, :] >= count[:, None]))
 
 
-def _launch_dedup(dest_rank: torch.Tensor, dedup: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(carrier, send_order)`` of ``dest_rank [..., K]`` int32 on the device (one launch, no sync)."""
-    top_k = dest_rank.shape[-1]
-    tokens = dest_rank.numel() // top_k
+def _launch_destinations(
+    ids: torch.Tensor, segment_prefix: torch.Tensor, entry_ranks: torch.Tensor, tables: "_Tables",
+    dest_row: torch.Tensor, token_limits: torch.Tensor, token_limit: int, first_rank: int, segments: int,
+    config: EPConfig, meta: dict[str, int], per_rank: bool,
+) -> dict[str, object]:
+    """The plan's entry tables of ``ids [n, s, K]`` (or ``[s, K]``), one launch: ``dest_rank``,
+    ``dest_row`` (written into ``dest_row``, which may hold ``entry_ranks``), ``carrier``,
+    ``send_order`` and ``dedup``."""
+    top_k = config.top_k
+    step = ids.shape[-2]
+    slabs = ids.numel() // (step * top_k)
     block_k = _pow2(top_k)
     block_t = max(1, min(64, 4096 // (block_k * block_k)))
-    carrier = torch.empty_like(dest_rank)
-    order = torch.empty_like(dest_rank)
-    _dedup_kernel[(max(1, triton.cdiv(tokens, block_t)),)](
-        dest_rank, carrier, order, tokens, K=top_k, BLOCK_K=block_k, BLOCK_T=block_t, DEDUP=dedup, num_warps=4,
+    dest_rank, carrier, send_order = (torch.empty_like(dest_row) for _ in range(3))
+    _destination_kernel[(triton.cdiv(step, block_t), slabs)](
+        ids, segment_prefix, entry_ranks, tables.before, tables.acum, tables.group_start, dest_rank, dest_row,
+        carrier, send_order, token_limits, token_limit, first_rank, step, segments, config.experts, config.ranks,
+        K=top_k, BLOCK_K=block_k, BLOCK_T=block_t, SEGMENT=meta["TILE"] * meta["TILES"], **_search_meta(config.ranks),
+        SCANNED=segments > 1, PER_RANK=per_rank, DEDUP=config.dedup, num_warps=4,
     )
-    return carrier, order
+    return dict(dest_rank=dest_rank, dest_row=dest_row, carrier=carrier, send_order=send_order, dedup=config.dedup)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -987,7 +988,7 @@ def make_plan_triton(
 ) -> Plan:
     """Plan one step of a whole group of virtual ranks on the GPU; equals :func:`flatep.plan.make_plan`.
 
-    Five launches (four when ``s*K`` fits in one tile; three more for ``R > 32``), no host
+    Four launches (three when ``s*K`` fits in one segment; three more for ``R > 32``), no host
     synchronisation (graph-capturable when ``tokens`` is None; per-rank
     ``tokens`` are copied to the device, which a graph capture does not allow).
 
@@ -1053,26 +1054,9 @@ def make_plan_triton(
         tables = _Tables(config, device)
         _launch_layout(hist, sum(counts) * config.top_k, config, policy, tables)
     # dest_row holds the entries' ranks in their segments and is overwritten in place.
-    _destination_kernel[(triton.cdiv(entries, meta["TILE"]), ranks)](
-        ids, segment_counts, dest_row, tables.before, tables.acum, tables.group_start, dest_rank, dest_row, token_limits,
-        step, 0, entries, segments, config.top_k, experts, ranks,
-        **_search_meta(ranks), TILE=meta["TILE"], TILES=meta["TILES"], SCANNED=scanned, PER_RANK=per_rank,
-        num_warps=4,
-    )
-    return Plan(
-        **plan_fields,
-        total_tokens=sum(counts),
-        tokens_per_expert=hist,
-        **tables.layout_fields(),
-        dest_rank=dest_rank,
-        dest_row=dest_row,
-        **_dedup_fields(dest_rank, config.dedup),
-    )
-
-
-def _dedup_fields(dest_rank: torch.Tensor, dedup: bool) -> dict[str, object]:
-    carrier, send_order = _launch_dedup(dest_rank, dedup)
-    return dict(carrier=carrier, send_order=send_order, dedup=dedup)
+    entry_tables = _launch_destinations(ids, segment_counts, dest_row, tables, dest_row, token_limits, step, 0, segments,
+                                        config, meta, per_rank)
+    return Plan(**plan_fields, total_tokens=sum(counts), tokens_per_expert=hist, **tables.layout_fields(), **entry_tables)
 
 
 def plan_rank_triton(
@@ -1088,7 +1072,7 @@ def plan_rank_triton(
 ) -> RankPlan:
     """One rank's plan on its GPU from the gathered histogram; equals :func:`flatep.plan.plan_rank`.
 
-    Three launches after :func:`count_rank_triton` (four more for ``R > 32``), no host
+    Two launches after :func:`count_rank_triton` (three more for ``R > 32``), no host
     synchronisation, graph-capturable.
 
     Args:
@@ -1154,21 +1138,9 @@ def plan_rank_triton(
     else:
         tables = _Tables(config, device)
         _launch_layout(hist, total * config.top_k, config, policy, tables)
-    dest_rank = torch.empty(step, config.top_k, dtype=torch.int32, device=device)
-    dest_row = torch.empty_like(dest_rank)
-    _destination_kernel[(triton.cdiv(entries, meta["TILE"]), 1)](  # ids stands in for the unread tokens pointer
-        ids, counts.segment_prefix, counts.entry_ranks, tables.before, tables.acum, tables.group_start, dest_rank,
-        dest_row, ids, limit, rank, entries, segments, config.top_k, config.experts, config.ranks,
-        **_search_meta(config.ranks), TILE=meta["TILE"], TILES=meta["TILES"], SCANNED=segments > 1, PER_RANK=False,
-        num_warps=4,
-    )
-    return RankPlan(
-        **plan_fields,
-        total_tokens=total,
-        tokens_per_expert=hist,
-        **tables.layout_fields(),
-        rank=rank,
-        dest_rank=dest_rank,
-        dest_row=dest_row,
-        **_dedup_fields(dest_rank, config.dedup),
-    )
+    dest_row = torch.empty(step, config.top_k, dtype=torch.int32, device=device)
+    # ids stands in for the unread per-rank tokens pointer
+    entry_tables = _launch_destinations(ids, counts.segment_prefix, counts.entry_ranks, tables, dest_row, ids, limit, rank,
+                                        segments, config, meta, False)
+    return RankPlan(**plan_fields, total_tokens=total, tokens_per_expert=hist, **tables.layout_fields(), rank=rank,
+                    **entry_tables)
