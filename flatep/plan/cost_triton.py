@@ -7,6 +7,10 @@ with one program per candidate: the program walks the experts in blocks of ``[BL
 destination chunk of an expert (:func:`flatep.plan.cost.local_entries`) inside the block, and keeps
 per-rank int64 sums in registers. Every term is an integer in femtoseconds or bytes, so the result
 is the torch one bit for bit, and a CUDA graph can capture the launch.
+
+:func:`choose_triton` then takes ``auto``'s choice (the first candidate with the least busiest-rank
+time, as :func:`flatep.plan.auto.choose`) and gathers the chosen candidate's tables in one more
+launch, where ``argmin`` and ``index_select`` took two.
 """
 from __future__ import annotations
 
@@ -110,3 +114,51 @@ def predict_triton(tokens_per_expert: torch.Tensor, alloc: torch.Tensor, constan
         constants.weight_bytes, RANKS=ranks, BLOCK_R=block_r, BLOCK_E=block_e, num_warps=4,
     )
     return Prediction(rank_fs=rank_fs, layer_fs=layer_fs, experts_moved=moved, bytes_moved=moved_bytes)
+
+
+@triton.jit
+def _choose_kernel(
+    layer_fs_ptr, tables_ptr, chosen_ptr, choice_ptr, table_size,
+    CANDIDATES: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """Every program finds the choice (``CANDIDATES`` values: cheaper than waiting for one program
+    to publish it) and copies its ``BLOCK`` words of the chosen row of ``tables``; program 0 stores
+    the choice."""
+    candidate = tl.arange(0, BLOCK_C)
+    real = candidate < CANDIDATES
+    # (time, index) packed into one int64 so that one reduction breaks ties toward the first candidate.
+    key = tl.load(layer_fs_ptr + candidate, mask=real, other=0) * BLOCK_C + candidate
+    best = tl.min(tl.where(real, key, 2**62), axis=0) % BLOCK_C
+    if tl.program_id(0) == 0:
+        tl.store(choice_ptr, best)
+    word = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    inside = word < table_size
+    tl.store(chosen_ptr + word, tl.load(tables_ptr + best * table_size + word, mask=inside), mask=inside)
+
+
+def choose_triton(layer_fs: torch.Tensor, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``auto``'s choice and the chosen row of ``tables``, in one launch (no host sync).
+
+    Args:
+        layer_fs: ``[C]`` int64 predicted busiest-rank time of each candidate (``Prediction.layer_fs``).
+        tables: ``[C, S]`` int32, contiguous: each candidate's tables, on the same device.
+
+    Returns:
+        ``(choice [] int64, chosen [S] int32)``: the first candidate with the least time
+        (:func:`flatep.plan.auto.choose`) and a copy of its row of ``tables``.
+    """
+    if layer_fs.dim() != 1 or layer_fs.dtype != torch.int64 or not layer_fs.is_contiguous():
+        raise ValueError(f"layer_fs must be a contiguous [C] int64 tensor, got {layer_fs.dtype} {list(layer_fs.shape)}")
+    if tables.dim() != 2 or tables.shape[0] != layer_fs.shape[0] or not tables.is_contiguous():
+        raise ValueError(f"tables must be a contiguous [C={layer_fs.shape[0]}, S] tensor, got {list(tables.shape)}")
+    if tables.device != layer_fs.device:
+        raise ValueError(f"tables must be on {layer_fs.device} like layer_fs, got {tables.device}")
+    candidates, size = tables.shape
+    choice = torch.empty((), dtype=torch.int64, device=tables.device)
+    chosen = torch.empty(size, dtype=tables.dtype, device=tables.device)
+    block = min(4096, triton.next_power_of_2(max(size, 1)))
+    _choose_kernel[(max(1, triton.cdiv(size, block)),)](
+        layer_fs, tables, chosen, choice, size, CANDIDATES=candidates, BLOCK_C=triton.next_power_of_2(candidates),
+        BLOCK=block, num_warps=4,
+    )
+    return choice, chosen

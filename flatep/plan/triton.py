@@ -60,7 +60,7 @@ from flatep.config import TOLERANCE_SCALE as _TOLERANCE_SCALE
 from flatep.config import EPConfig, check_policy
 from flatep.plan.auto import AutoChoice, candidates_for, choose, slot_rows
 from flatep.plan.cost import CostProfile, check_cost
-from flatep.plan.cost_triton import predict_triton
+from flatep.plan.cost_triton import choose_triton, predict_triton
 from flatep.plan.reference import _check_ids, _token_counts
 from flatep.plan.types import Plan, RankPlan
 
@@ -793,7 +793,8 @@ def _auto_tables(
     Only the layout is planned per candidate (a launch of ``R`` programs each, fewer candidates
     when :func:`flatep.plan.auto.candidates_for` prunes them); the count, scan and destination
     kernels, which touch every entry, run once, on the chosen tables. The model is one launch
-    (:func:`flatep.plan.cost_triton.predict_triton`); nothing is read on the host.
+    (:func:`flatep.plan.cost_triton.predict_triton`), the choice and the gather of the chosen
+    tables another (:func:`flatep.plan.cost_triton.choose_triton`); nothing is read on the host.
 
     Returns:
         The chosen tables, the :class:`~flatep.plan.auto.AutoChoice`, and the plan fields of an
@@ -814,8 +815,10 @@ def _auto_tables(
     alloc_start = _Tables._places(config)[0][2]
     alloc = storage[:, alloc_start:alloc_start + config.experts * config.ranks].view(len(candidates), config.experts, config.ranks)
     prediction = predict_triton(hist, alloc, cost.constants(config))
-    choice = choose(prediction)
-    chosen = storage[0] if len(candidates) == 1 else storage.index_select(0, choice.view(1))[0]
+    if len(candidates) == 1:
+        choice, chosen = choose(prediction), storage[0]
+    else:
+        choice, chosen = choose_triton(prediction.layer_fs, storage)
     auto = AutoChoice(candidates=candidates, choice=choice, prediction=prediction)
     fields = dict(policy="auto", shard_rows=config.step_rows(total_tokens, "auto"), slot_rows=slot_rows(config, total_tokens), auto=auto)
     return _Tables(config, storage=chosen), auto, fields

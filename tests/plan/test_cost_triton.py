@@ -6,7 +6,7 @@ import torch
 
 from flatep import CostProfile, EPConfig
 from flatep.plan.cost import predict
-from flatep.plan.cost_triton import predict_triton
+from flatep.plan.cost_triton import choose_triton, predict_triton
 from tests.helpers import DEVICE
 
 PROFILES = [
@@ -43,3 +43,26 @@ def test_predict_triton_rejects_mismatched_shapes():
     constants = CostProfile.default().constants(EPConfig(ranks=2, experts=4, top_k=2, hidden=8, intermediate=8, capacity=4))
     with pytest.raises(ValueError, match="alloc must be"):
         predict_triton(torch.zeros(2, 4, dtype=torch.int32), torch.zeros(1, 2, 4, dtype=torch.int32), constants)
+
+
+@pytest.mark.parametrize("layer_fs, size", [
+    ([5, 3, 9, 3], 10),  # a tie: the first of the least wins, as torch.argmin
+    ([7], 1),
+    ([2**50, 2**50 - 1, 2**50], 5000),  # large times; a table wider than one program's block
+    ([4, 4, 4, 4, 4, 4], 3),
+])
+def test_choose_triton_takes_the_first_least_and_copies_its_row(layer_fs, size):
+    layer_fs = torch.tensor(layer_fs, dtype=torch.int64)
+    tables = torch.randint(-2**31, 2**31 - 1, (layer_fs.shape[0], size), dtype=torch.int32,
+                           generator=torch.Generator().manual_seed(size))
+    choice, chosen = choose_triton(layer_fs.to(DEVICE), tables.to(DEVICE))
+    assert int(choice) == int(torch.argmin(layer_fs)) and choice.dtype == torch.int64 and choice.dim() == 0
+    assert torch.equal(chosen.cpu(), tables[int(torch.argmin(layer_fs))])
+
+
+def test_choose_triton_rejects_bad_arguments():
+    layer_fs = torch.zeros(3, dtype=torch.int64, device=DEVICE)
+    with pytest.raises(ValueError, match="layer_fs must be"):
+        choose_triton(layer_fs.int(), torch.zeros(3, 4, dtype=torch.int32, device=DEVICE))
+    with pytest.raises(ValueError, match="tables must be"):
+        choose_triton(layer_fs, torch.zeros(2, 4, dtype=torch.int32, device=DEVICE))
