@@ -167,6 +167,30 @@ def test_many_tiles_per_rank(monkeypatch, scan_rows, segments_per_rank):
     check_rank(2, ids, config, "exact", tokens, expected)
 
 
+@pytest.mark.parametrize("segment", [16, 64])
+@pytest.mark.parametrize("experts_per_rank", [2, 4])  # E = 8: a power of two, the histogram's spare bin past it
+def test_sorted_count_equals_the_reference(monkeypatch, segment, experts_per_rank):
+    """The count by sorting (large steps), forced on small ones: segments of 16 entries (several
+    per rank, scanned) or of 64 (one per rank), ragged tokens, repeated and out-of-range ids."""
+    monkeypatch.setattr(planner, "SORTED_COUNT_ENTRIES", 1)
+    monkeypatch.setattr(planner, "_SORTED_SEGMENT", segment)
+    monkeypatch.setattr(planner, "_tile_size", lambda entries: 8)
+    ranks, top_k, step = 2, 3, 20
+    experts = ranks * experts_per_rank
+    config = config_for(ranks, experts, top_k, step, align=4)
+    tokens = [20, 13]
+    ids = padded_ids(skewed_topk(ranks, experts, top_k, step, 2.0, seed=segment + experts), tokens)
+    ids[0, :4] = ids[0, 0, 0]  # the same expert for several entries of a token
+    for policy in ("exact", "none"):
+        expected = check_group(ids, config, policy, tokens)
+        check_rank(1, ids, config, policy, tokens, expected)
+    mine = ids[0].clone()
+    mine[2, 1], mine[5, 0] = experts + 3, -2  # skipped, not counted
+    counted = count_rank_triton(mine.to(DEVICE), experts, 20)
+    valid = (mine >= 0) & (mine < experts)
+    assert torch.equal(counted.tokens_per_expert.cpu(), torch.bincount(mine[valid].long(), minlength=experts).int())
+
+
 def test_out_of_range_ids_are_skipped_not_read():
     """The documented no-sync behaviour: ids outside [0, E) of real tokens count nowhere."""
     ids = torch.tensor([[0, 9], [-3, 1], [1, 1]], dtype=torch.int32)
