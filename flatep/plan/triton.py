@@ -696,11 +696,9 @@ def _launch_destinations(
     step = ids.shape[-2]
     slabs = ids.numel() // (step * top_k)
     block_k = _pow2(top_k)
-    # About 64 entries per program: the binary search is a chain of dependent loads, so many small
-    # programs finish sooner than a few large ones (on the H200 with 256- and 512-entry programs,
-    # the plan after the exchange took 12.9 us at Kimi-K3, s = 8192, and 10.4 us at Kimi-K2,
-    # s = 128, where 64-entry tiles and a separate launch for the carriers had taken 11.0 and 8.1).
-    block_t = max(1, 64 // block_k)
+    # Up to 64 tokens and 4096 pairs (k, k') per program. On the H200 at Kimi-K3, s = 8192, these
+    # 16-token programs took 12.9 us for the plan after the exchange, 64-entry ones 21.3 us.
+    block_t = max(1, min(64, 4096 // (block_k * block_k)))
     dest_rank, carrier, send_order = (torch.empty_like(dest_row) for _ in range(3))
     _destination_kernel[(triton.cdiv(step, block_t), slabs)](
         ids, segment_prefix, entry_ranks, tables.before, tables.acum, tables.group_start, dest_rank, dest_row,
