@@ -159,10 +159,10 @@ def test_epmoe_per_process_holds_its_own_experts_and_equals_dense(tmp_path):
     assert output.count("trains like the local transport") == 2, output
 
 
-def test_steps_without_eager_checks_equal_the_local_transport_and_report_bad_ids_on_check(tmp_path):
+@pytest.mark.parametrize("world", [2, 4])
+def test_steps_without_eager_checks_equal_the_local_transport_and_report_bad_ids_on_check(world, tmp_path):
     """eager_check=False: nothing is read back per step; the Triton planner (interpreted) plans and
     the results equal the local transport; bad ids on one rank surface at every rank's check()."""
-    world = 2
     results = launch(world, tmp_path, "--transport", "collective", "--suite", "lazy", interpret=True)
     # The reference runs the Triton kernels too: compiled on a GPU, interpreted on a CPU-only machine.
     group = init_group("local", ranks=world, device=DEVICE)
