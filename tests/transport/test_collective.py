@@ -90,6 +90,14 @@ def test_collective_equals_local_transport_and_dense(equivalence_run):
             assert relative_error(out, dense[rank]) < tolerance(case.dtype), case.name
 
 
+def test_memory_after_50_steps_of_20_sizes_equals_the_first_steps(equivalence_run):
+    """Per-process buffers are sized from the capacity: no step allocates after the first."""
+    _, results = equivalence_run
+    for result in results:
+        held = result["buffer-bytes"]
+        assert len(held) == 50 and held[0] > 0 and held == [held[0]] * 50, sorted(set(held))
+
+
 def test_ranks_with_fewer_real_tokens_equal_the_local_transport(equivalence_run):
     world, results = equivalence_run
     case = padded_case(world, "small")

@@ -174,7 +174,25 @@ def equivalence(group, rank: int, world: int, size: str, compare: bool, log) -> 
         same = torch.equal(bits(out), bits(results[case.name].to(out.device)))
         log(f"{'ok  ' if same else 'FAIL'} a good step after the errors equals the first run of {case.name}: {same}")
         results["after-errors/ok"] = same
+    results["buffer-bytes"] = buffer_bytes_over_steps(group, rank, world)
+    held = results["buffer-bytes"]
+    log(f"{'ok  ' if held == [held[0]] * len(held) else 'FAIL'} buffers over 50 steps of 20 sizes: {sorted(set(held))} bytes")
     return results
+
+
+def buffer_bytes_over_steps(group, rank: int, world: int) -> list[int]:
+    """The group's buffer bytes after each of 50 steps of 20 distinct sizes ``s`` (buffers come from
+    the capacity, so every step should hold what the first allocated)."""
+    config = EPConfig(ranks=world, experts=4 * world, top_k=3, hidden=32, intermediate=16, capacity=24, align=4)
+    *_, w13, w2 = make_inputs(config, config.capacity, 0.0, torch.float32, seed=WEIGHT_SEED)
+    pool = ExpertPool.from_weights(w13.to(group.device), w2.to(group.device), config, group)
+    held = []
+    for step in range(50):
+        tokens = 1 + (step * 7) % 20
+        x, ids, weights, _, _ = make_inputs(config, tokens, ("one", 2.0)[step % 2], torch.float32, seed=step)
+        ep_moe(*(t[rank].to(group.device) for t in (x, ids, weights)), group=group, pool=pool)
+        held.append(group.buffer_bytes())
+    return held
 
 
 def lazy(group, rank: int, world: int, size: str, log) -> dict[str, object]:
