@@ -174,9 +174,9 @@ def equivalence(group, rank: int, world: int, size: str, compare: bool, log) -> 
         same = torch.equal(bits(out), bits(results[case.name].to(out.device)))
         log(f"{'ok  ' if same else 'FAIL'} a good step after the errors equals the first run of {case.name}: {same}")
         results["after-errors/ok"] = same
-    results["buffer-bytes"] = buffer_bytes_over_steps(group, rank, world)
-    held = results["buffer-bytes"]
-    log(f"{'ok  ' if held == [held[0]] * len(held) else 'FAIL'} buffers over 50 steps of 20 sizes: {sorted(set(held))} bytes")
+    held = results["buffer-bytes"] = buffer_bytes_over_steps(group, rank, world)
+    results["buffer-bytes/ok"] = held[0] > 0 and held == [held[0]] * len(held)
+    log(f"{'ok  ' if results['buffer-bytes/ok'] else 'FAIL'} buffers over 50 steps of 20 sizes: {sorted(set(held))} bytes")
     return results
 
 
