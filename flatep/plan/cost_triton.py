@@ -126,9 +126,11 @@ def _choose_kernel(
     the choice."""
     candidate = tl.arange(0, BLOCK_C)
     real = candidate < CANDIDATES
-    # (time, index) packed into one int64 so that one reduction breaks ties toward the first candidate.
-    key = tl.load(layer_fs_ptr + candidate, mask=real, other=0) * BLOCK_C + candidate
-    best = tl.min(tl.where(real, key, 2**62), axis=0) % BLOCK_C
+    # Two reductions, not one over (time, index) packed into an int64: times reach a few times
+    # 2**60 fs (the model's link-term cap), and scaling them by BLOCK_C would overflow.
+    time = tl.load(layer_fs_ptr + candidate, mask=real, other=0)
+    least = tl.min(tl.where(real, time, 2**63 - 1), axis=0)
+    best = tl.min(tl.where(real & (time == least), candidate, BLOCK_C), axis=0).to(tl.int64)
     if tl.program_id(0) == 0:
         tl.store(choice_ptr, best)
     word = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)

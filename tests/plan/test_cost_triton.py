@@ -48,7 +48,8 @@ def test_predict_triton_rejects_mismatched_shapes():
 @pytest.mark.parametrize("layer_fs, size", [
     ([5, 3, 9, 3], 10),  # a tie: the first of the least wins, as torch.argmin
     ([7], 1),
-    ([2**50, 2**50 - 1, 2**50], 5000),  # large times; a table wider than one program's block
+    ([2**50, 2**50 - 1, 2**50], 5000),  # a table wider than one program's block
+    ([2**61 + 1, 2**62 + 2**61, 2**62], 7),  # times of a few link caps (2**60): no packing may overflow
     ([4, 4, 4, 4, 4, 4], 3),
 ])
 def test_choose_triton_takes_the_first_least_and_copies_its_row(layer_fs, size):
