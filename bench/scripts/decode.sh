@@ -19,11 +19,7 @@ for model in "${models[@]}"; do
   [ -f "$profile" ] && cost=(--cost "$profile")
   for variant in "" "-dedup"; do
     name="decode-$model$variant"
-    timeout "${SWEEP_TIMEOUT:-900}" python3 -m flatep bench "bench/scripts/h200-$name.yaml" --out "$OUT/$name" \
-      "${cost[@]}" --resume --quiet > "$OUT/$name.log" 2>&1
-    code=$?
-    echo "$name: exit $code, $(wc -l < "$OUT/$name/results.jsonl" 2>/dev/null || echo 0) rows"
-    [ $code -eq 0 ] || status=1
+    bench_sweep "$name" "bench/scripts/h200-$name.yaml" "${SWEEP_TIMEOUT:-900}" "${cost[@]}" || status=1
   done
 done
 exit $status

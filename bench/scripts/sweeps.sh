@@ -20,10 +20,6 @@ for model in "${models[@]}"; do
   # read), kept across a resumed sweep so that its rows agree.
   profile="$OUT/profile-kimi-$model.json"
   [ -f "$profile" ] || timeout 120 python3 -m flatep calibrate --model "kimi-$model" --out "$profile" > "$OUT/calibrate-kimi-$model.log" 2>&1
-  timeout "${SWEEP_TIMEOUT:-1800}" python3 -m flatep bench "bench/scripts/h200-$model.yaml" --out "$OUT/kimi-$model" \
-    --cost "$profile" --resume --quiet > "$OUT/kimi-$model.log" 2>&1
-  code=$?
-  echo "kimi-$model sweep: exit $code, $(wc -l < "$OUT/kimi-$model/results.jsonl" 2>/dev/null || echo 0) cells"
-  [ $code -eq 0 ] || status=1
+  bench_sweep "kimi-$model" "bench/scripts/h200-$model.yaml" "${SWEEP_TIMEOUT:-1800}" --cost "$profile" || status=1
 done
 exit $status
