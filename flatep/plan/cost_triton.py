@@ -1,12 +1,13 @@
-"""The cost model of ``policy="auto"`` in one Triton launch, bit-equal to :func:`flatep.plan.cost.predict`.
+"""The cost model of ``policy="auto"`` in Triton, bit-equal to :func:`flatep.plan.cost.predict`.
 
 :func:`flatep.plan.cost.predict` is a few dozen small torch operations: at decode sizes their
 launches cost more than the arithmetic. :func:`predict_triton` evaluates the same integer formula
-with one program per candidate: the program walks the experts in blocks of ``[BLOCK_E, BLOCK_R]``
-(experts x ranks), takes the prefix sums over ranks that place each rank's source interval and
-destination chunk of an expert (:func:`flatep.plan.cost.local_entries`) inside the block, and keeps
-per-rank int64 sums in registers. Every term is an integer in femtoseconds or bytes, so the result
-is the torch one bit for bit, and a CUDA graph can capture the launch.
+in two launches: programs ``(candidate, block of experts)`` load ``[BLOCK_E, BLOCK_R]`` (experts x
+ranks) of the allocation and the histogram, take the prefix sums over ranks that place each rank's
+source interval and destination chunk of an expert (:func:`flatep.plan.cost.local_entries`) and
+store per-rank partial sums; one program per candidate then adds its blocks and applies the push
+and link terms. Every term is an integer in femtoseconds or bytes, so the result is the torch one
+bit for bit, and a CUDA graph can capture the launches.
 
 :func:`choose_triton` then takes ``auto``'s choice (the first candidate with the least busiest-rank
 time, as :func:`flatep.plan.auto.choose`) and gathers the chosen candidate's tables in one more
@@ -20,54 +21,83 @@ import triton.language as tl
 
 from flatep.plan.cost import CostConstants, Prediction
 
-_TILE_ELEMENTS = 4096  # a block holds at most this many (expert, rank) pairs
+# A program takes at most this many (expert, rank) pairs: small blocks spread the experts over many
+# programs (one program per candidate walking all experts took 13 us at Kimi-K2 and 24 us at Kimi-K3
+# on the H200, most of auto's planning overhead over classic's).
+_BLOCK_ELEMENTS = 512
+# The partial sums each block leaves per rank: gemm, received, lent, local, computed, own.
+_SUMS = 6
 
 
 # Integer arguments are never specialised (a constant of 1 would become a constexpr) and are
 # widened to int64 before any product: femtosecond constants overflow int32.
-_CONSTANTS = ("tile_rows", "row_fs", "weight_fs", "group_fs", "push_fs", "weight_link_fs", "row_link_fs", "weight_bytes")
+_CONSTANTS = ("row_fs", "weight_fs", "group_fs", "push_fs", "weight_link_fs", "row_link_fs", "weight_bytes")
 
 
 @triton.jit(do_not_specialize=_CONSTANTS)
-def _predict_kernel(
-    hist_ptr, alloc_ptr, alloc_stride, rank_fs_ptr, layer_fs_ptr, moved_ptr, bytes_ptr,
-    experts, epn, tile_rows, row_fs, weight_fs, group_fs, push_fs, weight_link_fs, row_link_fs, weight_bytes,
-    RANKS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr,
+def _predict_block_kernel(
+    hist_ptr, alloc_ptr, alloc_stride, partial_ptr, experts, epn, row_fs, weight_fs, group_fs,
+    RANKS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, TILE_ROWS: tl.constexpr, SUMS: tl.constexpr,
 ):
-    candidate = tl.program_id(0)
-    tile_rows, row_fs, weight_fs = tile_rows.to(tl.int64), row_fs.to(tl.int64), weight_fs.to(tl.int64)
-    group_fs, push_fs = group_fs.to(tl.int64), push_fs.to(tl.int64)
-    weight_link_fs, row_link_fs = weight_link_fs.to(tl.int64), row_link_fs.to(tl.int64)
+    """Program ``(c, b)``: per-rank sums of candidate ``c`` over experts block ``b`` into
+    ``partial[c, b]`` (``[SUMS, BLOCK_R]`` int64: gemm, received, lent, local, computed, own). Row counts stay int32 (``R*s*K < 2**31``);
+    only femtosecond terms are int64."""
+    candidate, block = tl.program_id(0), tl.program_id(1)
+    row_fs, weight_fs, group_fs = row_fs.to(tl.int64), weight_fs.to(tl.int64), group_fs.to(tl.int64)
     rank = tl.arange(0, BLOCK_R)
     rank_mask = rank < RANKS
-    gemm = tl.zeros([BLOCK_R], dtype=tl.int64)
-    received = tl.zeros([BLOCK_R], dtype=tl.int64)
-    lent = tl.zeros([BLOCK_R], dtype=tl.int64)
-    local = tl.zeros([BLOCK_R], dtype=tl.int64)
-    computed = tl.zeros([BLOCK_R], dtype=tl.int64)
-    own = tl.zeros([BLOCK_R], dtype=tl.int64)
+    expert = block * BLOCK_E + tl.arange(0, BLOCK_E)
+    mask = (expert < experts)[:, None] & rank_mask[None, :]
+    # rows[e, d]: rows of expert e on rank d; counts[e, r]: entries of expert e from rank r.
     alloc_base = alloc_ptr + candidate.to(tl.int64) * alloc_stride
-    for first in range(0, experts, BLOCK_E):
-        expert = first + tl.arange(0, BLOCK_E)
-        mask = (expert < experts)[:, None] & rank_mask[None, :]
-        # rows[e, d]: rows of expert e on rank d; counts[e, r]: entries of expert e from rank r.
-        rows = tl.load(alloc_base + expert[:, None] * RANKS + rank[None, :], mask=mask, other=0).to(tl.int64)
-        counts = tl.load(hist_ptr + rank[None, :] * experts + expert[:, None], mask=mask, other=0).to(tl.int64)
-        tiles = (rows + tile_rows - 1) // tile_rows
-        compute = tl.maximum(tiles * (tile_rows * row_fs), weight_fs)
-        gemm += tl.sum(tl.where(rows > 0, compute + group_fs, 0), axis=0)
-        home = expert // epn
-        foreign = (rows > 0) & (home[:, None] != rank[None, :])
-        received += tl.sum(foreign.to(tl.int64), axis=0)
-        receivers = tl.sum(foreign.to(tl.int64), axis=1)  # [BLOCK_E] ranks each expert is lent to
-        lent += tl.sum(tl.where(home[:, None] == rank[None, :], receivers[:, None], 0), axis=0)
-        # Entries of an expert ordered by source rank, cut into chunks by destination rank.
-        source_end = tl.cumsum(counts, axis=1)
-        chunk_end = tl.cumsum(rows, axis=1)
-        overlap = tl.minimum(source_end, chunk_end) - tl.maximum(source_end - counts, chunk_end - rows)
-        local += tl.sum(tl.maximum(overlap, 0), axis=0)
-        computed += tl.sum(rows, axis=0)
-        own += tl.sum(counts, axis=0)
+    rows = tl.load(alloc_base + expert[:, None] * RANKS + rank[None, :], mask=mask, other=0).to(tl.int32)
+    counts = tl.load(hist_ptr + rank[None, :] * experts + expert[:, None], mask=mask, other=0).to(tl.int32)
+    tiles = (rows + (TILE_ROWS - 1)) // TILE_ROWS
+    compute = tl.maximum(tiles.to(tl.int64) * (TILE_ROWS * row_fs), weight_fs)
+    gemm = tl.sum(tl.where(rows > 0, compute + group_fs, 0), axis=0)
+    home = expert // epn
+    foreign = ((rows > 0) & (home[:, None] != rank[None, :])).to(tl.int32)
+    received = tl.sum(foreign, axis=0)
+    receivers = tl.sum(foreign, axis=1)  # [BLOCK_E] ranks each expert is lent to
+    lent = tl.sum(tl.where(home[:, None] == rank[None, :], receivers[:, None], 0), axis=0)
+    # Entries of an expert ordered by source rank, cut into chunks by destination rank.
+    source_end = tl.cumsum(counts, axis=1)
+    chunk_end = tl.cumsum(rows, axis=1)
+    overlap = tl.minimum(source_end, chunk_end) - tl.maximum(source_end - counts, chunk_end - rows)
+    local = tl.sum(tl.maximum(overlap, 0), axis=0)
+    out = partial_ptr + ((candidate * tl.num_programs(1) + block) * SUMS).to(tl.int64) * BLOCK_R + rank
+    tl.store(out + 0 * BLOCK_R, gemm)
+    tl.store(out + 1 * BLOCK_R, received.to(tl.int64))
+    tl.store(out + 2 * BLOCK_R, lent.to(tl.int64))
+    tl.store(out + 3 * BLOCK_R, local.to(tl.int64))
+    tl.store(out + 4 * BLOCK_R, tl.sum(rows, axis=0).to(tl.int64))
+    tl.store(out + 5 * BLOCK_R, tl.sum(counts, axis=0).to(tl.int64))
+
+
+@triton.jit(do_not_specialize=_CONSTANTS)
+def _predict_finish_kernel(
+    partial_ptr, blocks, rank_fs_ptr, layer_fs_ptr, moved_ptr, bytes_ptr, push_fs, weight_link_fs, row_link_fs,
+    weight_bytes, RANKS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr, SUMS: tl.constexpr,
+):
+    """Program ``c``: sums candidate ``c``'s blocks and applies the push and link terms."""
+    candidate = tl.program_id(0)
+    push_fs, weight_link_fs, row_link_fs = push_fs.to(tl.int64), weight_link_fs.to(tl.int64), row_link_fs.to(tl.int64)
+    rank = tl.arange(0, BLOCK_R)
+    rank_mask = rank < RANKS
+    sums = tl.zeros([BLOCK_B, 8, BLOCK_R], dtype=tl.int64)
+    kind = tl.arange(0, 8)
+    for first in range(0, blocks, BLOCK_B):
+        block = first + tl.arange(0, BLOCK_B)
+        where = ((candidate * blocks + block) * SUMS).to(tl.int64)[:, None, None] * BLOCK_R + kind[None, :, None] * BLOCK_R
+        inside = (block < blocks)[:, None, None] & (kind < SUMS)[None, :, None] & rank_mask[None, None, :]
+        sums += tl.load(partial_ptr + where + rank[None, None, :], mask=inside, other=0)
+    total = tl.sum(sums, axis=0)  # [8, BLOCK_R]
+    gemm = tl.sum(tl.where(kind[:, None] == 0, total, 0), axis=0)
+    received = tl.sum(tl.where(kind[:, None] == 1, total, 0), axis=0)
+    lent = tl.sum(tl.where(kind[:, None] == 2, total, 0), axis=0)
+    local = tl.sum(tl.where(kind[:, None] == 3, total, 0), axis=0)
+    computed = tl.sum(tl.where(kind[:, None] == 4, total, 0), axis=0)
+    own = tl.sum(tl.where(kind[:, None] == 5, total, 0), axis=0)
     moved = tl.sum(tl.where(rank_mask, received, 0), axis=0)
     push = tl.maximum(received, lent) * weight_link_fs + tl.where(moved > 0, push_fs, 0)
     link = tl.maximum(own - local, computed - local) * row_link_fs
@@ -79,7 +109,10 @@ def _predict_kernel(
 
 
 def predict_triton(tokens_per_expert: torch.Tensor, alloc: torch.Tensor, constants: CostConstants) -> Prediction:
-    """:func:`flatep.plan.cost.predict` in one launch (bit-equal; on the GPU or the interpreter).
+    """:func:`flatep.plan.cost.predict` in two launches (bit-equal; on the GPU or the interpreter).
+
+    The first launch spreads each candidate's experts over blocks of programs (per-rank partial
+    sums), the second adds a candidate's blocks and applies the push and link terms.
 
     Args:
         tokens_per_expert: ``[R, E]`` int32/int64 gathered histogram.
@@ -101,17 +134,24 @@ def predict_triton(tokens_per_expert: torch.Tensor, alloc: torch.Tensor, constan
     if alloc.stride(1) != ranks or alloc.stride(2) != 1:
         alloc = alloc.contiguous()
     block_r = triton.next_power_of_2(ranks)
-    block_e = max(1, min(triton.next_power_of_2(experts), _TILE_ELEMENTS // block_r))
+    block_e = max(1, min(triton.next_power_of_2(experts), _BLOCK_ELEMENTS // block_r))
+    blocks = triton.cdiv(experts, block_e)
     device = alloc.device
+    partial = torch.empty(candidates, blocks, _SUMS, block_r, dtype=torch.int64, device=device)
     rank_fs = torch.empty(candidates, ranks, dtype=torch.int64, device=device)
     layer_fs = torch.empty(candidates, dtype=torch.int64, device=device)
     moved = torch.empty(candidates, dtype=torch.int64, device=device)
     moved_bytes = torch.empty(candidates, dtype=torch.int64, device=device)
-    _predict_kernel[(candidates,)](
-        tokens_per_expert.contiguous(), alloc, alloc.stride(0), rank_fs, layer_fs, moved, moved_bytes,
-        experts, experts // ranks, constants.tile_rows, constants.row_fs, constants.weight_fs, constants.group_fs,
-        constants.push_fs, constants.weight_bytes * constants.byte_fs, constants.row_bytes * constants.byte_fs,
-        constants.weight_bytes, RANKS=ranks, BLOCK_R=block_r, BLOCK_E=block_e, num_warps=4,
+    _predict_block_kernel[(candidates, blocks)](
+        tokens_per_expert.contiguous(), alloc, alloc.stride(0), partial, experts, experts // ranks,
+        constants.row_fs, constants.weight_fs, constants.group_fs,
+        RANKS=ranks, BLOCK_R=block_r, BLOCK_E=block_e, TILE_ROWS=constants.tile_rows, SUMS=_SUMS, num_warps=4,
+    )
+    _predict_finish_kernel[(candidates,)](
+        partial, blocks, rank_fs, layer_fs, moved, moved_bytes, constants.push_fs,
+        constants.weight_bytes * constants.byte_fs, constants.row_bytes * constants.byte_fs, constants.weight_bytes,
+        RANKS=ranks, BLOCK_R=block_r, BLOCK_B=max(1, min(triton.next_power_of_2(blocks), 4096 // (8 * block_r))),
+        SUMS=_SUMS, num_warps=4,
     )
     return Prediction(rank_fs=rank_fs, layer_fs=layer_fs, experts_moved=moved, bytes_moved=moved_bytes)
 

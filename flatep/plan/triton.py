@@ -839,7 +839,7 @@ def _auto_tables(
 
     Only the layout is planned per candidate (a launch of ``R`` programs each, fewer candidates
     when :func:`flatep.plan.auto.candidates_for` prunes them); the count, scan and destination
-    kernels, which touch every entry, run once, on the chosen tables. The model is one launch
+    kernels, which touch every entry, run once, on the chosen tables. The model is two launches
     (:func:`flatep.plan.cost_triton.predict_triton`), the choice and the gather of the chosen
     tables another (:func:`flatep.plan.cost_triton.choose_triton`); nothing is read on the host.
 
