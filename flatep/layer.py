@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from flatep.backward import differentiable_step
 from flatep.config import POLICIES, EPConfig, check_policy
-from flatep.experts.grouped import PRECISIONS, Activation, grouped_swiglu, swiglu
+from flatep.experts.grouped import PRECISIONS, Activation, grouped_swiglu, swiglu, takes_decode_kernels
 from flatep.experts.pool import ExpertPool, check_expert_weights, check_slot_sets
 from flatep.kernels.backend import check_programs, interpreting, use_triton
 from flatep.exchange import combine_rows, dispatch_rows
@@ -502,7 +502,8 @@ def experts_step(
     Two grouped GEMMs per projection: the layer's home experts over rows ``[0, slot_base)``, then
     the process's shared slots over rows ``[slot_base, shard_rows)`` (the split layout of
     :func:`flatep.plan.split.split_slot_rows`; a plan without borrowed experts runs only the
-    first). ``out`` is a symmetric buffer shaped like the shard, possibly of another dtype (fp32
+    first). Where the decode kernels run (:func:`flatep.experts.grouped.takes_decode_kernels`)
+    both parts share each launch. ``out`` is a symmetric buffer shaped like the shard, possibly of another dtype (fp32
     rows keep the route-weighted products unrounded until combine). With Triton (``backend``), only
     each part's real rows (before its ``offsets[-1]``) are written; combine never reads the others.
     ``parts`` selects which of the two run (``("home",)`` needs no slots, so it may run before
@@ -523,6 +524,17 @@ def experts_step(
     # The shard is a buffer sized for the step's worst case: the kernels (decode or not, and their
     # tiles) follow the rows an expert holds on average in this step, T*K/E.
     rows_per_group = plan.rows_per_expert(pool.config.top_k)
+    if plan.slot_base and "home" in parts and "slots" in parts and _experts_in_one_run(
+        rows, weights, pool, local_index, rows_per_group, activation, precision, backend
+    ):
+        w13, w2, _, _ = pool.compute_view(local_index, "home")
+        slot_w13, slot_w2, _, _ = pool.compute_view(local_index, "slots")
+        end = plan.shard_rows
+        grouped_swiglu(
+            rows[:end], weights[:end], w13, w2, offsets, activation=activation, precision=precision, backend=backend,
+            out=target[:end], rows_per_group=rows_per_group, slots=(slot_w13, slot_w2), slot_base=plan.slot_base,
+        )
+        return
     runs = [("home", 0, plan.slot_base or plan.shard_rows, offsets[:epn])]
     if plan.slot_base:
         runs.append(("slots", plan.slot_base, plan.shard_rows, offsets[epn:] - plan.slot_base))
@@ -534,6 +546,21 @@ def experts_step(
             rows[first:end], weights[first:end], w13, w2, part_offsets, b13=b13, b2=b2, activation=activation,
             precision=precision, backend=backend, out=target[first:end], rows_per_group=rows_per_group,
         )
+
+
+def _experts_in_one_run(
+    rows: torch.Tensor, route_weights: torch.Tensor, pool: ExpertPool, local_index: int, rows_per_group: int,
+    activation: Activation, precision: str, backend: str,
+) -> bool:
+    """Whether the decode kernels run both the home experts and the slots (then one launch per
+    projection covers both: at decode sizes each part alone leaves SMs idle, and a step that
+    borrows nothing pays no launches for its empty slot half)."""
+    for part in ("home", "slots"):
+        w13, w2, b13, b2 = pool.compute_view(local_index, part)
+        if not takes_decode_kernels(rows, route_weights, w13, w2, rows_per_group, precision=precision,
+                                    biased=b13 is not None or b2 is not None, activation=activation, backend=backend):
+            return False
+    return True
 
 
 def combine_step(

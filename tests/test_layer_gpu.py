@@ -66,6 +66,31 @@ def test_kimi_k2_layer_equals_dense(kimi_k2, tokens, routing, policy, dedup):
     group.close()
 
 
+@pytest.mark.parametrize("tokens, policy", [(1, "exact"), (32, "exact"), (128, "auto")])
+def test_decode_experts_of_both_parts_in_one_launch_equal_the_parts_apart(kimi_k2, tokens, policy):
+    """Where the decode kernels run, experts_step covers the home experts and the borrowed slots
+    in one launch per projection: bit for bit what the two parts give when run apart, and no row
+    outside the groups is written (an auto step that chose classic writes its home rows only)."""
+    config, _, _, pool = kimi_k2
+    config = config.replace(capacity=tokens)
+    sigma, _ = sigma_for_maxvio(10.0, 8, config.experts, config.top_k, tokens)
+    ids = skewed_topk(8, config.experts, config.top_k, tokens, sigma).cuda()
+    generator = torch.Generator(device="cuda").manual_seed(tokens + 1)
+    x = torch.randn(8, tokens, config.hidden, device="cuda", generator=generator).bfloat16()
+    weights = torch.rand(8, tokens, config.top_k, device="cuda", generator=generator)
+    plan = split_slot_rows(make_plan(ids, config, policy))
+    assert plan.slot_base and plan.rows_per_expert(config.top_k) <= 64
+    shard, shard_weights = dispatch_step(x, weights, plan, pool.group)
+    for rank in range(8):
+        together, apart = (torch.full_like(shard, float("nan")) for _ in range(2))
+        experts_step(shard, shard_weights, pool, plan, pool.group, rank, out=together)
+        for part in ("home", "slots"):
+            experts_step(shard, shard_weights, pool, plan, pool.group, rank, out=apart, parts=(part,))
+        assert torch.equal(together[rank].isnan(), apart[rank].isnan())
+        assert torch.equal(together[rank].nan_to_num(), apart[rank].nan_to_num())
+
+
+
 @pytest.mark.parametrize("dedup", [False, True])
 @pytest.mark.parametrize("plan_inside", [False, True])
 def test_cuda_graph_replay_is_bit_identical_to_eager(kimi_k2, plan_inside, dedup):

@@ -134,10 +134,16 @@ def row_groups(offsets: torch.Tensor, rows: int) -> torch.Tensor:
     return groups.clamp_max(offsets.shape[0] - 1)
 
 
-def _decode_shaped(shard: torch.Tensor, route_weights: torch.Tensor, w13, w2, rows_per_group: int) -> bool:
-    """Whether :mod:`flatep.kernels.decode_gemm` runs a shard's experts: bf16 rows and weights on
-    CUDA, at most :data:`DECODE_ROWS_PER_GROUP` rows per group on average (host integers alone
-    decide, so a captured graph keeps its kernels)."""
+def takes_decode_kernels(
+    shard: torch.Tensor, route_weights: torch.Tensor, w13, w2, rows_per_group: int, *, precision: str = "fp32",
+    biased: bool = False, activation: Activation = swiglu, backend: str = "auto",
+) -> bool:
+    """Whether :func:`grouped_swiglu` runs these experts with :mod:`flatep.kernels.decode_gemm`:
+    Triton allowed, ``fp32`` precision, :func:`swiglu`, no biases, bf16 rows and weights on CUDA,
+    at most :data:`DECODE_ROWS_PER_GROUP` rows per group on average (host values alone decide, so
+    a captured graph keeps its kernels)."""
+    if precision != "fp32" or biased or activation is not swiglu or not use_triton(shard.device, backend):
+        return False
     tensors = (shard, w13, w2)
     return (
         shard.is_cuda
@@ -163,6 +169,8 @@ def grouped_swiglu(
     backend: str = "auto",
     out: torch.Tensor | None = None,
     rows_per_group: int | None = None,
+    slots: tuple[torch.Tensor, torch.Tensor] | None = None,
+    slot_base: int = 0,
 ) -> torch.Tensor:
     """The experts of one rank over its receive shard.
 
@@ -201,6 +209,11 @@ def grouped_swiglu(
             GEMMs' tiles; pass it when the shard is a buffer sized for more rows than the step
             holds (the layer passes the step's ``T*K/E``), so that the kernels do not depend on
             the buffer's size.
+        slots: optional ``(w13 [G2, 2I, H], w2 [G2, H, I])``, a second set of experts (the
+            process's borrow slots) for groups ``G .. G+G2-1`` (``offsets`` then holds ``G+G2``
+            ends), whose rows start at row ``slot_base``: both sets run in the same launches. Only
+            where the decode kernels run (:func:`takes_decode_kernels`); otherwise ``ValueError``.
+        slot_base: first row of the ``slots`` groups.
 
     Returns:
         ``out``, or a new ``[rows, H]`` tensor in ``out_dtype``; rows past ``offsets[-1]`` are
@@ -213,18 +226,25 @@ def grouped_swiglu(
     biased = b13 is not None or b2 is not None
     bounded = use_triton(shard.device, backend)
     fused = precision == "fp32" and not biased and activation is swiglu and bounded
-    groups = max(w13.shape[0], 1)
+    groups = max(w13.shape[0] + (0 if slots is None else slots[0].shape[0]), 1)
     per_group = -(-shard.shape[0] // groups) if rows_per_group is None else rows_per_group
-    if fused and _decode_shaped(shard, route_weights, w13, w2, per_group):
+    decode = takes_decode_kernels(shard, route_weights, w13, w2, per_group, precision=precision, biased=biased,
+                                  activation=activation, backend=backend)
+    if slots is not None and not (decode and takes_decode_kernels(shard, route_weights, *slots, per_group)):
+        raise ValueError("slots run in the decode kernels' launches only (see takes_decode_kernels): run the "
+                         "second set of experts in its own grouped_swiglu call")
+    if decode:
         # Tiles follow the rows a group holds in this step, never the size of the buffer the shard
         # lives in (sized for the step's worst case, or for another policy's: on the H200 at
         # Kimi-K2, s = 128, classic's experts took 995 us with 32-row tiles and auto's, the same
         # groups in a larger buffer, 1087 us with the 64-row tiles its buffer implied).
         tiles = decode_config(per_group * groups, groups)
-        activated = gate_up_swiglu_triton(shard, w13, route_weights, offsets, config=tiles)
+        slot_w13, slot_w2 = (None, None) if slots is None else slots
+        activated = gate_up_swiglu_triton(shard, w13, route_weights, offsets, config=tiles, slots=slot_w13,
+                                          slot_base=slot_base)
         if out is not None and out.dtype == torch.bfloat16 and out.stride(1) == 1:
-            return grouped_mm_triton(activated, w2, offsets, config=tiles, out=out)
-        result = grouped_mm_triton(activated, w2, offsets, config=tiles)
+            return grouped_mm_triton(activated, w2, offsets, config=tiles, out=out, slots=slot_w2, slot_base=slot_base)
+        result = grouped_mm_triton(activated, w2, offsets, config=tiles, slots=slot_w2, slot_base=slot_base)
         out = out if out is not None else torch.empty(result.shape, dtype=out_dtype, device=result.device)
         copy_rows_triton(out, result, offsets[-1:])
         return out

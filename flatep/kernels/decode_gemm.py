@@ -49,34 +49,41 @@ def decode_config(rows: int, groups: int) -> GemmConfig:
 
 @triton.jit
 def _decode_kernel(
-    a_ptr, w_ptr, weight_ptr, out_ptr, offsets_ptr, groups, N, stride_am, stride_wg, stride_wn, stride_om,
+    a_ptr, w_ptr, slot_ptr, weight_ptr, out_ptr, offsets_ptr, groups, split, split_start, N, stride_am, stride_wg,
+    stride_sg, stride_wn, stride_om,
     K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     GROUPS: tl.constexpr, SWAP_AB: tl.constexpr, GATED: tl.constexpr, INTERPRET: tl.constexpr,
 ):
-    starts, ends, tiles, passed, total = _tile_table(offsets_ptr, groups, N, BLOCK_M, BLOCK_N, GROUPS)
+    """Groups ``[0, split)`` read ``w``, groups ``[split, groups)`` read ``slot`` from row ``split_start``."""
+    starts, ends, tiles, passed, total = _tile_table(offsets_ptr, groups, split, split_start, N, BLOCK_M, BLOCK_N, GROUPS)
     tile = tl.program_id(0)
     while tile < total:
         group, first, last, first_column = _locate_tile(tile, starts, ends, tiles, passed, N, BLOCK_M, BLOCK_N, GROUP_M, GROUPS)
-        _decode_tile(a_ptr, w_ptr, weight_ptr, out_ptr, group, first, last, first_column, N, stride_am, stride_wg,
-                     stride_wn, stride_om, K, BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, GATED, INTERPRET)
+        # A group's weights exceed 2**31 elements at real sizes: offsets in int64.
+        if group < split:
+            w_group = w_ptr + group.to(tl.int64) * stride_wg
+        else:
+            w_group = slot_ptr + (group - split).to(tl.int64) * stride_sg
+        _decode_tile(a_ptr, w_group, weight_ptr, out_ptr, first, last, first_column, N, stride_am, stride_wn, stride_om,
+                     K, BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, GATED, INTERPRET)
         tile += tl.num_programs(0)
 
 
 @triton.jit
 def _decode_tile(
-    a_ptr, w_ptr, weight_ptr, out_ptr, group, first, last, first_column, N, stride_am, stride_wg, stride_wn, stride_om,
+    a_ptr, w_group, weight_ptr, out_ptr, first, last, first_column, N, stride_am, stride_wn, stride_om,
     K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr,
     GATED: tl.constexpr, INTERPRET: tl.constexpr,
 ):
-    """Rows ``[first, min(first + BLOCK_M, last))`` times columns ``[first_column, + BLOCK_N)`` of ``group``."""
+    """Rows ``[first, min(first + BLOCK_M, last))`` times columns ``[first_column, + BLOCK_N)`` of
+    the group whose weights start at ``w_group``."""
     row = first + tl.arange(0, BLOCK_M)
     row_mask = row < last
     column = first_column + tl.arange(0, BLOCK_N)
     column_mask = column < N
     inner = tl.arange(0, BLOCK_K)
-    # A group's weights exceed 2**31 elements at real sizes: offsets in int64.
     a_tile = a_ptr + row.to(tl.int64)[:, None] * stride_am + inner[None, :]
-    w_tile = w_ptr + group.to(tl.int64) * stride_wg + column.to(tl.int64)[:, None] * stride_wn + inner[None, :]
+    w_tile = w_group + column.to(tl.int64)[:, None] * stride_wn + inner[None, :]
     up_tile = w_tile + N * stride_wn  # GATED: the up rows follow the I gate rows
     if SWAP_AB:
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
@@ -107,25 +114,38 @@ def _decode_tile(
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & column_mask[None, :])
 
 
-def _check(rows: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor) -> None:
+def _check(rows: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor, slots: torch.Tensor | None, slot_base: int) -> None:
     _check_rows(rows)
     if weights.dim() != 3 or weights.dtype != torch.bfloat16 or weights.stride(2) != 1 or weights.shape[2] != rows.shape[1]:
         raise ValueError(f"weights must be [G, N, K={rows.shape[1]}] bfloat16 with unit stride along K, got "
                          f"{weights.dtype} {list(weights.shape)} strides {weights.stride()}")
-    if offsets.dtype != torch.int32 or offsets.shape != (weights.shape[0],) or not offsets.is_contiguous():
-        raise ValueError(f"offsets must be a contiguous [{weights.shape[0]}] int32 tensor, got {offsets.dtype} "
+    groups = weights.shape[0]
+    if slots is not None:
+        if (slots.dim() != 3 or slots.dtype != torch.bfloat16 or slots.shape[1:] != weights.shape[1:]
+                or slots.stride()[1:] != weights.stride()[1:] or slots.device != weights.device):
+            raise ValueError(f"slots must be [G2, {weights.shape[1]}, {weights.shape[2]}] bfloat16 on {weights.device} "
+                             f"with the weights' strides {weights.stride()[1:]} along N and K, got {slots.dtype} "
+                             f"{list(slots.shape)} strides {slots.stride()} on {slots.device}")
+        if isinstance(slot_base, bool) or not isinstance(slot_base, int) or not 0 <= slot_base <= rows.shape[0]:
+            raise ValueError(f"slot_base must be an int row in [0, {rows.shape[0]}], got {slot_base!r}")
+        groups += slots.shape[0]
+    if offsets.dtype != torch.int32 or offsets.shape != (groups,) or not offsets.is_contiguous():
+        raise ValueError(f"offsets must be a contiguous [{groups}] int32 tensor, got {offsets.dtype} "
                          f"{list(offsets.shape)}")
 
 
-def _launch(rows, weights, route_weights, out, offsets, columns, config, gated) -> torch.Tensor:
-    groups, inner = weights.shape[0], rows.shape[1]
+def _launch(rows, weights, slots, slot_base, route_weights, out, offsets, columns, config, gated) -> torch.Tensor:
+    _check(rows, weights, offsets, slots, slot_base)
+    split, inner = weights.shape[0], rows.shape[1]
+    groups = offsets.shape[0]
     config = config or decode_config(rows.shape[0], groups)
     out = _output(rows, columns, out)
     if rows.shape[0] == 0:
         return out
+    slots = weights if slots is None else slots
     _decode_kernel[_grid(rows.shape[0], groups, columns, config, rows.device)](
-        rows, weights, route_weights, out, offsets, groups, columns, rows.stride(0), weights.stride(0),
-        weights.stride(1), out.stride(0), inner,
+        rows, weights, slots, route_weights, out, offsets, groups, split, slot_base, columns, rows.stride(0),
+        weights.stride(0), slots.stride(0), weights.stride(1), out.stride(0), inner,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
         GROUPS=triton.next_power_of_2(groups), SWAP_AB=config.swap_ab, GATED=gated, INTERPRET=interpreting(),
         num_warps=config.num_warps, num_stages=config.num_stages,
@@ -135,27 +155,31 @@ def _launch(rows, weights, route_weights, out, offsets, columns, config, gated) 
 
 def grouped_mm_triton(
     rows: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor, config: GemmConfig | None = None,
-    out: torch.Tensor | None = None,
+    out: torch.Tensor | None = None, *, slots: torch.Tensor | None = None, slot_base: int = 0,
 ) -> torch.Tensor:
     """``out[i] = rows[i] @ weights[g(i)].T``, as ``torch._grouped_mm(rows, weights.mT, offs=offsets)``.
 
     Args:
         rows: ``[M, K]`` bf16 (unit column stride).
         weights: ``[G, N, K]`` bf16, unit stride along ``K`` (e.g. an expert slice of ``w2 [E, H, I]``).
-        offsets: ``[G]`` int32 inclusive end row of each group.
+        offsets: ``[G]`` int32 inclusive end row of each group (``[G + G2]`` with ``slots``).
         config: tiles (default :func:`decode_config`).
         out: optional ``[M, N]`` bf16 (unit column stride) to write into.
+        slots: optional second set of ``[G2, N, K]`` weights (same strides along ``N`` and ``K``)
+            for groups ``G .. G+G2-1``, whose rows start at row ``slot_base`` rather than at
+            ``offsets[G-1]``: a layer's home experts and the borrow slots in one launch.
+        slot_base: first row of group ``G`` (with ``slots``).
 
     Returns:
-        ``out`` or a new ``[M, N]`` bf16 tensor; rows at and past ``offsets[-1]`` are not written.
+        ``out`` or a new ``[M, N]`` bf16 tensor; only the groups' rows are written.
     """
-    _check(rows, weights, offsets)
-    return _launch(rows, weights, offsets, out, offsets, weights.shape[1], config, gated=False)
+    return _launch(rows, weights, slots, slot_base, offsets, out, offsets, weights.shape[1], config, gated=False)
 
 
 def gate_up_swiglu_triton(
     rows: torch.Tensor, w13: torch.Tensor, route_weights: torch.Tensor, offsets: torch.Tensor,
-    config: GemmConfig | None = None, out: torch.Tensor | None = None,
+    config: GemmConfig | None = None, out: torch.Tensor | None = None, *, slots: torch.Tensor | None = None,
+    slot_base: int = 0,
 ) -> torch.Tensor:
     """``out[i] = silu(gate_i) * up_i * route_weights[i]`` with ``[gate_i, up_i] = rows[i] @ w13[g(i)].T``.
 
@@ -163,17 +187,18 @@ def gate_up_swiglu_triton(
         rows: ``[M, H]`` bf16 (unit column stride).
         w13: ``[G, 2I, H]`` bf16: each expert's ``I`` gate rows then its ``I`` up rows, unit stride along ``H``.
         route_weights: ``[M]`` fp32 (contiguous) route weight of each row.
-        offsets: ``[G]`` int32 inclusive end row of each group.
+        offsets: ``[G]`` int32 inclusive end row of each group (``[G + G2]`` with ``slots``).
         config: tiles (default :func:`decode_config`).
         out: optional ``[M, I]`` bf16 (unit column stride) to write into.
+        slots, slot_base: a second set of ``[G2, 2I, H]`` weights whose groups start at row
+            ``slot_base`` (see :func:`grouped_mm_triton`).
 
     Returns:
-        ``out`` or a new ``[M, I]`` bf16 tensor; rows at and past ``offsets[-1]`` are not written.
+        ``out`` or a new ``[M, I]`` bf16 tensor; only the groups' rows are written.
     """
-    _check(rows, w13, offsets)
-    if w13.shape[1] % 2:
+    if w13.dim() == 3 and w13.shape[1] % 2:
         raise ValueError(f"w13 must hold 2I rows per expert (gate then up), got {w13.shape[1]}")
     if route_weights.shape != (rows.shape[0],) or route_weights.dtype != torch.float32 or not route_weights.is_contiguous():
         raise ValueError(f"route_weights must be a contiguous [{rows.shape[0]}] float32 tensor, got "
                          f"{route_weights.dtype} {list(route_weights.shape)}")
-    return _launch(rows, w13, route_weights, out, offsets, w13.shape[1] // 2, config, gated=True)
+    return _launch(rows, w13, slots, slot_base, route_weights, out, offsets, w13.shape[1] // 2, config, gated=True)

@@ -103,14 +103,18 @@ def default_config(rows: int, groups: int, format: str) -> GemmConfig:
 
 
 @triton.jit
-def _tile_table(offsets_ptr, groups, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr):
+def _tile_table(
+    offsets_ptr, groups, split, split_start, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
+):
     """Per group (vectors over ``GROUPS`` = ``groups`` rounded up to a power of two): first row,
     end row, row tiles and their running sum; and the launch's tiles in all (row tiles times
-    column blocks), read from the offsets on the device."""
+    column blocks), read from the offsets on the device. Group ``split`` (if ``< groups``) starts
+    at row ``split_start`` instead of the previous group's end (a second run of groups)."""
     g = tl.arange(0, GROUPS)
     real = g < groups
     ends = tl.load(offsets_ptr + g, mask=real, other=0)
     starts = tl.load(offsets_ptr + g - 1, mask=real & (g > 0), other=0)
+    starts = tl.where(g == split, split_start, starts)
     tiles = tl.where(real, (tl.maximum(ends - starts, 0) + BLOCK_M - 1) // BLOCK_M, 0)
     return starts, ends, tiles, tl.cumsum(tiles, axis=0), tl.sum(tiles, axis=0) * tl.cdiv(N, BLOCK_N)
 
@@ -199,7 +203,7 @@ def _fp8_grouped_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, GROUPS: tl.constexpr,
     SWAP_AB: tl.constexpr, INTERPRET: tl.constexpr,
 ):
-    starts, ends, tiles, passed, total = _tile_table(offsets_ptr, groups, N, BLOCK_M, BLOCK_N, GROUPS)
+    starts, ends, tiles, passed, total = _tile_table(offsets_ptr, groups, groups, 0, N, BLOCK_M, BLOCK_N, GROUPS)
     tile = tl.program_id(0)
     while tile < total:
         group, first, last, first_column = _locate_tile(tile, starts, ends, tiles, passed, N, BLOCK_M, BLOCK_N, GROUP_M, GROUPS)
@@ -266,7 +270,7 @@ def _mxfp4_grouped_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, GROUPS: tl.constexpr,
     SWAP_AB: tl.constexpr, INTERPRET: tl.constexpr,
 ):
-    starts, ends, tiles, passed, total = _tile_table(offsets_ptr, groups, N, BLOCK_M, BLOCK_N, GROUPS)
+    starts, ends, tiles, passed, total = _tile_table(offsets_ptr, groups, groups, 0, N, BLOCK_M, BLOCK_N, GROUPS)
     tile = tl.program_id(0)
     while tile < total:
         group, first, last, first_column = _locate_tile(tile, starts, ends, tiles, passed, N, BLOCK_M, BLOCK_N, GROUP_M, GROUPS)

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from flatep.experts.grouped import _decode_shaped
+from flatep.experts.grouped import grouped_swiglu, takes_decode_kernels
 from flatep.kernels.activation import swiglu_weighted_torch
 from flatep.kernels.decode_gemm import decode_config, gate_up_swiglu_triton, grouped_mm_triton
 from flatep.kernels.quant_gemm import GemmConfig
@@ -71,11 +71,64 @@ def test_bad_operands_are_rejected():
 def test_decode_kernels_run_on_cuda_decode_shards_only():
     """The rows per group decide, not the buffer's size: a layer's shard is sized for a full step."""
     x, w13, w2, route_weights, _ = _operands([2, 2])
-    assert _decode_shaped(x, route_weights, w13, w2, 2) == x.is_cuda
-    assert not _decode_shaped(x.float(), route_weights, w13, w2, 2)
+    assert takes_decode_kernels(x, route_weights, w13, w2, 2) == x.is_cuda
+    assert not takes_decode_kernels(x.float(), route_weights, w13, w2, 2)
     many_rows = torch.empty(1000, x.shape[1], dtype=x.dtype, device=x.device)
-    assert not _decode_shaped(many_rows, route_weights, w13, w2, 1000 // 2)
-    assert _decode_shaped(many_rows, route_weights, w13, w2, 2) == x.is_cuda
+    assert not takes_decode_kernels(many_rows, route_weights, w13, w2, 1000 // 2)
+    assert takes_decode_kernels(many_rows, route_weights, w13, w2, 2) == x.is_cuda
+    for other in (dict(precision="native"), dict(biased=True), dict(activation=lambda g, u: g * u), dict(backend="torch")):
+        assert not takes_decode_kernels(x, route_weights, w13, w2, 2, **other)
+
+
+def _two_sets(home_counts, slot_counts, slot_base, hidden=96, inter=48, seed=4):
+    """Operands of one launch over two weight sets: home groups from row 0, slot groups from
+    ``slot_base``; the rows in between and past the last group belong to no group."""
+    generator = torch.Generator().manual_seed(seed)
+    home_offsets = torch.tensor(home_counts).cumsum(0)
+    slot_offsets = slot_base + torch.tensor(slot_counts).cumsum(0)
+    offsets = torch.cat([home_offsets, slot_offsets]).to(torch.int32)
+    rows = int(offsets[-1]) + 3
+    x = torch.randn(rows, hidden, generator=generator).bfloat16()
+    weights = [(torch.randn(len(counts), 2 * inter, hidden, generator=generator) * 0.1).bfloat16() for counts in (home_counts, slot_counts)]
+    downs = [(torch.randn(len(counts), hidden, inter, generator=generator) * 0.1).bfloat16() for counts in (home_counts, slot_counts)]
+    route_weights = torch.rand(rows, generator=generator)
+    return [t.to(DEVICE) for t in (x, *weights, *downs, route_weights, offsets)]
+
+
+@pytest.mark.parametrize("slot_counts", [[4, 0, 7], [0, 0, 0]])
+def test_two_weight_sets_in_one_launch_equal_two_launches(slot_counts):
+    """Home experts and borrow slots in one launch (groups past the home ones start at
+    ``slot_base`` and read the second set) give each part's launch's rows; no other row is written."""
+    home_counts, slot_base = [3, 0, 6], 16
+    x, w13, slot_w13, w2, slot_w2, route_weights, offsets = _two_sets(home_counts, slot_counts, slot_base)
+    epn, home_end, end = len(home_counts), int(offsets[len(home_counts) - 1]), int(offsets[-1])
+    inter = w2.shape[2]
+    activated = torch.full((x.shape[0], inter), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    gate_up_swiglu_triton(x, w13, route_weights, offsets, out=activated, slots=slot_w13, slot_base=slot_base)
+    out = torch.full((x.shape[0], w2.shape[1]), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    grouped_mm_triton(activated, w2, offsets, out=out, slots=slot_w2, slot_base=slot_base)
+    for first, last, gate_up, down, part_offsets in (
+        (0, home_end, w13, w2, offsets[:epn]),
+        (slot_base, end, slot_w13, slot_w2, offsets[epn:] - slot_base),
+    ):
+        part_activated = gate_up_swiglu_triton(x[first:], gate_up, route_weights[first:].contiguous(), part_offsets.contiguous())
+        part_out = grouped_mm_triton(part_activated, down, part_offsets.contiguous())
+        torch.testing.assert_close(activated[first:last].float(), part_activated[: last - first].float(), rtol=0, atol=0)
+        torch.testing.assert_close(out[first:last].float(), part_out[: last - first].float(), rtol=0, atol=0)
+    assert out[home_end:slot_base].isnan().all() and out[end:].isnan().all()
+    assert activated[home_end:slot_base].isnan().all() and activated[end:].isnan().all()
+
+
+def test_two_weight_sets_are_checked():
+    x, w13, slot_w13, w2, slot_w2, route_weights, offsets = _two_sets([2, 2], [1, 1], 8)
+    with pytest.raises(ValueError, match="slots must be"):
+        grouped_mm_triton(x, w13, offsets, slots=slot_w13[:, :3])
+    with pytest.raises(ValueError, match="slot_base must be"):
+        grouped_mm_triton(x, w13, offsets, slots=slot_w13, slot_base=x.shape[0] + 1)
+    with pytest.raises(ValueError, match=r"offsets must be a contiguous \[4\]"):
+        grouped_mm_triton(x, w13, offsets[:2].contiguous(), slots=slot_w13, slot_base=8)
+    with pytest.raises(ValueError, match="slots run in the decode kernels"):
+        grouped_swiglu(x, route_weights, w13, w2, offsets, backend="torch", slots=(slot_w13, slot_w2), slot_base=8)
 
 
 @pytest.mark.parametrize("rows_per_group", [None, 4, 40])
@@ -93,7 +146,7 @@ def test_grouped_swiglu_takes_the_decode_kernels_with_the_step_tiles(monkeypatch
     expected = grouped.grouped_swiglu(x, route_weights, w13, w2, offsets, backend="torch")
     seen = []
     launch = grouped.gate_up_swiglu_triton
-    monkeypatch.setattr(grouped, "_decode_shaped", lambda *args: True)
+    monkeypatch.setattr(grouped, "takes_decode_kernels", lambda *args, **kwargs: True)
     monkeypatch.setattr(grouped, "gate_up_swiglu_triton",
                         lambda *args, config=None, **kwargs: seen.append(config) or launch(*args, config=config, **kwargs))
     got = grouped.grouped_swiglu(x, route_weights, w13, w2, offsets, rows_per_group=rows_per_group)
