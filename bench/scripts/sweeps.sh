@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Result set: the Kimi-K2 and Kimi-K3 sweeps (bf16 weights; see the yaml files) on one GPU (R=8 virtual ranks, arms
 # flat / classic / auto interleaved cell by cell, auto deciding with the profile calibrated first; 5 token
-# sizes x 4 maxvio targets = 60 cells per model; 10 timed iterations per phase as CUDA-graph
+# sizes x 4 maxvio targets = 60 cells per model; 20 timed iterations per phase as CUDA-graph
 # replays, per-rank link bytes, the labelled link model, and per cell the plan chosen with the cost
 # model's prediction and error).
 #   bash bench/scripts/sweeps.sh [k2] [k3]        (from the repository root; default: both)
