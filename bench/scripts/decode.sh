@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Result set: decode steps on one GPU (R=8 virtual ranks, bf16 weights, CUDA-graph timing), Kimi-K2
+# Result set: decode steps on one GPU (R=8 virtual ranks, bf16 weights, CUDA-graph timing, ten copies of each phase per graph), Kimi-K2
 # and Kimi-K3, s in {1, 8, 32, 64, 128} x maxvio {0, 2, 10}, flat / classic / auto, each with dedup
 # off (the default) and on (bench/scripts/h200-decode-<model>[-dedup].yaml).
 #   bash bench/scripts/decode.sh [k2] [k3]        (from the repository root; default: both)

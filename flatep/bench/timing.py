@@ -31,7 +31,8 @@ def time_stats(
     """Median and spread (min, max) over ``iters`` timed ``fn()`` calls, in microseconds.
 
     With ``graph=True`` on CUDA, ``fn`` (which must be capturable: no host syncs) runs once eagerly
-    to compile its kernels, is captured ``calls`` times back to back into one CUDA graph, and each
+    to compile its kernels, is captured ``calls`` times back to back into one CUDA graph, replayed
+    ``max(warmup, 1)`` times untimed (clocks and caches settle), and each
     of ``iters`` replays is bracketed by CUDA events and divided by ``calls``: GPU time with the
     launch gaps inside the graph, without host launch overhead (what a CUDA-graph serving step
     sees). Otherwise each eager call is bracketed by CUDA events (GPU time, which includes waiting
@@ -40,7 +41,7 @@ def time_stats(
     if iters < 1:
         raise ValueError(f"iters must be >= 1, got {iters}")
     if graph and device.type == "cuda":
-        return _summary(_graph_samples_us(fn, calls, iters))
+        return _summary(_graph_samples_us(fn, calls, iters, warmup))
     for _ in range(warmup):
         fn()
     samples = []
@@ -65,14 +66,15 @@ def _summary(samples: list[float]) -> Timing:
     return Timing(statistics.median(samples), min(samples), max(samples))
 
 
-def _graph_samples_us(fn: Callable[[], object], calls: int, replays: int) -> list[float]:
+def _graph_samples_us(fn: Callable[[], object], calls: int, replays: int, warmup: int = 1) -> list[float]:
     fn()  # compiles the kernels and allocates cached buffers outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for _ in range(calls):
             fn()
-    graph.replay()
+    for _ in range(max(warmup, 1)):
+        graph.replay()
     torch.cuda.synchronize()
     samples = []
     for _ in range(replays):
