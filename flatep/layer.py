@@ -524,17 +524,25 @@ def experts_step(
     # The shard is a buffer sized for the step's worst case: the kernels (decode or not, and their
     # tiles) follow the rows an expert holds on average in this step, T*K/E.
     rows_per_group = plan.rows_per_expert(pool.config.top_k)
-    if plan.slot_base and "home" in parts and "slots" in parts and _experts_in_one_run(
-        rows, weights, pool, local_index, rows_per_group, activation, precision, backend
-    ):
-        w13, w2, _, _ = pool.compute_view(local_index, "home")
-        slot_w13, slot_w2, _, _ = pool.compute_view(local_index, "slots")
-        end = plan.shard_rows
-        grouped_swiglu(
-            rows[:end], weights[:end], w13, w2, offsets, activation=activation, precision=precision, backend=backend,
-            out=target[:end], rows_per_group=rows_per_group, slots=(slot_w13, slot_w2), slot_base=plan.slot_base,
+    if plan.slot_base and "home" in parts and "slots" in parts:
+        # Where the decode kernels run both parts, one launch per projection covers them: at decode
+        # sizes each part alone leaves SMs idle, and a step that borrows nothing pays no launch
+        # for its empty slot half.
+        (w13, w2, *home_biases), (slot_w13, slot_w2, *slot_biases) = (
+            pool.compute_view(local_index, part) for part in ("home", "slots")
         )
-        return
+        if all(
+            takes_decode_kernels(rows, weights, gate_up, down, rows_per_group, precision=precision,
+                                 biased=any(b is not None for b in biases), activation=activation, backend=backend)
+            for gate_up, down, biases in ((w13, w2, home_biases), (slot_w13, slot_w2, slot_biases))
+        ):
+            end = plan.shard_rows
+            grouped_swiglu(
+                rows[:end], weights[:end], w13, w2, offsets, activation=activation, precision=precision,
+                backend=backend, out=target[:end], rows_per_group=rows_per_group, slots=(slot_w13, slot_w2),
+                slot_base=plan.slot_base,
+            )
+            return
     runs = [("home", 0, plan.slot_base or plan.shard_rows, offsets[:epn])]
     if plan.slot_base:
         runs.append(("slots", plan.slot_base, plan.shard_rows, offsets[epn:] - plan.slot_base))
@@ -546,21 +554,6 @@ def experts_step(
             rows[first:end], weights[first:end], w13, w2, part_offsets, b13=b13, b2=b2, activation=activation,
             precision=precision, backend=backend, out=target[first:end], rows_per_group=rows_per_group,
         )
-
-
-def _experts_in_one_run(
-    rows: torch.Tensor, route_weights: torch.Tensor, pool: ExpertPool, local_index: int, rows_per_group: int,
-    activation: Activation, precision: str, backend: str,
-) -> bool:
-    """Whether the decode kernels run both the home experts and the slots (then one launch per
-    projection covers both: at decode sizes each part alone leaves SMs idle, and a step that
-    borrows nothing pays no launches for its empty slot half)."""
-    for part in ("home", "slots"):
-        w13, w2, b13, b2 = pool.compute_view(local_index, part)
-        if not takes_decode_kernels(rows, route_weights, w13, w2, rows_per_group, precision=precision,
-                                    biased=b13 is not None or b2 is not None, activation=activation, backend=backend):
-            return False
-    return True
 
 
 def combine_step(

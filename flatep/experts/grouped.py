@@ -230,7 +230,7 @@ def grouped_swiglu(
     per_group = -(-shard.shape[0] // groups) if rows_per_group is None else rows_per_group
     decode = takes_decode_kernels(shard, route_weights, w13, w2, per_group, precision=precision, biased=biased,
                                   activation=activation, backend=backend)
-    if slots is not None and not (decode and takes_decode_kernels(shard, route_weights, *slots, per_group)):
+    if slots is not None and not (decode and takes_decode_kernels(shard, route_weights, *slots, per_group, backend=backend)):
         raise ValueError("slots run in the decode kernels' launches only (see takes_decode_kernels): run the "
                          "second set of experts in its own grouped_swiglu call")
     if decode:

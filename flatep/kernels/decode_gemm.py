@@ -135,7 +135,6 @@ def _check(rows: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor, slo
 
 
 def _launch(rows, weights, slots, slot_base, route_weights, out, offsets, columns, config, gated) -> torch.Tensor:
-    _check(rows, weights, offsets, slots, slot_base)
     split, inner = weights.shape[0], rows.shape[1]
     groups = offsets.shape[0]
     config = config or decode_config(rows.shape[0], groups)
@@ -173,6 +172,7 @@ def grouped_mm_triton(
     Returns:
         ``out`` or a new ``[M, N]`` bf16 tensor; only the groups' rows are written.
     """
+    _check(rows, weights, offsets, slots, slot_base)
     return _launch(rows, weights, slots, slot_base, offsets, out, offsets, weights.shape[1], config, gated=False)
 
 
@@ -196,7 +196,8 @@ def gate_up_swiglu_triton(
     Returns:
         ``out`` or a new ``[M, I]`` bf16 tensor; only the groups' rows are written.
     """
-    if w13.dim() == 3 and w13.shape[1] % 2:
+    _check(rows, w13, offsets, slots, slot_base)
+    if w13.shape[1] % 2:
         raise ValueError(f"w13 must hold 2I rows per expert (gate then up), got {w13.shape[1]}")
     if route_weights.shape != (rows.shape[0],) or route_weights.dtype != torch.float32 or not route_weights.is_contiguous():
         raise ValueError(f"route_weights must be a contiguous [{rows.shape[0]}] float32 tensor, got "

@@ -84,6 +84,7 @@ def _predict_finish_kernel(
     push_fs, weight_link_fs, row_link_fs = push_fs.to(tl.int64), weight_link_fs.to(tl.int64), row_link_fs.to(tl.int64)
     rank = tl.arange(0, BLOCK_R)
     rank_mask = rank < RANKS
+    # The SUMS kinds padded to 8 lanes (tl.arange needs a power of two).
     sums = tl.zeros([BLOCK_B, 8, BLOCK_R], dtype=tl.int64)
     kind = tl.arange(0, 8)
     for first in range(0, blocks, BLOCK_B):
