@@ -14,7 +14,8 @@ The kernels (MoonEP's planner, Kimi-K3 technical report §5.2.1, made sync-free)
 * **count** (one program per segment of up to 8 tiles of ``TILE`` entries of a rank): the stable
   rank of each entry among the equal ids of its segment (per tile a compare matrix, ties by flat
   ``(t, k)`` index, plus the running count of the segment's earlier tiles) and the segment's
-  dense expert histogram, one row per segment.
+  dense expert histogram, one row per segment. From ``SORTED_COUNT_ENTRIES`` entries per rank a
+  segment is sorted instead: ranks are places in runs of equal ids, counts the runs' lengths.
 * **scan** (one program per slice of experts and rank): exclusive prefix of those rows over the
   segments of a rank, so that row ``b`` holds the entries of each expert in segments ``< b``; the
   totals are the rank's histogram. Skipped when a rank's entries fit in one segment.
@@ -83,15 +84,26 @@ _SCAN_ROWS = 1024
 _SEGMENTS_PER_RANK = 512
 _MAX_SEGMENT_TILES = 8
 # From this many entries per rank (s*K) the count sorts each segment of _SORTED_SEGMENT entries
-# instead of walking its tiles (measured on the H200, count and scan of one rank: Kimi-K2 at
-# s = 8192, 10.0 us walking 128-entry segments, 6.3 us sorting 512-entry ones; Kimi-K3 at s = 8192,
-# 14.0 and 12.0 us; at s = 128 walking is faster, 3.5 against 5.4 us).
-SORTED_COUNT_ENTRIES = 32768
-_SORTED_SEGMENT = 512
+# (_LONG_SORTED_SEGMENT from _LONG_SORTED_ENTRIES) instead of walking its tiles. Measured on the
+# H200, whole per-rank planning (count + plan): Kimi-K3 at s = 1024 (16384 entries), 14.2 us
+# sorting 256-entry segments against 14.6 us walking; at s = 2048, 14.8 against 17.0 us; at
+# s = 8192, 19.5 us with 512-entry segments, 19.9 with 256, 25.9 walking; at s <= 512 walking is
+# as fast or faster (Kimi-K2 s = 512: 13.0 against 13.1 us).
+SORTED_COUNT_ENTRIES = 16384
+_SORTED_SEGMENT = 256
+_LONG_SORTED_ENTRIES = 131072
+_LONG_SORTED_SEGMENT = 512
 # Warps of the layout programs (their serial rounds are chains of reductions: fewer warps make
 # each reduction cheaper) and of the count programs.
 _LAYOUT_WARPS = 4
 _COUNT_WARPS = 4
+_SCAN_WARPS = 4
+# The destination kernel's programs: up to 64 tokens and this many pairs (k, k') each. Measured on
+# the H200 (destination launch of one rank): Kimi-K3, s = 8192, 5.6 us with 2048 pairs (8 tokens)
+# against 6.2 us with 4096 and 14.7 us with 1024; Kimi-K3, s = 128, 2.7 against 3.4 us; Kimi-K2,
+# s = 8192, 3.7 against 4.3 us.
+_DESTINATION_PAIRS = 2048
+_DESTINATION_WARPS = 4
 
 
 def _pow2(value: int) -> int:
@@ -199,8 +211,10 @@ def _count_sorted_segment(
 
     Sorting ``key * SEGMENT + position`` orders the entries by expert, ties by flat index, so an
     entry's rank among the equal ids before it is its place in its run of equal keys (a segmented
-    scan over the sorted keys); the row is a histogram of the keys (``BINS >= E + 1``: other
-    entries go to bin ``E``, which is not stored).
+    scan over the sorted keys), and the same scan run backwards gives, at a run's first entry, the
+    run's length: the expert's count in the row. Invalid entries take key ``E`` and are not
+    stored; ``BINS >= E``. (The backward scan replaced ``tl.histogram``: on the H200 at Kimi-K3,
+    s = 8192, the count launch took 4.7 us instead of 9.0 us.)
     """
     position = tl.arange(0, SEGMENT)
     index = segment * SEGMENT + position
@@ -208,38 +222,46 @@ def _count_sorted_segment(
     ids = tl.load(ids_ptr + index, mask=inside, other=-1)
     valid = inside & (index // top_k < token_limit) & (ids >= 0) & (ids < experts)
     key = tl.where(valid, ids, experts).to(tl.int32)
+    row = counts_ptr + segment.to(tl.int64) * experts
+    bins = tl.arange(0, BINS)
+    tl.store(row + bins, tl.zeros([BINS], tl.int32), mask=bins < experts)
     ordered = tl.sort(key * SEGMENT + position)
     ordered_key = ordered >> LOG_SEGMENT
-    _, run = tl.associative_scan((ordered_key, tl.full([SEGMENT], 1, tl.int32)), 0, _run_length)
-    tl.store(ranks_ptr + segment * SEGMENT + (ordered & (SEGMENT - 1)), run - 1, mask=ordered_key < experts)
-    bins = tl.arange(0, BINS)
-    row = counts_ptr + segment.to(tl.int64) * experts
-    tl.store(row + bins, tl.histogram(key, BINS), mask=bins < experts)
+    ones = tl.full([SEGMENT], 1, tl.int32)
+    _, run = tl.associative_scan((ordered_key, ones), 0, _run_length)
+    _, run_length = tl.associative_scan((ordered_key, ones), 0, _run_length, reverse=True)
+    counted = ordered_key < experts
+    tl.store(ranks_ptr + segment * SEGMENT + (ordered & (SEGMENT - 1)), run - 1, mask=counted)
+    # Every thread's zeros land before any run's count.
+    tl.debug_barrier()
+    tl.store(row + ordered_key, run_length, mask=counted & (run == 1))
 
 
 @triton.jit
 def _split_donor(
-    remaining, quota, donor, me, alloc_ptr, experts_per_rank, ranks, max_steps,
-    STORE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_EPN: tl.constexpr,
+    remaining, quota, me, max_steps,
+    TAKES: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_EPN: tl.constexpr,
 ):
     """Step B for one donor: its hottest remaining expert fills the receiver with most quota left.
 
     ``remaining [BLOCK_EPN]``: the donor's expert counts (``-1`` beyond ``epn``); ``quota
-    [BLOCK_R]``: rows it owes each receiver (``-1`` beyond ``R``). With ``STORE`` every take is
-    written to ``alloc[donor*epn + j, receiver]`` (each pair is taken at most once). Returns the
-    counts left at home and ``mine [BLOCK_EPN]``, what receiver ``me`` took from each expert;
-    without ``STORE`` (receiver role) the loop stops as soon as ``me`` is served.
-    Arg-maxima pack ``(value, reversed index)`` into one int64 so that a single reduction breaks
-    ties toward the smallest index.
+    [BLOCK_R]``: rows it owes each receiver (``-1`` beyond ``R``). Returns the counts left at home,
+    ``mine [BLOCK_EPN]`` (what receiver ``me`` took from each expert) and, with ``TAKES`` (donor
+    role), ``takes [BLOCK_EPN, BLOCK_R]``, every take (each pair is taken at most once; zeros
+    without ``TAKES``). Without ``TAKES`` (receiver role) the loop stops as soon as ``me`` is
+    served. The takes stay in registers and the caller stores them once: a store per step was on
+    the loop's critical path. Arg-maxima pack ``(value, reversed index)`` into one int64 so that a
+    single reduction breaks ties toward the smallest index.
     """
     lane_r = tl.arange(0, BLOCK_R)
     lane_j = tl.arange(0, BLOCK_EPN)
     mine = tl.zeros([BLOCK_EPN], tl.int32)
+    takes = tl.zeros([BLOCK_EPN, BLOCK_R], tl.int32)
     top_quota = tl.max(quota.to(tl.int64) * BLOCK_R + (BLOCK_R - 1 - lane_r), axis=0)
     owed = (top_quota // BLOCK_R).to(tl.int32)
     steps = 0
     waiting = 1
-    if not STORE:
+    if not TAKES:
         waiting = tl.sum(tl.where(lane_r == me, quota, 0), axis=0)
     # Each step empties a quota or an expert, so a consistent histogram stops within epn + R - 1
     # steps; max_steps only bounds the loop when the histogram is inconsistent.
@@ -250,15 +272,15 @@ def _split_donor(
         take = tl.minimum((top_expert // BLOCK_EPN).to(tl.int32), owed)
         remaining = tl.where(lane_j == local, remaining - take, remaining)
         quota = tl.where(lane_r == receiver, quota - take, quota)
-        if STORE:
-            tl.store(alloc_ptr + (donor * experts_per_rank + local) * ranks + receiver, take)
+        if TAKES:
+            takes = tl.where((lane_j[:, None] == local) & (lane_r[None, :] == receiver), take, takes)
         mine = tl.where((lane_j == local) & (receiver == me), mine + take, mine)
-        if not STORE:
+        if not TAKES:
             waiting -= tl.where(receiver == me, take, 0)
         top_quota = tl.max(quota.to(tl.int64) * BLOCK_R + (BLOCK_R - 1 - lane_r), axis=0)
         owed = (top_quota // BLOCK_R).to(tl.int32)
         steps += 1
-    return remaining, mine
+    return remaining, mine, takes
 
 
 @triton.jit
@@ -348,25 +370,22 @@ def _donor_split(
 ):
     """Step B, donor role: rows ``alloc[e, :]`` of ``d``'s home experts (what moves where).
 
-    Returns the rows each home expert keeps ``[BLOCK_EPN]`` and the block of pointers to those
-    ``alloc`` rows ``[BLOCK_EPN, BLOCK_R]`` with its mask.
+    Stores those rows and returns the rows each home expert keeps ``[BLOCK_EPN]``, the rows
+    themselves ``[BLOCK_EPN, BLOCK_R]`` and their mask.
     """
     lane_r, lane_j, in_r, in_j, in_grid, expert = _home_grid(experts_per_rank, RANKS, BLOCK_R, BLOCK_EPN)
     own = tl.sum(tl.where(lane_r[:, None] == d, count, 0), axis=0)
     own_quota = tl.where(in_r, tl.where(donor_of == d, quota_in, 0), -1)
-    block = alloc_ptr + (d * experts_per_rank + lane_j[:, None]) * RANKS + lane_r[None, :]
-    in_block = in_j[:, None] & in_r[None, :]
-    # Zero the non-home columns first; the barrier orders those stores before the takes.
-    tl.store(block, tl.zeros([BLOCK_EPN, BLOCK_R], tl.int32), mask=in_block & (lane_r[None, :] != d))
-    tl.debug_barrier()
-    home, _ = _split_donor(
-        tl.where(in_j, own, -1), own_quota, d, d, alloc_ptr, experts_per_rank, RANKS, experts_per_rank + RANKS,
-        True, BLOCK_R, BLOCK_EPN,
+    home, _, takes = _split_donor(
+        tl.where(in_j, own, -1), own_quota, d, experts_per_rank + RANKS, True, BLOCK_R, BLOCK_EPN,
     )
     home = tl.where(in_j, home, 0)
-    tl.store(alloc_ptr + (d * experts_per_rank + lane_j) * RANKS + d, home, mask=in_j)
-    tl.debug_barrier()
-    return home, block, in_block
+    # A donor never takes for itself (its own quota is 0), so its column holds what stays home.
+    alloc_rows = tl.where(lane_r[None, :] == d, home[:, None], takes)
+    block = alloc_ptr + (d * experts_per_rank + lane_j[:, None]) * RANKS + lane_r[None, :]
+    in_block = in_j[:, None] & in_r[None, :]
+    tl.store(block, alloc_rows, mask=in_block)
+    return home, alloc_rows, in_block
 
 
 @triton.jit
@@ -453,18 +472,16 @@ def _layout(
     tl.store(before_ptr + d * experts + expert, before, mask=in_grid)
 
     donor_of, quota_in = _step_a(count, total_entries, tol_fixed, RANKS, POLICY, BLOCK_R, BLOCK_EPN)
-    home, block, in_block = _donor_split(d, count, donor_of, quota_in, alloc_ptr, experts_per_rank, RANKS, BLOCK_R, BLOCK_EPN)
-    # Read back d's rows of alloc now; their prefix over destinations is stored at the end, so
-    # the load's latency hides behind the work in between.
-    alloc_rows = tl.load(block, mask=in_block, other=0)
+    home, alloc_rows, in_block = _donor_split(
+        d, count, donor_of, quota_in, alloc_ptr, experts_per_rank, RANKS, BLOCK_R, BLOCK_EPN,
+    )
 
     # Step B, receiver role: repeat the split of d's donor (if any) to learn what d borrows.
     my_donor = tl.sum(tl.where(lane_r == d, donor_of, 0), axis=0)
     donor_quota = tl.where(in_r, tl.where((donor_of == my_donor) & (my_donor >= 0), quota_in, 0), -1)
     donor_count = tl.sum(tl.where(lane_r[:, None] == my_donor, count, 0), axis=0)
-    _, mine = _split_donor(
-        tl.where(in_j, donor_count, -1), donor_quota, my_donor, d, alloc_ptr, experts_per_rank, RANKS,
-        experts_per_rank + RANKS, False, BLOCK_R, BLOCK_EPN,
+    _, mine, _ = _split_donor(
+        tl.where(in_j, donor_count, -1), donor_quota, d, experts_per_rank + RANKS, False, BLOCK_R, BLOCK_EPN,
     )
     mine = tl.where(in_j, mine, 0)
     _shard_layout(
@@ -584,8 +601,7 @@ def _split_kernel(
     count = tl.load(count_ptr + expert, mask=in_grid, other=0)
     donor_of = tl.load(quotas_ptr + lane_r, mask=in_r, other=-1)
     quota_in = tl.load(quotas_ptr + RANKS + lane_r, mask=in_r, other=0)
-    _, block, in_block = _donor_split(d, count, donor_of, quota_in, alloc_ptr, experts_per_rank, RANKS, BLOCK_R, BLOCK_EPN)
-    alloc_rows = tl.load(block, mask=in_block, other=0)
+    _, alloc_rows, in_block = _donor_split(d, count, donor_of, quota_in, alloc_ptr, experts_per_rank, RANKS, BLOCK_R, BLOCK_EPN)
     acum_block = acum_ptr + (d * experts_per_rank + lane_j[:, None]) * RANKS + lane_r[None, :]
     tl.store(acum_block, tl.cumsum(alloc_rows, axis=1), mask=in_block)
 
@@ -696,15 +712,13 @@ def _launch_destinations(
     step = ids.shape[-2]
     slabs = ids.numel() // (step * top_k)
     block_k = _pow2(top_k)
-    # Up to 64 tokens and 4096 pairs (k, k') per program. On the H200 at Kimi-K3, s = 8192, these
-    # 16-token programs took 12.9 us for the plan after the exchange, 64-entry ones 21.3 us.
-    block_t = max(1, min(64, 4096 // (block_k * block_k)))
+    block_t = max(1, min(64, _DESTINATION_PAIRS // (block_k * block_k)))
     dest_rank, carrier, send_order = (torch.empty_like(dest_row) for _ in range(3))
     _destination_kernel[(triton.cdiv(step, block_t), slabs)](
         ids, segment_prefix, entry_ranks, tables.before, tables.acum, tables.group_start, dest_rank, dest_row,
         carrier, send_order, token_limits, token_limit, first_rank, step, segments, config.experts, config.ranks,
         K=top_k, BLOCK_K=block_k, BLOCK_T=block_t, SEGMENT=meta["TILE"] * meta["TILES"], **_search_meta(config.ranks),
-        SCANNED=segments > 1, PER_RANK=per_rank, DEDUP=config.dedup, num_warps=4,
+        SCANNED=segments > 1, PER_RANK=per_rank, DEDUP=config.dedup, num_warps=_DESTINATION_WARPS,
     )
     return dict(dest_rank=dest_rank, dest_row=dest_row, carrier=carrier, send_order=send_order, dedup=config.dedup)
 
@@ -911,7 +925,7 @@ def _launch_layout(
     quotas = torch.empty(2, config.ranks, dtype=torch.int32, device=hist.device)
     _scan_kernel[(triton.cdiv(config.experts, _SCAN_EXPERTS), 1)](
         hist, tables.before, count, config.ranks, config.experts,
-        ROWS=min(_pow2(config.ranks), _SCAN_ROWS), BLOCK_EC=_SCAN_EXPERTS, WRITE_HIST=True, num_warps=4,
+        ROWS=min(_pow2(config.ranks), _SCAN_ROWS), BLOCK_EC=_SCAN_EXPERTS, WRITE_HIST=True, num_warps=_SCAN_WARPS,
     )
     _balance_kernel[(1,)](
         count, total_entries, config.tolerance_fixed, config.experts_per_rank, quotas, **meta, num_warps=_LAYOUT_WARPS,
@@ -933,15 +947,16 @@ def _count_meta(entries: int, experts: int) -> dict[str, int]:
     """Tiles of the count kernel for ``entries = s*K`` per rank: ``TILE`` entries per compare
     matrix, ``TILES`` tiles per segment (one program), so that a rank has about
     ``_SEGMENTS_PER_RANK`` segments (fewer for small steps, whose segments are single tiles); from
-    :data:`SORTED_COUNT_ENTRIES` entries, sorted segments of ``_SORTED_SEGMENT`` entries (a histogram
-    of ``BLOCK_E >= E + 1`` bins)."""
+    :data:`SORTED_COUNT_ENTRIES` entries, sorted segments of ``_SORTED_SEGMENT`` entries (longer ones
+    from ``_LONG_SORTED_ENTRIES``). ``BLOCK_E``
+    covers a histogram row of ``E`` experts."""
     tile = _tile_size(entries)
+    common = {"TILE": tile, "CHUNK": min(tile, _COMPARE_CHUNK), "BLOCK_E": _pow2(experts)}
     if entries >= SORTED_COUNT_ENTRIES:
-        return {"TILE": tile, "TILES": _SORTED_SEGMENT // tile, "CHUNK": min(tile, _COMPARE_CHUNK),
-                "BLOCK_E": _pow2(experts + 1), "SORTED": True, "LOG_SEGMENT": _SORTED_SEGMENT.bit_length() - 1}
+        segment = _LONG_SORTED_SEGMENT if entries >= _LONG_SORTED_ENTRIES else _SORTED_SEGMENT
+        return {**common, "TILES": segment // tile, "SORTED": True, "LOG_SEGMENT": segment.bit_length() - 1}
     tiles = min(_MAX_SEGMENT_TILES, _pow2(triton.cdiv(entries, tile * _SEGMENTS_PER_RANK)))
-    return {"TILE": tile, "TILES": tiles, "CHUNK": min(tile, _COMPARE_CHUNK), "BLOCK_E": _pow2(experts), "SORTED": False,
-            "LOG_SEGMENT": 0}
+    return {**common, "TILES": tiles, "SORTED": False, "LOG_SEGMENT": 0}
 
 
 def _segments(entries: int, meta: dict[str, int]) -> int:
@@ -1030,7 +1045,7 @@ def count_rank_triton(topk_ids: torch.Tensor, experts: int, tokens: int | None =
     total = torch.empty(experts, dtype=torch.int32, device=ids.device)
     _scan_kernel[(triton.cdiv(experts, _SCAN_EXPERTS), 1)](
         rows, rows, total, segments, experts,
-        ROWS=min(_pow2(segments), _SCAN_ROWS), BLOCK_EC=_SCAN_EXPERTS, WRITE_HIST=True, num_warps=4,
+        ROWS=min(_pow2(segments), _SCAN_ROWS), BLOCK_EC=_SCAN_EXPERTS, WRITE_HIST=True, num_warps=_SCAN_WARPS,
     )
     return RankCounts(total, entry_ranks, rows, limit, topk_ids.data_ptr())
 
@@ -1101,7 +1116,7 @@ def make_plan_triton(
     if scanned:
         _scan_kernel[(triton.cdiv(experts, _SCAN_EXPERTS), ranks)](
             segment_counts, segment_counts, hist, segments, experts,
-            ROWS=min(_pow2(segments), _SCAN_ROWS), BLOCK_EC=_SCAN_EXPERTS, WRITE_HIST=True, num_warps=4,
+            ROWS=min(_pow2(segments), _SCAN_ROWS), BLOCK_EC=_SCAN_EXPERTS, WRITE_HIST=True, num_warps=_SCAN_WARPS,
         )
     plan_fields: dict[str, object] = dict(policy=policy, shard_rows=config.step_rows(ranks * step, policy))
     if policy == "auto":
