@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from flatep import CostProfile, EPConfig
 from flatep.plan import make_plan, plan_rank
 from flatep.plan.auto import CANDIDATES
+import flatep.plan.triton as planner
 from flatep.plan.triton import make_plan_triton, plan_rank_triton
 from flatep.routing import skewed_topk
 from tests.plan.cases import planner_cases
@@ -49,6 +50,23 @@ def test_triton_auto_equals_reference(case, profile):
     got = plan_rank_triton(rank, ids[rank].to(DEVICE), expected.tokens_per_expert.to(DEVICE), config, "auto", total, own,
                            cost=cost)
     assert_same(reference, got)
+
+
+def test_rank_auto_with_several_count_segments(monkeypatch):
+    """A rank's count spans several segments: their scan rides with the candidates' layout launch."""
+    monkeypatch.setattr(planner, "_tile_size", lambda entries: 4)
+    ranks, experts, top_k, step = 4, 8, 2, 9
+    config = EPConfig(ranks=ranks, experts=experts, top_k=top_k, hidden=8, intermediate=4, capacity=step, align=4)
+    ids = skewed_topk(ranks, experts, top_k, step, 2.0, seed=5)
+    cost = PROFILES["rows_only"]
+    expected = make_plan(ids, config, "auto", cost=cost)
+    reference = plan_rank(2, ids[2], expected.tokens_per_expert, config, "auto", cost=cost)
+    counts = planner.count_rank_triton(ids[2].to(DEVICE), experts)
+    assert counts.segment_counts.shape[0] > 1
+    got = plan_rank_triton(2, ids[2].to(DEVICE), expected.tokens_per_expert.to(DEVICE), config, "auto", cost=cost,
+                           counts=counts)
+    assert_same(reference, got)
+    assert len(got.auto.candidates) > 1
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

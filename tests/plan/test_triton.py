@@ -155,7 +155,8 @@ def test_int64_ids_are_accepted():
 def test_many_tiles_per_rank(monkeypatch, scan_rows, segments_per_rank):
     """Tiles of 16 entries: several tiles per rank, in segments of one tile (256), of several
     (2: two or three segments per rank) or all in one segment (1), the segments prefixed by the
-    scan launch in one pass or in chunks of two rows."""
+    scan (its own launch for the group, the layout launch's extra programs for a rank) in one pass
+    or in chunks of two rows."""
     monkeypatch.setattr(planner, "_tile_size", lambda entries: 16)
     monkeypatch.setattr(planner, "_SCAN_ROWS", scan_rows)
     monkeypatch.setattr(planner, "_SEGMENTS_PER_RANK", segments_per_rank)
@@ -311,6 +312,17 @@ def test_many_ranks_match_the_reference(ranks, experts_per_rank, top_k, step, ro
     expected = check_group(ids, config, policy) if group else make_plan(ids, config, policy)
     for rank in planned:
         check_rank(rank, ids, config, policy, None, expected)
+
+
+def test_staged_layout_scans_a_ranks_segments(monkeypatch):
+    """R > 32 with several count segments per rank: the rank's segment scan runs in a launch of
+    its own before the staged layout (the fused layout takes it in its own launch)."""
+    monkeypatch.setattr(planner, "_tile_size", lambda entries: 4)
+    ranks, top_k, step = 40, 2, 5
+    config = config_for(ranks, 2 * ranks, top_k, step, align=4)
+    ids = skewed_topk(ranks, 2 * ranks, top_k, step, 2.0, seed=3)
+    expected = make_plan(ids, config, "exact")
+    check_rank(39, ids, config, "exact", None, expected)
 
 
 def test_many_ranks_per_rank_tokens_and_tolerance():
