@@ -34,11 +34,9 @@ The kernels (MoonEP's planner, Kimi-K3 technical report §5.2.1, made sync-free)
   cumulative allocation ``acum[e, :]`` for the destination, the row inside that destination's
   group, and then, as a token's entries are all in the program, its carriers and send order.
 
-A rank counts in one launch before the exchange (its segments' rows are summed into its histogram
-atomically, into a zero-filled row) and plans in two after it: the layout, whose launch has extra
-programs that scan the segment rows beside the layout's serial rounds, and the destinations. The
-group planner uses four launches (three when a rank's entries fit in one segment): count, scan,
-layout, destination. The staged layout adds three launches to either (four with a rank's scan). Ties break toward the smallest index everywhere, as in the
+A rank counts in two launches (one when its entries fit in one segment) before the exchange and
+plans in two after it (layout, destination); the group planner uses four (three). The staged
+layout adds three launches to either. Ties break toward the smallest index everywhere, as in the
 reference. Limits: ``R <= 256``, ``E <= 2048``, ``R*s*K < 2**31`` (entry indices are int32).
 
 Data checks that need the device's data are not made here (they would synchronise): ids of real
@@ -169,8 +167,8 @@ def _rank_in_tile(ids_ptr, start, n_entries, token_limit, top_k, experts, TILE: 
 
 @triton.jit
 def _count_segment(
-    ids_ptr, counts_ptr, ranks_ptr, totals_ptr, segment, n_entries, token_limit, top_k, experts,
-    TILE: tl.constexpr, TILES: tl.constexpr, CHUNK: tl.constexpr, BLOCK_E: tl.constexpr, TOTALS: tl.constexpr,
+    ids_ptr, counts_ptr, ranks_ptr, segment, n_entries, token_limit, top_k, experts,
+    TILE: tl.constexpr, TILES: tl.constexpr, CHUNK: tl.constexpr, BLOCK_E: tl.constexpr,
 ):
     """Stable rank of each entry of ``segment`` (``TILES`` tiles of ``TILE`` entries, in order)
     among the equal ids of the segment (into ``ranks_ptr``) and the segment's dense histogram.
@@ -179,8 +177,7 @@ def _count_segment(
     ``[segments, E]`` rows. The row is the running count while the tiles go by: an entry's rank is
     the row's count of its expert (earlier tiles) plus its rank in its tile, and the last entry of
     each expert in the tile writes the new count. Segments longer than one tile keep the rows (and
-    the scan over them) short at large steps. With ``TOTALS`` the row is also added to
-    ``totals [E]`` (atomically; zeroed by the caller).
+    the scan over them) short at large steps.
     """
     # int64: the segment rows of a rank hold segments*E words, past 2**31 for long steps at large E.
     row = counts_ptr + segment.to(tl.int64) * experts
@@ -197,10 +194,6 @@ def _count_segment(
         # Every thread has read the row before the last entry of each expert updates it.
         tl.debug_barrier()
         tl.store(row + key, before + same, mask=valid & (earlier == same - 1))
-    if TOTALS:
-        tl.debug_barrier()
-        counts = tl.load(row + expert, mask=expert < experts, other=0)
-        tl.atomic_add(totals_ptr + expert, counts, mask=(expert < experts) & (counts > 0), sem="relaxed")
 
 
 @triton.jit
@@ -211,8 +204,8 @@ def _run_length(key_a, count_a, key_b, count_b):
 
 @triton.jit
 def _count_sorted_segment(
-    ids_ptr, counts_ptr, ranks_ptr, totals_ptr, segment, n_entries, token_limit, top_k, experts,
-    SEGMENT: tl.constexpr, LOG_SEGMENT: tl.constexpr, BINS: tl.constexpr, TOTALS: tl.constexpr,
+    ids_ptr, counts_ptr, ranks_ptr, segment, n_entries, token_limit, top_k, experts,
+    SEGMENT: tl.constexpr, LOG_SEGMENT: tl.constexpr, BINS: tl.constexpr,
 ):
     """:func:`_count_segment` by sorting: the same ranks and histogram row of ``SEGMENT`` entries.
 
@@ -220,8 +213,7 @@ def _count_sorted_segment(
     entry's rank among the equal ids before it is its place in its run of equal keys (a segmented
     scan over the sorted keys), and the same scan run backwards gives, at a run's first entry, the
     run's length: the expert's count in the row. Invalid entries take key ``E`` and are not
-    stored; ``BINS >= E``. With ``TOTALS`` the counts are also added to ``totals [E]`` (atomically;
-    zeroed by the caller). (The backward scan replaced ``tl.histogram``: on the H200 at Kimi-K3,
+    stored; ``BINS >= E``. (The backward scan replaced ``tl.histogram``: on the H200 at Kimi-K3,
     s = 8192, the count launch took 4.7 us instead of 9.0 us.)
     """
     position = tl.arange(0, SEGMENT)
@@ -243,8 +235,6 @@ def _count_sorted_segment(
     # Every thread's zeros land before any run's count.
     tl.debug_barrier()
     tl.store(row + ordered_key, run_length, mask=counted & (run == 1))
-    if TOTALS:
-        tl.atomic_add(totals_ptr + ordered_key, run_length, mask=counted & (run == 1), sem="relaxed")
 
 
 @triton.jit
@@ -509,24 +499,22 @@ def _layout(
 
 @triton.jit
 def _count_kernel(
-    ids_ptr, counts_ptr, ranks_ptr, totals_ptr, tokens_ptr, token_limit, n_entries, n_segments, top_k, experts,
+    ids_ptr, counts_ptr, ranks_ptr, tokens_ptr, token_limit, n_entries, n_segments, top_k, experts,
     TILE: tl.constexpr, TILES: tl.constexpr, CHUNK: tl.constexpr, BLOCK_E: tl.constexpr, PER_RANK: tl.constexpr,
-    SORTED: tl.constexpr, LOG_SEGMENT: tl.constexpr, TOTALS: tl.constexpr,
+    SORTED: tl.constexpr, LOG_SEGMENT: tl.constexpr,
 ):
-    """Segment ``program_id(0)`` of slab ``program_id(1)`` (a rank's entries); ``SORTED``: by
-    sorting; ``TOTALS``: the slab's histogram is also summed into ``totals [slabs, E]``."""
+    """Segment ``program_id(0)`` of slab ``program_id(1)`` (a rank's entries); ``SORTED``: by sorting."""
     slab = tl.program_id(1)
     ids_ptr += slab * n_entries
     counts_ptr += slab.to(tl.int64) * n_segments * experts
     ranks_ptr += slab * n_entries
-    totals_ptr += slab * experts
     token_limit = _token_limit(tokens_ptr, token_limit, slab, PER_RANK)
     if SORTED:
-        _count_sorted_segment(ids_ptr, counts_ptr, ranks_ptr, totals_ptr, tl.program_id(0), n_entries, token_limit, top_k,
-                              experts, TILE * TILES, LOG_SEGMENT, BLOCK_E, TOTALS)
+        _count_sorted_segment(ids_ptr, counts_ptr, ranks_ptr, tl.program_id(0), n_entries, token_limit, top_k, experts,
+                              TILE * TILES, LOG_SEGMENT, BLOCK_E)
     else:
-        _count_segment(ids_ptr, counts_ptr, ranks_ptr, totals_ptr, tl.program_id(0), n_entries, token_limit, top_k, experts,
-                       TILE, TILES, CHUNK, BLOCK_E, TOTALS)
+        _count_segment(ids_ptr, counts_ptr, ranks_ptr, tl.program_id(0), n_entries, token_limit, top_k, experts,
+                       TILE, TILES, CHUNK, BLOCK_E)
 
 
 @triton.jit
@@ -540,54 +528,36 @@ def _scan_kernel(
     Slabs are a rank's segment rows (per-segment histograms) or, for the staged layout, the gathered
     ``[R, E]`` histogram as one slab (entries of each expert on lower source ranks, and ``count``).
     """
-    _scan_rows(counts_ptr, prefix_ptr, hist_ptr, n_rows, experts, tl.program_id(0), tl.program_id(1), ROWS, BLOCK_EC,
-               WRITE_HIST)
-
-
-@triton.jit
-def _scan_rows(
-    counts_ptr, prefix_ptr, hist_ptr, n_rows, experts, piece, slab,
-    ROWS: tl.constexpr, BLOCK_EC: tl.constexpr, WRITE_HIST: tl.constexpr,
-):
-    """:func:`_scan_kernel` for experts ``[piece * BLOCK_EC, (piece + 1) * BLOCK_EC)`` of slab ``slab``."""
-    expert = piece * BLOCK_EC + tl.arange(0, BLOCK_EC)
+    rank = tl.program_id(1).to(tl.int64)
+    expert = tl.program_id(0) * BLOCK_EC + tl.arange(0, BLOCK_EC)
     in_e = expert < experts
     carry = tl.zeros([BLOCK_EC], tl.int32)
     for first in range(0, n_rows, ROWS):
         row = first + tl.arange(0, ROWS)
         mask = (row < n_rows)[:, None] & in_e[None, :]
-        # int64 before the product with E: all ranks' segment rows pass 2**31 words at large steps.
-        offset = (slab * n_rows + row).to(tl.int64)[:, None] * experts + expert[None, :]
+        offset = (rank * n_rows + row)[:, None] * experts + expert[None, :]
         value = tl.load(counts_ptr + offset, mask=mask, other=0)
         tl.store(prefix_ptr + offset, tl.cumsum(value, axis=0) - value + carry[None, :], mask=mask)
         carry += tl.sum(value, axis=0)
     if WRITE_HIST:
-        tl.store(hist_ptr + slab * experts + expert, carry, mask=in_e)
+        tl.store(hist_ptr + rank * experts + expert, carry, mask=in_e)
 
 
 @triton.jit
 def _layout_kernel(
     hist_ptr, total_entries, tol_fixed, experts, experts_per_rank, align,
     alloc_ptr, acum_ptr, before_ptr, slots_ptr, groups_ptr, offsets_ptr, padding_ptr, received_ptr,
-    group_start_ptr, candidates_ptr, table_stride, counts_ptr, prefix_ptr, n_segments,
+    group_start_ptr, candidates_ptr, table_stride,
     RANKS: tl.constexpr, POLICY: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_EPN: tl.constexpr,
-    CANDIDATES: tl.constexpr, SCAN_ROWS: tl.constexpr, BLOCK_EC: tl.constexpr,
+    CANDIDATES: tl.constexpr,
 ):
-    """Group planner: the layout, one program per rank (``program_id(0) < R``).
+    """Group planner: the layout, one program per rank (``program_id(0)``).
 
     With ``CANDIDATES > 1`` (``auto``), ``program_id(1)`` is a candidate: its policy code and
     tolerance are read from ``candidates [C, 2] int32`` and its tables lie ``table_stride``
     elements after the previous candidate's, so every candidate is planned in one launch.
-
-    Programs ``program_id(0) >= R`` (of candidate 0; the grid has them for one rank's plan) scan
-    one rank's ``[n_segments, E]`` segment rows into ``prefix`` (:func:`_scan_kernel`): that scan
-    needs only the count, and runs beside the layout's serial rounds instead of before them.
     """
-    if tl.program_id(0) >= RANKS:
-        if tl.program_id(1) == 0:
-            _scan_rows(counts_ptr, prefix_ptr, counts_ptr, n_segments, experts, tl.program_id(0) - RANKS, 0, SCAN_ROWS,
-                       BLOCK_EC, False)
-    elif CANDIDATES > 1:
+    if CANDIDATES > 1:
         candidate = tl.program_id(1)
         policy = tl.load(candidates_ptr + 2 * candidate)
         tolerance = tl.load(candidates_ptr + 2 * candidate + 1)
@@ -877,7 +847,7 @@ _PINNED_CODES: dict[tuple[tuple[int, int], ...], torch.Tensor] = {}
 
 
 def _auto_tables(
-    hist: torch.Tensor, total_tokens: int, config: EPConfig, cost: CostProfile | None, scan: _SegmentScan | None = None,
+    hist: torch.Tensor, total_tokens: int, config: EPConfig, cost: CostProfile | None
 ) -> tuple[_Tables, AutoChoice, dict[str, object]]:
     """``auto``'s layout: every candidate's tables, the model's choice, the chosen tables gathered.
 
@@ -886,7 +856,6 @@ def _auto_tables(
     kernels, which touch every entry, run once, on the chosen tables. The model is two launches
     (:func:`flatep.plan.cost_triton.predict_triton`), the choice and the gather of the chosen
     tables another (:func:`flatep.plan.cost_triton.choose_triton`); nothing is read on the host.
-    ``scan`` (one rank's segment rows) rides along with the first layout launch.
 
     Returns:
         The chosen tables, the :class:`~flatep.plan.auto.AutoChoice`, and the plan fields of an
@@ -899,12 +868,11 @@ def _auto_tables(
         # One launch of R x C programs: the candidates' serial rounds run side by side.
         codes = tuple((_POLICY_CODES[c.policy], c.config(config).tolerance_fixed) for c in candidates)
         _launch_layout(hist, total_tokens * config.top_k, config, "exact", _Tables(config, storage=storage[0]),
-                       candidates=_candidate_codes(codes, hist.device), scan=scan)
+                       candidates=_candidate_codes(codes, hist.device))
     else:
         for index, candidate in enumerate(candidates):
             tables = _Tables(config, storage=storage[index])
-            _launch_layout(hist, total_tokens * config.top_k, candidate.config(config), candidate.policy, tables,
-                           scan=scan if index == 0 else None)
+            _launch_layout(hist, total_tokens * config.top_k, candidate.config(config), candidate.policy, tables)
     alloc_start = _Tables._places(config)[0][2]
     alloc = storage[:, alloc_start:alloc_start + config.experts * config.ranks].view(len(candidates), config.experts, config.ranks)
     prediction = predict_triton(hist, alloc, cost.constants(config))
@@ -928,7 +896,7 @@ def _layout_meta(config: EPConfig, policy: str) -> dict[str, int | bool]:
 
 def _launch_layout(
     hist: torch.Tensor, total_entries: int, config: EPConfig, policy: str, tables: _Tables,
-    candidates: torch.Tensor | None = None, scan: "_SegmentScan | None" = None,
+    candidates: torch.Tensor | None = None,
 ) -> None:
     """Fill ``tables`` from the gathered histogram ``hist [R, E] int32`` and ``T*K = total_entries``.
 
@@ -939,27 +907,19 @@ def _launch_layout(
     ``candidates`` (fused layout only): ``[C, 2] int32`` (policy code, tolerance in fixed point)
     of ``C`` plans made in the same launch; ``tables`` is then the first of ``C`` consecutive
     table buffers (``policy`` and ``config.tolerance`` are not used).
-
-    ``scan``: one rank's segment rows to scan as well (:func:`plan_rank_triton`): extra programs of
-    the fused layout's launch, a launch of its own before the staged layout.
     """
     meta = _layout_meta(config, policy)
     align = config.step_align(total_entries // config.top_k)
     if config.ranks <= _FUSED_MAX_RANKS:
         count = 1 if candidates is None else candidates.shape[0]
-        scan_programs, scan_args, scan_meta = 0, (hist, hist, 0), {"SCAN_ROWS": 1}
-        if scan is not None:
-            scan_programs, scan_args, scan_meta = scan.programs, scan.args(), {"SCAN_ROWS": scan.rows}
-        _layout_kernel[(config.ranks + scan_programs, count)](
+        _layout_kernel[(config.ranks, count)](
             hist, total_entries, config.tolerance_fixed, config.experts, config.experts_per_rank, align,
-            *tables.args(), hist if candidates is None else candidates, _Tables.size(config), *scan_args,
-            **meta, CANDIDATES=count, **scan_meta, BLOCK_EC=_SCAN_EXPERTS, num_warps=_LAYOUT_WARPS,
+            *tables.args(), hist if candidates is None else candidates, _Tables.size(config), **meta, CANDIDATES=count,
+            num_warps=_LAYOUT_WARPS,
         )
         return
     if candidates is not None:
         raise ValueError(f"candidates are planned in one launch up to {_FUSED_MAX_RANKS} ranks, got R={config.ranks}")
-    if scan is not None:
-        scan.launch()
     blocks = {name: meta[name] for name in ("RANKS", "BLOCK_R", "BLOCK_EPN")}
     count = torch.empty(config.experts, dtype=torch.int32, device=hist.device)
     quotas = torch.empty(2, config.ranks, dtype=torch.int32, device=hist.device)
@@ -976,34 +936,6 @@ def _launch_layout(
         tables.slot_experts, tables.group_experts, tables.offsets, tables.padding, tables.received,
         tables.group_start, **blocks, num_warps=_LAYOUT_WARPS,
     )
-
-
-@dataclass(frozen=True)
-class _SegmentScan:
-    """One rank's segment rows ``counts [segments, E]`` and the buffer of their exclusive prefix
-    over segments, ``prefix`` (what the destination kernel reads)."""
-
-    counts: torch.Tensor
-    prefix: torch.Tensor
-
-    @property
-    def programs(self) -> int:
-        return triton.cdiv(self.counts.shape[1], _SCAN_EXPERTS)
-
-    @property
-    def rows(self) -> int:
-        return min(_pow2(self.counts.shape[0]), _SCAN_ROWS)
-
-    def args(self) -> tuple[torch.Tensor, torch.Tensor, int]:
-        return self.counts, self.prefix, self.counts.shape[0]
-
-    def launch(self) -> None:
-        """The scan in a launch of its own."""
-        segments, experts = self.counts.shape
-        _scan_kernel[(self.programs, 1)](
-            self.counts, self.prefix, self.counts, segments, experts,
-            ROWS=self.rows, BLOCK_EC=_SCAN_EXPERTS, WRITE_HIST=False, num_warps=_SCAN_WARPS,
-        )
 
 
 def _search_meta(ranks: int) -> dict[str, int]:
@@ -1043,9 +975,9 @@ class RankCounts:
         tokens_per_expert: ``[E] int32``, this rank's real entries per expert.
         entry_ranks: ``[s, K] int32``, per valid entry the entries of its expert before it in its
             segment of the flat ``(t, k)`` order (undefined for other entries).
-        segment_counts: ``[segments, E] int32``, per segment of the flat ``(t, k)`` order the
-            entries of each expert in it (the planner takes their prefix over segments beside the
-            layout, after the exchange).
+        segment_prefix: ``[segments, E] int32``, per segment the entries of each expert in earlier
+            segments (a single segment holds its own counts instead: nothing comes before it, and
+            the planner does not read them).
         tokens: the real tokens counted (rows ``t >= tokens`` are padding).
         ids_address: ``data_ptr()`` of the ids tensor counted (a host integer: the planner refuses
             counts of another tensor without reading the device; the same buffer refilled for a
@@ -1054,7 +986,7 @@ class RankCounts:
 
     tokens_per_expert: torch.Tensor
     entry_ranks: torch.Tensor
-    segment_counts: torch.Tensor
+    segment_prefix: torch.Tensor
     tokens: int
     ids_address: int
 
@@ -1073,8 +1005,7 @@ class RankCounts:
 
 def count_rank_triton(topk_ids: torch.Tensor, experts: int, tokens: int | None = None) -> RankCounts:
     """Count this rank's entries: the histogram row it contributes to the exchange, plus the
-    stable ranks and segment counts :func:`plan_rank_triton` uses afterwards (one launch, and a
-    zero fill of the histogram when ``s*K`` spans several segments; no host synchronisation).
+    stable ranks :func:`plan_rank_triton` uses afterwards (two launches, no host synchronisation).
 
     Args:
         topk_ids: ``[s, K]`` int32 or int64 expert ids on the GPU.
@@ -1106,14 +1037,16 @@ def count_rank_triton(topk_ids: torch.Tensor, experts: int, tokens: int | None =
     segments = _segments(entries, meta)
     rows = torch.empty(segments, experts, dtype=torch.int32, device=ids.device)
     entry_ranks = torch.empty(step, top_k, dtype=torch.int32, device=ids.device)
-    # With several segments their rows are also summed into the histogram as they are counted
-    # (integer atomics: exact in any order). Their prefix over segments, which only the plan's
-    # destinations need, is taken after the exchange beside the layout: a scan launch here cost
-    # 2.7 us of every Kimi-K3 step (s = 8192) on the H200.
-    total = rows[0] if segments == 1 else torch.zeros(experts, dtype=torch.int32, device=ids.device)
     # ids stands in for the unread per-rank tokens pointer
-    _count_kernel[(segments, 1)](ids, rows, entry_ranks, total, ids, limit, entries, segments, top_k, experts, **meta,
-                                 PER_RANK=False, TOTALS=segments > 1, num_warps=_COUNT_WARPS)
+    _count_kernel[(segments, 1)](ids, rows, entry_ranks, ids, limit, entries, segments, top_k, experts, **meta,
+                                 PER_RANK=False, num_warps=_COUNT_WARPS)
+    if segments == 1:  # the one row is the histogram and no segment comes before it
+        return RankCounts(rows[0], entry_ranks, rows, limit, topk_ids.data_ptr())
+    total = torch.empty(experts, dtype=torch.int32, device=ids.device)
+    _scan_kernel[(triton.cdiv(experts, _SCAN_EXPERTS), 1)](
+        rows, rows, total, segments, experts,
+        ROWS=min(_pow2(segments), _SCAN_ROWS), BLOCK_EC=_SCAN_EXPERTS, WRITE_HIST=True, num_warps=_SCAN_WARPS,
+    )
     return RankCounts(total, entry_ranks, rows, limit, topk_ids.data_ptr())
 
 
@@ -1177,8 +1110,8 @@ def make_plan_triton(
     dest_row = torch.empty_like(dest_rank)
 
     _count_kernel[(segments, ranks)](
-        ids, segment_counts, dest_row, hist, token_limits, step, entries, segments, config.top_k, experts,
-        **meta, PER_RANK=per_rank, TOTALS=False, num_warps=_COUNT_WARPS,
+        ids, segment_counts, dest_row, token_limits, step, entries, segments, config.top_k, experts,
+        **meta, PER_RANK=per_rank, num_warps=_COUNT_WARPS,
     )
     if scanned:
         _scan_kernel[(triton.cdiv(experts, _SCAN_EXPERTS), ranks)](
@@ -1210,8 +1143,7 @@ def plan_rank_triton(
 ) -> RankPlan:
     """One rank's plan on its GPU from the gathered histogram; equals :func:`flatep.plan.plan_rank`.
 
-    Two launches after :func:`count_rank_triton` (four more for ``R > 32``): the layout, whose
-    launch also takes the prefix of the count's segment rows, and the destinations. No host
+    Two launches after :func:`count_rank_triton` (three more for ``R > 32``), no host
     synchronisation, graph-capturable.
 
     Args:
@@ -1227,7 +1159,7 @@ def plan_rank_triton(
         tokens: this rank's real tokens (default ``s``); rows beyond are padding, planned as ``-1``.
         cost: the :class:`flatep.CostProfile` of ``auto`` (every rank must pass the same).
         counts: this rank's :class:`RankCounts` of the same ``topk_ids`` and ``tokens``, made
-            before the exchange (default: counted here, one or two more launches).
+            before the exchange (default: counted here, up to two more launches).
 
     Returns:
         The :class:`RankPlan`, int32 tensors on ``topk_ids.device``.
@@ -1269,20 +1201,17 @@ def plan_rank_triton(
     hist = tokens_per_expert.to(torch.int32).contiguous()
     entries = step * config.top_k
     meta = _count_meta(entries, config.experts)
-    segments = counts.segment_counts.shape[0]
-    scan = None if segments == 1 else _SegmentScan(counts.segment_counts, torch.empty_like(counts.segment_counts))
+    segments = counts.segment_prefix.shape[0]
 
     plan_fields: dict[str, object] = dict(policy=policy, shard_rows=config.step_rows(config.ranks * step, policy))
     if policy == "auto":
-        tables, _, plan_fields = _auto_tables(hist, total, config, cost, scan)
+        tables, _, plan_fields = _auto_tables(hist, total, config, cost)
     else:
         tables = _Tables(config, device)
-        _launch_layout(hist, total * config.top_k, config, policy, tables, scan=scan)
+        _launch_layout(hist, total * config.top_k, config, policy, tables)
     dest_row = torch.empty(step, config.top_k, dtype=torch.int32, device=device)
     # ids stands in for the unread per-rank tokens pointer
-    # A single segment's row is only read where nothing comes before it (the kernel skips it).
-    segment_prefix = counts.segment_counts if scan is None else scan.prefix
-    entry_tables = _launch_destinations(ids, segment_prefix, counts.entry_ranks, tables, dest_row, ids, limit, rank,
+    entry_tables = _launch_destinations(ids, counts.segment_prefix, counts.entry_ranks, tables, dest_row, ids, limit, rank,
                                         segments, config, meta, False)
     return RankPlan(**plan_fields, total_tokens=total, tokens_per_expert=hist, **tables.layout_fields(), rank=rank,
                     **entry_tables)

@@ -53,7 +53,7 @@ def test_triton_auto_equals_reference(case, profile):
 
 
 def test_rank_auto_with_several_count_segments(monkeypatch):
-    """A rank's count spans several segments: their scan rides with the candidates' layout launch."""
+    """A rank's count spans several segments (counted, then scanned, before the candidates' layouts)."""
     monkeypatch.setattr(planner, "_tile_size", lambda entries: 4)
     ranks, experts, top_k, step = 4, 8, 2, 9
     config = EPConfig(ranks=ranks, experts=experts, top_k=top_k, hidden=8, intermediate=4, capacity=step, align=4)
@@ -62,7 +62,7 @@ def test_rank_auto_with_several_count_segments(monkeypatch):
     expected = make_plan(ids, config, "auto", cost=cost)
     reference = plan_rank(2, ids[2], expected.tokens_per_expert, config, "auto", cost=cost)
     counts = planner.count_rank_triton(ids[2].to(DEVICE), experts)
-    assert counts.segment_counts.shape[0] > 1
+    assert counts.segment_prefix.shape[0] > 1
     got = plan_rank_triton(2, ids[2].to(DEVICE), expected.tokens_per_expert.to(DEVICE), config, "auto", cost=cost,
                            counts=counts)
     assert_same(reference, got)

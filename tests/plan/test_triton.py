@@ -155,8 +155,7 @@ def test_int64_ids_are_accepted():
 def test_many_tiles_per_rank(monkeypatch, scan_rows, segments_per_rank):
     """Tiles of 16 entries: several tiles per rank, in segments of one tile (256), of several
     (2: two or three segments per rank) or all in one segment (1), the segments prefixed by the
-    scan (its own launch for the group, the layout launch's extra programs for a rank) in one pass
-    or in chunks of two rows."""
+    scan launch in one pass or in chunks of two rows."""
     monkeypatch.setattr(planner, "_tile_size", lambda entries: 16)
     monkeypatch.setattr(planner, "_SCAN_ROWS", scan_rows)
     monkeypatch.setattr(planner, "_SEGMENTS_PER_RANK", segments_per_rank)
@@ -314,9 +313,8 @@ def test_many_ranks_match_the_reference(ranks, experts_per_rank, top_k, step, ro
         check_rank(rank, ids, config, policy, None, expected)
 
 
-def test_staged_layout_scans_a_ranks_segments(monkeypatch):
-    """R > 32 with several count segments per rank: the rank's segment scan runs in a launch of
-    its own before the staged layout (the fused layout takes it in its own launch)."""
+def test_staged_layout_with_several_segments_per_rank(monkeypatch):
+    """R > 32 (the staged layout) with several count segments per rank."""
     monkeypatch.setattr(planner, "_tile_size", lambda entries: 4)
     ranks, top_k, step = 40, 2, 5
     config = config_for(ranks, 2 * ranks, top_k, step, align=4)
