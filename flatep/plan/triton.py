@@ -948,8 +948,7 @@ def _count_meta(entries: int, experts: int) -> dict[str, int]:
     matrix, ``TILES`` tiles per segment (one program), so that a rank has about
     ``_SEGMENTS_PER_RANK`` segments (fewer for small steps, whose segments are single tiles); from
     :data:`SORTED_COUNT_ENTRIES` entries, sorted segments of ``_SORTED_SEGMENT`` entries (longer ones
-    from ``_LONG_SORTED_ENTRIES``). ``BLOCK_E``
-    covers a histogram row of ``E`` experts."""
+    from ``_LONG_SORTED_ENTRIES``). ``BLOCK_E`` covers a histogram row of ``E`` experts."""
     tile = _tile_size(entries)
     common = {"TILE": tile, "CHUNK": min(tile, _COMPARE_CHUNK), "BLOCK_E": _pow2(experts)}
     if entries >= SORTED_COUNT_ENTRIES:

@@ -10,10 +10,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import flatep.plan.triton as planner
 from flatep import CostProfile, EPConfig
 from flatep.plan import make_plan, plan_rank
 from flatep.plan.auto import CANDIDATES
-import flatep.plan.triton as planner
 from flatep.plan.triton import make_plan_triton, plan_rank_triton
 from flatep.routing import skewed_topk
 from tests.plan.cases import planner_cases
