@@ -385,3 +385,44 @@ def test_cuda_graph_replays_follow_new_ids(step):
         torch.cuda.synchronize()
         assert_same(expected, group)
         assert_same(plan_rank(rank, new_ids[rank], expected.tokens_per_expert, config), mine)
+
+
+def test_programmatic_launch_only_on_cuda_hopper():
+    """The CPU (interpreter) launches never ask for programmatic dependent launch."""
+    for launch in ("count", "scan", "layout", "destination"):
+        assert planner._launch_options(torch.device("cpu"), launch) == {"PDL": False}
+
+
+@cuda_only
+@pytest.mark.parametrize("launches", [("count", "scan", "layout", "destination"), ()], ids=["all", "none"])
+@pytest.mark.parametrize("ranks, experts, top_k, step", [(8, 896, 16, 8192), (64, 384, 8, 256)], ids=["fused", "staged"])
+def test_programmatic_launches_replay_back_to_back(monkeypatch, launches, ranks, experts, top_k, step):
+    """With every planner launch programmatic (or none), three counts and plans of one rank back to back
+    in one CUDA graph (each launch may start while the one before it runs), and the group planner,
+    equal the reference over routings that change between replays."""
+    monkeypatch.setattr(planner, "PDL_LAUNCHES", frozenset(launches))
+    config = EPConfig(ranks=ranks, experts=experts, top_k=top_k, hidden=8, intermediate=8, capacity=step, align=128)
+    ids = skewed_topk(ranks, experts, top_k, step, 1.0, seed=0, device=DEVICE)
+    hist = make_plan(ids, config).tokens_per_expert.to(DEVICE)
+    planned = [0, ranks // 2, ranks - 1]
+
+    def plan_all():
+        mine = [plan_rank_triton(rank, ids[rank], hist, config, counts=count_rank_triton(ids[rank], experts))
+                for rank in planned]
+        return mine, make_plan_triton(ids, config)
+
+    plan_all()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        mine, group = plan_all()
+    for seed, sigma in [(1, 0.0), (2, 5.0), (3, 1.0)]:
+        new_ids = skewed_topk(ranks, experts, top_k, step, sigma, seed=seed, device=DEVICE)
+        expected = make_plan(new_ids, config)
+        ids.copy_(new_ids)
+        hist.copy_(expected.tokens_per_expert)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_same(expected, group)
+        for rank, plan in zip(planned, mine):
+            assert_same(plan_rank(rank, new_ids[rank], expected.tokens_per_expert, config), plan)
