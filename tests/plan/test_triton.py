@@ -375,16 +375,23 @@ def test_cuda_graph_replays_follow_new_ids(step):
         group = make_plan_triton(ids, config)
     with torch.cuda.graph(rank_graph):
         mine = plan_rank_triton(rank, ids[rank], hist, config)
+    for expected, new_ids in replays(ids, hist, config, step, group_graph, rank_graph):
+        assert_same(expected, group)
+        assert_same(plan_rank(rank, new_ids[rank], expected.tokens_per_expert, config), mine)
+
+
+def replays(ids, hist, config, step, *graphs):
+    """Refill ``ids`` (and the gathered ``hist``) with routings that change the plan (balanced, very
+    skewed, skewed), replay ``graphs`` after each and yield ``(reference plan, the new ids)``."""
     for seed, sigma in [(1, 0.0), (2, 5.0), (3, 1.0)]:
-        new_ids = skewed_topk(ranks, experts, top_k, step, sigma, seed=seed, device=DEVICE)
+        new_ids = skewed_topk(config.ranks, config.experts, config.top_k, step, sigma, seed=seed, device=DEVICE)
         expected = make_plan(new_ids, config)
         ids.copy_(new_ids)
         hist.copy_(expected.tokens_per_expert)
-        group_graph.replay()
-        rank_graph.replay()
+        for graph in graphs:
+            graph.replay()
         torch.cuda.synchronize()
-        assert_same(expected, group)
-        assert_same(plan_rank(rank, new_ids[rank], expected.tokens_per_expert, config), mine)
+        yield expected, new_ids
 
 
 def test_programmatic_launch_only_on_cuda_hopper():
@@ -416,13 +423,7 @@ def test_programmatic_launches_replay_back_to_back(monkeypatch, launches, ranks,
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         mine, group = plan_all()
-    for seed, sigma in [(1, 0.0), (2, 5.0), (3, 1.0)]:
-        new_ids = skewed_topk(ranks, experts, top_k, step, sigma, seed=seed, device=DEVICE)
-        expected = make_plan(new_ids, config)
-        ids.copy_(new_ids)
-        hist.copy_(expected.tokens_per_expert)
-        graph.replay()
-        torch.cuda.synchronize()
+    for expected, new_ids in replays(ids, hist, config, step, graph):
         assert_same(expected, group)
         for rank, plan in zip(planned, mine):
             assert_same(plan_rank(rank, new_ids[rank], expected.tokens_per_expert, config), plan)
