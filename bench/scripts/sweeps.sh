@@ -5,7 +5,8 @@
 # replays, per-rank link bytes, the labelled link model, and per cell the plan chosen with the cost
 # model's prediction and error).
 #   bash bench/scripts/sweeps.sh [k2] [k3]        (from the repository root; default: both)
-# Calibrates a cost profile (`flatep calibrate --model kimi-<model>`: $OUT/profile-kimi-<model>.json),
+# Calibrates a cost profile (`flatep calibrate --model kimi-<model> --link local`: the virtual ranks share
+# one GPU, so their link is a copy within it; $OUT/profile-kimi-<model>.json),
 # then runs `flatep bench bench/scripts/h200-<model>.yaml --cost` that profile for each and writes
 # $OUT/kimi-<model>/{results.jsonl,summary.md,*.png} and $OUT/kimi-<model>.log (OUT defaults to
 # ./bench-out). SWEEP_TIMEOUT (seconds, default 1800) bounds each sweep; `--resume` continues
@@ -17,9 +18,10 @@ models=("$@")
 status=0
 for model in "${models[@]}"; do
   # The profile auto decides with: measured here first (grouped GEMMs at the model's shapes, HBM
-  # read), kept across a resumed sweep so that its rows agree.
+  # read, a copy within the GPU as the virtual ranks' link), kept across a resumed sweep so that its
+  # rows agree. A profile already in $OUT is used as it is.
   profile="$OUT/profile-kimi-$model.json"
-  [ -f "$profile" ] || timeout 120 python3 -m flatep calibrate --model "kimi-$model" --out "$profile" > "$OUT/calibrate-kimi-$model.log" 2>&1
+  [ -f "$profile" ] || timeout 120 python3 -m flatep calibrate --model "kimi-$model" --link local --out "$profile" > "$OUT/calibrate-kimi-$model.log" 2>&1
   bench_sweep "kimi-$model" "bench/scripts/h200-$model.yaml" "${SWEEP_TIMEOUT:-1800}" --cost "$profile" || status=1
 done
 exit $status

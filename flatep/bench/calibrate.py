@@ -7,7 +7,9 @@ Measured, at the model's shapes:
   ``n`` rows each, for ``n`` from 1 to 4096: per-group time ``t(n)``;
 * HBM read bandwidth: a sum over 4 GiB of bf16 (reads only, as weight streaming does);
 * link bandwidth: a copy from this GPU to a peer GPU when one exists (otherwise the ``base``
-  profile's value is kept, and said so).
+  profile's value is kept, and said so); with ``link="local"``, a copy within this GPU instead:
+  the "link" of virtual ranks that share it (the local transport's pushes, dispatch and combine
+  are copies in its memory), for a profile of the system a one-GPU sweep measures.
 
 Fitted (:func:`fit_profile`, plain arithmetic tested with a fake timer): ``hbm_gbps`` from the read;
 then ``tile_rows`` (64/128/256) and ``group_us`` together, as the pair whose model has the least
@@ -155,7 +157,13 @@ def fit_profile(
     )
 
 
-def calibrate(config: EPConfig, device, timer: Timer | None = None, base=None, log: Callable[[str], None] = print):
+LINKS = ("peer", "local")
+
+
+def calibrate(
+    config: EPConfig, device, timer: Timer | None = None, base=None, log: Callable[[str], None] = print,
+    link: str = "peer",
+):
     """Measure a :class:`flatep.CostProfile` on ``device`` at ``config``'s shapes.
 
     Args:
@@ -165,14 +173,19 @@ def calibrate(config: EPConfig, device, timer: Timer | None = None, base=None, l
         base: profile whose unmeasured fields are kept (default: the ``h200`` preset on an H200,
             else :meth:`flatep.CostProfile.default`).
         log: where progress lines go.
+        link: ``peer`` (a copy to a peer GPU where one is visible, else the base profile's value)
+            or ``local`` (a copy within ``device``: virtual ranks sharing one GPU).
 
     Raises:
-        ValueError: on a CPU device with the default timer (nothing meaningful to measure there).
+        ValueError: on a CPU device with the default timer (nothing meaningful to measure there),
+            or for a ``link`` not in :data:`LINKS`.
     """
     import torch
 
     from flatep.plan.cost import CostProfile
 
+    if link not in LINKS:
+        raise ValueError(f"link must be one of {list(LINKS)}, got {link!r}")
     device = torch.device(device)
     if timer is None:
         if device.type != "cuda":
@@ -192,9 +205,12 @@ def calibrate(config: EPConfig, device, timer: Timer | None = None, base=None, l
     read_gbps = READ_BYTES / read_us / 1e3
     log(f"HBM read: {read_gbps:.0f} GB/s")
     link_gbps = None
-    peers = torch.cuda.device_count() if device.type == "cuda" else 0
+    peers = torch.cuda.device_count() if device.type == "cuda" and link == "peer" else 0
     peer = next((other for other in range(peers) if other != device.index and torch.cuda.can_device_access_peer(device.index or 0, other)), None)
-    if peer is not None:
+    if link == "local":
+        link_gbps = LINK_BYTES / timer(_link(device, device)) / 1e3
+        log(f"link of virtual ranks on {device} (a copy within it): {link_gbps:.0f} GB/s")
+    elif peer is not None:
         link_gbps = LINK_BYTES / timer(_link(device, torch.device("cuda", peer))) / 1e3
         log(f"link to cuda:{peer}: {link_gbps:.0f} GB/s")
     else:
@@ -207,15 +223,18 @@ def add_calibrate_command(commands) -> None:
     parser = commands.add_parser("calibrate", help="measure a cost profile (for policy='auto') on this GPU")
     parser.add_argument("--model", default="kimi-k2", choices=sorted(MODEL_SHAPES), help="shapes to measure at")
     parser.add_argument("--ranks", type=int, default=8, help="EP ranks (sets experts per rank = groups per GEMM)")
-    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--device", default="cuda", help="the GPU to measure on")
     parser.add_argument("--out", help="write the profile as JSON here (default: print it)")
+    parser.add_argument("--link", choices=LINKS, default="peer",
+                        help="peer: time a copy to a peer GPU (kept from the preset without one); local: a copy within "
+                             "this GPU, the link of virtual ranks sharing it (profiles for one-GPU sweeps)")
     parser.set_defaults(run=_run)
 
 
 def _run(args: argparse.Namespace) -> int:
     import json
 
-    profile = calibrate(preset(args.model, ranks=args.ranks), args.device)
+    profile = calibrate(preset(args.model, ranks=args.ranks), args.device, link=args.link)
     if args.out:
         profile.save(args.out)
         print(f"wrote {args.out}")

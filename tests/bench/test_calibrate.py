@@ -41,6 +41,25 @@ def test_calibrate_recovers_the_profile_from_fake_times():
     assert any("no peer GPU" in line for line in lines)
 
 
+def test_local_link_is_a_copy_within_the_device():
+    """``link="local"`` times a copy within the measured device (virtual ranks' link) and takes it."""
+    copies = []
+
+    def timer(measurement):
+        if measurement.kind == "link":
+            copies.append(measurement)
+            return measurement.params["bytes"] / (1800.0 * 1e3)
+        return fake_timer(measurement)
+
+    lines = []
+    profile = calibrate(CONFIG, "cpu", timer=timer, base=CostProfile.default(), log=lines.append, link="local")
+    assert len(copies) == 1 and profile.link_gbps == pytest.approx(1800.0, rel=1e-12)
+    assert profile.push_us == CostProfile.default().push_us
+    assert any("a copy within it" in line for line in lines)
+    with pytest.raises(ValueError, match="link must be one of"):
+        calibrate(CONFIG, "cpu", timer=timer, link="nvlink")
+
+
 def test_fit_takes_a_measured_link_and_rejects_too_few_samples():
     gemm = {rows: 8 * model_us(TRUE, rows) for rows in (1, 64, 4096)}
     profile = fit_profile(CONFIG, gemm, 8, TRUE.hbm_gbps, 321.0, CostProfile.default(), "m")
