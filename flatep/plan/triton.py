@@ -772,12 +772,13 @@ _INTERPRETED = isinstance(_layout_kernel, InterpretedFunction)
 
 # The planner launches made with programmatic dependent launch where the GPU has it (compute
 # capability 9.0 and later): inside a CUDA graph such a kernel's programs are placed while the
-# previous kernel runs. Named "count", "scan" (the count's), "layout" (every layout kernel) and
-# "destination". Measured on the H200 (whole per-rank planning, Kimi-K3 / Kimi-K2, R = 8, twice):
+# previous kernel runs. Launches are named by LAUNCHES: "count", "scan" (the count's), "layout" (every
+# layout kernel) and "destination". Measured on the H200 (whole per-rank planning, Kimi-K3 / Kimi-K2, R = 8, twice):
 # layout and destination only, 18.1-18.2 / 13.9 us at s = 8192 and 11.5-11.6 / 11.0-11.1 us at
 # s = 128; none, 19.8 / 15.8 and 13.2-13.3 / 12.7-12.9 us; all four, 19.3-19.6 / 15.1 and
 # 11.2-11.7 / 10.8-11.3 us (a count placed early slows the large steps); without the count's,
 # 18.1-18.4 / 14.2-14.5 and 11.7-11.9 / 11.3-11.4 us.
+LAUNCHES = ("count", "scan", "layout", "destination")
 PDL_LAUNCHES = frozenset({"layout", "destination"})
 
 
@@ -787,7 +788,9 @@ def _has_pdl(device: torch.device) -> bool:
 
 
 def _launch_options(device: torch.device, launch: str) -> dict[str, bool]:
-    """The ``PDL`` flag and Triton's ``launch_pdl`` option for ``launch`` on ``device``."""
+    """The ``PDL`` flag and Triton's ``launch_pdl`` option for ``launch`` (one of :data:`LAUNCHES`) on ``device``."""
+    if not PDL_LAUNCHES <= set(LAUNCHES):
+        raise ValueError(f"PDL_LAUNCHES must name launches of {list(LAUNCHES)}, got {sorted(PDL_LAUNCHES)}")
     if launch in PDL_LAUNCHES and _has_pdl(device):
         return {"PDL": True, "launch_pdl": True}
     return {"PDL": False}

@@ -394,14 +394,18 @@ def replays(ids, hist, config, step, *graphs):
         yield expected, new_ids
 
 
-def test_programmatic_launch_only_on_cuda_hopper():
-    """The CPU (interpreter) launches never ask for programmatic dependent launch."""
-    for launch in ("count", "scan", "layout", "destination"):
+def test_programmatic_launch_only_on_cuda_hopper(monkeypatch):
+    """The CPU (interpreter) launches never ask for programmatic dependent launch; a misspelt launch
+    name in PDL_LAUNCHES is an error, not a silent plain launch."""
+    for launch in planner.LAUNCHES:
         assert planner._launch_options(torch.device("cpu"), launch) == {"PDL": False}
+    monkeypatch.setattr(planner, "PDL_LAUNCHES", frozenset({"layouts"}))
+    with pytest.raises(ValueError, match="PDL_LAUNCHES must name launches"):
+        planner._launch_options(torch.device("cpu"), "layout")
 
 
 @cuda_only
-@pytest.mark.parametrize("launches", [("count", "scan", "layout", "destination"), ()], ids=["all", "none"])
+@pytest.mark.parametrize("launches", [planner.LAUNCHES, ()], ids=["all", "none"])
 @pytest.mark.parametrize("ranks, experts, top_k, step", [(8, 896, 16, 8192), (64, 384, 8, 256)], ids=["fused", "staged"])
 def test_programmatic_launches_replay_back_to_back(monkeypatch, launches, ranks, experts, top_k, step):
     """With every planner launch programmatic (or none), three counts and plans of one rank back to back
