@@ -392,13 +392,18 @@ def _plan_this_rank(
         group.flag("step", ~agreed | (everyone[:, -1] == 0).any())
         group.flag("ids", bad)
         real = min(max(real, 0), step)  # out of range: every rank's step flag is set already
-    # Every rank passing s tokens (the steady state of a server) gives R*s tokens: no read-back.
-    # Real token counts need the gathered header's sum on the host until the Triton planner takes
-    # a device total.
-    total = config.ranks * step if tokens is None else int(everyone[:, -2].sum())
-    if total == 0:
-        raise ValueError("no rank has tokens in this step")
-    planned, planner_cost = planned_policy(policy, cost, config, total)
+    if tokens is None:
+        total = config.ranks * step  # every rank passes s tokens (the steady state of a server)
+    elif _checks_now(group) or not on_device:
+        total = int(everyone[:, -2].sum())  # the header is on the host already
+        if total == 0:
+            raise ValueError("no rank has tokens in this step")
+    else:
+        # Real token counts that differ by rank, read nowhere: the Triton planner takes T*K from the
+        # gathered histogram, and the host-side sizes (shard rows, auto's candidates) follow R*s.
+        total = None
+        group.flag("step", everyone[:, -2].sum() == 0)
+    planned, planner_cost = planned_policy(policy, cost, config, config.ranks * step if total is None else total)
     if on_device:
         # Counted once: the histogram row to exchange and the ranks the planner needs afterwards.
         counts = count_rank_triton(topk_ids, config.experts, real)

@@ -45,9 +45,11 @@ reference. Limits: ``R <= 256``, ``E <= 2048``, ``R*s*K < 2**31`` (entry indices
 
 Data checks that need the device's data are not made here (they would synchronise): ids of real
 tokens outside ``[0, E)`` are not counted and are planned as ``-1`` (the reference raises
-instead), and ``plan_rank_triton`` trusts that the gathered histogram matches the local ids and
-sums to ``total_tokens * K``. Callers that need those checks run the reference planner or check
-on the device. Shapes, dtypes, devices and host integers are validated before any kernel runs.
+instead), and ``plan_rank_triton`` trusts that the gathered histogram matches the local ids. The
+kernels take ``T*K`` (and the group padding that follows from it) from the histogram, never from
+the host: a step whose ranks hold different numbers of real tokens plans without reading the
+group's total back. Callers that need those checks run the reference planner or check on the
+device. Shapes, dtypes, devices and host integers are validated before any kernel runs.
 """
 from __future__ import annotations
 
@@ -64,6 +66,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.runtime.interpreter import InterpretedFunction
 
 from flatep.config import TOLERANCE_SCALE as _TOLERANCE_SCALE
+from flatep.config import MIN_STEP_ALIGN as _MIN_STEP_ALIGN
 from flatep.config import EPConfig, check_policy
 from flatep.plan.auto import AutoChoice, candidates_for, choose, slot_rows
 from flatep.plan.cost import CostProfile, check_cost
@@ -74,6 +77,7 @@ from flatep.plan.types import Plan, RankPlan
 # Policy codes of the layout kernel's POLICY.
 _POLICY_CODES = {"none": 0, "exact": 1, "bounded": 2}
 TOLERANCE_SCALE: tl.constexpr = tl.constexpr(_TOLERANCE_SCALE)
+MIN_STEP_ALIGN: tl.constexpr = tl.constexpr(_MIN_STEP_ALIGN)
 MAX_RANKS = 256
 MAX_EXPERTS = 2048
 # Up to this many ranks every layout program sums the [R, E] histogram and repeats step A and its
@@ -318,6 +322,22 @@ def _home_grid(experts_per_rank, RANKS: tl.constexpr, BLOCK_R: tl.constexpr, BLO
 
 
 @triton.jit
+def _step_sizes(count, experts, max_align):
+    """``T*K`` and the step's group padding from the global counts ``[BLOCK_R, BLOCK_EPN]``.
+
+    The padding is :meth:`flatep.EPConfig.step_align` of ``T`` (``max_align`` = ``config.align``):
+    the power of two at or above ``ceil(T*K/E)``, within ``[min(16, align), align]``. Taking ``T``
+    from the gathered histogram, never from the host, lets a step whose ranks hold different
+    numbers of real tokens plan without reading the group's total back.
+    """
+    entries = tl.sum(tl.sum(count, axis=1), axis=0)
+    below = tl.maximum((entries + experts - 1) // experts, 1) - 1
+    for shift in tl.static_range(5):
+        below |= below >> (1 << shift)
+    return entries, tl.minimum(max_align, tl.maximum(tl.minimum(MIN_STEP_ALIGN, max_align), below + 1))
+
+
+@triton.jit
 def _step_a(
     count, total_entries, tol_fixed,
     RANKS: tl.constexpr, POLICY, BLOCK_R: tl.constexpr, BLOCK_EPN: tl.constexpr,
@@ -470,7 +490,7 @@ def _shard_layout(
 
 @triton.jit
 def _layout(
-    d, hist_ptr, total_entries, tol_fixed, experts, experts_per_rank, align,
+    d, hist_ptr, tol_fixed, experts, experts_per_rank, max_align,
     alloc_ptr, acum_ptr, before_ptr, slots_ptr, groups_ptr, offsets_ptr, padding_ptr, received_ptr,
     group_start_ptr,
     RANKS: tl.constexpr, POLICY, BLOCK_R: tl.constexpr, BLOCK_EPN: tl.constexpr,
@@ -480,8 +500,9 @@ def _layout(
     Writes ``alloc[e, :]`` and ``acum[e, :]`` for ``d``'s home experts, ``before[d, :]`` (entries
     of each expert on source ranks ``< d``) and rank ``d``'s rows of the slot and group tables,
     offsets, padding, received and group_start (steps A-C of :mod:`flatep.plan.policy`). The
-    program sums the histogram and repeats step A and its donor's split itself: ``O(R)`` work
-    that is cheap for a few ranks and saves the launches of the staged layout.
+    program sums the histogram (``T*K`` and the group padding follow from it) and repeats step A
+    and its donor's split itself: ``O(R)`` work that is cheap for a few ranks and saves the
+    launches of the staged layout.
     """
     lane_r, lane_j, in_r, in_j, in_grid, expert = _home_grid(experts_per_rank, RANKS, BLOCK_R, BLOCK_EPN)
     count = tl.zeros([BLOCK_R, BLOCK_EPN], tl.int32)
@@ -493,7 +514,8 @@ def _layout(
         before += tl.where(source < d, row, 0)
     tl.store(before_ptr + d * experts + expert, before, mask=in_grid)
 
-    donor_of, quota_in = _step_a(count, total_entries, tol_fixed, RANKS, POLICY, BLOCK_R, BLOCK_EPN)
+    entries, align = _step_sizes(count, experts, max_align)
+    donor_of, quota_in = _step_a(count, entries, tol_fixed, RANKS, POLICY, BLOCK_R, BLOCK_EPN)
     home, alloc_rows, in_block = _donor_split(
         d, count, donor_of, quota_in, alloc_ptr, experts_per_rank, RANKS, BLOCK_R, BLOCK_EPN,
     )
@@ -571,7 +593,7 @@ def _scan_kernel(
 
 @triton.jit
 def _layout_kernel(
-    hist_ptr, total_entries, tol_fixed, experts, experts_per_rank, align,
+    hist_ptr, tol_fixed, experts, experts_per_rank, max_align,
     alloc_ptr, acum_ptr, before_ptr, slots_ptr, groups_ptr, offsets_ptr, padding_ptr, received_ptr,
     group_start_ptr, candidates_ptr, table_stride,
     RANKS: tl.constexpr, POLICY: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_EPN: tl.constexpr,
@@ -591,14 +613,14 @@ def _layout_kernel(
         tolerance = tl.load(candidates_ptr + 2 * candidate + 1)
         shift = candidate.to(tl.int64) * table_stride
         _layout(
-            tl.program_id(0), hist_ptr, total_entries, tolerance, experts, experts_per_rank, align,
+            tl.program_id(0), hist_ptr, tolerance, experts, experts_per_rank, max_align,
             alloc_ptr + shift, acum_ptr + shift, before_ptr + shift, slots_ptr + shift, groups_ptr + shift,
             offsets_ptr + shift, padding_ptr + shift, received_ptr + shift, group_start_ptr + shift,
             RANKS, policy, BLOCK_R, BLOCK_EPN,
         )
     else:
         _layout(
-            tl.program_id(0), hist_ptr, total_entries, tol_fixed, experts, experts_per_rank, align,
+            tl.program_id(0), hist_ptr, tol_fixed, experts, experts_per_rank, max_align,
             alloc_ptr, acum_ptr, before_ptr, slots_ptr, groups_ptr, offsets_ptr, padding_ptr, received_ptr,
             group_start_ptr, RANKS, POLICY, BLOCK_R, BLOCK_EPN,
         )
@@ -606,7 +628,7 @@ def _layout_kernel(
 
 @triton.jit
 def _balance_kernel(
-    count_ptr, total_entries, tol_fixed, experts_per_rank, quotas_ptr,
+    count_ptr, tol_fixed, experts, experts_per_rank, quotas_ptr,
     RANKS: tl.constexpr, POLICY: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_EPN: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -615,7 +637,8 @@ def _balance_kernel(
     _follow_previous_launch(PDL)
     lane_r, _, in_r, _, in_grid, expert = _home_grid(experts_per_rank, RANKS, BLOCK_R, BLOCK_EPN)
     count = tl.load(count_ptr + expert, mask=in_grid, other=0)
-    donor_of, quota_in = _step_a(count, total_entries, tol_fixed, RANKS, POLICY, BLOCK_R, BLOCK_EPN)
+    entries = tl.sum(tl.sum(count, axis=1), axis=0)
+    donor_of, quota_in = _step_a(count, entries, tol_fixed, RANKS, POLICY, BLOCK_R, BLOCK_EPN)
     tl.store(quotas_ptr + lane_r, donor_of, mask=in_r)
     tl.store(quotas_ptr + RANKS + lane_r, quota_in, mask=in_r)
 
@@ -640,7 +663,7 @@ def _split_kernel(
 
 @triton.jit
 def _shard_kernel(
-    alloc_ptr, quotas_ptr, experts, experts_per_rank, align,
+    count_ptr, alloc_ptr, quotas_ptr, experts, experts_per_rank, max_align,
     slots_ptr, groups_ptr, offsets_ptr, padding_ptr, received_ptr, group_start_ptr,
     RANKS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_EPN: tl.constexpr,
     PDL: tl.constexpr,
@@ -651,8 +674,8 @@ def _shard_kernel(
     """
     _follow_previous_launch(PDL)
     d = tl.program_id(0)
-    lane_j = tl.arange(0, BLOCK_EPN)
-    in_j = lane_j < experts_per_rank
+    _, lane_j, _, in_j, in_grid, expert = _home_grid(experts_per_rank, RANKS, BLOCK_R, BLOCK_EPN)
+    _, align = _step_sizes(tl.load(count_ptr + expert, mask=in_grid, other=0), experts, max_align)
     my_donor = tl.load(quotas_ptr + d)
     home = tl.load(alloc_ptr + (d * experts_per_rank + lane_j) * RANKS + d, mask=in_j, other=0)
     donor_expert = my_donor * experts_per_rank + lane_j
@@ -933,12 +956,11 @@ def _auto_tables(
     if config.ranks <= _FUSED_MAX_RANKS and len(candidates) > 1:
         # One launch of R x C programs: the candidates' serial rounds run side by side.
         codes = tuple((_POLICY_CODES[c.policy], c.config(config).tolerance_fixed) for c in candidates)
-        _launch_layout(hist, total_tokens * config.top_k, config, "exact", _Tables(config, storage=storage[0]),
-                       candidates=_candidate_codes(codes, hist.device))
+        _launch_layout(hist, config, "exact", _Tables(config, storage=storage[0]), candidates=_candidate_codes(codes, hist.device))
     else:
         for index, candidate in enumerate(candidates):
             tables = _Tables(config, storage=storage[index])
-            _launch_layout(hist, total_tokens * config.top_k, candidate.config(config), candidate.policy, tables)
+            _launch_layout(hist, candidate.config(config), candidate.policy, tables)
     alloc_start = _Tables._places(config)[0][2]
     alloc = storage[:, alloc_start:alloc_start + config.experts * config.ranks].view(len(candidates), config.experts, config.ranks)
     prediction = predict_triton(hist, alloc, cost.constants(config))
@@ -961,10 +983,9 @@ def _layout_meta(config: EPConfig, policy: str) -> dict[str, int | bool]:
 
 
 def _launch_layout(
-    hist: torch.Tensor, total_entries: int, config: EPConfig, policy: str, tables: _Tables,
-    candidates: torch.Tensor | None = None,
+    hist: torch.Tensor, config: EPConfig, policy: str, tables: _Tables, candidates: torch.Tensor | None = None,
 ) -> None:
-    """Fill ``tables`` from the gathered histogram ``hist [R, E] int32`` and ``T*K = total_entries``.
+    """Fill ``tables`` from the gathered histogram ``hist [R, E] int32`` (which gives ``T*K`` too).
 
     Up to ``_FUSED_MAX_RANKS`` ranks: one launch of the fused layout. Beyond: four launches, each
     serial part done once: the prefix of ``hist`` over source ranks (``before`` and the global
@@ -975,11 +996,10 @@ def _launch_layout(
     table buffers (``policy`` and ``config.tolerance`` are not used).
     """
     meta = _layout_meta(config, policy)
-    align = config.step_align(total_entries // config.top_k)
     if config.ranks <= _FUSED_MAX_RANKS:
         count = 1 if candidates is None else candidates.shape[0]
         _layout_kernel[(config.ranks, count)](
-            hist, total_entries, config.tolerance_fixed, config.experts, config.experts_per_rank, align,
+            hist, config.tolerance_fixed, config.experts, config.experts_per_rank, config.align,
             *tables.args(), hist if candidates is None else candidates, _Tables.size(config), **meta, CANDIDATES=count,
             num_warps=_LAYOUT_WARPS, **_launch_options(hist.device, "layout"),
         )
@@ -995,13 +1015,13 @@ def _launch_layout(
         **_launch_options(hist.device, "layout"),
     )
     _balance_kernel[(1,)](
-        count, total_entries, config.tolerance_fixed, config.experts_per_rank, quotas, **meta, num_warps=_LAYOUT_WARPS,
+        count, config.tolerance_fixed, config.experts, config.experts_per_rank, quotas, **meta, num_warps=_LAYOUT_WARPS,
         **_launch_options(hist.device, "layout"),
     )
     _split_kernel[(config.ranks,)](count, quotas, tables.alloc, tables.acum, config.experts_per_rank, **blocks, num_warps=_LAYOUT_WARPS,
                                    **_launch_options(hist.device, "layout"))
     _shard_kernel[(config.ranks,)](
-        tables.alloc, quotas, config.experts, config.experts_per_rank, align,
+        count, tables.alloc, quotas, config.experts, config.experts_per_rank, config.align,
         tables.slot_experts, tables.group_experts, tables.offsets, tables.padding, tables.received,
         tables.group_start, **blocks, num_warps=_LAYOUT_WARPS, **_launch_options(hist.device, "layout"),
     )
@@ -1193,7 +1213,7 @@ def make_plan_triton(
         tables, _, plan_fields = _auto_tables(hist, sum(counts), config, cost)
     else:
         tables = _Tables(config, device)
-        _launch_layout(hist, sum(counts) * config.top_k, config, policy, tables)
+        _launch_layout(hist, config, policy, tables)
     # dest_row holds the entries' ranks in their segments and is overwritten in place.
     entry_tables = _launch_destinations(ids, segment_counts, dest_row, tables, dest_row, token_limits, step, 0, segments,
                                         config, meta, per_rank)
@@ -1221,11 +1241,15 @@ def plan_rank_triton(
         topk_ids: ``[s, K]`` int32 (or int64) ids of this rank on the GPU.
         tokens_per_expert: ``[R, E]`` int32 (or int64) histogram gathered from every rank (row ``r``
             = ``count_rank_triton(...).tokens_per_expert`` of rank ``r``), on the same device.
-            Trusted: it must match every rank's ids and sum to ``total_tokens * K`` (not checked;
-            the reference planner checks).
+            Trusted: it must match every rank's ids (not checked; the reference planner checks).
+            The kernels take ``T*K`` from it.
         config: group sizes (``R <= 256``, ``E <= 2048``, ``R*s*K < 2**31``).
         policy: ``exact``, ``bounded``, ``none`` or ``auto``.
-        total_tokens: tokens over the group (default ``R * s``).
+        total_tokens: tokens over the group ``T`` (default ``R * s``), a host int. Only host-side
+            sizes follow it (``shard_rows``, ``auto``'s candidates and ``slot_rows``, the plan's
+            ``total_tokens``); every table is planned from the histogram's own total. So ``None``
+            plans a step whose ranks hold fewer real tokens (``tokens``) exactly, with those
+            sizes at their bound ``R * s``, and nothing read back to the host.
         tokens: this rank's real tokens (default ``s``); rows beyond are padding, planned as ``-1``.
         cost: the :class:`flatep.CostProfile` of ``auto`` (every rank must pass the same).
         counts: this rank's :class:`RankCounts` of the same ``topk_ids`` and ``tokens``, made
@@ -1278,7 +1302,7 @@ def plan_rank_triton(
         tables, _, plan_fields = _auto_tables(hist, total, config, cost)
     else:
         tables = _Tables(config, device)
-        _launch_layout(hist, total * config.top_k, config, policy, tables)
+        _launch_layout(hist, config, policy, tables)
     dest_row = torch.empty(step, config.top_k, dtype=torch.int32, device=device)
     # ids stands in for the unread per-rank tokens pointer
     entry_tables = _launch_destinations(ids, counts.segment_prefix, counts.entry_ranks, tables, dest_row, ids, limit, rank,

@@ -38,7 +38,8 @@ def join_process_group(process_group, transport: str):
 DEVICE_ERRORS = {
     "ids": "topk_ids held an expert id outside [0, E) for a real token (its entries were left out of the plan)",
     "plan": "a plan passed to ep_moe was not made for these topk_ids, or routes an entry outside its expert's rows",
-    "step": "the ranks disagreed on a step (s, the config, the policy or the dtype), or a rank's inputs were invalid",
+    "step": "the ranks disagreed on a step (s, the config, the policy or the dtype), or a rank's inputs were invalid, "
+            "or no rank had tokens",
 }
 
 

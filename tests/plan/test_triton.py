@@ -279,7 +279,7 @@ def test_imbalance_bound_past_int32(ranks, policy):
     assert config.rebalance_limit(total) >= 2**31 > int(hist[:, :2].sum())
     expected = build_layout(hist, config, policy, total, step)
     tables = planner._Tables(config, DEVICE)
-    planner._launch_layout(hist.to(device=DEVICE, dtype=torch.int32), total, config, policy, tables)
+    planner._launch_layout(hist.to(device=DEVICE, dtype=torch.int32), config, policy, tables)
     for name, tensor in tables.layout_fields().items():
         assert torch.equal(tensor, getattr(expected, name).to(DEVICE)), name
 

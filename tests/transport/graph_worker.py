@@ -4,7 +4,8 @@ Each rank runs a two-layer MoE step over an ``nvlink`` group made with ``eager_c
 layer 2 routes on layer 1's output, so the whole step (routing, planning, dispatch, push,
 experts, combine, both layers) is on the device. Suites:
 
-* ``graph``: after one warm-up step, eager steps (several ``s`` and routings) run under
+* ``graph``: after one warm-up step, eager steps (several ``s`` and routings, one with fewer real
+  tokens than ``s`` on some ranks) run under
   ``torch.cuda.set_sync_debug_mode("error")`` (any host synchronisation raises) and equal the
   dense MoE layer by layer; then the step is captured in one CUDA graph and every replay, over
   several new inputs (hence new routings), is bit-identical to the eager step on the same
@@ -43,13 +44,15 @@ def make_layers(group):
     return layers
 
 
-def step(x, layers, group, routing_bias):
-    """Two layers; each routes on its own input (layer 2 on layer 1's output). Returns every layer's (input, ids, weights, output)."""
+def step(x, layers, group, routing_bias, real=None):
+    """Two layers; each routes on its own input (layer 2 on layer 1's output). Returns every layer's
+    (input, ids, weights, output). ``real``: this rank's real tokens, when fewer than ``x``'s rows."""
     trace = []
     hidden = x
     for index, (router, _, _, pool) in enumerate(layers):
         ids, weights = route(hidden.float() @ router.T + routing_bias[index], CONFIG.top_k)
-        out = ep_moe(hidden, ids, weights, group=group, pool=pool)
+        plan = None if real is None else plan_step(ids, CONFIG, group, tokens=real, dtype=hidden.dtype)
+        out = ep_moe(hidden, ids, weights, group=group, pool=pool, plan=plan)
         trace.append((hidden, ids, weights, out))
         hidden = out
     return trace
@@ -123,16 +126,19 @@ def main() -> int:
         bias = torch.zeros(2, CONFIG.experts, device="cuda")
         step(torch.randn(CONFIG.capacity, CONFIG.hidden, device="cuda", generator=generator).bfloat16(), layers, group, bias)
         torch.cuda.synchronize()
-        # Eager steps without a single host synchronisation, at several s and skews.
-        for tokens, skew in [(64, 0.0), (17, 4.0), (64, 8.0), (1, 2.0)]:
+        # Eager steps without a single host synchronisation, at several s and skews; the last one
+        # with fewer real tokens than s on every rank but the first, by rank.
+        for tokens, skew, real in [(64, 0.0, None), (17, 4.0, None), (64, 8.0, None), (1, 2.0, None), (40, 4.0, 40 - 13 * rank)]:
             x = torch.randn(tokens, CONFIG.hidden, device="cuda", generator=generator).bfloat16()
             bias.copy_(torch.linspace(skew, 0, CONFIG.experts, device="cuda").expand(2, -1))
             torch.cuda.set_sync_debug_mode("error")
             try:
-                trace = step(x, layers, group, bias)
+                trace = step(x, layers, group, bias, real)
             finally:
                 torch.cuda.set_sync_debug_mode("default")
             for layer, (hidden, ids, weights, out) in enumerate(trace):
+                if real is not None:
+                    hidden, ids, weights, out = hidden[:real], ids[:real], weights[:real], out[:real]
                 dense = dense_moe(hidden, ids, weights, layers[layer][1], layers[layer][2])
                 error = float((out.double() - dense.double()).norm() / dense.double().norm())
                 if not error < 2e-2:

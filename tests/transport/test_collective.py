@@ -182,6 +182,17 @@ def test_steps_without_eager_checks_equal_the_local_transport_and_report_bad_ids
             # bf16: the interpreter rounds the experts' activations unlike torch (see the module docstring)
             assert relative_error(results[rank][case.name], local[rank]) < tolerance(case.dtype), (case.name, rank)
             assert relative_error(results[rank][case.name], dense_moe(x, ids, weights, w13, w2)[rank]) < tolerance(case.dtype)
+    # Ragged real tokens, planned without reading the group's total: the host-side sizes take the bound R*s.
+    case = padded_case(world, "small")
+    x, ids, weights, w13, w2 = case.inputs(torch.device("cpu"))
+    real = padded_counts(world, case.tokens)
+    plan = make_plan(ids.to(DEVICE), case.config, case.policy, tokens=real)
+    local = ep_moe(*(t.to(DEVICE) for t in (x, ids, weights, w13, w2)), config=case.config, group=group,
+                   policy=case.policy, plan=plan, backend="triton").cpu()
+    for rank, result in enumerate(results):
+        assert relative_error(result["lazy-padded"], local[rank]) < tolerance(case.dtype), rank
+        assert not result["lazy-padded"][real[rank]:].any() and result["lazy-padded/total"] == world * case.tokens
+        assert "or no rank had tokens" in result["lazy-no-tokens"], result["lazy-no-tokens"]
     for rank, result in enumerate(results):
         assert "ranks disagreed on a step" in result["lazy-bad-ids"] and "or a rank's inputs were invalid" in result["lazy-bad-ids"]
         assert ("expert id outside" in result["lazy-bad-ids"]) == (rank == world - 1)

@@ -10,8 +10,9 @@ script). Suites:
   routings, bf16 and fp32, one pool reused across steps), then ranks that disagree on ``s``, on
   the config, or pass bad ids (every rank must raise ``ValueError``), then one more good step.
 * ``lazy``: a group with ``eager_check=False`` (with ``TRITON_INTERPRET=1`` on CPU, so the
-  sync-free Triton planner plans): a few cases, then bad ids on the last rank that only
-  ``group.check()`` reports (on every rank), then a good step.
+  sync-free Triton planner plans): a few cases, a step whose ranks hold fewer real tokens than
+  ``s``, a step without any token (which only ``group.check()`` reports), then bad ids on the last
+  rank that only ``group.check()`` reports (on every rank), then a good step.
 * ``dead-rank``: after one good step the last rank exits; the others must raise within
   ``--timeout`` seconds, naming it on the nvlink transport.
 
@@ -203,7 +204,23 @@ def lazy(group, rank: int, world: int, size: str, log) -> dict[str, object]:
         x, ids, weights, w13, w2 = case.inputs(group.device)
         out = ep_moe(x[rank], ids[rank], weights[rank], w13, w2, config=case.config, group=group, policy=case.policy)
         results[case.name] = out.clone()
+    # Ranks with fewer real tokens than s: the group's total is never read on the host.
+    case = padded_case(world, size)
+    x, ids, weights, w13, w2 = case.inputs(group.device)
+    plan = plan_step(ids[rank], case.config, group, case.policy, tokens=padded_counts(world, case.tokens)[rank],
+                     dtype=case.dtype)
+    results["lazy-padded"] = ep_moe(x[rank], ids[rank], weights[rank], w13, w2, config=case.config, group=group,
+                                    policy=case.policy, plan=plan).clone()
+    results["lazy-padded/total"] = plan.total_tokens
     group.check()
+    # No rank has tokens: only check() can tell.
+    empty = plan_step(ids[rank], case.config, group, case.policy, tokens=0, dtype=case.dtype)
+    ep_moe(x[rank], ids[rank], weights[rank], w13, w2, config=case.config, group=group, policy=case.policy, plan=empty)
+    try:
+        group.check()
+        results["lazy-no-tokens"] = "FAIL: check found nothing"
+    except ValueError as error:
+        results["lazy-no-tokens"] = str(error)
     case = cases(world, size)[0]
     x, ids, weights, w13, w2 = case.inputs(group.device)
     broken = ids[rank].clone()
