@@ -144,6 +144,27 @@ def test_eight_ranks_skewed_with_per_rank_tokens():
     check_all(ids, config, "exact", tokens, ranks=[0, 1, 7])
 
 
+@pytest.mark.parametrize("policy", ["exact", "bounded", "none"])
+@pytest.mark.parametrize("ranks", [8, 40])
+def test_ragged_tokens_plan_exactly_without_the_total_on_the_host(policy, ranks):
+    """total_tokens=None with fewer real tokens on some ranks: the tables are those of the group's
+    real total (taken from the histogram on the device, fused and staged layouts); only the
+    host-side sizes take the bound R*s."""
+    step, experts = 64, 4 * ranks
+    config = config_for(ranks, experts, 4, step, align=128).replace(tolerance=0.25)
+    tokens = [(23 * rank) % (step + 1) for rank in range(ranks)]
+    ids = padded_ids(skewed_topk(ranks, experts, 4, step, 3.0, seed=4), tokens)
+    expected = make_plan(ids, config, policy, tokens)
+    assert config.step_align(sum(tokens)) != config.step_align(ranks * step)  # the padding tells the totals apart
+    for rank in (1, ranks - 1):
+        reference = plan_rank(rank, ids[rank], expected.tokens_per_expert, config, policy, sum(tokens), tokens[rank])
+        got = plan_rank_triton(rank, ids[rank].to(DEVICE), expected.tokens_per_expert.to(DEVICE), config, policy,
+                               tokens=tokens[rank])
+        for name, tensor in reference.tensors().items():
+            assert torch.equal(getattr(got, name).cpu(), tensor), name
+        assert got.total_tokens == ranks * step and got.shard_rows == config.step_rows(ranks * step, policy)
+
+
 def test_int64_ids_are_accepted():
     config = config_for(2, 4, 2, 3)
     ids = skewed_topk(2, 4, 2, 3, 1.0, seed=1).long()
