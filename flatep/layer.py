@@ -385,8 +385,10 @@ def _plan_this_rank(
     on_device = supports_triton_planner(config) and (topk_ids.is_cuda or interpreting())
     # The reference planner reads the tables on the host anyway (and raises for bad ids on its own
     # rank only): reading the header there costs nothing more, and keeps every rank raising together.
-    if _checks_now(group) or not on_device:
-        _raise_for_header(everyone.cpu(), topk_ids, bad, tokens, step, config.experts, in_range)
+    on_host = _checks_now(group) or not on_device
+    if on_host:
+        everyone = everyone.cpu()
+        _raise_for_header(everyone, topk_ids, bad, tokens, step, config.experts, in_range)
     else:
         agreed = (everyone[:, : len(_AGREED)] == everyone[:1, : len(_AGREED)]).all()
         group.flag("step", ~agreed | (everyone[:, -1] == 0).any())
@@ -394,7 +396,7 @@ def _plan_this_rank(
         real = min(max(real, 0), step)  # out of range: every rank's step flag is set already
     if tokens is None:
         total = config.ranks * step  # every rank passes s tokens (the steady state of a server)
-    elif _checks_now(group) or not on_device:
+    elif on_host:
         total = int(everyone[:, -2].sum())  # the header is on the host already
         if total == 0:
             raise ValueError("no rank has tokens in this step")
