@@ -391,7 +391,8 @@ def _plan_this_rank(
         _raise_for_header(everyone, topk_ids, bad, tokens, step, config.experts, in_range)
     else:
         agreed = (everyone[:, : len(_AGREED)] == everyone[:1, : len(_AGREED)]).all()
-        group.flag("step", ~agreed | (everyone[:, -1] == 0).any())
+        # Ranks that disagree, a rank whose inputs failed, or a step without a single real token.
+        group.flag("step", ~agreed | (everyone[:, -1] == 0).any() | (everyone[:, -2].sum() == 0))
         group.flag("ids", bad)
         real = min(max(real, 0), step)  # out of range: every rank's step flag is set already
     if tokens is None:
@@ -404,7 +405,6 @@ def _plan_this_rank(
         # Real token counts that differ by rank, read nowhere: the Triton planner takes T*K from the
         # gathered histogram, and the host-side sizes (shard rows, auto's candidates) follow R*s.
         total = None
-        group.flag("step", everyone[:, -2].sum() == 0)
     planned, planner_cost = planned_policy(policy, cost, config, config.ranks * step if total is None else total)
     if on_device:
         # Counted once: the histogram row to exchange and the ranks the planner needs afterwards.

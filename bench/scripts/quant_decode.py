@@ -8,7 +8,8 @@ I = 2048) at 16, 21 (Kimi-K2 at s = 128) and 32 rows per expert. Per cell: the b
 kernels, gate/up fused with SwiGLU, then down; ``torch._grouped_mm`` at 128 rows, past the decode
 kernels' range) over the same dequantized weights, the packed arm (gate/up then down GEMM, fp8
 including its activation quantization), their ratio, and the packed arm's weight bytes (values and
-scales) over its time. Prints one line per cell and writes the rows as JSON.
+scales) over its time, beside the HBM read ceiling measured in the same run
+(:func:`flatep.bench.timing.read_ceiling_gbps`). Prints one line per cell and writes the rows as JSON.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import json
 
 import torch
 
-from flatep.bench.timing import time_us
+from flatep.bench.timing import read_ceiling_gbps, time_us
 from flatep.kernels.decode_gemm import DECODE_ROWS_PER_GROUP, gate_up_swiglu_triton, grouped_mm_triton
 from flatep.kernels.quant_gemm import fp8_grouped_mm_triton, mxfp4_grouped_mm_triton
 from flatep.quant.tensor import QuantizedTensor
@@ -37,6 +38,8 @@ def main() -> None:
     def graph_us(fn) -> float:
         return time_us(fn, device, iters=20, graph=True)
 
+    ceiling = read_ceiling_gbps(device)
+    print(f"HBM read ceiling: {ceiling:.0f} GB/s")
     rows_out = []
     for model, fmt, groups, hidden, intermediate, per_expert in CASES:
         torch.manual_seed(0)
@@ -65,9 +68,10 @@ def main() -> None:
                 graph_us(lambda: kernel(activated, packed2.values, packed2.scales, offsets))
             row = {"model": model, "format": fmt, "rows_per_expert": rows_per_expert, "baseline": baseline,
                    "bf16_us": bf16_us, "packed_us": packed_us, "ratio": packed_us / bf16_us,
-                   "packed_bytes": packed_bytes, "packed_read_gbps": packed_bytes / packed_us / 1e3}
+                   "packed_bytes": packed_bytes, "packed_read_gbps": packed_bytes / packed_us / 1e3,
+                   "read_ceiling_gbps": ceiling}
             print(f"{model} {fmt} {rows_per_expert:4d} rows/expert: {packed_us:7.0f} us = {row['ratio']:.2f}x {baseline} "
-                  f"({bf16_us:.0f} us); packed weights read at {row['packed_read_gbps']:.0f} GB/s", flush=True)
+                  f"({bf16_us:.0f} us); packed weights read at {row['packed_read_gbps']:.0f} GB/s of {ceiling:.0f}", flush=True)
             rows_out.append(row)
     with open(args.out, "w") as handle:
         json.dump({"device": torch.cuda.get_device_name(device), "torch": torch.__version__, "rows": rows_out}, handle, indent=1)

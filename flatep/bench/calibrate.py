@@ -205,7 +205,7 @@ def calibrate(
     read_gbps = READ_BYTES / read_us / 1e3
     log(f"HBM read: {read_gbps:.0f} GB/s")
     link_gbps = None
-    peers = torch.cuda.device_count() if device.type == "cuda" and link == "peer" else 0
+    peers = torch.cuda.device_count() if device.type == "cuda" else 0
     peer = next((other for other in range(peers) if other != device.index and torch.cuda.can_device_access_peer(device.index or 0, other)), None)
     if link == "local":
         link_gbps = LINK_BYTES / timer(_link(device, device)) / 1e3
