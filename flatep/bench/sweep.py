@@ -3,8 +3,9 @@
 Arms: ``flat`` (policy ``exact``), ``classic`` (policy ``none``: the hottest rank carries the
 surplus), ``dense`` (one device, no EP: permute by expert, grouped GEMM over all experts), and
 any planner policy by its own name (``auto``: per step the candidate the cost model predicts
-fastest, :mod:`flatep.plan.auto`). In every (tokens, maxvio) cell the arms run one after another
-on the same inputs, so drift of the machine hits every arm alike.
+fastest, :mod:`flatep.plan.auto`). In every (tokens, maxvio) cell the arms run on the same inputs,
+and the EP arms' phases are timed interleaved, replay by replay (dispatch alone arm by arm), so
+that the machine's drift hits every arm alike.
 
 All ranks are virtual ranks of one device, so link time is not measured; per rank and phase the
 bytes that would cross the link are counted from the plan (:mod:`flatep.bench.accounting`) and a
@@ -29,7 +30,9 @@ import torch
 import yaml
 
 from flatep.bench.accounting import carried, link_model_us, plan_link_bytes
-from flatep.bench.timing import Timing, copy_ceiling_gbps, device_name, gemm_ceiling_tflops, read_ceiling_gbps, time_stats
+from flatep.bench.timing import (
+    Timing, copy_ceiling_gbps, device_name, gemm_ceiling_tflops, read_ceiling_gbps, time_interleaved, time_stats,
+)
 from flatep.config import MODEL_SHAPES, POLICIES, EPConfig, align_up, preset
 from flatep.experts.grouped import grouped_swiglu
 from flatep.experts.pool import ExpertPool
@@ -360,11 +363,33 @@ def _model_fields(plan: Plan, config: EPConfig, cost: CostProfile, measured_us: 
     return fields
 
 
-def _ep_cell(
-    sweep: Sweep, config: EPConfig, cell: Cell, arm: str, pool: ExpertPool, device: torch.device, backend: str, cost: CostProfile
-) -> dict[str, Any]:
-    policy = arm_policy(arm)
-    group = LocalGroup(config.ranks, device)
+@dataclass
+class _ArmSetup:
+    """One EP arm of a cell: the policy it planned with, its plan and group, its dispatch's timing,
+    and the shards its dispatch fills (``None`` before, and after the phases that use them)."""
+
+    arm: str
+    policy: str
+    planner_cost: dict[str, Any]
+    group: LocalGroup
+    plan: Plan
+    dispatch_t: Timing
+    shard: Any = None
+    shard_weights: Any = None
+
+
+def _ep_cells(
+    sweep: Sweep, config: EPConfig, cell: Cell, arms: list[str], pool: ExpertPool, device: torch.device, backend: str,
+    cost: CostProfile,
+) -> dict[str, dict[str, Any]]:
+    """The rows of the EP ``arms`` of one cell, by arm.
+
+    Planning, the push, every rank's experts and combine are timed with the arms interleaved
+    replay by replay (:func:`flatep.bench.timing.time_interleaved`), so that the GPU's drift
+    hits every arm alike; only dispatch is timed arm by arm, because a captured dispatch holds a
+    copy of the arm's shards (R of them) in its graph's memory. The whole step (``ep_moe``) is
+    timed last, arm by arm, after the shards are freed.
+    """
     # On the GPU every phase is timed as CUDA-graph replays (as a serving step runs it): GPU time
     # without host launch overhead, which would otherwise dominate at small s.
     timing = dict(device=device, warmup=sweep.warmup, iters=sweep.iters, graph=device.type == "cuda",
@@ -372,41 +397,87 @@ def _ep_cell(
     # The planner ep_moe uses: sync-free Triton on the GPU, the reference on the CPU.
     triton_planner = device.type == "cuda" and supports_triton_planner(config)
     planner = make_plan_triton if triton_planner else make_plan
+    setups = [_set_up_arm(sweep, config, cell, arm, planner, device, backend, cost, timing) for arm in arms]
+    # The shards are filled after every dispatch is timed: at most one captured dispatch's copy of
+    # them is held at a time.
+    for setup in setups:
+        setup.shard, setup.shard_weights = dispatch_step(cell.x, cell.weights, setup.plan, setup.group, backend)
+    plan_t = time_interleaved(
+        [lambda s=s: split_slot_rows(planner(cell.ids, config, s.policy, **s.planner_cost)) for s in setups],
+        **{**timing, "graph": triton_planner},
+    )
+    push_t = time_interleaved([lambda s=s: pool.push(s.plan.slot_experts, backend) for s in setups], **timing)
+    # experts_by_rank[rank][arm index]
+    experts_by_rank = [
+        time_interleaved(
+            [lambda s=s, rank=rank: experts_step(s.shard, s.shard_weights, pool, s.plan, s.group, rank, backend=backend)
+             for s in setups],
+            **timing,
+        )
+        for rank in range(config.ranks)
+    ]
+    combine_t = time_interleaved(
+        [lambda s=s: combine_step(s.shard, s.plan, s.group, cell.tokens, config.top_k, cell.x.dtype, backend) for s in setups],
+        **timing,
+    )
+    for setup in setups:
+        setup.shard = setup.shard_weights = None
+    step_t = [_time_whole_step(sweep, config, cell, setup, pool, backend, timing) for setup in setups]
+    return {
+        setup.arm: _ep_row(sweep, config, cell, setup, pool, cost, plan_t[index], push_t[index],
+                           [by_rank[index] for by_rank in experts_by_rank], combine_t[index], step_t[index])
+        for index, setup in enumerate(setups)
+    }
+
+
+def _set_up_arm(
+    sweep: Sweep, config: EPConfig, cell: Cell, arm: str, planner, device: torch.device, backend: str,
+    cost: CostProfile, timing: dict[str, Any],
+) -> _ArmSetup:
+    """Plan one arm's step and time its dispatch."""
+    group = LocalGroup(config.ranks, device)
     # As ep_moe plans: auto at step sizes where moving weights never pays is planned as classic,
     # and a profile goes to the planners with auto only (they refuse it otherwise).
-    policy, planner_cost = planned_policy(policy, cost, config, config.ranks * cell.tokens)
-    plan_t = time_stats(lambda: split_slot_rows(planner(cell.ids, config, policy, **planner_cost)), **{**timing, "graph": triton_planner})
+    policy, planner_cost = planned_policy(arm_policy(arm), cost, config, config.ranks * cell.tokens)
     plan = planner(cell.ids, config, policy, **planner_cost)
     if policy in SIZED_TO_STEP:
         plan = _sized_to_step(plan, config.align)
     plan = split_slot_rows(plan)
     dispatch_t = time_stats(lambda: dispatch_step(cell.x, cell.weights, plan, group, backend), **timing)
-    push_t = time_stats(lambda: pool.push(plan.slot_experts, backend), **timing)
-    shard, shard_weights = dispatch_step(cell.x, cell.weights, plan, group, backend)
-    experts_t = [
-        time_stats(lambda: experts_step(shard, shard_weights, pool, plan, group, rank, backend=backend), **timing)
-        for rank in range(config.ranks)
-    ]
-    combine_t = time_stats(lambda: combine_step(shard, plan, group, cell.tokens, config.top_k, cell.x.dtype, backend), **timing)
+    return _ArmSetup(arm, policy, planner_cost, group, plan, dispatch_t)
+
+
+def _time_whole_step(
+    sweep: Sweep, config: EPConfig, cell: Cell, setup: _ArmSetup, pool: ExpertPool, backend: str, timing: dict[str, Any]
+) -> Timing | None:
+    """The whole layer (``ep_moe`` with the arm's plan) timed, or ``None`` where its buffers do not fit."""
     # The layer's receive buffers sized for this cell's s, not the sweep's largest: classic's and
     # auto's home halves hold R*s*K rows per virtual rank, which at Kimi-K2 with s = 8192 beside the
     # pool's experts exceed one GPU (a real rank holds one R-th of both).
     step_config = config.replace(capacity=cell.tokens)
     try:
         step_t = time_stats(
-            lambda: ep_moe(cell.x, cell.ids, cell.weights, config=step_config, group=group, policy=policy, pool=pool,
-                           plan=plan, backend=backend, **planner_cost),
+            lambda: ep_moe(cell.x, cell.ids, cell.weights, config=step_config, group=setup.group, policy=setup.policy,
+                           pool=pool, plan=setup.plan, backend=backend, **setup.planner_cost),
             **timing,
         )
     except torch.cuda.OutOfMemoryError:
         # Those buffers hold the worst case of this s (classic's and auto's home halves: R*s*K rows
         # per virtual rank, 68 GB for auto at Kimi-K2, s = 8192): where they do not fit beside the
-        # pool, the phases above, on shards sized to the step, are still measured.
+        # pool, the phases, on shards sized to the step, are still measured.
         step_t = None
-    group.close()
+    setup.group.close()
     if step_t is None:
         torch.cuda.empty_cache()
-    # Everything below reads the device: no timing runs after this point.
+    return step_t
+
+
+def _ep_row(
+    sweep: Sweep, config: EPConfig, cell: Cell, setup: _ArmSetup, pool: ExpertPool, cost: CostProfile, plan_t: Timing,
+    push_t: Timing, experts_t: list[Timing], combine_t: Timing, step_t: Timing | None,
+) -> dict[str, Any]:
+    """One EP arm's row from its timings; reads the device (run after every timing of the cell)."""
+    plan, dispatch_t = setup.plan, setup.dispatch_t
     ranks, hidden, element = config.ranks, config.hidden, cell.x.element_size()
     expert_bytes = expert_weight_nbytes(pool.weights, hidden, config.intermediate)
     entries = cell.tokens * config.top_k
@@ -461,7 +532,7 @@ def _ep_cell(
         weight_bytes_moved=borrowed * expert_bytes,
         plan_policy=plan.policy,
         shard_rows=plan.shard_rows,
-        shard_sized_to_step=policy in SIZED_TO_STEP,
+        shard_sized_to_step=setup.policy in SIZED_TO_STEP,
         dispatch_copy_fraction=kernel_bytes / dispatch_t.median / 1e3,
         combine_copy_fraction=kernel_bytes / combine_t.median / 1e3,
         experts_tflops_slowest=float(padded_rows[slowest]) * flops_per_row / experts_us[slowest] / 1e6,
@@ -616,6 +687,15 @@ def cells(sweep: Sweep) -> Iterator[tuple[str, int, float]]:
                 yield arm, tokens, float(target)
 
 
+def _points(todo: list[tuple[str, int, float]]) -> Iterator[tuple[tuple[int, float], list[str]]]:
+    """``((tokens, maxvio target), arms)`` of every point with cells to run, in the order of ``todo``
+    (the order of :func:`cells`), its arms in the sweep's order."""
+    arms_by_point: dict[tuple[int, float], list[str]] = {}
+    for arm, tokens, target in todo:
+        arms_by_point.setdefault((tokens, target), []).append(arm)
+    yield from arms_by_point.items()
+
+
 def _check_resumable(rows: list[dict[str, Any]], identity: dict[str, Any], path: Path) -> None:
     """Refuse to append to results of another config (or an older flatep that did not record it)."""
     for row in rows:
@@ -663,34 +743,38 @@ def run(sweep: Sweep, out_dir: Path, device: torch.device, resume: bool = False,
     pool, dense_weights, shared = _random_weights(config, device, sweep.arms, sweep.weights) if todo else (None, None, False)
     if pool is not None and cost.expert_bytes is None:
         cost = cost.with_expert_bytes(pool.expert_nbytes())  # as ep_moe does: the model counts packed bytes
-    cell_cache: dict[tuple[int, float], Cell] = {}
-    bar = tqdm(todo, desc=f"flatep bench {sweep.name}", disable=not progress, unit="cell")
+    bar = tqdm(total=len(todo), desc=f"flatep bench {sweep.name}", disable=not progress, unit="cell")
     with results_path.open("a") as results:
-        for arm, tokens, target in bar:
-            bar.set_postfix(arm=arm, tokens=tokens, maxvio=target)
-            if (tokens, target) not in cell_cache:
-                cell_cache.clear()
-                cell_cache[(tokens, target)] = Cell(sweep, config, tokens, target, device)
-            cell = cell_cache[(tokens, target)]
-            if on_gpu:
-                torch.cuda.reset_peak_memory_stats(device)
-            if arm == "dense":
-                measured = _dense_cell(sweep, config, cell, dense_weights, device, backend)
-            else:
-                measured = _ep_cell(sweep, config, cell, arm, pool, device, backend, cost)
-            row = dict(
-                **identity, tokens=tokens, maxvio_target=target, maxvio=cell.maxvio, sigma=cell.sigma, arm=arm,
-                **ceilings, **measured,
-                peak_memory_gb=torch.cuda.max_memory_allocated(device) / 1e9 if on_gpu else None,
-                weights_shared_across_virtual_ranks=shared and arm != "dense",
-                timing="cuda_graph" if on_gpu else "eager",
-            )
-            for name in ("dispatch_copy_fraction", "combine_copy_fraction"):
-                if name in row:
-                    row[name] = row[name] / row["copy_ceiling_gbps"] if on_gpu else None
-            row["experts_gemm_fraction"] = row["experts_tflops_slowest"] / row["gemm_ceiling_tflops"] if on_gpu else None
-            if "experts_read_gbps_slowest" in row:
-                row["experts_read_fraction"] = row["experts_read_gbps_slowest"] / row["read_ceiling_gbps"] if on_gpu else None
-            results.write(json.dumps({k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}) + "\n")
-            results.flush()
+        for (tokens, target), arms in _points(todo):
+            bar.set_postfix(tokens=tokens, maxvio=target)
+            cell = Cell(sweep, config, tokens, target, device)
+            ep_arms = [arm for arm in arms if arm != "dense"]
+            measured, peak_memory_gb = {}, {}
+            # The EP arms run together (one peak, all their shards held at once), the dense arm after them.
+            for part in ([ep_arms] if ep_arms else []) + ([["dense"]] if "dense" in arms else []):
+                if on_gpu:
+                    torch.cuda.reset_peak_memory_stats(device)
+                if part == ["dense"]:
+                    measured["dense"] = _dense_cell(sweep, config, cell, dense_weights, device, backend)
+                else:
+                    measured.update(_ep_cells(sweep, config, cell, part, pool, device, backend, cost))
+                peak_memory_gb.update({arm: torch.cuda.max_memory_allocated(device) / 1e9 if on_gpu else None for arm in part})
+            for arm in arms:
+                row = dict(
+                    **identity, tokens=tokens, maxvio_target=target, maxvio=cell.maxvio, sigma=cell.sigma, arm=arm,
+                    **ceilings, **measured[arm],
+                    peak_memory_gb=peak_memory_gb[arm],
+                    weights_shared_across_virtual_ranks=shared and arm != "dense",
+                    timing="cuda_graph" if on_gpu else "eager",
+                )
+                for name in ("dispatch_copy_fraction", "combine_copy_fraction"):
+                    if name in row:
+                        row[name] = row[name] / row["copy_ceiling_gbps"] if on_gpu else None
+                row["experts_gemm_fraction"] = row["experts_tflops_slowest"] / row["gemm_ceiling_tflops"] if on_gpu else None
+                if "experts_read_gbps_slowest" in row:
+                    row["experts_read_fraction"] = row["experts_read_gbps_slowest"] / row["read_ceiling_gbps"] if on_gpu else None
+                results.write(json.dumps({k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}) + "\n")
+                results.flush()
+            bar.update(len(arms))
+    bar.close()
     return read_results(results_path)

@@ -88,6 +88,32 @@ def _tiny_rows(tmp_path, *extra):
     return out, [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
 
 
+def test_the_ep_arms_phases_are_timed_interleaved_and_resume_runs_only_missing_arms(tmp_path, monkeypatch):
+    """Planning, push, each rank's experts and combine are timed with the EP arms of a cell in one
+    interleaved call (the GPU's drift then hits them alike); dispatch arm by arm; a resumed cell
+    runs only its missing arms, still together."""
+    interleaved: list[int] = []
+    real = sweep_module.time_interleaved
+
+    def recording(fns, *args, **kwargs):
+        interleaved.append(len(fns))
+        return real(fns, *args, **kwargs)
+
+    monkeypatch.setattr(sweep_module, "time_interleaved", recording)
+    out, rows = _tiny_rows(tmp_path)
+    points, ranks = 4, 2
+    # per point: plan, push, experts of each rank, combine; each over the three EP arms
+    assert interleaved == [3] * (points * (3 + ranks))
+    assert [row["arm"] for row in rows] == ["flat", "classic", "auto", "dense"] * points
+    results = out / "results.jsonl"
+    kept = [line for line in results.read_text().splitlines() if json.loads(line)["arm"] not in ("classic", "auto")]
+    results.write_text("\n".join(kept) + "\n")
+    interleaved.clear()
+    _, rows = _tiny_rows(tmp_path, "--resume")
+    assert interleaved == [2] * (points * (3 + ranks))
+    assert sorted(row["arm"] for row in rows) == sorted(["flat", "classic", "auto", "dense"] * points)
+
+
 def test_every_ep_row_has_per_rank_link_bytes_and_the_busiest_rank_model(tmp_path, capsys):
     _, rows = _tiny_rows(tmp_path)
     for row in rows:
