@@ -3,11 +3,12 @@
 # timing, ten copies of each phase per graph): Kimi-K2 and Kimi-K3 in bf16
 # (bench/scripts/h200-decode-<model>.yaml: s in {1, 8, 32, 64, 128} x maxvio {0, 2, 10}, flat /
 # classic / auto), then Kimi-K2 in FP8 (h200-decode-k2-fp8.yaml: s in {32, 128} x maxvio {0, 10},
-# flat / classic), so that the fp8 experts are timed in the same run as the bf16 ones.
+# flat / classic) and the same cells in bf16 (`--weights bf16`: decode-k2-fp8-as-bf16), so that
+# the fp8 experts are timed in the same run as the bf16 ones.
 #   bash bench/scripts/decode_formats.sh        (from the repository root)
 # auto decides with the profiles PROFILE_DIR/profile-kimi-<model>.json (default: those the
 # 2026-12-04 sweeps calibrated with --link local on an H200). Writes $OUT/decode-k2, decode-k3,
-# decode-k2-fp8 (results.jsonl, summary.md, plots) and their .log files (OUT defaults to
+# decode-k2-fp8, decode-k2-fp8-as-bf16 (results.jsonl, summary.md, plots) and their .log files (OUT defaults to
 # ./bench-out). SWEEP_TIMEOUT (seconds, default 900) bounds each sweep; run the same command again
 # to continue a cut one (--resume).
 cd "$(dirname "$0")/../.."
@@ -19,4 +20,6 @@ for name in decode-k2 decode-k3 decode-k2-fp8; do
   model=${model%-fp8}
   bench_sweep "$name" "bench/scripts/h200-$name.yaml" "${SWEEP_TIMEOUT:-900}" --cost "$profiles/profile-kimi-$model.json" || status=1
 done
+bench_sweep decode-k2-fp8-as-bf16 bench/scripts/h200-decode-k2-fp8.yaml "${SWEEP_TIMEOUT:-900}" --weights bf16 \
+  --cost "$profiles/profile-kimi-k2.json" || status=1
 exit $status
