@@ -65,6 +65,19 @@ def push_programs(device: torch.device, programs: int | None = None) -> int:
     return min(default, programs or default)
 
 
+def as_push_words(pool: torch.Tensor) -> torch.Tensor:
+    """``pool`` (a home pool or its slots, ``[.., *expert_shape]``) as the words the push kernel copies.
+
+    A pool of one-byte elements (fp8 values, packed mxfp4 blocks, e8m0 scales) is viewed as int16
+    where its last dimension allows: the kernel copies a fixed number of elements per chunk, and
+    one-byte elements halved the bytes of every chunk. On the H200 an fp8 Kimi-K2 push then moved
+    its bytes at 0.65x the rate of a bf16 one. Other pools are returned as they are.
+    """
+    if pool.element_size() == 1 and pool.shape[-1] % 2 == 0 and pool.storage_offset() % 2 == 0:
+        return pool.view(torch.uint8).view(torch.int16)
+    return pool
+
+
 def push_triton(
     home: torch.Tensor,
     home_peers: torch.Tensor,
