@@ -156,8 +156,13 @@ class FlatEPExperts(nn.Module):
 
     Attributes:
         pool: this process's ranks' expert weights (home experts and borrow slots).
-        config: the group's sizes; ``capacity`` grows (to a power of two) when a call needs it.
+        config: the group's sizes; ``capacity`` grows (to a power of two) when a call needs it,
+            unless ``fixed_capacity``.
         group, policy, backend, activation, precision: as for :func:`flatep.ep_moe`.
+        fixed_capacity: on the per-process transports, every rank pads each call to
+            ``config.capacity`` tokens instead of agreeing on the group's largest call (an
+            all-gather read on the host): a call then never synchronises with the host for its
+            size, so a step can be captured in a CUDA graph; a call with more tokens raises.
         record_routing: keep each call's tokens per expert and rows per rank (see :meth:`maxvio`).
         tokens_per_expert: per recorded call, ``[E]`` tokens routed to each expert over the group.
         received: per recorded call, ``[R]`` real rows each rank computed.
@@ -174,11 +179,12 @@ class FlatEPExperts(nn.Module):
         record_routing: bool = False,
         precision: str = "native",
         cost: CostProfile | None = None,
+        fixed_capacity: bool = False,
     ) -> None:
         super().__init__()
         self.pool, self.config, self.group, self.policy, self.cost = pool, config, group, policy, cost
         self.activation, self.backend, self.record_routing = activation, backend, record_routing
-        self.precision = precision
+        self.precision, self.fixed_capacity = precision, fixed_capacity
         self.tokens_per_expert: list[torch.Tensor] = []
         self.received: list[torch.Tensor] = []
 
@@ -228,16 +234,26 @@ class FlatEPExperts(nn.Module):
     def _forward_this_rank(
         self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, combine_dtype: torch.dtype | None
     ) -> torch.Tensor:
-        """Per-process transports: every rank passes ``s`` = the largest token count of the group, its
-        own tokens first and padding after (left out of the plan by this rank's token count)."""
+        """Per-process transports: every rank passes ``s`` tokens, its own first and padding after
+        (left out of the plan by this rank's token count): ``s`` = the capacity with
+        ``fixed_capacity``, else the largest token count of the group (:meth:`_group_step`)."""
         tokens = x.shape[0]
-        everyone = self.group.all_gather(torch.tensor([tokens], dtype=torch.int64, device=self.group.device))
-        step = int(everyone.max())
+        if self.fixed_capacity and tokens > self.config.capacity:
+            raise ValueError(
+                f"hidden_states has {tokens} tokens, more than the fixed capacity of {self.config.capacity} per rank "
+                "(shard_moe(..., capacity=...) with fixed_capacity=True)"
+            )
+        step = self.config.capacity if self.fixed_capacity else self._group_step(tokens)
         pad = step - tokens
         x = F.pad(x, (0, 0, 0, pad))
         ids = F.pad(ids, (0, 0, 0, pad), value=-1)
         weights = F.pad(weights.float(), (0, 0, 0, pad))
         return self._step(x, ids, weights, step, tokens, combine_dtype)[:tokens]
+
+    def _group_step(self, tokens: int) -> int:
+        """The largest token count of this call over the group: one all-gather, read on the host."""
+        everyone = self.group.all_gather(torch.tensor([tokens], dtype=torch.int64, device=self.group.device))
+        return int(everyone.max())
 
     def _step(
         self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, step: int, tokens: list[int] | int,
@@ -330,6 +346,7 @@ def shard_moe(
     record_routing: bool = False,
     precision: str = "native",
     cost: CostProfile | None = None,
+    fixed_capacity: bool = False,
 ) -> ShardSummary:
     """Make the routed experts of every sparse MoE block of ``model`` expert-parallel over ``group``, in place.
 
@@ -338,7 +355,8 @@ def shard_moe(
             float32, on ``group.device``; ``R`` must divide its expert count.
         group: from :func:`flatep.init_group`.
         policy: ``exact`` (flat per-rank load), ``bounded``, ``none`` (classic EP) or ``auto``.
-        capacity: initial tokens per rank per MoE call; grows by itself when a call passes more.
+        capacity: initial tokens per rank per MoE call; grows by itself when a call passes more
+            (unless ``fixed_capacity``).
         align: rows each expert group is padded to (default 128 on CUDA for the grouped GEMM's tiles,
             8 elsewhere, where padding only costs time).
         tolerance: rank imbalance ``exact`` lets pass without moving expert weights
@@ -349,6 +367,11 @@ def shard_moe(
             unsharded model's as closely as the combine allows) or ``fp32`` (activations in fp32);
             see :mod:`flatep.experts.grouped`.
         cost: the :class:`flatep.CostProfile` of ``policy="auto"`` (default: the generic one).
+        fixed_capacity: per-process transports only: every rank pads each MoE call to ``capacity``
+            tokens without asking the others for their count, so no call reads anything back to
+            the host for its size (what capturing a decode step in a CUDA graph needs); a call of
+            more than ``capacity`` tokens raises ``ValueError``. Default: the ranks agree per
+            call on the largest count (one all-gather read on the host).
 
     Returns:
         A :class:`ShardSummary` (replaced layers, memory per rank before and after).
@@ -361,6 +384,9 @@ def shard_moe(
     check_cost(policy, cost)
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    if fixed_capacity and group.stacked:
+        raise ValueError("fixed_capacity is for the per-process transports (nvlink, collective); the local "
+                         "transport's virtual ranks split each call's tokens without any exchange")
     require_transformers_5()
     family = family_of(model)
     experts_type = family.experts_type()
@@ -390,7 +416,8 @@ def shard_moe(
         bytes_after += sum(pool.home(n).numel() * pool.home(n).element_size() for n in pool.names)
         slot_bytes.update({pool.slots(n).data_ptr(): pool.slots(n).numel() * pool.slots(n).element_size() for n in pool.names})
         parent_name, _, child = name.rpartition(".")
-        replacement = FlatEPExperts(pool, config, group, policy, activation, backend, record_routing, precision, cost)
+        replacement = FlatEPExperts(pool, config, group, policy, activation, backend, record_routing, precision, cost,
+                                    fixed_capacity)
         setattr(model.get_submodule(parent_name), child, replacement)
         del experts
     return ShardSummary(

@@ -157,6 +157,11 @@ def test_unexpected_experts_module_is_refused():
         shard_moe(model, init_group("local", ranks=2, device="cpu"))
 
 
+def test_fixed_capacity_is_for_the_per_process_transports():
+    with pytest.raises(ValueError, match="fixed_capacity is for the per-process transports"):
+        shard_moe(tiny_model("qwen3-moe"), init_group("local", ranks=2, device="cpu"), fixed_capacity=True)
+
+
 def test_unknown_precision_is_refused():
     with pytest.raises(ValueError, match="precision must be one of"):
         shard_moe(tiny_model("qwen3-moe"), init_group("local", ranks=2, device="cpu"), precision="fp16")

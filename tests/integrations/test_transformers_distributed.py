@@ -18,6 +18,7 @@ WORLD = 2
 def test_two_gloo_processes_generate_the_unsharded_tokens(tmp_path):
     output = launch_workers("tests.integrations.worker", WORLD, ["--init-method", f"file://{tmp_path}/store"], WORKER_TIMEOUT)
     results = re.findall(r"RESULT rank=(\d) family=(\S+) policy=(\S+) tokens_equal=True .* maxvio=(\[.*\])", output)
-    assert len(results) == WORLD * (len(TINY_FAMILIES) + 1), output
+    # every family under exact, the first under none, and under exact with fixed_capacity
+    assert len(results) == WORLD * (len(TINY_FAMILIES) + 2), output
     for family in TINY_FAMILIES:  # the group-wide histogram is the same on every rank
         assert len({maxvio for _, name, policy, maxvio in results if (name, policy) == (family, "exact")}) == 1, output
