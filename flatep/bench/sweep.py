@@ -397,7 +397,7 @@ def _ep_cells(
     # The planner ep_moe uses: sync-free Triton on the GPU, the reference on the CPU.
     triton_planner = device.type == "cuda" and supports_triton_planner(config)
     planner = make_plan_triton if triton_planner else make_plan
-    setups = [_set_up_arm(sweep, config, cell, arm, planner, device, backend, cost, timing) for arm in arms]
+    setups = [_set_up_arm(config, cell, arm, planner, device, backend, cost, timing) for arm in arms]
     # The shards are filled after every dispatch is timed: at most one captured dispatch's copy of
     # them is held at a time.
     for setup in setups:
@@ -422,7 +422,7 @@ def _ep_cells(
     )
     for setup in setups:
         setup.shard = setup.shard_weights = None
-    step_t = [_time_whole_step(sweep, config, cell, setup, pool, backend, timing) for setup in setups]
+    step_t = [_time_whole_step(config, cell, setup, pool, backend, timing) for setup in setups]
     return {
         setup.arm: _ep_row(sweep, config, cell, setup, pool, cost, plan_t[index], push_t[index],
                            [by_rank[index] for by_rank in experts_by_rank], combine_t[index], step_t[index])
@@ -431,7 +431,7 @@ def _ep_cells(
 
 
 def _set_up_arm(
-    sweep: Sweep, config: EPConfig, cell: Cell, arm: str, planner, device: torch.device, backend: str,
+    config: EPConfig, cell: Cell, arm: str, planner, device: torch.device, backend: str,
     cost: CostProfile, timing: dict[str, Any],
 ) -> _ArmSetup:
     """Plan one arm's step and time its dispatch."""
@@ -448,7 +448,7 @@ def _set_up_arm(
 
 
 def _time_whole_step(
-    sweep: Sweep, config: EPConfig, cell: Cell, setup: _ArmSetup, pool: ExpertPool, backend: str, timing: dict[str, Any]
+    config: EPConfig, cell: Cell, setup: _ArmSetup, pool: ExpertPool, backend: str, timing: dict[str, Any]
 ) -> Timing | None:
     """The whole layer (``ep_moe`` with the arm's plan) timed, or ``None`` where its buffers do not fit."""
     # The layer's receive buffers sized for this cell's s, not the sweep's largest: classic's and
