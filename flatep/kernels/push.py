@@ -65,17 +65,13 @@ def push_programs(device: torch.device, programs: int | None = None) -> int:
     return min(default, programs or default)
 
 
-def as_push_words(pool: torch.Tensor) -> torch.Tensor:
-    """``pool`` (a home pool or its slots, ``[.., *expert_shape]``) as the words the push kernel copies.
-
-    A pool of one-byte elements (fp8 values, packed mxfp4 blocks, e8m0 scales) is viewed as int16
-    where its last dimension allows: the kernel copies a fixed number of elements per chunk, and
-    one-byte elements halved the bytes of every chunk. On the H200 an fp8 Kimi-K2 push then moved
-    its bytes at 0.65x the rate of a bf16 one. Other pools are returned as they are.
-    """
-    if pool.element_size() == 1 and pool.shape[-1] % 2 == 0 and pool.storage_offset() % 2 == 0:
-        return pool.view(torch.uint8).view(torch.int16)
-    return pool
+def chunk_elements(pool: torch.Tensor) -> int:
+    """Elements of ``pool`` one push program copies per chunk: a fixed number of bytes (16 KiB on
+    CUDA, 8 KiB under the interpreter), whatever the element size. Counted in elements, chunks of
+    one-byte pools (fp8 values, packed mxfp4 blocks, e8m0 scales) held half a bf16 chunk's bytes,
+    and on the H200 an fp8 Kimi-K2 push moved its bytes at 0.65x a bf16 push's rate."""
+    chunk_bytes = 16384 if pool.device.type == "cuda" else 8192
+    return max(chunk_bytes // pool.element_size(), 1)
 
 
 def push_triton(
@@ -110,7 +106,7 @@ def push_triton(
         slot_experts, pushes, count, first_rank, local_ranks,
         SLOTS=ranks * epn, EPN=epn, BLOCK=triton.next_power_of_2(ranks * epn),
     )
-    block = 8192 if home.device.type == "cuda" else 4096
+    block = chunk_elements(home)
     _push_kernel[grid](
         home, home_peers, slots, slot_peers, slot_experts, pushes, count, expert_numel, EPN=epn, BLOCK=block, num_warps=8,
     )

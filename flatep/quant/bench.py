@@ -1,7 +1,7 @@
 """GPU benchmark of the packed expert formats: grouped expert GEMMs and weight pushes.
 
 ``python -m flatep.quant.bench --out quant.json`` measures, on one GPU, with CUDA-graph timing
-(median of replays, the arms interleaved cell by cell, the spread over rounds reported):
+(median of replays, the arms' replays interleaved, their spread reported):
 
 - Kimi-K2 experts of one rank (``H=7168``, ``I=2048``, 48 experts) in fp8 against bf16, and
   Kimi-K3 experts of one rank (``H=3584``, ``I=3072``, 112 experts at EP8) in mxfp4 against bf16,
@@ -25,13 +25,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import statistics
 import time
 from collections.abc import Callable
 
 import torch
 
-from flatep.bench.timing import copy_ceiling_gbps, device_name, time_us
+from flatep.bench.timing import copy_ceiling_gbps, device_name, time_interleaved, time_us
 from flatep.config import EPConfig, preset
 from flatep.experts.grouped import grouped_swiglu, quantized_grouped_mm
 from flatep.experts.pool import ExpertPool
@@ -40,7 +39,7 @@ from flatep.quant.tensor import QuantizedTensor
 from flatep.transport import init_group
 
 ROWS_PER_EXPERT = (16, 128, 1024)
-REPLAYS = 10  # graph replays per round (CPU: eager calls)
+REPLAYS = 10  # graph replays of each arm per round (CPU: eager calls)
 STARTED = time.perf_counter()
 # Tile configs timed per format (with default_config's): short row tiles with deep pipelines for
 # decode shards (weight streaming), with and without swap_ab, tall 8-warp tiles for prefill; mxfp4
@@ -81,13 +80,10 @@ def _quantize_by_expert(weights: torch.Tensor, format: str) -> QuantizedTensor:
 
 
 def _interleaved(arms: dict[str, Callable[[], object]], device: torch.device, rounds: int) -> dict[str, dict[str, float]]:
-    """Median graph-replay time of each arm per round, arms alternating; median and spread over rounds."""
-    samples: dict[str, list[float]] = {name: [] for name in arms}
-    for _ in range(rounds):
-        for name, fn in arms.items():
-            samples[name].append(time_us(fn, device, warmup=1, iters=REPLAYS, graph=True, calls=4))
-    return {name: {"us": statistics.median(values), "min_us": min(values), "max_us": max(values)}
-            for name, values in samples.items()}
+    """Median, fastest and slowest of ``rounds * REPLAYS`` graph replays of each arm (four calls per
+    replay), the arms' replays interleaved (:func:`flatep.bench.timing.time_interleaved`)."""
+    timings = time_interleaved(list(arms.values()), device, warmup=1, iters=rounds * REPLAYS, graph=True, calls=4)
+    return {name: {"us": timing.median, "min_us": timing.min, "max_us": timing.max} for name, timing in zip(arms, timings)}
 
 
 def _rowwise_fp8_arm(rows: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor) -> Callable[[], torch.Tensor]:
@@ -329,7 +325,7 @@ def push_cells(
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="quant_bench.json", help="JSON file to write")
-    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds per cell")
+    parser.add_argument("--rounds", type=int, default=3, help="replays per arm, in rounds of 10, interleaved across the arms")
     parser.add_argument("--quick", action="store_true", help="only the GEMMs, bf16 against each candidate config")
     parser.add_argument("--budget", type=float, default=150.0,
                         help="--quick: seconds after which the configs not yet started are skipped")

@@ -146,19 +146,18 @@ def test_push_copies_borrowed_experts_and_nothing_else(backend):
 
 
 @pytest.mark.parametrize("backend", TRITON_BACKENDS)
-@pytest.mark.parametrize("columns", [6, 5])
-def test_push_of_one_byte_pools_moves_two_byte_words_where_it_can(backend, columns):
-    """fp8 / mxfp4 pools are pushed as int16 words (an even last dimension) or as bytes (odd): same bytes either way."""
-    from flatep.kernels.push import as_push_words
+@pytest.mark.parametrize("columns", [6, 5, 20_001])  # the last spans several chunks
+def test_push_of_one_byte_pools_copies_them_in_chunks_of_the_same_bytes(backend, columns):
+    """fp8 / mxfp4 pools: the push copies the same bytes per chunk as for bf16 pools, odd sizes included."""
+    from flatep.kernels.push import chunk_elements
 
+    assert chunk_elements(torch.zeros(1, dtype=torch.uint8)) == 2 * chunk_elements(torch.zeros(1, dtype=torch.bfloat16))
     group = init_group("local", ranks=2, device=DEVICE)
     generator = torch.Generator().manual_seed(columns)
     home = group.symmetric_empty((2, 2, columns), torch.uint8)
     home.copy_(torch.randint(0, 256, home.shape, generator=generator, dtype=torch.uint8).to(DEVICE))
     slots = group.symmetric_empty((2, 2, columns), torch.uint8)
     slots.fill_(0xAB)
-    assert as_push_words(home).dtype == (torch.int16 if columns % 2 == 0 else torch.uint8)
-    assert as_push_words(torch.zeros(2, 4, dtype=torch.bfloat16)).dtype == torch.bfloat16
     group.push_experts(home, slots, torch.tensor([[3, -1], [-1, 0]], dtype=torch.int32, device=DEVICE), backend)
     assert torch.equal(slots[0, 0], home[1, 1]) and torch.equal(slots[1, 1], home[0, 0])
     assert bool((slots[0, 1] == 0xAB).all()) and bool((slots[1, 0] == 0xAB).all())
