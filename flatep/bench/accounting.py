@@ -36,6 +36,29 @@ def _push_bytes(slot_experts: torch.Tensor, expert_bytes: int) -> dict[str, list
     return dict(egress=egress.tolist(), ingress=ingress.tolist())
 
 
+def push_tables(slot_experts: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The slot tables of the part of a push that one rank takes part in.
+
+    On one GPU a push of all virtual ranks is a single launch; timing a rank's own part of it
+    (``pool.push`` of one of these tables) gives what that rank pays over a link of its own:
+    the slower of what it receives and what it sends (a donor sends every expert it lends).
+
+    Args:
+        slot_experts: ``[R, epn]`` int32 plan table (``-1`` = empty slot).
+        rank: the rank.
+
+    Returns:
+        ``(received, lent)``, both ``[R, epn]`` int32: ``slot_experts`` with every slot but
+        ``rank``'s own emptied, and with every slot but those holding ``rank``'s home experts emptied.
+    """
+    epn = slot_experts.shape[1]
+    empty = torch.full_like(slot_experts, -1)
+    receivers = torch.arange(slot_experts.shape[0], device=slot_experts.device).view(-1, 1)
+    received = torch.where(receivers == rank, slot_experts, empty)
+    lent = torch.where((slot_experts >= 0) & (slot_experts // epn == rank), slot_experts, empty)
+    return received, lent
+
+
 def entry_metadata_bytes(dedup: bool) -> int:
     """Bytes dispatch sends beside every entry: its fp32 route weight, and with dedup its link (two
     int32 rows: its carrier's and the next of its run), on every transport alike."""

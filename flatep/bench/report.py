@@ -78,14 +78,17 @@ def _virtual_meaning(first: dict[str, Any]) -> str:
         f"{', every phase timed as CUDA-graph replays' if on_gpu else ''}"
         f"{_calls_meaning(first) if on_gpu else ''}; the arms of a cell ran back to back. "
         "A difference inside the spread is not a result. `layer` = slowest-rank layer time: planning + the "
-        "per-rank share of the dispatch, push and combine launches (each covers all R virtual ranks) + the "
-        "slowest rank's experts; its spread adds the phases' minima (maxima). `dense` = one device computing "
+        "per-rank share of the dispatch and combine launches (each covers all R virtual ranks) + the largest "
+        "over ranks of the rank's own push (the slower of the part it receives and the part it lends, each "
+        "timed alone; none under classic, which launches no push) and its experts; `push` = the busiest rank's "
+        "push. The spread adds the phases' minima (maxima). `dense` = one device computing "
         f"all tokens, shown as its per-rank share (total / R). The R virtual ranks share {where}: link time "
         "is not measured. `link model` (a model, not a measurement) = per rank and phase (dispatch, push, "
         "combine), max(bytes the rank sends, bytes it receives over the link) / "
         f"{first.get('link_gbps_model')} GB/s, summed over phases, for the busiest rank; rows that stay on "
         "their rank are not counted; a push is paid by its donor. `layer + link` = the largest over ranks "
-        "of the layer with that rank's experts and modelled link time. Bytes: dispatch = logical, the busiest "
+        "of the layer with that rank's experts and modelled dispatch and combine link time, its push "
+        "taking the slower of the copy measured and the modelled link time. Bytes: dispatch = logical, the busiest "
         "rank's rows x H x 2 (s*K rows per rank without dedup, one per token and destination rank with it); "
         "push = expert-weight bytes moved in all; egress/ingress max = the busiest rank's link bytes in dispatch "
         "and push (combine mirrors dispatch's rows, without their per-entry metadata)"
@@ -190,9 +193,9 @@ def _auto_section(rows: list[dict[str, Any]]) -> list[str]:
             "`model_error` = predicted / measured - 1 per cell of every EP arm. predicted = the model's busiest-rank "
             "time for the plan that ran (auto: its own prediction for the candidate it chose; other arms: the same "
             "model evaluated on their plan). measured = the same terms, measured: the largest over ranks of that "
-            "rank's experts time + its link bytes over the profile's link bandwidth (the model's link terms) + the "
-            "per-rank share of the push launch when any expert moves; planning and the on-device dispatch/combine "
-            "copies are in neither.",
+            "rank's experts time + its own push (measured) + its dispatch and combine bytes over the profile's link "
+            "bandwidth (the model's row terms: virtual ranks send no row over a link); planning and the on-device "
+            "dispatch/combine copies are in neither.",
         ]
         lines += ["", f"| arm | cells | within ±{100 * MODEL_BAND:.0f}% | median | worst |", "|---|---|---|---|---|"]
         for entry in stats:

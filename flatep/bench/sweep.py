@@ -21,7 +21,7 @@ import dataclasses
 import json
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import astuple, dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import yaml
 
-from flatep.bench.accounting import carried, link_model_us, plan_link_bytes
+from flatep.bench.accounting import carried, link_model_us, plan_link_bytes, push_tables
 from flatep.bench.timing import (
     Timing, copy_ceiling_gbps, device_name, gemm_ceiling_tflops, read_ceiling_gbps, time_interleaved, time_stats,
 )
@@ -301,27 +301,36 @@ def _spread(name: str, timing: Timing) -> dict[str, Any]:
     return {name: timing.median, f"{name}_spread": [timing.min, timing.max]}
 
 
-def model_terms_us(experts_us: list[float], link_us: list[float], push_us: float, moved: bool) -> tuple[float, int]:
+def rank_groups(alloc: torch.Tensor) -> list[list[list[int]]]:
+    """Every rank's non-empty expert groups, as ``[expert, rows]`` pairs in expert order (its home
+    experts are the ``expert // (E/R) == rank`` ones), from a plan's ``alloc [E, R]``."""
+    alloc = alloc.cpu()
+    return [
+        [[expert, int(alloc[expert, rank])] for expert in alloc[:, rank].nonzero().flatten().tolist()]
+        for rank in range(alloc.shape[1])
+    ]
+
+
+def model_terms_us(experts_us: list[float], push_us: list[float], rows_link_us: list[float]) -> tuple[float, int]:
     """The measured counterpart of the cost model's layer time, and its busiest rank.
 
-    The model (``docs/cost-model.md``) charges rank ``d`` its grouped GEMMs, its push and row link
-    terms, and a fixed push cost on every rank when any expert moves. Their measured or modelled
-    counterparts: ``experts_us[d]`` (rank ``d``'s experts, measured), ``link_us[d]`` (its link
-    bytes of dispatch, combine and push over the *profile's* link bandwidth: the model's link
-    terms, from the plan's own bytes), and the per-rank share of the measured push launch when
-    anything moves. Planning and the on-device dispatch/combine copies are not in the model and
-    not in this figure (they are in ``layer_us``).
+    The model (``docs/cost-model.md``) charges rank ``d`` its grouped GEMMs, its push (the slower
+    of what it sends and what it receives, plus a fixed cost when any expert moves) and its row
+    link terms. Their counterparts: ``experts_us[d]`` and ``push_us[d]`` (rank ``d``'s experts and
+    its push, measured) and ``rows_link_us[d]`` (its dispatch and combine bytes over the
+    *profile's* link bandwidth: the model's own row terms, from the plan's bytes; on one GPU those
+    rows never cross a link). Planning and the on-device dispatch/combine copies are not in the
+    model and not in this figure (they are in ``layer_us``).
 
     Args:
         experts_us: ``[R]`` measured experts time per rank, µs.
-        link_us: ``[R]`` modelled link time per rank at the profile's bandwidth, µs.
-        push_us: measured push time per rank (the launch's share), µs.
-        moved: whether the plan moves any expert.
+        push_us: ``[R]`` measured push time per rank (:func:`push_tables`; 0 where the arm pushes nothing), µs.
+        rows_link_us: ``[R]`` modelled dispatch + combine link time per rank at the profile's bandwidth, µs.
 
     Returns:
         ``(µs of the busiest rank, that rank)``.
     """
-    times = [experts + link + (push_us if moved else 0.0) for experts, link in zip(experts_us, link_us)]
+    times = [experts + push + link for experts, push, link in zip(experts_us, push_us, rows_link_us)]
     busiest = max(range(len(times)), key=times.__getitem__)
     return times[busiest], busiest
 
@@ -406,7 +415,16 @@ def _ep_cells(
         [lambda s=s: split_slot_rows(planner(cell.ids, config, s.policy, **s.planner_cost)) for s in setups],
         **{**timing, "graph": triton_planner},
     )
-    push_t = time_interleaved([lambda s=s: pool.push(s.plan.slot_experts, backend) for s in setups], **timing)
+    # push_by_rank[rank][arm index]: each rank's push alone, as it would run over its own link.
+    pushing = [s for s in setups if s.plan.policy != "none"]  # ep_moe launches no push under classic
+    push_by_rank = []
+    for rank in range(config.ranks):
+        tables = [push_tables(s.plan.slot_experts, rank) for s in pushing]
+        fns = [lambda table=table: pool.push(table, backend) for pair in tables for table in pair]
+        times = iter(time_interleaved(fns, **timing) if fns else [])
+        # A rank's push takes as long as the slower of what it receives and what it lends.
+        slower = {id(s): Timing(*map(max, zip(astuple(next(times)), astuple(next(times))))) for s in pushing}
+        push_by_rank.append([slower.get(id(s), Timing(0.0, 0.0, 0.0)) for s in setups])
     # experts_by_rank[rank][arm index]
     experts_by_rank = [
         time_interleaved(
@@ -424,7 +442,7 @@ def _ep_cells(
         setup.shard = setup.shard_weights = None
     step_t = [_time_whole_step(config, cell, setup, pool, backend, timing) for setup in setups]
     return {
-        setup.arm: _ep_row(sweep, config, cell, setup, pool, cost, plan_t[index], push_t[index],
+        setup.arm: _ep_row(sweep, config, cell, setup, pool, cost, plan_t[index], [by_rank[index] for by_rank in push_by_rank],
                            [by_rank[index] for by_rank in experts_by_rank], combine_t[index], step_t[index])
         for index, setup in enumerate(setups)
     }
@@ -474,16 +492,17 @@ def _time_whole_step(
 
 def _ep_row(
     sweep: Sweep, config: EPConfig, cell: Cell, setup: _ArmSetup, pool: ExpertPool, cost: CostProfile, plan_t: Timing,
-    push_t: Timing, experts_t: list[Timing], combine_t: Timing, step_t: Timing | None,
+    push_t: list[Timing], experts_t: list[Timing], combine_t: Timing, step_t: Timing | None,
 ) -> dict[str, Any]:
-    """One EP arm's row from its timings; reads the device (run after every timing of the cell)."""
+    """One EP arm's row from its timings (``push_t`` and ``experts_t`` per rank); reads the device (run
+    after every timing of the cell)."""
     plan, dispatch_t = setup.plan, setup.dispatch_t
     ranks, hidden, element = config.ranks, config.hidden, cell.x.element_size()
     expert_bytes = expert_weight_nbytes(pool.weights, hidden, config.intermediate)
     entries = cell.tokens * config.top_k
     padded_rows = plan.padded_rows().double().cpu()
     flops_per_row = 2 * 3 * hidden * config.intermediate
-    experts_us = [t.median for t in experts_t]
+    experts_us, push_us = [t.median for t in experts_t], [t.median for t in push_t]
     slowest = int(torch.tensor(experts_us).argmax())
     slots_per_rank = (plan.slot_experts >= 0).sum(1).cpu()
     borrowed = int(slots_per_rank.sum())
@@ -493,28 +512,36 @@ def _ep_row(
     remote = sent & (plan.dest_rank.reshape(ranks, -1) != torch.arange(ranks, device=sent.device).view(-1, 1))
     sent_rows_max, remote_rows_max = int(sent.sum(1).max()), int(remote.sum(1).max())
     link_us = link_model_us(link_bytes, sweep.link_gbps)
-    measured_for_model, measured_rank = model_terms_us(
-        experts_us, link_model_us(link_bytes, cost.link_gbps)["total"], push_t.median / ranks, borrowed > 0
-    )
+    profile_link_us = link_model_us(link_bytes, cost.link_gbps)
+    rows_link_us = [a + b for a, b in zip(profile_link_us["dispatch"], profile_link_us["combine"])]
+    measured_for_model, measured_rank = model_terms_us(experts_us, push_us, rows_link_us)
     # Bytes the dispatch and combine kernels read plus write, all virtual ranks together.
     kernel_bytes = ranks * (cell.tokens * hidden * element + entries * hidden * element)
     received = plan.received.double().cpu()
 
+    # Dispatch and combine are one launch for all virtual ranks (each rank pays 1/R of it); every
+    # rank's push and experts are timed on their own.
+    def shared(pick) -> float:
+        return pick(plan_t) + (pick(dispatch_t) + pick(combine_t)) / ranks
+
     def layer(pick) -> float:
         """Slowest-rank layer time from one statistic (median, min or max) of every phase."""
-        shared = pick(plan_t) + (pick(dispatch_t) + pick(push_t) + pick(combine_t)) / ranks
-        return shared + max(pick(t) for t in experts_t)
+        return shared(pick) + max(pick(push) + pick(experts) for push, experts in zip(push_t, experts_t))
 
     def layer_with_link(rank: int) -> float:
-        """Rank ``rank``'s layer time with its modelled link time added (medians)."""
-        return layer(lambda t: t.median) - max(experts_us) + experts_us[rank] + link_us["total"][rank]
+        """Rank ``rank``'s layer time over a link of ``sweep.link_gbps`` (medians): its push as the
+        slower of the copy measured and the link model's, plus the modelled dispatch and combine."""
+        link = link_us["dispatch"][rank] + link_us["combine"][rank] + max(push_us[rank], link_us["push"][rank])
+        return shared(lambda t: t.median) + experts_us[rank] + link
 
     layer_us = layer(lambda t: t.median)
     busiest = max(range(ranks), key=layer_with_link)
+    push_rank = max(range(ranks), key=push_us.__getitem__)
     return dict(
         **_spread("plan_us", plan_t),
         **_spread("dispatch_us", dispatch_t),
-        **_spread("push_us", push_t),
+        **_spread("push_us", push_t[push_rank]),
+        push_us_by_rank=push_us,
         experts_us_max=max(experts_us),
         experts_us_mean=sum(experts_us) / ranks,
         experts_us=experts_us,
@@ -540,6 +567,9 @@ def _ep_row(
         weight_bytes_read_slowest=int(plan.active_groups()[slowest]) * expert_bytes,
         experts_read_gbps_slowest=int(plan.active_groups()[slowest]) * expert_bytes / experts_us[slowest] / 1e3,
         rows_max=int(received.max()),
+        # Each rank's expert groups as (expert, rows) pairs, home experts first (the cost model's
+        # input; with experts_us, what its GEMM term is checked and fitted against).
+        rank_groups=rank_groups(plan.alloc),
         rows_mean=float(received.mean()),
         padded_rows_max=int(padded_rows.max()),
         step_align=config.step_align(config.ranks * cell.tokens),

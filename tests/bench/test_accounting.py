@@ -5,7 +5,9 @@ import pytest
 import torch
 
 import flatep
-from flatep.bench.accounting import entry_metadata_bytes, link_model_us, plan_link_bytes, rank_link_bytes, rows_to_ranks
+from flatep.bench.accounting import (
+    entry_metadata_bytes, link_model_us, plan_link_bytes, push_tables, rank_link_bytes, rows_to_ranks,
+)
 from flatep.plan import plan_rank
 from flatep.routing import skewed_topk
 
@@ -61,6 +63,22 @@ def test_push_is_paid_by_the_donor():
     # The donor's push (3 experts out) dominates its link time; an average over ranks would hide it.
     assert model["push"] == pytest.approx([3 * EXPERT / 2e3, EXPERT / 2e3, EXPERT / 2e3, EXPERT / 2e3])
     assert max(model["total"]) == pytest.approx(model["total"][0])
+
+
+def test_push_tables_split_a_push_into_each_ranks_received_and_lent_parts():
+    # R=3, epn=2: rank 0 homes experts 0-1, rank 1 homes 2-3, rank 2 homes 4-5.
+    slots = torch.tensor([[3, -1], [0, 1], [0, 2]], dtype=torch.int32)
+    by_rank = [push_tables(slots, rank) for rank in range(3)]
+    empty = [-1, -1]
+    assert [received.tolist() for received, _ in by_rank] == [
+        [[3, -1], empty, empty], [empty, [0, 1], empty], [empty, empty, [0, 2]]]
+    assert [lent.tolist() for _, lent in by_rank] == [
+        [empty, [0, 1], [0, -1]], [[3, -1], empty, [-1, 2]], [empty, empty, empty]]
+    # Every borrowed slot is in exactly one rank's received part and one rank's lent part: their
+    # sizes are each rank's ingress and egress.
+    ingress = [int((received >= 0).sum()) for received, _ in by_rank]
+    egress = [int((lent >= 0).sum()) for _, lent in by_rank]
+    assert ingress == [1, 2, 2] and egress == [3, 2, 0]
 
 
 def test_padding_entries_cross_no_link():

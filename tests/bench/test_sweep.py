@@ -89,9 +89,10 @@ def _tiny_rows(tmp_path, *extra):
 
 
 def test_the_ep_arms_phases_are_timed_interleaved_and_resume_runs_only_missing_arms(tmp_path, monkeypatch):
-    """Planning, push, each rank's experts and combine are timed with the EP arms of a cell in one
-    interleaved call (the GPU's drift then hits them alike); dispatch arm by arm; a resumed cell
-    runs only its missing arms, still together."""
+    """Planning, each rank's push and experts, and combine are timed with the EP arms of a cell in
+    one interleaved call (the GPU's drift then hits them alike); dispatch arm by arm; a resumed cell
+    runs only its missing arms, still together. The push is timed for the arms that push (not
+    classic), each rank's received and lent parts apart."""
     interleaved: list[int] = []
     real = sweep_module.time_interleaved
 
@@ -102,15 +103,16 @@ def test_the_ep_arms_phases_are_timed_interleaved_and_resume_runs_only_missing_a
     monkeypatch.setattr(sweep_module, "time_interleaved", recording)
     out, rows = _tiny_rows(tmp_path)
     points, ranks = 4, 2
-    # per point: plan, push, experts of each rank, combine; each over the three EP arms
-    assert interleaved == [3] * (points * (3 + ranks))
+    # per point: plan, the push of each rank (received and lent, flat and auto), experts of each rank, combine
+    per_point = [3] + [4] * ranks + [3] * ranks + [3]
+    assert interleaved == per_point * points
     assert [row["arm"] for row in rows] == ["flat", "classic", "auto", "dense"] * points
     results = out / "results.jsonl"
     kept = [line for line in results.read_text().splitlines() if json.loads(line)["arm"] not in ("classic", "auto")]
     results.write_text("\n".join(kept) + "\n")
     interleaved.clear()
     _, rows = _tiny_rows(tmp_path, "--resume")
-    assert interleaved == [2] * (points * (3 + ranks))
+    assert interleaved == ([2] + [2] * ranks + [2] * ranks + [2]) * points
     assert sorted(row["arm"] for row in rows) == sorted(["flat", "classic", "auto", "dense"] * points)
 
 
@@ -130,8 +132,19 @@ def test_every_ep_row_has_per_rank_link_bytes_and_the_busiest_rank_model(tmp_pat
             assert model[phase] == pytest.approx(expected)
         totals = [sum(model[phase][r] for phase in PHASES) for r in range(row["ranks"])]
         assert row["link_model_us"] == pytest.approx(max(totals))
-        shared = row["layer_us"] - row["experts_us_max"]
-        with_link = [shared + row["experts_us"][r] + totals[r] for r in range(row["ranks"])]
+        # The groups each rank computed: all of the step's entries, each rank's rows.
+        groups = row["rank_groups"]
+        assert sum(rows for rank in groups for _, rows in rank) == row["ranks"] * row["tokens"] * row["top_k"]
+        assert max(sum(rows for _, rows in rank) for rank in groups) == row["rows_max"]
+        # Dispatch and combine: each rank's share of one launch; push and experts: each rank's own.
+        shared = row["plan_us"] + (row["dispatch_us"] + row["combine_us"]) / row["ranks"]
+        pushes = row["push_us_by_rank"]
+        assert row["push_us"] == max(pushes)
+        if row["arm"] == "classic":
+            assert pushes == [0.0] * row["ranks"]
+        assert row["layer_us"] == pytest.approx(shared + max(p + e for p, e in zip(pushes, row["experts_us"])))
+        with_link = [shared + row["experts_us"][r] + model["dispatch"][r] + model["combine"][r]
+                     + max(pushes[r], model["push"][r]) for r in range(row["ranks"])]
         assert row["layer_with_link_model_us"] == pytest.approx(max(with_link))
         # Rows that stay local plus rows sent: one per token and destination rank (dedup), each
         # row H bf16 values, plus every entry's metadata; dispatch_bytes counts the busiest rank's rows.
@@ -252,10 +265,10 @@ def test_every_ep_row_carries_the_plan_choice_the_moves_and_the_model_error(tmp_
         assert row["experts_moved"] == row["model_experts_moved"] == row["borrowed_experts"]
         assert row["weight_bytes_moved"] == row["push_bytes"] == row["experts_moved"] * row["expert_bytes"]
         assert row["predicted_us"] == pytest.approx(max(row["predicted_rank_us"])) and row["predicted_us"] > 0
-        # The measured counterpart: experts + link at the profile's bandwidth + the push share when moving.
-        link = link_model_us(row["link_bytes"], expected.link_gbps)["total"]
-        push = row["push_us"] / row["ranks"] if row["experts_moved"] else 0.0
-        assert row["measured_for_model_us"] == pytest.approx(max(e + l + push for e, l in zip(row["experts_us"], link)))
+        # The measured counterpart: each rank's experts and push, measured, and its rows over the profile's link.
+        link = link_model_us(row["link_bytes"], expected.link_gbps)
+        terms = [e + p + d + c for e, p, d, c in zip(row["experts_us"], row["push_us_by_rank"], link["dispatch"], link["combine"])]
+        assert row["measured_for_model_us"] == pytest.approx(max(terms))
         assert row["model_error"] == pytest.approx(row["predicted_us"] / row["measured_for_model_us"] - 1)
         # classic and auto shards are sized to the step (as classic's always were), flat's are not.
         assert row["shard_sized_to_step"] == (row["arm"] != "flat")
