@@ -2,23 +2,30 @@
 
 Measured, at the model's shapes:
 
-* a rank's experts as the layer runs them (:func:`flatep.experts.grouped_swiglu`, bf16: the decode
-  kernels at few rows per group, ``torch._grouped_mm`` beyond) over its ``G = E/R`` groups of
-  ``n`` rows each, for ``n`` from 1 to 4096: per-group time ``t(n)``;
+* every rank's experts of planned steps, as the layer runs them (:func:`flatep.layer.experts_step`
+  over a rank's home groups and borrowed slots, bf16, timed as CUDA-graph replays): steps of
+  ``s`` in :data:`STEP_TOKENS` tokens per rank, routed uniformly and with skew
+  (:func:`flatep.routing.skewed_topk` with ``sigma`` in :data:`STEP_SIGMAS`: maxvio about 10 at
+  Kimi-K2, s = 128), planned under classic EP and exact balance. A rank's groups are of mixed
+  sizes, as the model sees them; the decode kernels run at few rows per expert and
+  ``torch._grouped_mm`` beyond, as in the layer;
 * HBM read bandwidth: a sum over 4 GiB of bf16 (reads only, as weight streaming does);
 * link bandwidth: a copy from this GPU to a peer GPU when one exists (otherwise the ``base``
   profile's value is kept, and said so); with ``link="local"``, a copy within this GPU instead:
   the "link" of virtual ranks that share it (the local transport's pushes, dispatch and combine
   are copies in its memory), for a profile of the system a one-GPU sweep measures.
 
-Fitted (:func:`fit_profile`, plain arithmetic tested with a fake timer): ``hbm_gbps`` from the read;
-then ``tile_rows`` (64/128/256) and ``group_us`` together, as the pair whose model has the least
-squared relative error over every measured ``n``, ``gemm_tflops`` following from the largest ``n``
-given them. ``group_us`` is searched between 0.1 us and the one-row time less the weight read
-(``t(1) - expert_bytes / hbm``, which alone would fit only ``n = 1``: on the H200
-``torch._grouped_mm`` streams weights faster at 128 rows per group than at 1). ``push_us`` is
-kept from ``base`` (it needs a multi-rank step to measure); ``base`` is the shipped profile of the
-device when there is one (``h200`` on an H200), else the generic one.
+Fitted (:func:`fit_profile`, plain arithmetic tested with a fake timer): ``hbm_gbps`` from the
+read; then, over the ranks of the steps with more rows per expert than the decode kernels take,
+``tile_rows`` (64/128/256), ``gemm_tflops`` and ``group_us`` together, as the triple whose model
+has the least squared relative error; then over the decode steps ``decode_tile_rows`` (16 to
+128), ``decode_gemm_tflops`` and ``decode_group_us`` the same way. Calibrating on uniform groups instead
+(every group of a rank holding ``n`` rows, ``n`` up to 4096) misled the model on the H200 at
+Kimi-K2 shapes: it fitted 128-row tiles at 635 TFLOP/s, and put the layer's experts 10-22% too
+slow at s >= 4096 and up to 24% too fast at s = 1024; planned steps fitted 256-row tiles at about
+780 TFLOP/s, within 15% of every rank. ``push_us`` is kept from ``base`` (it needs a multi-rank
+step to measure); ``base`` is the shipped profile of the device when there is one (``h200`` on an
+H200), else the generic one.
 """
 from __future__ import annotations
 
@@ -28,21 +35,29 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from flatep.config import MODEL_SHAPES, EPConfig, preset
 
-# Rows that are not multiples of every candidate tile, so that the tile size shows in the times.
-ROWS = (1, 16, 64, 128, 256, 320, 512, 1024, 1088, 2048, 2112, 4096)
+# Planned steps whose experts are timed: tokens per rank (few rows per expert to many) x router
+# imbalance x policy (classic: home groups only; exact: home groups and borrowed slots).
+STEP_TOKENS = (1, 32, 128, 1024, 4096)
+STEP_SIGMAS = (0.0, 1.0)
+STEP_POLICIES = ("none", "exact")
 TILES = (64, 128, 256)
+DECODE_TILES = (16, 32, 64, 128)
 READ_BYTES = 2**32
 LINK_BYTES = 2**28
 MIN_GROUP_US = 0.1
-GROUP_STEPS = 200  # candidate group times searched by the fit
+# Candidate compute rates searched by the fit (TFLOP/s, ~1% apart) and the largest group time.
+TFLOPS_GRID = tuple(50 * 1.01**step for step in range(400))
+MAX_GROUP_US = 100.0
 
 
 @dataclass(frozen=True)
 class Measurement:
-    """One timed operation: ``kind`` (``gemm``, ``read``, ``link``), its parameters, and ``make()``,
-    which allocates its inputs and returns the function to time."""
+    """One timed operation: ``kind`` (``experts``, ``read``, ``link``), its parameters, and
+    ``make()``, which allocates its inputs and returns the function to time."""
 
     kind: str
     params: dict
@@ -57,27 +72,82 @@ def _event_timer(device) -> Timer:
     from flatep.bench.timing import time_us
 
     def timer(measurement: Measurement) -> float:
-        return time_us(measurement.make(), device, warmup=3, iters=20)
+        # The experts as a serving step runs them: graph replays, no host launch overhead.
+        return time_us(measurement.make(), device, warmup=3, iters=20, graph=measurement.kind == "experts")
 
     return timer
 
 
-def _gemm(config: EPConfig, groups: int, rows: int, device) -> Measurement:
-    import torch
+class _Steps:
+    """The planned steps whose ranks' experts are timed, and the inputs their timings share."""
 
-    from flatep.experts.grouped import grouped_swiglu
+    def __init__(self, config: EPConfig, device, seed: int = 1234) -> None:
+        import torch
 
-    def make() -> Callable[[], object]:
-        hidden, intermediate = config.hidden, config.intermediate
-        x = torch.randn(groups * rows, hidden, device=device, dtype=torch.bfloat16)
-        route_weights = torch.rand(groups * rows, device=device)
-        w13 = torch.randn(groups, 2 * intermediate, hidden, device=device, dtype=torch.bfloat16) * hidden**-0.5
-        w2 = torch.randn(groups, hidden, intermediate, device=device, dtype=torch.bfloat16) * intermediate**-0.5
-        offs = torch.arange(1, groups + 1, device=device, dtype=torch.int32) * rows
-        # The experts as the layer runs them (its kernels switch with the rows per group).
-        return lambda: grouped_swiglu(x, route_weights, w13, w2, offs)
+        from flatep.bench.sweep import SharedWeightsGroup, sized_to_step
+        from flatep.plan.reference import make_plan
+        from flatep.plan.split import split_slot_rows
+        from flatep.routing import skewed_topk
 
-    return Measurement("gemm", {"groups": groups, "rows": rows}, make)
+        self.config, self.device = config, torch.device(device)
+        self.group = SharedWeightsGroup(config.ranks, self.device)
+        self.plans = []
+        for tokens in STEP_TOKENS:
+            for sigma in STEP_SIGMAS:
+                ids = skewed_topk(config.ranks, config.experts, config.top_k, tokens, sigma, seed=seed, device=self.device)
+                for policy in STEP_POLICIES:
+                    plan = make_plan(ids, config.replace(capacity=max(config.capacity, tokens)), policy)
+                    if policy == "none":
+                        plan = sized_to_step(plan, config.align)
+                    self.plans.append((tokens, sigma, policy, split_slot_rows(plan)))
+        self._pool = None
+        self._inputs: tuple | None = None
+
+    def pool(self):
+        """One rank's home experts and slots (shared by the virtual ranks), random bf16 values."""
+        import torch
+
+        from flatep.bench.sweep import fill_random
+        from flatep.experts.pool import ExpertPool
+
+        if self._pool is None:
+            self._pool = ExpertPool(self.config, self.group, torch.bfloat16)
+            fill_random({name: self._pool.home(name)[0] for name in self._pool.names}, self.config, "bf16")
+            fill_random({name: self._pool.slots(name)[0] for name in self._pool.names}, self.config, "bf16")
+        return self._pool
+
+    def inputs(self, index: int):
+        """Random rows and route weights of step ``index``'s shards (kept while its ranks are timed)."""
+        import torch
+
+        if self._inputs is None or self._inputs[0] != index:
+            self._inputs = None  # free the previous step's shards first
+            plan = self.plans[index][3]
+            rows = plan.shard_rows + plan.slot_rows if plan.slot_base else plan.shard_rows
+            shard = torch.randn(self.config.ranks, rows, self.config.hidden, device=self.device).to(torch.bfloat16)
+            weights = torch.rand(self.config.ranks, rows, device=self.device)
+            self._inputs = (index, shard, weights)
+        return self._inputs[1:]
+
+    def measurements(self) -> list[Measurement]:
+        """One per (step, rank): its groups' rows in ``params``, the rank's experts to time in ``make``."""
+        from flatep.layer import experts_step
+
+        measurements = []
+        for index, (tokens, sigma, policy, plan) in enumerate(self.plans):
+            alloc = plan.alloc.cpu()
+            for rank in range(self.config.ranks):
+                groups = [int(rows) for rows in alloc[:, rank].tolist() if rows > 0]
+
+                def make(index=index, plan=plan, rank=rank) -> Callable[[], object]:
+                    pool = self.pool()
+                    shard, weights = self.inputs(index)
+                    return lambda: experts_step(shard, weights, pool, plan, self.group, rank)
+
+                params = dict(tokens=tokens, sigma=sigma, policy=policy, rank=rank, groups=groups,
+                              total_tokens=plan.total_tokens)
+                measurements.append(Measurement("experts", params, make))
+        return measurements
 
 
 def _read(device) -> Measurement:
@@ -101,10 +171,54 @@ def _link(device, peer) -> Measurement:
     return Measurement("link", {"bytes": LINK_BYTES}, make)
 
 
+@dataclass(frozen=True)
+class GemmFit:
+    """The GEMM term's constants fitted to measured ranks, and the worst relative error over them."""
+
+    tile_rows: int
+    row_us: float
+    group_us: float
+    worst: float
+
+
+def fit_gemm(
+    samples: list[tuple[list[int], float]], weight_us: float, tiles: Sequence[int], row_us: Sequence[float],
+) -> GemmFit:
+    """The ``(tile, row, group)`` whose GEMM term ``sum over groups of group + max(weight,
+    ceil(n/tile)*tile*row)`` has the least squared relative error over ``samples``.
+
+    Args:
+        samples: per measured rank, the rows of its non-empty groups and its measured µs.
+        weight_us: one expert's weight read, µs.
+        tiles: candidate tile sizes.
+        row_us: candidate compute times of one row, µs. For each tile and row time the best group
+            time is closed-form (least squares, clamped to ``[MIN_GROUP_US, MAX_GROUP_US]``).
+    """
+    if not samples:
+        raise ValueError("fit_gemm needs at least one measured rank")
+    measured = np.array([us for _, us in samples])
+    counts = np.array([len(groups) for groups, _ in samples], dtype=np.float64)
+    rows = np.concatenate([np.asarray(groups, dtype=np.float64) for groups, _ in samples])
+    owner = np.repeat(np.arange(len(samples)), counts.astype(np.int64))
+    best = None
+    for tile in tiles:
+        padded = np.ceil(rows / tile) * tile
+        for row in row_us:
+            per_group = np.maximum(weight_us, padded * row)
+            summed = np.bincount(owner, weights=per_group, minlength=len(samples))
+            # error_i = (summed_i + counts_i * group) / measured_i - 1: linear in group.
+            slope, offset = counts / measured, summed / measured - 1
+            group = float(np.clip(-(slope @ offset) / (slope @ slope), MIN_GROUP_US, MAX_GROUP_US))
+            errors = offset + slope * group
+            score = float(errors @ errors)
+            if best is None or score < best[0]:
+                best = (score, GemmFit(tile, row, group, float(np.abs(errors).max())))
+    return best[1]
+
+
 def fit_profile(
     config: EPConfig,
-    gemm_us: dict[int, float],
-    groups: int,
+    experts_us: list[tuple[dict, float]],
     read_gbps: float,
     link_gbps: float | None,
     base,
@@ -114,46 +228,38 @@ def fit_profile(
 
     Args:
         config: the model's shapes.
-        gemm_us: rows per group ``n`` -> time of the grouped GEMMs over ``groups`` groups (us).
-        groups: groups per measured GEMM.
+        experts_us: per timed rank, its measurement's ``params`` (``groups``: rows of its non-empty
+            groups; ``total_tokens``: the step's ``T``) and its time in µs.
         read_gbps: HBM read bandwidth (GB/s).
         link_gbps: measured link bandwidth, or None to keep ``base``'s.
         base: the :class:`flatep.CostProfile` whose unmeasured fields are kept.
         name: the new profile's label.
-    """
-    from flatep.plan.cost import CostProfile
 
-    if 1 not in gemm_us or len(gemm_us) < 2:
-        raise ValueError(f"gemm_us must hold n=1 and at least one larger n, got {sorted(gemm_us)}")
-    per_group = {rows: us / groups for rows, us in gemm_us.items()}
+    Raises:
+        ValueError: unless both regimes (few and many rows per expert) were measured.
+    """
+    from flatep.plan.cost import CostProfile, few_rows_per_expert
+
     flops_per_row = 2 * 3 * config.hidden * config.intermediate
     weight_us = config.expert_bytes() / (read_gbps * 1e3)
-    largest = max(per_group)
-    one_row = max(per_group[1] - weight_us, MIN_GROUP_US)
-    group_choices = sorted({one_row, *(MIN_GROUP_US + (one_row - MIN_GROUP_US) * step / GROUP_STEPS for step in range(GROUP_STEPS))})
-
-    def fit(tile: int, group_us: float) -> tuple[float, float]:
-        # Compute time per row from the largest n in whole tiles; error of the model over all n.
-        padded = math.ceil(largest / tile) * tile
-        row_us = max(per_group[largest] - group_us, 1e-9) / padded
-        error = sum(
-            (group_us + max(weight_us, math.ceil(rows / tile) * tile * row_us) - us) ** 2 / us**2
-            for rows, us in per_group.items()
-        )
-        return error, row_us
-
-    # Ties (equal error) go to the smaller tile, then the larger group time.
-    tile, group_us = min(((size, group) for size in TILES for group in group_choices),
-                         key=lambda pair: (fit(*pair)[0], pair[0], -pair[1]))
-    row_us = fit(tile, group_us)[1]
+    decode = [(params["groups"], us) for params, us in experts_us if few_rows_per_expert(config, params["total_tokens"])]
+    grouped = [(params["groups"], us) for params, us in experts_us if not few_rows_per_expert(config, params["total_tokens"])]
+    if not decode or not grouped:
+        raise ValueError("experts_us must hold steps with few rows per expert (decode kernels) and with many; "
+                         f"got {len(decode)} and {len(grouped)} ranks")
+    rows_us = [flops_per_row / (tflops * 1e6) for tflops in TFLOPS_GRID]
+    many, few = fit_gemm(grouped, weight_us, TILES, rows_us), fit_gemm(decode, weight_us, DECODE_TILES, rows_us)
     return CostProfile(
         link_gbps=base.link_gbps if link_gbps is None else link_gbps,
         hbm_gbps=read_gbps,
-        gemm_tflops=flops_per_row / (row_us * 1e6),
-        group_us=group_us,
+        gemm_tflops=flops_per_row / (many.row_us * 1e6),
+        group_us=many.group_us,
         push_us=base.push_us,
-        tile_rows=tile,
+        tile_rows=many.tile_rows,
         name=name,
+        decode_gemm_tflops=flops_per_row / (few.row_us * 1e6),
+        decode_group_us=few.group_us,
+        decode_tile_rows=few.tile_rows,
     )
 
 
@@ -195,12 +301,13 @@ def calibrate(
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else str(device)
     if base is None:
         base = CostProfile.preset("h200") if "H200" in name else CostProfile.default()
-    # A rank's groups: how many run side by side decides how fast their weights stream.
-    groups = config.experts_per_rank
-    gemm_us = {}
-    for rows in ROWS:
-        gemm_us[rows] = timer(_gemm(config, groups, rows, device))
-        log(f"grouped GEMM, {groups} groups x {rows:5d} rows: {gemm_us[rows]:9.1f} us")
+    experts_us = []
+    for measurement in _Steps(config, device).measurements():
+        us = timer(measurement)
+        experts_us.append((measurement.params, us))
+        params = measurement.params
+        log(f"experts, s={params['tokens']:5d} sigma {params['sigma']:g} {params['policy']:5s} rank {params['rank']}: "
+            f"{len(params['groups']):3d} groups, {sum(params['groups']):6d} rows, {us:9.1f} us")
     read_us = timer(_read(device))
     read_gbps = READ_BYTES / read_us / 1e3
     log(f"HBM read: {read_gbps:.0f} GB/s")
@@ -215,7 +322,7 @@ def calibrate(
         log(f"link to cuda:{peer}: {link_gbps:.0f} GB/s")
     else:
         log(f"no peer GPU: link_gbps kept from the {base.name} profile ({base.link_gbps} GB/s)")
-    return fit_profile(config, gemm_us, groups, read_gbps, link_gbps, base, name)
+    return fit_profile(config, experts_us, read_gbps, link_gbps, base, name)
 
 
 def add_calibrate_command(commands) -> None:

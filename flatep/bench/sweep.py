@@ -87,7 +87,9 @@ class Sweep:
             replay time divided by their number (default 1: one phase per graph). A replay has a
             fixed cost (about 10 us on the H200 for a phase of one tiny kernel) that a serving
             step, one graph for the whole model, pays once; more calls per graph leave the
-            phases' own time.
+            phases' own time. Planning and the push, the phases of at most a few hundred µs that
+            only some arms run (the push) or run longer (auto's planning), take at least
+            :data:`SHORT_PHASE_CALLS` copies, so that the replay's cost is not charged to them.
         link_gbps: link bandwidth per direction used by the modelled link time.
         align: group padding of the shards (:attr:`flatep.EPConfig.align`).
         tolerance: imbalance the flat arm lets pass without moving weights
@@ -265,11 +267,14 @@ def dense_step(
     return out.to(x.dtype)
 
 
+SHORT_PHASE_CALLS = 10
+"""Copies of planning and of a push captured per CUDA graph at least (see :class:`Sweep`)."""
+
 SIZED_TO_STEP = ("none", "auto")
-"""Policies whose shards the bench sizes to the step (:func:`_sized_to_step`)."""
+"""Policies whose shards the bench sizes to the step (:func:`sized_to_step`)."""
 
 
-def _sized_to_step(plan: Plan, align: int) -> Plan:
+def sized_to_step(plan: Plan, align: int) -> Plan:
     """Classic EP and ``auto`` on one GPU: size the shards' home rows to this step's hottest rank,
     so that R virtual shards fit (Kimi-K3 at s=8192: ~74 GB of worst-case shards otherwise).
 
@@ -358,7 +363,7 @@ def _model_fields(plan: Plan, config: EPConfig, cost: CostProfile, measured_us: 
         )
     else:
         # The same model auto uses (same constants: bf16 expert bytes), on this arm's allocation.
-        prediction = predict(plan.tokens_per_expert, plan.alloc.unsqueeze(0), cost.constants(config))
+        prediction = predict(plan.tokens_per_expert, plan.alloc.unsqueeze(0), cost.constants(config, total_tokens=plan.total_tokens))
         fields = dict(
             plan_choice=Candidate(plan.policy, config.tolerance if plan.policy == "bounded" else 0.0).label(),
             predicted_us=int(prediction.layer_fs[0]) / 1e9,
@@ -411,9 +416,10 @@ def _ep_cells(
     # them is held at a time.
     for setup in setups:
         setup.shard, setup.shard_weights = dispatch_step(cell.x, cell.weights, setup.plan, setup.group, backend)
+    short = {**timing, "calls": max(sweep.graph_calls, SHORT_PHASE_CALLS)}
     plan_t = time_interleaved(
         [lambda s=s: split_slot_rows(planner(cell.ids, config, s.policy, **s.planner_cost)) for s in setups],
-        **{**timing, "graph": triton_planner},
+        **{**short, "graph": triton_planner},
     )
     # push_by_rank[rank][arm index]: each rank's push alone, as it would run over its own link.
     pushing = [s for s in setups if s.plan.policy != "none"]  # ep_moe launches no push under classic
@@ -421,7 +427,7 @@ def _ep_cells(
     for rank in range(config.ranks):
         tables = [push_tables(s.plan.slot_experts, rank) for s in pushing]
         fns = [lambda table=table: pool.push(table, backend) for pair in tables for table in pair]
-        times = iter(time_interleaved(fns, **timing) if fns else [])
+        times = iter(time_interleaved(fns, **short) if fns else [])
         # A rank's push takes as long as the slower of what it receives and what it lends.
         slower = {id(s): Timing(*map(max, zip(astuple(next(times)), astuple(next(times))))) for s in pushing}
         push_by_rank.append([slower.get(id(s), Timing(0.0, 0.0, 0.0)) for s in setups])
@@ -459,7 +465,7 @@ def _set_up_arm(
     policy, planner_cost = planned_policy(arm_policy(arm), cost, config, config.ranks * cell.tokens)
     plan = planner(cell.ids, config, policy, **planner_cost)
     if policy in SIZED_TO_STEP:
-        plan = _sized_to_step(plan, config.align)
+        plan = sized_to_step(plan, config.align)
     plan = split_slot_rows(plan)
     dispatch_t = time_stats(lambda: dispatch_step(cell.x, cell.weights, plan, group, backend), **timing)
     return _ArmSetup(arm, policy, planner_cost, group, plan, dispatch_t)
@@ -628,7 +634,7 @@ def _matrices(config: EPConfig) -> dict[str, tuple[int, int]]:
     return {"w13": (2 * config.intermediate, config.hidden), "w2": (config.hidden, config.intermediate)}
 
 
-def _fill_random(tensors: dict[str, torch.Tensor], config: EPConfig, weights: str) -> None:
+def fill_random(tensors: dict[str, torch.Tensor], config: EPConfig, weights: str) -> None:
     """Fill experts ``[n, ...]`` of ``w13`` and ``w2`` (and of ``w13_scale``, ``w2_scale`` when
     ``weights`` is quantized) with N(0, 1/fan_in) values in format ``weights``, one expert at a time
     (fp32 scratch of one expert's matrix)."""
@@ -680,7 +686,7 @@ def _random_weights(
         # Shared: the R ranks' home experts are one rank's memory, filled once. Unshared: a view of all E.
         home = {name: pool.home(name)[0] if shared else pool.home(name).view(config.experts, *pool.expert_shape(name)[1:])
                 for name in pool.names}
-        _fill_random(home, config, weights)
+        fill_random(home, config, weights)
     dense = None
     if wants_dense:
         dense = _as_weights(_random_dense_tensors(config, device, weights) if shared else home, weights)
@@ -697,7 +703,7 @@ def _random_dense_tensors(config: EPConfig, device: torch.device, weights: str) 
         (values, values_dtype), (scales, scales_dtype) = packed_layout(weights, rows, columns)
         tensors[name] = torch.empty(config.experts, *values, dtype=values_dtype, device=device)
         tensors[f"{name}_scale"] = torch.empty(config.experts, *scales, dtype=scales_dtype, device=device)
-    _fill_random(tensors, config, weights)
+    fill_random(tensors, config, weights)
     return tensors
 
 

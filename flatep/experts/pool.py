@@ -213,7 +213,7 @@ class ExpertPool:
         """
         for name in self.names:
             home, slots = self.home(name), self.slots(name)
-            if home.dtype == torch.float8_e4m3fn:  # moved as bytes: no kernel or collective needs to know fp8
+            if home.dtype == torch.float8_e4m3fn:  # moved as bytes: no collective needs to know fp8
                 home, slots = home.view(torch.uint8), slots.view(torch.uint8)
             self.group.push_experts(home, slots, slot_experts, backend, programs)
 

@@ -1,10 +1,13 @@
 """Weight push: owners copy each borrowed expert into the receiver's slot for one step.
 
-Home pools and slots are symmetric buffers laid out ``[epn, numel]`` per rank. A
-one-program kernel first lists the slots this process must fill (a compaction of the plan's slot
-table, on the device); a persistent copy kernel then walks that list, every program copying a
-strided share of the chunks of each listed expert. Grid sizes depend only on the device (and an
-optional cap on the programs), never on the routing, and nothing waits on the host.
+Home pools and slots are symmetric buffers laid out ``[epn, numel]`` per rank. One persistent
+copy kernel per pool: every program reads the plan's slot table, lists (in registers) the slots
+this process must fill, and copies a strided share of the chunks of each listed expert. Grid sizes
+depend only on the device (and an optional cap on the programs), never on the routing, and
+nothing waits on the host. Pools are copied as the widest integers their rows allow
+(:func:`copy_view`): the kernel cannot know that peer addresses are aligned, so each element is
+one memory access, and 8-byte elements move 4x (bf16) to 8x (fp8, packed mxfp4) the bytes per
+access of the pools' own types.
 """
 from __future__ import annotations
 
@@ -16,30 +19,25 @@ from flatep.kernels.backend import check_programs
 
 
 @triton.jit
-def _list_pushes_kernel(slot_experts_ptr, pushes_ptr, count_ptr, first_rank, local_ranks, SLOTS: tl.constexpr, EPN: tl.constexpr, BLOCK: tl.constexpr):
-    slot = tl.arange(0, BLOCK)
-    expert = tl.load(slot_experts_ptr + slot, mask=slot < SLOTS, other=-1)
-    owner = expert // EPN
-    mine = (expert >= 0) & (owner >= first_rank) & (owner < first_rank + local_ranks)
-    position = tl.cumsum(mine.to(tl.int32), axis=0) - 1
-    tl.store(pushes_ptr + position, slot, mask=mine)
-    tl.store(count_ptr, tl.sum(mine.to(tl.int32), axis=0))
-
-
-@triton.jit
 def _push_kernel(
-    home_ptr, home_peers_ptr, slots_ptr, slot_peers_ptr, slot_experts_ptr, pushes_ptr, count_ptr, numel,
-    EPN: tl.constexpr, BLOCK: tl.constexpr,
+    home_ptr, home_peers_ptr, slots_ptr, slot_peers_ptr, slot_experts_ptr, numel, first_rank, local_ranks,
+    SLOTS: tl.constexpr, SLOTS_BLOCK: tl.constexpr, EPN: tl.constexpr, BLOCK: tl.constexpr,
 ):
     program = tl.program_id(0)
     programs = tl.num_programs(0)
+    # The slots whose expert one of this process's ranks owns, numbered in slot order.
+    slot_ids = tl.arange(0, SLOTS_BLOCK)
+    table = tl.load(slot_experts_ptr + slot_ids, mask=slot_ids < SLOTS, other=-1)
+    owners = table // EPN
+    mine = (table >= 0) & (owners >= first_rank) & (owners < first_rank + local_ranks)
+    position = tl.cumsum(mine.to(tl.int32), axis=0) - 1
+    count = tl.sum(mine.to(tl.int32), axis=0)
     # Pools exceed 2**31 elements at real sizes (Kimi-K3: 224 experts x 22M): index in int64.
     expert_stride = tl.full([], numel, tl.int64)
     block = tl.full([], BLOCK, tl.int64)  # chunk * BLOCK may pass 2**31 near the end of a large expert
     chunks = tl.cdiv(numel, BLOCK)
-    count = tl.load(count_ptr)
     for index in range(count):
-        slot = tl.load(pushes_ptr + index)
+        slot = tl.sum(tl.where(mine & (position == index), slot_ids, 0), axis=0)
         expert = tl.load(slot_experts_ptr + slot)
         owner = expert // EPN
         receiver = slot // EPN
@@ -67,11 +65,28 @@ def push_programs(device: torch.device, programs: int | None = None) -> int:
 
 def chunk_elements(pool: torch.Tensor) -> int:
     """Elements of ``pool`` one push program copies per chunk: a fixed number of bytes (16 KiB on
-    CUDA, 8 KiB under the interpreter), whatever the element size. Counted in elements, chunks of
-    one-byte pools (fp8 values, packed mxfp4 blocks, e8m0 scales) held half a bf16 chunk's bytes,
-    and on the H200 an fp8 Kimi-K2 push moved its bytes at 0.65x a bf16 push's rate."""
+    CUDA, 8 KiB under the interpreter), whatever the element size."""
     chunk_bytes = 16384 if pool.device.type == "cuda" else 8192
     return max(chunk_bytes // pool.element_size(), 1)
+
+
+def copy_view(pool: torch.Tensor) -> torch.Tensor:
+    """``pool`` reinterpreted as the widest integers (8, 4, 2 or 1 bytes) that divide the bytes of
+    its rows (its last dimension) and its address: the same bytes, as few elements as possible.
+
+    On the H200 the push moved its elements at about the same rate whatever their size (a Kimi-K2
+    expert in fp8, half the bytes, took 0.86x the time of one in bf16), so wider elements move
+    more bytes per access.
+
+    Args:
+        pool: a tensor whose last dimension is contiguous.
+    """
+    row_bytes = pool.shape[-1] * pool.element_size()
+    for dtype in (torch.int64, torch.int32, torch.int16, torch.uint8):
+        width = dtype.itemsize
+        if row_bytes % width == 0 and pool.data_ptr() % width == 0:
+            return pool if pool.dtype == dtype else pool.view(torch.uint8).view(dtype)
+    raise AssertionError("a one-byte view always fits")
 
 
 def push_triton(
@@ -100,15 +115,10 @@ def push_triton(
     """
     grid = (push_programs(home.device, programs),)
     ranks, epn = slot_experts.shape
-    pushes = torch.empty(ranks * epn, dtype=torch.int32, device=home.device)
-    count = torch.empty(1, dtype=torch.int32, device=home.device)
-    _list_pushes_kernel[(1,)](
-        slot_experts, pushes, count, first_rank, local_ranks,
-        SLOTS=ranks * epn, EPN=epn, BLOCK=triton.next_power_of_2(ranks * epn),
-    )
-    block = chunk_elements(home)
     _push_kernel[grid](
-        home, home_peers, slots, slot_peers, slot_experts, pushes, count, expert_numel, EPN=epn, BLOCK=block, num_warps=8,
+        home, home_peers, slots, slot_peers, slot_experts, expert_numel, first_rank, local_ranks,
+        SLOTS=ranks * epn, SLOTS_BLOCK=triton.next_power_of_2(ranks * epn), EPN=epn, BLOCK=chunk_elements(home),
+        num_warps=8,
     )
 
 

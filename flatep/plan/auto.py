@@ -111,7 +111,7 @@ def moving_never_pays(config: EPConfig, cost: CostProfile, total_tokens: int) ->
     ``one``) can give an expert up to ``T*K`` rows; for them the pruned step is still correct and
     classic, but the model might have preferred moving.
     """
-    constants = cost.constants(config)
+    constants = cost.constants(config, total_tokens=total_tokens)
     rows = total_tokens
     tiles = -(-rows // constants.tile_rows)
     row_link = rows * constants.row_bytes * constants.byte_fs
@@ -170,7 +170,7 @@ def select(
     if not isinstance(cost, CostProfile):
         raise ValueError(f"cost must be a flatep.CostProfile, got {type(cost).__name__}")
     alloc = torch.stack([plan.alloc for plan in plans])  # [C, E, R]
-    prediction = predictor(tokens_per_expert.to(alloc.device), alloc, cost.constants(config))
+    prediction = predictor(tokens_per_expert.to(alloc.device), alloc, cost.constants(config, total_tokens=total_tokens))
     choice = choose(prediction)
     auto = AutoChoice(candidates=candidates, choice=choice, prediction=prediction)
     changes: dict[str, object] = {

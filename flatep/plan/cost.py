@@ -54,6 +54,11 @@ class CostProfile:
             barrier after them), in microseconds, charged to every rank.
         tile_rows: rows of one GEMM tile: a group's rows are computed in whole tiles.
         name: a label (the device it was measured on).
+        decode_gemm_tflops, decode_group_us, decode_tile_rows: ``gemm_tflops``, ``group_us`` and
+            ``tile_rows`` of steps whose experts hold at most
+            :data:`flatep.kernels.decode_gemm.DECODE_ROWS_PER_GROUP` rows on average
+            (``ceil(T*K/E)``), where the layer runs its decode kernels (small tiles, weights
+            streamed once) instead of ``torch._grouped_mm``; None: the same as the others.
         expert_bytes: bytes of one expert's weights as the pool stores and pushes them (values and
             scales), or None for bf16 (:meth:`flatep.EPConfig.expert_bytes`). Not a device constant:
             :func:`flatep.ep_moe` fills it from a packed (fp8, mxfp4) pool; planning on its own
@@ -68,6 +73,9 @@ class CostProfile:
     tile_rows: int
     name: str = "custom"
     expert_bytes: int | None = None
+    decode_gemm_tflops: float | None = None
+    decode_group_us: float | None = None
+    decode_tile_rows: int | None = None
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -78,9 +86,12 @@ class CostProfile:
             elif field.name == "name":
                 if not isinstance(value, str):
                     raise ValueError(f"CostProfile.name must be a string, got {value!r}")
-            elif field.name == "tile_rows":
-                if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                    raise ValueError(f"CostProfile.tile_rows must be a positive integer, got {value!r}")
+            elif field.name in ("tile_rows", "decode_tile_rows"):
+                if (value is not None or field.name == "tile_rows") and (
+                        isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                    raise ValueError(f"CostProfile.{field.name} must be a positive integer, got {value!r}")
+            elif value is None and field.name in ("decode_gemm_tflops", "decode_group_us"):
+                continue
             elif isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
                 raise ValueError(f"CostProfile.{field.name} must be a finite number > 0, got {value!r}")
 
@@ -154,11 +165,19 @@ class CostProfile:
         """This profile for experts stored in ``expert_bytes`` bytes each (None: bf16)."""
         return dataclasses.replace(self, expert_bytes=expert_bytes)
 
-    def constants(self, config: EPConfig, weight_bytes: int | None = None, row_bytes: int | None = None) -> "CostConstants":
+    def constants(
+        self, config: EPConfig, weight_bytes: int | None = None, row_bytes: int | None = None, *,
+        total_tokens: int | None = None,
+    ) -> "CostConstants":
         """The model's integer constants for ``config``.
 
         Args:
             config: the group's sizes.
+            total_tokens: the step's ``T`` (all ranks' tokens): where its experts hold at most
+                :data:`~flatep.kernels.decode_gemm.DECODE_ROWS_PER_GROUP` rows on average, the
+                decode fields apply (``decode_gemm_tflops``, ``decode_group_us``, ``decode_tile_rows``,
+                where set). None:
+                the others.
             weight_bytes: bytes of one expert's weights as stored and pushed (default: the profile's
                 ``expert_bytes``, else bf16: :meth:`~flatep.EPConfig.expert_bytes`).
             row_bytes: link bytes one entry costs in dispatch plus combine (default bf16 rows both
@@ -171,20 +190,34 @@ class CostProfile:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         flops_per_row = 2 * 3 * config.hidden * config.intermediate
+        tflops, group_us, tile_rows = self.gemm_tflops, self.group_us, self.tile_rows
+        if total_tokens is not None and few_rows_per_expert(config, total_tokens):
+            tflops = tflops if self.decode_gemm_tflops is None else self.decode_gemm_tflops
+            group_us = group_us if self.decode_group_us is None else self.decode_group_us
+            tile_rows = tile_rows if self.decode_tile_rows is None else self.decode_tile_rows
         # The most link bytes one rank can see in a step: a donor lends at most epn experts to
         # each other rank, and at most every entry of the group crosses.
         link_bytes = (config.ranks - 1) * config.experts_per_rank * weight_bytes
         link_bytes = max(link_bytes, config.ranks * config.capacity * config.top_k * row_bytes)
         return CostConstants(
-            row_fs=round(flops_per_row * _FS_PER_S / (self.gemm_tflops * 1e12)),
-            tile_rows=self.tile_rows,
+            row_fs=round(flops_per_row * _FS_PER_S / (tflops * 1e12)),
+            tile_rows=tile_rows,
             weight_fs=round(weight_bytes * _FS_PER_S / (self.hbm_gbps * 1e9)),
-            group_fs=round(self.group_us * _FS_PER_US),
+            group_fs=round(group_us * _FS_PER_US),
             push_fs=round(self.push_us * _FS_PER_US),
             byte_fs=min(round(_FS_PER_S / (self.link_gbps * 1e9)), _LINK_FS_LIMIT // link_bytes),
             weight_bytes=weight_bytes,
             row_bytes=row_bytes,
         )
+
+
+def few_rows_per_expert(config: EPConfig, total_tokens: int) -> bool:
+    """Whether a step of ``T`` tokens runs the decode kernels' regime: its experts hold at most
+    :data:`flatep.kernels.decode_gemm.DECODE_ROWS_PER_GROUP` rows on average (``ceil(T*K/E)``,
+    the rule :func:`flatep.experts.grouped.grouped_swiglu` follows for bf16 weights)."""
+    from flatep.kernels.decode_gemm import DECODE_ROWS_PER_GROUP
+
+    return -(-total_tokens * config.top_k // config.experts) <= DECODE_ROWS_PER_GROUP
 
 
 @dataclass(frozen=True)

@@ -961,7 +961,7 @@ def _auto_tables(
             _launch_layout(hist, candidate.config(config), candidate.policy, tables)
     alloc_start = _Tables._places(config)[0][2]
     alloc = storage[:, alloc_start:alloc_start + config.experts * config.ranks].view(len(candidates), config.experts, config.ranks)
-    prediction = predict_triton(hist, alloc, cost.constants(config))
+    prediction = predict_triton(hist, alloc, cost.constants(config, total_tokens=total_tokens))
     if len(candidates) == 1:
         choice, chosen = choose(prediction), storage[0]
     else:

@@ -14,7 +14,7 @@ from abc import ABC, abstractmethod
 import torch
 
 from flatep.kernels.backend import use_triton
-from flatep.kernels.push import push_torch, push_triton
+from flatep.kernels.push import copy_view, push_torch, push_triton
 
 
 def join_process_group(process_group, transport: str):
@@ -163,8 +163,9 @@ class Group(ABC):
             backend: ``auto``, ``triton`` or ``torch`` (see :func:`flatep.kernels.backend.use_triton`).
             programs: cap on the push kernel's programs (``None``: its default, 4 per SM).
         """
-        numel = home[0, 0].numel() if self.stacked else home[0].numel()
         if use_triton(home.device, backend):
+            home, slots = copy_view(home), copy_view(slots)
+            numel = home[0, 0].numel() if self.stacked else home[0].numel()
             push_triton(home, self.peer_offsets(home), slots, self.peer_offsets(slots), slot_experts,
                         self.first_rank, len(self.local_ranks), numel, programs)
         elif self.stacked:
