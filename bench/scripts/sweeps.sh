@@ -21,7 +21,7 @@ for model in "${models[@]}"; do
   # read, a copy within the GPU as the virtual ranks' link), kept across a resumed sweep so that its
   # rows agree. A profile already in $OUT is used as it is.
   profile="$OUT/profile-kimi-$model.json"
-  [ -f "$profile" ] || timeout 120 python3 -m flatep calibrate --model "kimi-$model" --link local --out "$profile" > "$OUT/calibrate-kimi-$model.log" 2>&1
+  [ -f "$profile" ] || timeout 240 python3 -m flatep calibrate --model "kimi-$model" --link local --out "$profile" > "$OUT/calibrate-kimi-$model.log" 2>&1
   bench_sweep "kimi-$model" "bench/scripts/h200-$model.yaml" "${SWEEP_TIMEOUT:-1800}" --cost "$profile" || status=1
 done
 exit $status
