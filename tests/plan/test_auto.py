@@ -54,7 +54,8 @@ def test_auto_is_the_first_cheapest_candidate_and_keeps_the_guarantees(case, pro
     cost = {"rows_only": ROWS_ONLY, "no_link": NO_LINK}.get(profile_name) or CostProfile.preset(profile_name)
     plan = make_plan(ids, config, "auto", tokens, cost=cost)
     plans = candidate_plans(ids, config, tokens)
-    layer = [int(predict(p.tokens_per_expert, p.alloc.unsqueeze(0), cost.constants(config)).layer_fs) for p in plans]
+    constants = cost.constants(config, total_tokens=plan.total_tokens)  # the decode fields where they apply
+    layer = [int(predict(p.tokens_per_expert, p.alloc.unsqueeze(0), constants).layer_fs) for p in plans]
     choice = int(plan.auto.choice)
     assert choice == layer.index(min(layer))
     planned = len(candidates_for(config, cost, plan.total_tokens))
