@@ -30,7 +30,6 @@ H200), else the generic one.
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
