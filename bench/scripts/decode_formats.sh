@@ -7,13 +7,13 @@
 # the fp8 experts are timed in the same run as the bf16 ones.
 #   bash bench/scripts/decode_formats.sh        (from the repository root)
 # auto decides with the profiles PROFILE_DIR/profile-kimi-<model>.json (default: those the
-# 2026-12-04 sweeps calibrated with --link local on an H200). Writes $OUT/decode-k2, decode-k3,
+# 2026-12-04-h200-d sweeps calibrated (planned steps, --link local) on an H200). Writes $OUT/decode-k2, decode-k3,
 # decode-k2-fp8, decode-k2-fp8-as-bf16 (results.jsonl, summary.md, plots) and their .log files (OUT defaults to
 # ./bench-out). SWEEP_TIMEOUT (seconds, default 900) bounds each sweep; run the same command again
 # to continue a cut one (--resume).
 cd "$(dirname "$0")/../.."
 source bench/scripts/gpu_env.sh
-profiles="${PROFILE_DIR:-bench/results/2026-12-04-h200-c}"
+profiles="${PROFILE_DIR:-bench/results/2026-12-04-h200-d}"
 status=0
 for name in decode-k2 decode-k3 decode-k2-fp8; do
   model=${name#decode-}
