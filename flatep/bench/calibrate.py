@@ -5,10 +5,13 @@ Measured, at the model's shapes:
 * every rank's experts of planned steps, as the layer runs them (:func:`flatep.layer.experts_step`
   over a rank's home groups and borrowed slots, bf16, timed as CUDA-graph replays): steps of
   ``s`` in :data:`STEP_TOKENS` tokens per rank, routed uniformly and with skew
-  (:func:`flatep.routing.skewed_topk` with ``sigma`` in :data:`STEP_SIGMAS`: maxvio about 10 at
-  Kimi-K2, s = 128), planned under classic EP and exact balance. A rank's groups are of mixed
-  sizes, as the model sees them; the decode kernels run at few rows per expert and
-  ``torch._grouped_mm`` beyond, as in the layer;
+  (:func:`flatep.routing.skewed_topk` with ``sigma`` in :data:`STEP_SIGMAS`: maxvio about 10 and
+  30 at Kimi-K2, s = 128), planned under classic EP and exact balance. A rank's groups are of
+  mixed sizes, as the model sees them; the decode kernels run at few rows per expert and
+  ``torch._grouped_mm`` beyond, as in the layer. The sizes are those where ``auto`` evaluates the
+  model: below about s = 64 at Kimi shapes it plans classic without it
+  (:func:`flatep.plan.auto.moving_never_pays`), and there a rank's few groups (2-12 experts at
+  s = 1) leave the kernels short of parallel work, which the per-group model does not describe;
 * HBM read bandwidth: a sum over 4 GiB of bf16 (reads only, as weight streaming does);
 * link bandwidth: a copy from this GPU to a peer GPU when one exists (otherwise the ``base``
   profile's value is kept, and said so); with ``link="local"``, a copy within this GPU instead:
@@ -40,8 +43,8 @@ from flatep.config import MODEL_SHAPES, EPConfig, preset
 
 # Planned steps whose experts are timed: tokens per rank (few rows per expert to many) x router
 # imbalance x policy (classic: home groups only; exact: home groups and borrowed slots).
-STEP_TOKENS = (1, 32, 128, 1024, 4096)
-STEP_SIGMAS = (0.0, 1.0)
+STEP_TOKENS = (128, 256, 1024, 4096)
+STEP_SIGMAS = (0.0, 1.0, 2.0)
 STEP_POLICIES = ("none", "exact")
 TILES = (64, 128, 256)
 DECODE_TILES = (16, 32, 64, 128)
@@ -80,7 +83,7 @@ def _event_timer(device) -> Timer:
 class _Steps:
     """The planned steps whose ranks' experts are timed, and the inputs their timings share."""
 
-    def __init__(self, config: EPConfig, device, seed: int = 1234) -> None:
+    def __init__(self, config: EPConfig, device, tokens: Sequence[int] = STEP_TOKENS, seed: int = 1234) -> None:
         import torch
 
         from flatep.bench.sweep import SharedWeightsGroup, sized_to_step
@@ -91,14 +94,15 @@ class _Steps:
         self.config, self.device = config, torch.device(device)
         self.group = SharedWeightsGroup(config.ranks, self.device)
         self.plans = []
-        for tokens in STEP_TOKENS:
+        for step_tokens in tokens:
             for sigma in STEP_SIGMAS:
-                ids = skewed_topk(config.ranks, config.experts, config.top_k, tokens, sigma, seed=seed, device=self.device)
+                ids = skewed_topk(config.ranks, config.experts, config.top_k, step_tokens, sigma, seed=seed,
+                                  device=self.device)
                 for policy in STEP_POLICIES:
-                    plan = make_plan(ids, config.replace(capacity=max(config.capacity, tokens)), policy)
+                    plan = make_plan(ids, config.replace(capacity=max(config.capacity, step_tokens)), policy)
                     if policy == "none":
                         plan = sized_to_step(plan, config.align)
-                    self.plans.append((tokens, sigma, policy, split_slot_rows(plan)))
+                    self.plans.append((step_tokens, sigma, policy, split_slot_rows(plan)))
         self._pool = None
         self._inputs: tuple | None = None
 
@@ -267,7 +271,7 @@ LINKS = ("peer", "local")
 
 def calibrate(
     config: EPConfig, device, timer: Timer | None = None, base=None, log: Callable[[str], None] = print,
-    link: str = "peer",
+    link: str = "peer", tokens: Sequence[int] = STEP_TOKENS,
 ):
     """Measure a :class:`flatep.CostProfile` on ``device`` at ``config``'s shapes.
 
@@ -280,6 +284,8 @@ def calibrate(
         log: where progress lines go.
         link: ``peer`` (a copy to a peer GPU where one is visible, else the base profile's value)
             or ``local`` (a copy within ``device``: virtual ranks sharing one GPU).
+        tokens: tokens per rank of the planned steps whose experts are timed; they must include
+            steps of at most 64 rows per expert (``ceil(R*s*K/E)``) and steps of more.
 
     Raises:
         ValueError: on a CPU device with the default timer (nothing meaningful to measure there),
@@ -301,7 +307,7 @@ def calibrate(
     if base is None:
         base = CostProfile.preset("h200") if "H200" in name else CostProfile.default()
     experts_us = []
-    for measurement in _Steps(config, device).measurements():
+    for measurement in _Steps(config, device, tokens).measurements():
         us = timer(measurement)
         experts_us.append((measurement.params, us))
         params = measurement.params
@@ -334,13 +340,15 @@ def add_calibrate_command(commands) -> None:
     parser.add_argument("--link", choices=LINKS, default="peer",
                         help="peer: time a copy to a peer GPU (kept from the preset without one); local: a copy within "
                              "this GPU, the link of virtual ranks sharing it (profiles for one-GPU sweeps)")
+    parser.add_argument("--tokens", type=int, nargs="+", default=list(STEP_TOKENS),
+                        help="tokens per rank of the planned steps timed (some with at most 64 rows per expert, some more)")
     parser.set_defaults(run=_run)
 
 
 def _run(args: argparse.Namespace) -> int:
     import json
 
-    profile = calibrate(preset(args.model, ranks=args.ranks), args.device, link=args.link)
+    profile = calibrate(preset(args.model, ranks=args.ranks), args.device, link=args.link, tokens=args.tokens)
     if args.out:
         profile.save(args.out)
         print(f"wrote {args.out}")

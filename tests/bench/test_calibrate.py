@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from flatep import CostProfile, EPConfig, preset
-from flatep.bench.calibrate import STEP_SIGMAS, STEP_POLICIES, STEP_TOKENS, TFLOPS_GRID, calibrate, fit_profile
+from flatep.bench.calibrate import STEP_POLICIES, STEP_SIGMAS, TFLOPS_GRID, calibrate, fit_profile
 from flatep.cli import main
 from flatep.plan.cost import few_rows_per_expert
 
@@ -19,6 +19,8 @@ CONFIG = EPConfig(ranks=8, experts=64, top_k=8, hidden=1024, intermediate=512, c
 TRUE = CostProfile(link_gbps=150.0, hbm_gbps=2000.0, gemm_tflops=TFLOPS_GRID[40], group_us=3.0, push_us=30.0,
                    tile_rows=128, name="x", decode_gemm_tflops=TFLOPS_GRID[0], decode_group_us=1.5, decode_tile_rows=32)
 DATA = Path(__file__).parent / "data"
+# Steps of CONFIG: 8 and 32 tokens per rank hold 8 and 32 rows per expert (decode kernels), 256 hold 256.
+TOKENS = (8, 32, 256)
 
 
 def model_us(profile: CostProfile, config: EPConfig, groups: list[int], total_tokens: int) -> float:
@@ -43,7 +45,7 @@ def fake_timer(measurement):
 
 def test_calibrate_recovers_the_profile_from_fake_times():
     lines = []
-    profile = calibrate(CONFIG, "cpu", timer=fake_timer, base=CostProfile.default(), log=lines.append)
+    profile = calibrate(CONFIG, "cpu", timer=fake_timer, base=CostProfile.default(), log=lines.append, tokens=TOKENS)
     assert (profile.tile_rows, profile.decode_tile_rows) == (TRUE.tile_rows, TRUE.decode_tile_rows)
     for name in ("hbm_gbps", "gemm_tflops", "group_us", "decode_gemm_tflops", "decode_group_us"):
         assert getattr(profile, name) == pytest.approx(getattr(TRUE, name), rel=1e-9), name
@@ -52,7 +54,7 @@ def test_calibrate_recovers_the_profile_from_fake_times():
     assert any("no peer GPU" in line for line in lines)
     # Every planned step's ranks were timed: both policies, both regimes, borrowed slots included.
     timed = [line for line in lines if line.startswith("experts")]
-    assert len(timed) == len(STEP_TOKENS) * len(STEP_SIGMAS) * len(STEP_POLICIES) * CONFIG.ranks
+    assert len(timed) == len(TOKENS) * len(STEP_SIGMAS) * len(STEP_POLICIES) * CONFIG.ranks
 
 
 def test_local_link_is_a_copy_within_the_device():
@@ -66,7 +68,8 @@ def test_local_link_is_a_copy_within_the_device():
         return fake_timer(measurement)
 
     lines = []
-    profile = calibrate(CONFIG, "cpu", timer=timer, base=CostProfile.default(), log=lines.append, link="local")
+    profile = calibrate(CONFIG, "cpu", timer=timer, base=CostProfile.default(), log=lines.append, link="local",
+                        tokens=TOKENS)
     assert len(copies) == 1 and profile.link_gbps == pytest.approx(1800.0, rel=1e-12)
     assert profile.push_us == CostProfile.default().push_us
     assert any("a copy within it" in line for line in lines)
