@@ -25,8 +25,8 @@ has the least squared relative error; then over the decode steps ``decode_tile_r
 128), ``decode_gemm_tflops`` and ``decode_group_us`` the same way. Calibrating on uniform groups instead
 (every group of a rank holding ``n`` rows, ``n`` up to 4096) misled the model on the H200 at
 Kimi-K2 shapes: it fitted 128-row tiles at 635 TFLOP/s, and put the layer's experts 10-22% too
-slow at s >= 4096 and up to 24% too fast at s = 1024; planned steps fitted 256-row tiles at about
-780 TFLOP/s, within 15% of every rank. ``push_us`` is kept from ``base`` (it needs a multi-rank
+slow at s >= 4096 and up to 24% too fast at s = 1024; planned steps fitted 256-row tiles at
+734-795 TFLOP/s, within 15% of every rank. ``push_us`` is kept from ``base`` (it needs a multi-rank
 step to measure); ``base`` is the shipped profile of the device when there is one (``h200`` on an
 H200), else the generic one.
 """
