@@ -21,7 +21,7 @@ import dataclasses
 import json
 import math
 from collections.abc import Iterator
-from dataclasses import astuple, dataclass, field
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -421,16 +421,7 @@ def _ep_cells(
         [lambda s=s: split_slot_rows(planner(cell.ids, config, s.policy, **s.planner_cost)) for s in setups],
         **{**short, "graph": triton_planner},
     )
-    # push_by_rank[rank][arm index]: each rank's push alone, as it would run over its own link.
-    pushing = [s for s in setups if s.plan.policy != "none"]  # ep_moe launches no push under classic
-    push_by_rank = []
-    for rank in range(config.ranks):
-        tables = [push_tables(s.plan.slot_experts, rank) for s in pushing]
-        fns = [lambda table=table: pool.push(table, backend) for pair in tables for table in pair]
-        times = iter(time_interleaved(fns, **short) if fns else [])
-        # A rank's push takes as long as the slower of what it receives and what it lends.
-        slower = {id(s): Timing(*map(max, zip(astuple(next(times)), astuple(next(times))))) for s in pushing}
-        push_by_rank.append([slower.get(id(s), Timing(0.0, 0.0, 0.0)) for s in setups])
+    push_by_rank = _time_pushes(setups, pool, config.ranks, backend, short)
     # experts_by_rank[rank][arm index]
     experts_by_rank = [
         time_interleaved(
@@ -452,6 +443,26 @@ def _ep_cells(
                            [by_rank[index] for by_rank in experts_by_rank], combine_t[index], step_t[index])
         for index, setup in enumerate(setups)
     }
+
+
+def _time_pushes(
+    setups: list[_ArmSetup], pool: ExpertPool, ranks: int, backend: str, timing: dict[str, Any]
+) -> list[list[Timing]]:
+    """``[rank][arm index]``: each rank's own push, as it would run over a link of its own: the
+    slower of the part it receives and the part it lends (:func:`push_tables`), each timed alone,
+    the arms interleaved. Zero for arms whose plan is classic: ``ep_moe`` launches no push there."""
+    pushing = [index for index, setup in enumerate(setups) if setup.plan.policy != "none"]
+    by_rank = []
+    for rank in range(ranks):
+        tables = [push_tables(setups[index].plan.slot_experts, rank) for index in pushing]
+        fns = [lambda table=table: pool.push(table, backend) for pair in tables for table in pair]
+        times = time_interleaved(fns, **timing) if fns else []
+        row = [Timing(0.0, 0.0, 0.0)] * len(setups)
+        for position, index in enumerate(pushing):
+            received, lent = times[2 * position], times[2 * position + 1]
+            row[index] = Timing(max(received.median, lent.median), max(received.min, lent.min), max(received.max, lent.max))
+        by_rank.append(row)
+    return by_rank
 
 
 def _set_up_arm(
