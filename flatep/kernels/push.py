@@ -5,7 +5,7 @@ copy kernel per pool: every program reads the plan's slot table, lists (in regis
 this process must fill, and copies a strided share of the chunks of each listed expert. Grid sizes
 depend only on the device (and an optional cap on the programs), never on the routing, and
 nothing waits on the host. Pools are copied as the widest integers their rows allow
-(:func:`copy_view`): the kernel cannot know that peer addresses are aligned, so each element is
+(:func:`copy_views`): the kernel cannot know that peer addresses are aligned, so each element is
 one memory access, and 8-byte elements move 4x (bf16) to 8x (fp8, packed mxfp4) the bytes per
 access of the pools' own types.
 """
@@ -70,22 +70,22 @@ def chunk_elements(pool: torch.Tensor) -> int:
     return max(chunk_bytes // pool.element_size(), 1)
 
 
-def copy_view(pool: torch.Tensor) -> torch.Tensor:
-    """``pool`` reinterpreted as the widest integers (8, 4, 2 or 1 bytes) that divide the bytes of
-    its rows (its last dimension) and its address: the same bytes, as few elements as possible.
+def copy_views(*pools: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``pools`` reinterpreted as the widest integers (8, 4, 2 or 1 bytes) that divide the bytes of
+    every pool's rows (its last dimension) and every pool's address: the same bytes, as few
+    elements as possible, one element type for all (the kernel indexes them alike).
 
     On the H200 the push moved its elements at about the same rate whatever their size (a Kimi-K2
     expert in fp8, half the bytes, took 0.86x the time of one in bf16), so wider elements move
     more bytes per access.
 
     Args:
-        pool: a tensor whose last dimension is contiguous.
+        pools: tensors whose last dimension is contiguous.
     """
-    row_bytes = pool.shape[-1] * pool.element_size()
     for dtype in (torch.int64, torch.int32, torch.int16, torch.uint8):
         width = dtype.itemsize
-        if row_bytes % width == 0 and pool.data_ptr() % width == 0:
-            return pool if pool.dtype == dtype else pool.view(torch.uint8).view(dtype)
+        if all((pool.shape[-1] * pool.element_size()) % width == 0 and pool.data_ptr() % width == 0 for pool in pools):
+            return tuple(pool if pool.dtype == dtype else pool.view(torch.uint8).view(dtype) for pool in pools)
     raise AssertionError("a one-byte view always fits")
 
 

@@ -14,7 +14,7 @@ from abc import ABC, abstractmethod
 import torch
 
 from flatep.kernels.backend import use_triton
-from flatep.kernels.push import copy_view, push_torch, push_triton
+from flatep.kernels.push import copy_views, push_torch, push_triton
 
 
 def join_process_group(process_group, transport: str):
@@ -164,7 +164,7 @@ class Group(ABC):
             programs: cap on the push kernel's programs (``None``: its default, 4 per SM).
         """
         if use_triton(home.device, backend):
-            home, slots = copy_view(home), copy_view(slots)
+            home, slots = copy_views(home, slots)
             numel = home[0, 0].numel() if self.stacked else home[0].numel()
             push_triton(home, self.peer_offsets(home), slots, self.peer_offsets(slots), slot_experts,
                         self.first_rank, len(self.local_ranks), numel, programs)

@@ -168,16 +168,18 @@ def test_push_of_one_byte_pools_copies_them_in_chunks_of_the_same_bytes(backend,
     (torch.uint8, 224, torch.int64), (torch.uint8, 6, torch.int16), (torch.uint8, 5, torch.uint8),
     (torch.float32, 2, torch.int64),
 ])
-def test_copy_view_takes_the_widest_integers_that_divide_the_rows(dtype, columns, expected):
-    from flatep.kernels.push import copy_view
+def test_copy_views_take_the_widest_integers_that_divide_the_rows(dtype, columns, expected):
+    from flatep.kernels.push import copy_views
 
     pool = torch.arange(2 * 3 * columns).to(dtype).reshape(2, 3, columns)
-    view = copy_view(pool)
+    (view,) = copy_views(pool)
     assert view.dtype == expected and view.data_ptr() == pool.data_ptr()
     assert torch.equal(view.view(torch.uint8), pool.view(torch.uint8))
-    # A row starting off the wide alignment falls back to narrower elements.
     if expected == torch.int64:
-        assert copy_view(pool.view(torch.uint8).reshape(-1)[1:9]).dtype == torch.uint8
+        # A pool starting off the wide alignment narrows every view: home and slots share one type.
+        shifted = pool.view(torch.uint8).reshape(-1)[1:9]
+        assert copy_views(shifted)[0].dtype == torch.uint8
+        assert [v.dtype for v in copy_views(pool, shifted)] == [torch.uint8, torch.uint8]
 
 
 CUDA_AXIS0_LIMIT = 2**31 - 1
