@@ -125,8 +125,7 @@ class _Steps:
 
         if self._inputs is None or self._inputs[0] != index:
             self._inputs = None  # free the previous step's shards first
-            plan = self.plans[index][3]
-            rows = plan.shard_rows + plan.slot_rows if plan.slot_base else plan.shard_rows
+            rows = self.plans[index][3].shard_rows  # split plans: home and slot halves
             shard = torch.randn(self.config.ranks, rows, self.config.hidden, device=self.device).to(torch.bfloat16)
             weights = torch.rand(self.config.ranks, rows, device=self.device)
             self._inputs = (index, shard, weights)

@@ -137,3 +137,21 @@ def test_decode_fields_apply_to_steps_with_few_rows_per_expert_only():
     for field, bad in (("decode_gemm_tflops", -1.0), ("decode_group_us", 0.0), ("decode_tile_rows", 0), ("decode_tile_rows", 2.5)):
         with pytest.raises(ValueError, match=f"CostProfile.{field} must be"):
             CostProfile(**{**TRUE.to_dict(), field: bad})
+
+
+def test_every_planned_step_runs_its_ranks_experts_on_their_own_shards():
+    """The functions calibrate times (one rank's experts of one planned step) run as the layer runs
+    them; here on the CPU at a tiny shape. Classic and exact plans, with borrowed slots."""
+    from flatep.bench.calibrate import _Steps
+
+    config = EPConfig(ranks=4, experts=16, top_k=2, hidden=64, intermediate=32, capacity=16)
+    steps = _Steps(config, "cpu", tokens=(2, 64))
+    measurements = steps.measurements()
+    assert len(measurements) == 2 * len(STEP_SIGMAS) * len(STEP_POLICIES) * config.ranks
+    assert any(plan.slot_base for *_, plan in steps.plans)  # some step borrows experts
+    for index, measurement in enumerate(measurements):
+        measurement.make()()
+        plan = steps.plans[index // config.ranks][3]
+        shard, weights = steps.inputs(index // config.ranks)
+        assert shard.shape == (config.ranks, plan.shard_rows, config.hidden) and weights.shape == shard.shape[:2]
+        assert sum(measurement.params["groups"]) == int(plan.alloc[:, measurement.params["rank"]].sum())
