@@ -145,9 +145,9 @@ def test_every_planned_step_runs_its_ranks_experts_on_their_own_shards():
     from flatep.bench.calibrate import _Steps
 
     config = EPConfig(ranks=4, experts=16, top_k=2, hidden=64, intermediate=32, capacity=16)
-    steps = _Steps(config, "cpu", tokens=(2, 64))
+    steps = _Steps(config, "cpu", tokens=(8,))
     measurements = steps.measurements()
-    assert len(measurements) == 2 * len(STEP_SIGMAS) * len(STEP_POLICIES) * config.ranks
+    assert len(measurements) == len(STEP_SIGMAS) * len(STEP_POLICIES) * config.ranks
     assert any(plan.slot_base for *_, plan in steps.plans)  # some step borrows experts
     for index, measurement in enumerate(measurements):
         measurement.make()()
