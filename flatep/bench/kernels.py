@@ -1,9 +1,10 @@
 """Tuning sweep of the dispatch, combine and push kernels against the device-copy ceiling.
 
-``python -m flatep.bench.kernels [--model kimi-k2] [--tokens 4096] [--out FILE.json]`` times each
-kernel configuration (tokens per program, columns per step, warps) on R virtual ranks of one GPU
-and prints achieved bandwidth (bytes read + written) beside the copy ceiling measured in the same
-run. Bytes counted: dispatch reads each token row once and writes its carriers' rows (K rows per
+``python -m flatep.bench.kernels [--model kimi-k2] [--tokens 4096] [--graph-calls 10] [--out FILE.json]``
+times each kernel configuration (tokens per program, columns per step, warps) on R virtual ranks of
+one GPU and prints achieved bandwidth (bytes read + written) beside the copy ceiling measured in the
+same run. Eager launches by default; ``--graph-calls N`` times N launches captured in one CUDA graph
+per replay instead (per launch), as a serving step's graph runs them. Bytes counted: dispatch reads each token row once and writes its carriers' rows (K rows per
 token without ``EPConfig.dedup``, one per destination rank with it); combine reads those rows and
 writes one; push reads and writes every pushed expert. Only the two exchange kernels are timed:
 with dedup the destinations' expansion after dispatch and the run sums before combine
@@ -31,7 +32,7 @@ from flatep.routing import skewed_topk
 from flatep.transport.local import LocalGroup
 
 
-def _time_push(group: LocalGroup, config, plan, ceiling: float) -> tuple[int, float, float]:
+def _time_push(group: LocalGroup, config, plan, ceiling: float, timing: dict) -> tuple[int, float, float]:
     """Time the push of this plan's borrowed experts (w13 projection): slots, µs, copy fraction."""
     shape = (config.experts_per_rank, 2 * config.intermediate, config.hidden)
     home = group.symmetric_empty(shape, torch.bfloat16)
@@ -40,7 +41,7 @@ def _time_push(group: LocalGroup, config, plan, ceiling: float) -> tuple[int, fl
     numel = home[0, 0].numel()
     push_us = time_us(lambda: push_triton(
         home, group.peer_offsets(home), slots, group.peer_offsets(slots), plan.slot_experts, 0, config.ranks, numel,
-    ), home.device)
+    ), home.device, **timing)
     return pushed, push_us, (2 * pushed * numel * 2 / push_us / 1e3 / ceiling if pushed else 0.0)
 
 
@@ -51,8 +52,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ranks", type=int, default=8)
     parser.add_argument("--tokens", type=int, nargs="+", default=[128, 4096])
     parser.add_argument("--sigma", type=float, default=1.0)
+    parser.add_argument("--block-t", type=int, nargs="+", default=[1, 2, 4, 8, 16], help="tokens per program to try")
+    parser.add_argument("--block-h", type=int, nargs="+", default=[512, 1024, 2048], help="columns per step to try")
+    parser.add_argument("--warps", type=int, nargs="+", default=[4, 8], help="warps per program to try")
+    parser.add_argument("--graph-calls", type=int, default=0,
+                        help="time N launches per CUDA-graph replay (0: eager launches)")
     parser.add_argument("--out", help="write the measurements as JSON")
     args = parser.parse_args(argv)
+    if args.graph_calls < 0:
+        parser.error(f"--graph-calls must be >= 0, got {args.graph_calls}")
+    timing = dict(warmup=3, iters=10, graph=args.graph_calls > 0, calls=max(args.graph_calls, 1))
     device = torch.device("cuda")
     ceiling = copy_ceiling_gbps(device)
     print(f"{device_name(device)}: copy ceiling {ceiling:.0f} GB/s (read+write)")
@@ -71,16 +80,16 @@ def main(argv: list[str] | None = None) -> int:
         out = torch.empty_like(x)
         row_bytes = config.hidden * 2
         moved = (args.ranks * tokens + int(carried(plan).sum())) * row_bytes
-        for block_t, block_h, warps in itertools.product([1, 2, 4, 8, 16], [512, 1024, 2048], [4, 8]):
+        for block_t, block_h, warps in itertools.product(args.block_t, args.block_h, args.warps):
             if block_t * block_h > 16384:
                 continue
             dispatch_us = time_us(lambda: dispatch_triton(
                 x, weights, plan.dest_rank, plan.dest_row, plan.carrier, plan.send_order, shard, shard_weights, links,
                 peers, weight_peers, link_peers, plan.dedup, block_t=block_t, block_h=block_h, num_warps=warps),
-                device, warmup=3, iters=10)
+                device, **timing)
             combine_us = time_us(lambda: combine_triton(
                 out, plan.dest_rank, plan.dest_row, plan.carrier, plan.send_order, shard, peers, block_t=block_t,
-                block_h=block_h, num_warps=warps), device, warmup=3, iters=10)
+                block_h=block_h, num_warps=warps), device, **timing)
             record = dict(kernel_config=dict(block_t=block_t, block_h=block_h, num_warps=warps), tokens=tokens,
                           dispatch_us=dispatch_us, combine_us=combine_us,
                           dispatch_fraction=moved / dispatch_us / 1e3 / ceiling,
@@ -88,13 +97,13 @@ def main(argv: list[str] | None = None) -> int:
             records.append(record)
             print(f"s={tokens:5d} block_t={block_t:2d} block_h={block_h:4d} warps={warps}: dispatch {dispatch_us:8.1f} us "
                   f"({100 * record['dispatch_fraction']:.0f}%), combine {combine_us:8.1f} us ({100 * record['combine_fraction']:.0f}%)")
-        slots, push_us, push_fraction = _time_push(group, config, plan, ceiling)
+        slots, push_us, push_fraction = _time_push(group, config, plan, ceiling, timing)
         print(f"s={tokens}: push of {slots} w13 experts {push_us:.1f} us ({100 * push_fraction:.0f}% of copy ceiling)")
         records.append(dict(tokens=tokens, push_us=push_us, push_slots=slots, push_fraction=push_fraction))
         group.close()
     if args.out:
         with open(args.out, "w") as handle:
-            json.dump(dict(device=device_name(device), copy_ceiling_gbps=ceiling, command=" ".join(sys.argv), records=records), handle, indent=1)
+            json.dump(dict(device=device_name(device), copy_ceiling_gbps=ceiling, graph_calls=args.graph_calls, command=" ".join(sys.argv), records=records), handle, indent=1)
     return 0
 
 

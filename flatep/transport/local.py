@@ -29,6 +29,7 @@ class LocalGroup(Group):
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.local_ranks = tuple(range(count))
+        self._peer_tables: dict[tuple[torch.device, int], torch.Tensor] = {}
         self._start_checks(eager_check)
 
     def symmetric_empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -37,7 +38,16 @@ class LocalGroup(Group):
     def peer_offsets(self, buffer: torch.Tensor) -> torch.Tensor:
         if buffer.shape[0] != self.world:
             raise ValueError(f"buffer must have a leading rank dimension of {self.world}, got {list(buffer.shape)}")
-        return torch.arange(self.world, device=buffer.device, dtype=torch.int64) * buffer.stride(0)
+        # Cached per stride: making the table is two small launches, and every dispatch, combine
+        # and push asks for several (on the H200 they were a visible part of a decode step's phases).
+        key = (buffer.device, buffer.stride(0))
+        table = self._peer_tables.get(key)
+        if table is None:
+            table = torch.arange(self.world, device=buffer.device, dtype=torch.int64) * buffer.stride(0)
+            # A table made while a CUDA graph is captured lives in that graph's memory pool: not kept.
+            if not (buffer.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+                self._peer_tables[key] = table
+        return table
 
     def barrier(self) -> None:
         """Nothing to do: kernels of all virtual ranks are ordered on one stream."""
