@@ -21,6 +21,7 @@ import sys
 import torch
 
 from flatep.bench.accounting import carried
+from flatep.kernels import backend
 from flatep.bench.timing import copy_ceiling_gbps, device_name, time_us
 from flatep.config import preset
 from flatep.kernels.combine import combine_triton
@@ -55,6 +56,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--block-t", type=int, nargs="+", default=[1, 2, 4, 8, 16], help="tokens per program to try")
     parser.add_argument("--block-h", type=int, nargs="+", default=[512, 1024, 2048], help="columns per step to try")
     parser.add_argument("--warps", type=int, nargs="+", default=[4, 8], help="warps per program to try")
+    parser.add_argument("--split-below", type=int, nargs="+", default=[backend.SPLIT_BELOW_ITEMS],
+                        help="values of flatep.kernels.backend.SPLIT_BELOW_ITEMS to try (token blocks below which "
+                             "a launch splits rows into column parts)")
     parser.add_argument("--graph-calls", type=int, default=0,
                         help="time N launches per CUDA-graph replay (0: eager launches)")
     parser.add_argument("--out", help="write the measurements as JSON")
@@ -80,9 +84,10 @@ def main(argv: list[str] | None = None) -> int:
         out = torch.empty_like(x)
         row_bytes = config.hidden * 2
         moved = (args.ranks * tokens + int(carried(plan).sum())) * row_bytes
-        for block_t, block_h, warps in itertools.product(args.block_t, args.block_h, args.warps):
+        for block_t, block_h, warps, split in itertools.product(args.block_t, args.block_h, args.warps, args.split_below):
             if block_t * block_h > 16384:
                 continue
+            backend.SPLIT_BELOW_ITEMS = split  # read by column_parts at each launch
             dispatch_us = time_us(lambda: dispatch_triton(
                 x, weights, plan.dest_rank, plan.dest_row, plan.carrier, plan.send_order, shard, shard_weights, links,
                 peers, weight_peers, link_peers, plan.dedup, block_t=block_t, block_h=block_h, num_warps=warps),
@@ -90,12 +95,12 @@ def main(argv: list[str] | None = None) -> int:
             combine_us = time_us(lambda: combine_triton(
                 out, plan.dest_rank, plan.dest_row, plan.carrier, plan.send_order, shard, peers, block_t=block_t,
                 block_h=block_h, num_warps=warps), device, **timing)
-            record = dict(kernel_config=dict(block_t=block_t, block_h=block_h, num_warps=warps), tokens=tokens,
+            record = dict(kernel_config=dict(block_t=block_t, block_h=block_h, num_warps=warps, split_below=split), tokens=tokens,
                           dispatch_us=dispatch_us, combine_us=combine_us,
                           dispatch_fraction=moved / dispatch_us / 1e3 / ceiling,
                           combine_fraction=moved / combine_us / 1e3 / ceiling)
             records.append(record)
-            print(f"s={tokens:5d} block_t={block_t:2d} block_h={block_h:4d} warps={warps}: dispatch {dispatch_us:8.1f} us "
+            print(f"s={tokens:5d} block_t={block_t:2d} block_h={block_h:4d} warps={warps} split_below={split:5d}: dispatch {dispatch_us:8.1f} us "
                   f"({100 * record['dispatch_fraction']:.0f}%), combine {combine_us:8.1f} us ({100 * record['combine_fraction']:.0f}%)")
         slots, push_us, push_fraction = _time_push(group, config, plan, ceiling, timing)
         print(f"s={tokens}: push of {slots} w13 experts {push_us:.1f} us ({100 * push_fraction:.0f}% of copy ceiling)")
