@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 from flatep import EPConfig
 from flatep.routing import adversarial_topk, skewed_topk
@@ -95,3 +96,40 @@ def _launch_once(module: str, world: int, arguments: list[str], timeout: float) 
             worker.kill()
         pytest.fail(f"{world} workers did not finish within {timeout} s:\n" + "\n".join(logs))
     return [worker.returncode for worker in workers], logs
+
+
+class HostReadGuard(TorchFunctionMode):
+    """Raises ``RuntimeError`` on any torch call inside that would read a tensor back to the host
+    (a synchronisation on CUDA), also where the tensors are on the CPU: values to Python
+    (``tolist``, ``item``, ``bool``/``int``/``float``), copies to the CPU, and the operations whose
+    output size depends on values (``nonzero``, ``masked_select``, ``unique``, ``bincount``,
+    ``repeat_interleave`` without ``output_size``, indexing with a boolean mask).
+
+    A CPU stand-in for ``torch.cuda.set_sync_debug_mode("error")``: the collective transport's
+    tests use it where two processes cannot share one GPU under NCCL.
+    """
+
+    READS = {
+        torch.Tensor.tolist, torch.Tensor.item, torch.Tensor.__bool__, torch.Tensor.__int__, torch.Tensor.__float__,
+        torch.Tensor.__index__, torch.Tensor.cpu, torch.Tensor.numpy, torch.nonzero, torch.Tensor.nonzero,
+        torch.masked_select, torch.Tensor.masked_select, torch.unique, torch.Tensor.unique, torch.bincount,
+        torch.Tensor.bincount,
+    }
+    INDEXING = {torch.Tensor.__getitem__, torch.Tensor.__setitem__, torch.Tensor.index_put_, torch.Tensor.index_put}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in self.READS:
+            raise RuntimeError(f"host read: {getattr(func, '__name__', func)}")
+        if func in (torch.repeat_interleave, torch.Tensor.repeat_interleave) and kwargs.get("output_size") is None:
+            raise RuntimeError("host read: repeat_interleave without output_size")
+        if func is torch.Tensor.to and any(
+            (isinstance(a, torch.device) and a.type == "cpu") or (isinstance(a, str) and a == "cpu")
+            for a in (*args[1:], *kwargs.values())
+        ):
+            raise RuntimeError("host read: a copy to the CPU")
+        if func in self.INDEXING and len(args) > 1:
+            index = args[1] if isinstance(args[1], (tuple, list)) else (args[1],)
+            if any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in index):
+                raise RuntimeError("host read: indexing with a boolean mask")
+        return func(*args, **kwargs)

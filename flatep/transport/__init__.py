@@ -22,6 +22,7 @@ def init_group(
     device: torch.device | str | None = None,
     barrier_timeout: float = 60.0,
     eager_check: bool = True,
+    static_splits: bool = False,
 ) -> Group:
     """Make an EP group.
 
@@ -48,6 +49,10 @@ def init_group(
             synchronisations). ``False``: steps never read back to the host (what CUDA graphs and
             latency-bound serving want); call :meth:`Group.check` after graph replays or every few
             steps to raise what the device recorded. See :attr:`Group.eager_check`.
+        static_splits: collective transport only (with ``transport="auto"``, where it is the one
+            chosen): dispatch and combine send fixed-size messages and read nothing back to the host,
+            for more bytes on the link (see :class:`flatep.transport.collective.CollectiveGroup`).
+            The other transports never read their exchanges' sizes on the host.
 
     Raises:
         ValueError: for arguments of the wrong type or value, naming the argument.
@@ -64,6 +69,10 @@ def init_group(
         process_group, transport = None, process_group
     if transport not in TRANSPORTS:
         raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+    if not isinstance(static_splits, bool):
+        raise ValueError(f"static_splits must be True or False, got {static_splits!r}")
+    if static_splits and (transport in ("local", "nvlink") or ranks is not None):
+        raise ValueError(f"static_splits is for the collective transport, got transport={transport!r}, ranks={ranks!r}")
     if transport == "local" or (transport == "auto" and ranks is not None):
         if process_group is not None:
             raise ValueError("process_group is for the per-process transports, not for local virtual ranks")
@@ -83,7 +92,7 @@ def init_group(
         transport = "nvlink" if nvlink_reachable(process_group, device) else "collective"
     if transport == "nvlink":
         return NVLinkGroup(process_group, device, barrier_timeout, eager_check)
-    return CollectiveGroup(process_group, device, eager_check)
+    return CollectiveGroup(process_group, device, eager_check, static_splits)
 
 
 def nvlink_reachable(process_group: dist.ProcessGroup | None = None, device: torch.device | str | None = None) -> bool:

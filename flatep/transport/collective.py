@@ -26,10 +26,18 @@ alone (the sender sorts by destination row; the receiver knows from the gathered
 source rank each of its real rows comes from). Only the links, which depend on the senders' ids,
 travel with the entries; combine needs the plan, the shard and those links.
 
-Host synchronisation: ``all_to_all_single`` takes its split sizes as Python lists, so dispatch and
-combine each read the per-rank row counts (derived from the plan and the links) back to the host once, and the
-push reads the slot table. This transport therefore cannot be captured in a CUDA graph; its
-collectives already order every exchange, so :meth:`CollectiveGroup.barrier` has nothing to do.
+Host synchronisation: ``all_to_all_single`` takes its split sizes as Python lists, so by default
+dispatch and combine each read the per-rank row counts (derived from the plan and the links) back to
+the host once. With ``static_splits=True`` they read nothing: every peer's part of each message has
+a fixed size taken from the step's shape (:func:`static_slots`: every entry's metadata, and one row
+per token with ``plan.dedup``, one per entry without), filled on the device, padding included; the
+receiver picks its rows out by the plan. More bytes cross the link, the price of a step the host
+never waits on. The push of borrowed experts reads the slot table in either mode: how many experts
+go from which owner to which receiver is only known on the device, and fixed sizes would have to
+provision every pair for all of a rank's slots. So with ``static_splits`` a step that borrows
+nothing (``policy="none"``) has no host synchronisation of this transport's own, while borrowing
+steps read the slot table once per layer. The collectives already order every exchange, so
+:meth:`CollectiveGroup.barrier` has nothing to do.
 """
 from __future__ import annotations
 
@@ -121,6 +129,51 @@ def receive_order(plan: Layout, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return rows, counts[:ranks]
 
 
+def static_slots(tokens: int, top_k: int, dedup: bool) -> tuple[int, int]:
+    """``(entries, rows)`` each rank's part of a static-split message holds: every entry a rank can
+    send to one peer (``s*K``: all of its entries), and every row (``s`` carriers with ``dedup``, one
+    per token and destination rank; ``s*K`` without)."""
+    return tokens * top_k, tokens if dedup else tokens * top_k
+
+
+def static_positions(plan: RankPlan, ranks: int) -> tuple[torch.Tensor, ...]:
+    """Where each entry of this rank goes in the static-split messages, on the device.
+
+    Returns, each ``[s*K]`` in send order (:func:`send_order`): ``order`` (flat entry indices),
+    ``peer`` (destination rank, ``0`` for unplanned entries), ``entry_slot`` (the entry's place among
+    those sent to its peer, ``-1`` for unplanned entries) and ``row_slot`` (the place of its row
+    among the carrier rows sent to that peer, ``-1`` unless the entry is a carrier).
+    """
+    top_k = plan.dest_rank.shape[-1]
+    order, counts = send_order(plan, ranks)
+    dest = plan.dest_rank.reshape(-1).long()[order]
+    sent = dest >= 0
+    peer = dest.clamp_min(0)
+    index = torch.arange(order.numel(), device=order.device)
+    entry_slot = torch.where(sent, index - (counts.cumsum(0) - counts)[peer], -1)
+    carrier = plan.carrier.reshape(-1).long()[order] == order % top_k
+    carries = (carrier & sent).long()
+    carriers = torch.zeros(ranks, dtype=torch.int64, device=order.device).scatter_add_(0, peer, carries)
+    # Entries are sorted by destination, so each peer's carriers are consecutive in send order.
+    row_slot = torch.where(carries > 0, carries.cumsum(0) - carries - (carriers.cumsum(0) - carriers)[peer], -1)
+    return order, peer, entry_slot, row_slot
+
+
+def arrivals(plan: Layout, rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The rows of ``rank``'s shard in arrival order (:func:`receive_order`), with their source.
+
+    Returns ``(rows, real, source, index)``, each ``[shard_rows]``: the shard row, whether an entry
+    arrives in it, its source rank (clamped for the others) and its place among that source's entries.
+    """
+    rows, counts = receive_order(plan, rank)
+    ends = counts.cumsum(0)
+    position = torch.arange(rows.numel(), device=rows.device)
+    source = torch.searchsorted(ends, position, right=True)
+    real = source < plan.ranks
+    source = source.clamp_max(plan.ranks - 1)
+    return rows, real, source, position - (ends - counts)[source]
+
+
 class CollectiveGroup(Group):
     """One EP rank per process over a ``torch.distributed`` process group (NCCL or gloo).
 
@@ -129,6 +182,10 @@ class CollectiveGroup(Group):
         device: where this rank computes (default: the current CUDA device if the group's backend
             is NCCL, else CPU); must be one the backend can all-to-all on.
         eager_check: see :attr:`Group.eager_check`.
+        static_splits: dispatch and combine send fixed-size messages, padding included, so that
+            they read nothing back to the host (see the module docstring): about ``R*s`` rows per
+            rank and direction with ``EPConfig.dedup``, ``R*s*K`` without it (then ``R`` times the
+            bytes of the default), against the ``s*K`` entries' rows of the default.
     """
 
     stacked = False
@@ -138,8 +195,12 @@ class CollectiveGroup(Group):
     peer_addressable = False  # rows move by all-to-all (dispatch, combine below)
 
     def __init__(
-        self, process_group: dist.ProcessGroup | None = None, device: torch.device | str | None = None, eager_check: bool = True
+        self, process_group: dist.ProcessGroup | None = None, device: torch.device | str | None = None,
+        eager_check: bool = True, static_splits: bool = False,
     ) -> None:
+        if not isinstance(static_splits, bool):
+            raise ValueError(f"static_splits must be True or False, got {static_splits!r}")
+        self.static_splits = static_splits
         self._process_group, self.world, self.rank = join_process_group(process_group, "collective")
         self.local_ranks = (self.rank,)
         backend = str(dist.get_backend(self.process_group)).lower()
@@ -217,6 +278,9 @@ class CollectiveGroup(Group):
             shard_weights: ``[shard_rows]`` fp32 route weight of each shard row (written likewise).
             links: ``[shard_rows, 2]`` int32 link table (written with ``plan.dedup``; combine reads it).
         """
+        if self.static_splits:
+            self._dispatch_static(x, topk_weights, plan, shard, shard_weights, links)
+            return
         top_k = topk_weights.shape[-1]
         order, send_counts = send_order(plan, self.world)
         rows, receive_counts = receive_order(plan, self.rank)
@@ -258,6 +322,58 @@ class CollectiveGroup(Group):
         shard[targets[own]] = rows_in.view(x.dtype)
         shard[targets[~own]] = shard[head[~own]]  # the local copies: carrier rows are complete above
 
+    def _exchange(self, parts: list[torch.Tensor]) -> list[torch.Tensor]:
+        """One equal-split all-to-all of ``parts`` (each ``[R, ...]`` uint8, part ``i`` of peer ``p``
+        in row ``p``): returns the same shapes, row ``p`` holding what peer ``p`` sent."""
+        payload = torch.cat([part.reshape(self.world, -1) for part in parts], dim=1)
+        received = torch.empty_like(payload)
+        dist.all_to_all_single(received, payload, group=self.process_group)
+        pieces = received.split([part[0].numel() for part in parts], dim=1)
+        return [piece.reshape(part.shape) for piece, part in zip(pieces, parts)]
+
+    def _dispatch_static(
+        self, x: torch.Tensor, topk_weights: torch.Tensor, plan: RankPlan, shard: torch.Tensor,
+        shard_weights: torch.Tensor, links: torch.Tensor,
+    ) -> None:
+        """:meth:`dispatch` with fixed-size messages (``static_splits``): no host read."""
+        tokens, top_k = topk_weights.shape
+        entry_slots, row_slots = static_slots(tokens, top_k, plan.dedup)
+        order, peer, entry_slot, row_slot = static_positions(plan, self.world)
+        meta = [topk_weights.reshape(-1)[order].view(torch.uint8).view(-1, 4)]
+        if plan.dedup:
+            head, nxt = link_values(plan.dest_row, plan.carrier, plan.send_order)
+            meta += [head.reshape(-1)[order].int().view(torch.uint8).view(-1, 4), nxt.reshape(-1)[order].int().view(torch.uint8).view(-1, 4)]
+        meta = torch.cat(meta, dim=1)
+        row_bytes = x.shape[-1] * x.element_size()
+        # One spare last row takes every write that has no place (unplanned entries, non-carriers).
+        meta_out = torch.empty(self.world * entry_slots + 1, meta.shape[1], dtype=torch.uint8, device=self.device)
+        meta_out[torch.where(entry_slot >= 0, peer * entry_slots + entry_slot, self.world * entry_slots)] = meta
+        rows_out = torch.empty(self.world * row_slots + 1, row_bytes, dtype=torch.uint8, device=self.device)
+        rows_out[torch.where(row_slot >= 0, peer * row_slots + row_slot, self.world * row_slots)] = (
+            x.view(torch.uint8)[order // top_k])
+        meta_in, rows_in = self._exchange([meta_out[:-1].view(self.world, entry_slots, -1),
+                                           rows_out[:-1].view(self.world, row_slots, row_bytes)])
+        targets, real, source, index = arrivals(plan, self.rank)
+        arrived = meta_in[source, index.clamp(0, entry_slots - 1)]  # [shard_rows, meta bytes]
+        # Every shard row is rewritten, the rows no entry reached with their own values: static shapes.
+        weight = arrived[:, :4].contiguous().view(torch.float32).view(-1)
+        shard_weights[targets] = torch.where(real, weight, shard_weights[targets])
+        if not plan.dedup:
+            values = rows_in[source, index.clamp(0, row_slots - 1)].view(x.dtype)
+            shard[targets] = torch.where(real.unsqueeze(1), values, shard[targets])
+            return
+        link = arrived[:, 4:].contiguous().view(torch.int32)  # [shard_rows, 2] (carrier row, next row)
+        links[targets] = torch.where(real.unsqueeze(1), link, links[targets])
+        head = link[:, 0].long()
+        own = real & (head == targets)  # carriers arrive in the same order as their entries
+        carries = own.long()
+        carriers = torch.zeros(self.world, dtype=torch.int64, device=self.device).scatter_add_(0, source, carries)
+        slot = (carries.cumsum(0) - carries - (carriers.cumsum(0) - carriers)[source]).clamp(0, row_slots - 1)
+        shard[targets] = torch.where(own.unsqueeze(1), rows_in[source, slot].view(x.dtype), shard[targets])
+        # The local copies: every carrier row is complete above.
+        copies = real & ~own
+        shard[targets] = torch.where(copies.unsqueeze(1), shard[torch.where(copies, head, targets)], shard[targets])
+
     def _return_entries(self, shard: torch.Tensor, plan: RankPlan) -> tuple[torch.Tensor, torch.Tensor]:
         """Send every shard row back to the entry it came from (the reverse all-to-all of dispatch).
 
@@ -298,6 +414,8 @@ class CollectiveGroup(Group):
         Returns:
             ``[s, H]`` in ``out_dtype``; padded tokens get zeros.
         """
+        if self.static_splits:
+            return self._combine_static(rows, plan, links, out_dtype)
         tokens, top_k = plan.dest_rank.shape
         order, _ = send_order(plan, self.world)
         targets, receive_counts = receive_order(plan, self.rank)
@@ -324,6 +442,37 @@ class CollectiveGroup(Group):
             entry = plan.send_order[:, i].long()
             position = index.gather(1, entry.clamp_min(0).unsqueeze(1))[:, 0]
             total += returned[torch.where(entry >= 0, position, mine.numel())].float()
+        return total.to(out_dtype)
+
+    def _combine_static(self, rows: torch.Tensor, plan: RankPlan, links: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        """:meth:`combine` with fixed-size messages (``static_splits``): no host read, the same sums."""
+        tokens, top_k = plan.dest_rank.shape
+        hidden = rows.shape[-1]
+        _, row_slots = static_slots(tokens, top_k, plan.dedup)
+        targets, real, source, index = arrivals(plan, self.rank)
+        if plan.dedup:  # each carrier row here sends its run's sum, in the place dispatch gave its row
+            own = real & (links[targets, 0].long() == targets)
+            carries = own.long()
+            carriers = torch.zeros(self.world, dtype=torch.int64, device=self.device).scatter_add_(0, source, carries)
+            slot = carries.cumsum(0) - carries - (carriers.cumsum(0) - carriers)[source]
+            partial = run_sums(rows, links, torch.where(own, targets, -1), top_k)
+        else:
+            own, slot, partial = real, index, rows[targets]
+        back = torch.empty(self.world * row_slots + 1, hidden, dtype=rows.dtype, device=self.device)
+        back[torch.where(own, source * row_slots + slot, self.world * row_slots)] = partial
+        (returned,) = self._exchange([back[:-1].view(torch.uint8).view(self.world, row_slots, -1)])
+        returned = returned.view(rows.dtype).view(self.world, row_slots, hidden)
+        order, _, _, row_slot = static_positions(plan, self.world)
+        slot_of_entry = torch.empty_like(row_slot)
+        slot_of_entry[order] = row_slot
+        peer_of_entry = plan.dest_rank.reshape(-1).long().clamp_min(0)
+        first_entry = torch.arange(tokens, device=self.device) * top_k
+        total = torch.zeros(tokens, hidden, dtype=torch.float32, device=self.device)
+        for i in range(top_k):  # the combine kernel's order (send order) and fp32 accumulation: bit-equal results
+            entry = first_entry + plan.send_order[:, i].long().clamp_min(0)
+            slot = slot_of_entry[entry]
+            live = (plan.send_order[:, i] >= 0) & (slot >= 0)
+            total += torch.where(live.unsqueeze(1), returned[peer_of_entry[entry], slot.clamp_min(0)].float(), 0.0)
         return total.to(out_dtype)
 
     def gather_entries(self, values: torch.Tensor, plan: RankPlan) -> torch.Tensor:

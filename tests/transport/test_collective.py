@@ -21,7 +21,7 @@ from flatep.kernels.backend import interpreting
 from flatep.plan import histogram
 from flatep.routing import adversarial_topk, skewed_topk
 from flatep.transport.collective import receive_order, send_order
-from tests.helpers import DEVICE, launch_workers, relative_error, tolerance
+from tests.helpers import DEVICE, HostReadGuard, launch_workers, relative_error, tolerance
 from tests.transport.backward_worker import CASES, case_name, config_for, step_inputs
 from tests.transport.worker import bits, cases, padded_case, padded_counts
 
@@ -88,6 +88,38 @@ def test_collective_equals_local_transport_and_dense(equivalence_run):
             if kernels is not None:
                 assert relative_error(out, kernels[rank]) < 1e-6, f"{case.name} rank {rank}: differs from the local kernels"
             assert relative_error(out, dense[rank]) < tolerance(case.dtype), case.name
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_static_splits_read_nothing_back_and_equal_host_sized_messages(world, tmp_path):
+    """static_splits=True: every case, dedup off and on, bit-identical to the default exchange, with
+    the static group's dispatch and combine under HostReadGuard (no value read back to the host)."""
+    results = launch(world, tmp_path, "--transport", "collective", "--suite", "static")
+    for rank, result in enumerate(results):
+        assert result["group"].startswith("CollectiveGroup("), result
+        checks = {name: value for name, value in result.items() if "/dedup=" in name}
+        assert len(checks) == 2 * len(cases(world, "small")) + 2, sorted(checks)  # + ragged tokens, backward
+        assert all(value is True for value in checks.values()), (rank, [v for v in checks.values() if v is not True])
+
+
+def test_static_splits_only_on_the_collective_transport():
+    with pytest.raises(ValueError, match="static_splits is for the collective transport"):
+        init_group("local", ranks=2, device="cpu", static_splits=True)
+    with pytest.raises(ValueError, match="static_splits must be True or False"):
+        init_group("local", ranks=2, device="cpu", static_splits=1)
+
+
+def test_the_host_read_guard_catches_reads_and_lets_device_side_work_through():
+    values = torch.arange(10)
+    mask = values > 3
+    for read in (values.tolist, values[0].item, lambda: values[mask], lambda: mask.nonzero(), lambda: int(values[0]),
+                 lambda: torch.bincount(values), lambda: torch.repeat_interleave(values, values), values.cpu):
+        with pytest.raises(RuntimeError, match="host read"), HostReadGuard():
+            read()
+    with HostReadGuard():
+        picked = torch.where(mask, values, 0)[torch.tensor([3, 4])]
+        torch.sort(values).indices.cumsum(0)
+    assert picked.tolist() == [0, 4]
 
 
 def test_memory_after_50_steps_of_20_sizes_equals_the_first_steps(equivalence_run):

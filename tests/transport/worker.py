@@ -13,6 +13,13 @@ script). Suites:
   sync-free Triton planner plans): a few cases, a step whose ranks hold fewer real tokens than
   ``s``, a step without any token (which only ``group.check()`` reports), then bad ids on the last
   rank that only ``group.check()`` reports (on every rank), then a good step.
+* ``static``: a collective group with ``static_splits=True`` against one without, on the same
+  processes: every case of :func:`cases` with dedup off and on must give bit-identical outputs, the
+  static group's dispatch and combine running under :class:`tests.helpers.HostReadGuard`.
+* ``sync-free`` (CUDA, NCCL): a collective group with ``static_splits=True`` and
+  ``eager_check=False`` runs classic steps (``policy="none"``, dedup on) under
+  ``torch.cuda.set_sync_debug_mode("error")``, each after one warm-up step of its shape (buffers,
+  kernels); outputs must equal the local transport's bit for bit.
 * ``dead-rank``: after one good step the last rank exits; the others must raise within
   ``--timeout`` seconds, naming it on the nvlink transport.
 
@@ -33,7 +40,8 @@ import torch.distributed as dist
 from flatep import EPConfig, ExpertPool, dense_moe, ep_moe, init_group, make_plan
 from flatep.layer import plan_step
 from flatep.routing import sigma_for_maxvio
-from tests.helpers import make_inputs
+from flatep.transport.collective import CollectiveGroup
+from tests.helpers import HostReadGuard, make_inputs
 
 WEIGHT_SEED = 7
 
@@ -239,6 +247,82 @@ def lazy(group, rank: int, world: int, size: str, log) -> dict[str, object]:
     return results
 
 
+def guarded(method):
+    """``method`` run under :class:`HostReadGuard`."""
+    def run(*args, **kwargs):
+        with HostReadGuard():
+            return method(*args, **kwargs)
+    return run
+
+
+def static(group, rank: int, world: int, size: str, log) -> dict[str, object]:
+    """``group`` exchanges with static splits: outputs bit-identical to messages sized on the host."""
+    dynamic = CollectiveGroup(group.process_group, group.device)
+    group.dispatch, group.combine = guarded(group.dispatch), guarded(group.combine)
+    results: dict[str, object] = {}
+    for case in cases(world, size):
+        x, ids, weights, w13, w2 = case.inputs(group.device)
+        for dedup in (False, True):
+            config = case.config.replace(dedup=dedup)
+            name = f"{case.name}/dedup={dedup}"
+            try:
+                outs = [ep_moe(x[rank], ids[rank], weights[rank], w13, w2, config=config, group=g, policy=case.policy)
+                        for g in (group, dynamic)]
+                same = torch.equal(bits(outs[0]), bits(outs[1]))
+                results[name] = True if same else "FAIL: static and host-sized exchanges differ"
+            except RuntimeError as error:
+                results[name] = f"FAIL: {error}"
+            log(f"{'ok  ' if results[name] is True else 'FAIL'} {name}: {results[name]}")
+    # Ranks with fewer real tokens than s, and the backward (its dispatch and combine are the
+    # forward's, the other way round), deduplicated.
+    case = padded_case(world, size)
+    config = case.config.replace(dedup=True)
+    x, ids, weights, w13, w2 = case.inputs(group.device)
+    runs = []
+    for g in (group, dynamic):
+        plan = plan_step(ids[rank], config, g, case.policy, tokens=padded_counts(world, case.tokens)[rank], dtype=case.dtype)
+        out = ep_moe(x[rank], ids[rank], weights[rank], w13, w2, config=config, group=g, policy=case.policy, plan=plan)
+        tokens = x[rank].float().requires_grad_()
+        with torch.enable_grad():
+            trained = ep_moe(tokens, ids[rank], weights[rank], w13.float(), w2.float(), config=config, group=g, policy=case.policy)
+            trained.backward(torch.ones_like(trained))
+        runs.append((out, tokens.grad))
+    for name, first, second in (("padded", runs[0][0], runs[1][0]), ("backward", runs[0][1], runs[1][1])):
+        results[f"{name}/dedup=True"] = True if torch.equal(bits(first), bits(second)) else "FAIL: differ"
+        log(f"{name}: {results[f'{name}/dedup=True']}")
+    dynamic.close()
+    return results
+
+
+def sync_free(group, rank: int, world: int, size: str, log) -> dict[str, object]:
+    """Classic steps with static splits under the CUDA sync-debug mode set to error."""
+    results: dict[str, object] = {}
+    local = init_group("local", ranks=world, device=group.device)
+    for case in (case for case in cases(world, size) if case.policy == "none"):
+        config = case.config.replace(dedup=True)
+        x, ids, weights, w13, w2 = case.inputs(group.device)
+        pool = ExpertPool.from_weights(w13, w2, config, group)
+
+        def step():
+            return ep_moe(x[rank], ids[rank], weights[rank], config=config, group=group, policy="none", pool=pool)
+
+        step()  # warm-up: buffers, kernels
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            out = step()
+        except RuntimeError as error:
+            results[case.name] = f"FAIL: {error}"
+            continue
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        reference = ep_moe(x, ids, weights, w13, w2, config=config, group=local, policy="none")[rank]
+        results[case.name] = True if torch.equal(bits(out), bits(reference)) else "FAIL: differs from the local transport"
+        log(f"{'ok  ' if results[case.name] is True else 'FAIL'} {case.name}: {results[case.name]}")
+    group.check()
+    return results
+
+
 def dead_rank(group, rank: int, world: int, size: str, timeout: float, log) -> dict[str, object]:
     case = cases(world, size)[0]
     x, ids, weights, w13, w2 = case.inputs(group.device)
@@ -264,7 +348,7 @@ def dead_rank(group, rank: int, world: int, size: str, timeout: float, log) -> d
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--transport", choices=["auto", "nvlink", "collective"], default="auto")
-    parser.add_argument("--suite", choices=["equivalence", "lazy", "dead-rank"], default="equivalence")
+    parser.add_argument("--suite", choices=["equivalence", "lazy", "static", "sync-free", "dead-rank"], default="equivalence")
     parser.add_argument("--size", choices=["small", "mid"], default="small")
     parser.add_argument("--backend", choices=["gloo", "nccl"], default="gloo", help="process group backend")
     parser.add_argument("--init-method", default="env://")
@@ -280,7 +364,8 @@ def main(argv: list[str] | None = None) -> int:
     def log(message: str) -> None:
         print(f"[rank {rank}/{world}] {message}", flush=True)
 
-    group = init_group(transport=args.transport, barrier_timeout=args.timeout, eager_check=args.suite != "lazy")
+    group = init_group(transport=args.transport, barrier_timeout=args.timeout, eager_check=args.suite not in ("lazy", "sync-free"),
+                       static_splits=args.suite in ("static", "sync-free"))
     log(f"group: {group!r}")
     torch.manual_seed(0)
     with torch.no_grad():
@@ -288,6 +373,10 @@ def main(argv: list[str] | None = None) -> int:
             results = equivalence(group, rank, world, args.size, args.compare, log)
         elif args.suite == "lazy":
             results = lazy(group, rank, world, args.size, log)
+        elif args.suite == "static":
+            results = static(group, rank, world, args.size, log)
+        elif args.suite == "sync-free":
+            results = sync_free(group, rank, world, args.size, log)
         else:
             results = dead_rank(group, rank, world, args.size, args.timeout, log)
     results["group"] = repr(group)
