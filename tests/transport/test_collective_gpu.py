@@ -15,7 +15,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 def test_static_split_classic_steps_run_under_sync_debug_error_and_equal_the_local_transport(tmp_path):
-    """bf16 steps (fp32 experts synchronise in ``torch._grouped_mm`` itself: see the worker's log)."""
+    """bf16 steps (fp32 experts on CUDA read their group sizes back, on every transport: see the worker)."""
     output = launch_workers(
         "tests.transport.worker", 1,
         ["--backend", "nccl", "--init-method", f"file://{tmp_path}/store", "--transport", "collective",

@@ -296,8 +296,8 @@ def static(group, rank: int, world: int, size: str, log) -> dict[str, object]:
 
 def sync_free(group, rank: int, world: int, size: str, log) -> dict[str, object]:
     """Classic bf16 steps with static splits under the CUDA sync-debug mode set to error (fp32
-    experts run ``torch._grouped_mm``, which reads group sizes back to the host in fp32: logged,
-    not checked)."""
+    experts on CUDA run one matmul per group, reading the group sizes back: the CUDA grouped GEMM
+    is bf16-only, ``flatep.experts.grouped._grouped_matmul``; logged, not checked)."""
     results: dict[str, object] = {}
     local = init_group("local", ranks=world, device=group.device)
     for case in (case for case in cases(world, size) if case.policy == "none"):
