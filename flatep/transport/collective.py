@@ -151,12 +151,19 @@ def static_positions(plan: RankPlan, ranks: int) -> tuple[torch.Tensor, ...]:
     peer = dest.clamp_min(0)
     index = torch.arange(order.numel(), device=order.device)
     entry_slot = torch.where(sent, index - (counts.cumsum(0) - counts)[peer], -1)
-    carrier = plan.carrier.reshape(-1).long()[order] == order % top_k
-    carries = (carrier & sent).long()
-    carriers = torch.zeros(ranks, dtype=torch.int64, device=order.device).scatter_add_(0, peer, carries)
+    carries = sent & (plan.carrier.reshape(-1).long()[order] == order % top_k)
     # Entries are sorted by destination, so each peer's carriers are consecutive in send order.
-    row_slot = torch.where(carries > 0, carries.cumsum(0) - carries - (carriers.cumsum(0) - carriers)[peer], -1)
+    row_slot = torch.where(carries, carrier_slots(carries, peer, ranks), -1)
     return order, peer, entry_slot, row_slot
+
+
+def carrier_slots(carries: torch.Tensor, peer: torch.Tensor, ranks: int) -> torch.Tensor:
+    """``[n] int64``: each carrier's place among the carriers of its peer, for ``n`` items grouped by
+    ``peer`` (``[n] int64``, ascending); ``carries`` ``[n] bool`` marks the carriers (the others'
+    values are meaningless)."""
+    count = carries.long()
+    per_peer = torch.zeros(ranks, dtype=torch.int64, device=count.device).scatter_add_(0, peer, count)
+    return count.cumsum(0) - count - (per_peer.cumsum(0) - per_peer)[peer]
 
 
 def arrivals(plan: Layout, rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -366,9 +373,7 @@ class CollectiveGroup(Group):
         links[targets] = torch.where(real.unsqueeze(1), link, links[targets])
         head = link[:, 0].long()
         own = real & (head == targets)  # carriers arrive in the same order as their entries
-        carries = own.long()
-        carriers = torch.zeros(self.world, dtype=torch.int64, device=self.device).scatter_add_(0, source, carries)
-        slot = (carries.cumsum(0) - carries - (carriers.cumsum(0) - carriers)[source]).clamp(0, row_slots - 1)
+        slot = carrier_slots(own, source, self.world).clamp(0, row_slots - 1)
         shard[targets] = torch.where(own.unsqueeze(1), rows_in[source, slot].view(x.dtype), shard[targets])
         # The local copies: every carrier row is complete above.
         copies = real & ~own
@@ -452,9 +457,7 @@ class CollectiveGroup(Group):
         targets, real, source, index = arrivals(plan, self.rank)
         if plan.dedup:  # each carrier row here sends its run's sum, in the place dispatch gave its row
             own = real & (links[targets, 0].long() == targets)
-            carries = own.long()
-            carriers = torch.zeros(self.world, dtype=torch.int64, device=self.device).scatter_add_(0, source, carries)
-            slot = carries.cumsum(0) - carries - (carriers.cumsum(0) - carriers)[source]
+            slot = carrier_slots(own, source, self.world)
             partial = run_sums(rows, links, torch.where(own, targets, -1), top_k)
         else:
             own, slot, partial = real, index, rows[targets]
