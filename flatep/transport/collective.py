@@ -352,14 +352,15 @@ class CollectiveGroup(Group):
             meta += [head.reshape(-1)[order].int().view(torch.uint8).view(-1, 4), nxt.reshape(-1)[order].int().view(torch.uint8).view(-1, 4)]
         meta = torch.cat(meta, dim=1)
         row_bytes = x.shape[-1] * x.element_size()
-        # One spare last row takes every write that has no place (unplanned entries, non-carriers).
+        # A spare last slot takes every write that has no place (unplanned entries, non-carriers).
         meta_out = torch.empty(self.world * entry_slots + 1, meta.shape[1], dtype=torch.uint8, device=self.device)
         meta_out[torch.where(entry_slot >= 0, peer * entry_slots + entry_slot, self.world * entry_slots)] = meta
-        rows_out = torch.empty(self.world * row_slots + 1, row_bytes, dtype=torch.uint8, device=self.device)
-        rows_out[torch.where(row_slot >= 0, peer * row_slots + row_slot, self.world * row_slots)] = (
-            x.view(torch.uint8)[order // top_k])
+        # The token of each row slot (padding slots: token 0), then one gather of the message's rows.
+        slot_token = torch.zeros(self.world * row_slots + 1, dtype=torch.int64, device=self.device)
+        slot_token[torch.where(row_slot >= 0, peer * row_slots + row_slot, self.world * row_slots)] = order // top_k
+        rows_out = x.view(torch.uint8)[slot_token[:-1]]
         meta_in, rows_in = self._exchange([meta_out[:-1].view(self.world, entry_slots, -1),
-                                           rows_out[:-1].view(self.world, row_slots, row_bytes)])
+                                           rows_out.view(self.world, row_slots, row_bytes)])
         targets, real, source, index = arrivals(plan, self.rank)
         arrived = meta_in[source, index.clamp(0, entry_slots - 1)]  # [shard_rows, meta bytes]
         # Every shard row is rewritten, the rows no entry reached with their own values: static shapes.
