@@ -201,7 +201,7 @@ class ExpertPool:
         """Copy every borrowed expert of this step from its owner's home pool into the receiver's slot
         (of this layer's slot set), on the current stream.
 
-        How the weights travel is the transport's business (:meth:`Group.push_experts`): the push
+        How the weights travel is the transport's business (:meth:`Group.push_pools`): the push
         kernel over peer addresses, or point-to-point messages on the collective transport. The
         caller orders it against the ranks' other uses of the slots (barriers: see
         :func:`flatep.layer.ep_moe`).
@@ -211,11 +211,13 @@ class ExpertPool:
             backend: ``auto``, ``triton`` or ``torch`` (see :func:`flatep.kernels.backend.use_triton`).
             programs: cap on the push kernel's programs (``None``: its default).
         """
+        pools = []
         for name in self.names:
             home, slots = self.home(name), self.slots(name)
             if home.dtype == torch.float8_e4m3fn:  # moved as bytes: no collective needs to know fp8
                 home, slots = home.view(torch.uint8), slots.view(torch.uint8)
-            self.group.push_experts(home, slots, slot_experts, backend, programs)
+            pools.append((home, slots))
+        self.group.push_pools(pools, slot_experts, backend, programs)
 
     def compute_view(self, local_index: int, part: str = "home") -> tuple[Weights | None, ...]:
         """``(w13 [epn, 2I, H], w2 [epn, H, I], b13 [epn, 2I] | None, b2 [epn, H] | None)`` of one

@@ -173,6 +173,16 @@ class Group(ABC):
         else:
             raise ValueError("the torch push path needs the local transport (stacked pools)")
 
+    def push_pools(
+        self, pools: list[tuple[torch.Tensor, torch.Tensor]], slot_experts: torch.Tensor, backend: str = "auto",
+        programs: int | None = None,
+    ) -> None:
+        """:meth:`push_experts` for every ``(home, slots)`` pair of a layer (values, scales, biases),
+        one step's slot table for all; transports that read the table on the host override it to
+        read it once."""
+        for home, slots in pools:
+            self.push_experts(home, slots, slot_experts, backend, programs)
+
     @abstractmethod
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """``[R, *shape]``: every rank's ``tensor`` (on the local transport ``tensor`` already is that)."""

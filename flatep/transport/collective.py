@@ -507,6 +507,14 @@ class CollectiveGroup(Group):
             slot_experts: ``[R, epn]`` int32 from the plan (``-1`` = empty slot); read on the host.
             backend, programs: ignored (no kernel runs here); accepted for the common interface.
         """
+        self.push_pools([(home, slots)], slot_experts)
+
+    def push_pools(
+        self, pools: list[tuple[torch.Tensor, torch.Tensor]], slot_experts: torch.Tensor, backend: str = "auto",
+        programs: int | None = None,
+    ) -> None:
+        """:meth:`push_experts` for every pool of a layer: the slot table read once, all messages in
+        one batch (each tagged by its pool and slot)."""
         epn = slot_experts.shape[1]
         operations = []
         for receiver, borrowed in enumerate(slot_experts.tolist()):
@@ -514,12 +522,14 @@ class CollectiveGroup(Group):
                 if expert < 0:
                     continue
                 owner = expert // epn  # never the receiver: the planner lends only across ranks
-                if owner == self.rank:
-                    peer = dist.get_global_rank(self.process_group, receiver)
-                    operations.append(dist.P2POp(dist.isend, home[expert % epn], peer, self.process_group, slot))
-                elif receiver == self.rank:
-                    peer = dist.get_global_rank(self.process_group, owner)
-                    operations.append(dist.P2POp(dist.irecv, slots[slot], peer, self.process_group, slot))
+                for index, (home, slots) in enumerate(pools):
+                    tag = index * epn + slot
+                    if owner == self.rank:
+                        peer = dist.get_global_rank(self.process_group, receiver)
+                        operations.append(dist.P2POp(dist.isend, home[expert % epn], peer, self.process_group, tag))
+                    elif receiver == self.rank:
+                        peer = dist.get_global_rank(self.process_group, owner)
+                        operations.append(dist.P2POp(dist.irecv, slots[slot], peer, self.process_group, tag))
         if operations:
             for request in dist.batch_isend_irecv(operations):
                 request.wait()

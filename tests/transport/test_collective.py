@@ -102,6 +102,12 @@ def test_static_splits_read_nothing_back_and_equal_host_sized_messages(world, tm
         assert all(value is True for value in checks.values()), (rank, [v for v in checks.values() if v is not True])
 
 
+@pytest.mark.parametrize("world", [2, 4])
+def test_one_push_moves_every_pool_of_a_layer(world, tmp_path):
+    results = launch(world, tmp_path, "--transport", "collective", "--suite", "push-pools")
+    assert [result["push-pools"] for result in results] == [True] * world
+
+
 def test_static_splits_only_on_the_collective_transport():
     with pytest.raises(ValueError, match="static_splits is for the collective transport"):
         init_group("local", ranks=2, device="cpu", static_splits=True)

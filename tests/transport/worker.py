@@ -20,6 +20,8 @@ script). Suites:
   ``eager_check=False`` runs classic steps (``policy="none"``, dedup on) under
   ``torch.cuda.set_sync_debug_mode("error")``, each after one warm-up step of its shape (buffers,
   kernels); outputs must equal the local transport's bit for bit.
+* ``push-pools``: the collective transport's push of several pools of different dtypes (as
+  values, scales and biases are) in one batch: every slot must hold its owner's expert.
 * ``dead-rank``: after one good step the last rank exits; the others must raise within
   ``--timeout`` seconds, naming it on the nvlink transport.
 
@@ -328,6 +330,32 @@ def sync_free(group, rank: int, world: int, size: str, log) -> dict[str, object]
     return results
 
 
+def push_pools(group, rank: int, world: int, size: str, log) -> dict[str, object]:
+    """Three pools (bf16, uint8, fp32) pushed together; each rank's expert ``e`` holds values made from ``e``."""
+    epn = 3
+
+    def expert_values(expert: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        return (torch.arange(expert * 100, expert * 100 + torch.Size(shape).numel()) % 251).to(dtype).view(shape)
+
+    shapes = [((4, 3), torch.bfloat16), ((5,), torch.uint8), ((2,), torch.float32)]
+    homes = [torch.stack([expert_values(rank * epn + local, shape, dtype) for local in range(epn)]) for shape, dtype in shapes]
+    slots = [torch.full_like(home, 7) for home in homes]
+    # Every rank borrows the next rank's first expert into slot 0 and the one after's last into slot 2.
+    table = torch.full((world, epn), -1, dtype=torch.int32)
+    for receiver in range(world):
+        table[receiver, 0] = ((receiver + 1) % world) * epn
+        if world > 2:
+            table[receiver, 2] = ((receiver + 2) % world) * epn + epn - 1
+    group.push_pools(list(zip(homes, slots)), table)
+    good = True
+    for slot, expert in enumerate(table[rank].tolist()):
+        for (shape, dtype), held in zip(shapes, slots):
+            want = expert_values(expert, shape, dtype) if expert >= 0 else torch.full(shape, 7, dtype=dtype)
+            good = good and torch.equal(held[slot], want)
+    log(f"{'ok  ' if good else 'FAIL'} push of three pools")
+    return {"push-pools": good}
+
+
 def dead_rank(group, rank: int, world: int, size: str, timeout: float, log) -> dict[str, object]:
     case = cases(world, size)[0]
     x, ids, weights, w13, w2 = case.inputs(group.device)
@@ -353,7 +381,8 @@ def dead_rank(group, rank: int, world: int, size: str, timeout: float, log) -> d
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--transport", choices=["auto", "nvlink", "collective"], default="auto")
-    parser.add_argument("--suite", choices=["equivalence", "lazy", "static", "sync-free", "dead-rank"], default="equivalence")
+    parser.add_argument("--suite", choices=["equivalence", "lazy", "static", "sync-free", "push-pools", "dead-rank"],
+                        default="equivalence")
     parser.add_argument("--size", choices=["small", "mid"], default="small")
     parser.add_argument("--backend", choices=["gloo", "nccl"], default="gloo", help="process group backend")
     parser.add_argument("--init-method", default="env://")
@@ -382,6 +411,8 @@ def main(argv: list[str] | None = None) -> int:
             results = static(group, rank, world, args.size, log)
         elif args.suite == "sync-free":
             results = sync_free(group, rank, world, args.size, log)
+        elif args.suite == "push-pools":
+            results = push_pools(group, rank, world, args.size, log)
         else:
             results = dead_rank(group, rank, world, args.size, args.timeout, log)
     results["group"] = repr(group)
