@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from flatep.plan.types import Plan, RankPlan
+from flatep.transport.collective import static_slots
 
 PHASES = ("dispatch", "combine", "push")
 
@@ -135,6 +136,24 @@ def rank_link_bytes(plan: RankPlan, row_bytes: int, expert_bytes: int, rows_in: 
                       local=local_rows * row_bytes + local_entries * meta),
         combine=dict(egress=rows_in * row_bytes, ingress=rows_out * row_bytes, local=local_rows * row_bytes),
         push=dict(egress=push["egress"][rank], ingress=push["ingress"][rank]),
+    )
+
+
+def static_link_bytes(tokens: int, top_k: int, dedup: bool, row_bytes: int, ranks: int) -> dict[str, dict[str, int]]:
+    """Dispatch and combine bytes of one rank of the collective transport with ``static_splits``:
+    every peer's part of each message has a fixed size, padding included
+    (:func:`flatep.transport.collective.static_slots`), whatever the plan; the part a rank sends
+    itself stays ``local``.
+
+    Returns:
+        ``{"dispatch": {...}, "combine": {...}}``, each ``{"egress", "ingress", "local"}`` in bytes.
+    """
+    entry_slots, row_slots = static_slots(tokens, top_k, dedup)
+    dispatch = entry_slots * entry_metadata_bytes(dedup) + row_slots * row_bytes
+    combine = row_slots * row_bytes
+    return dict(
+        dispatch=dict(egress=(ranks - 1) * dispatch, ingress=(ranks - 1) * dispatch, local=dispatch),
+        combine=dict(egress=(ranks - 1) * combine, ingress=(ranks - 1) * combine, local=combine),
     )
 
 

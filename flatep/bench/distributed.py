@@ -10,7 +10,10 @@ Bytes: ``dispatch_bytes`` is logical, the busiest rank's rows times ``H*2`` (one
 destination rank with ``EPConfig.dedup``, one per selected expert without: ``s*K*H*2``; local
 rows included); every rank's ``link_bytes`` (dispatch, combine, push: egress, ingress, and the
 local rows apart) come from its own plan (:func:`flatep.bench.accounting.rank_link_bytes`), and
-``link_bytes_max`` is the most any rank sends or receives in dispatch. With ``--link-gbps`` a
+``link_bytes_max`` is the most any rank sends or receives in dispatch. With ``--static-splits``
+(collective transport) dispatch and combine send fixed-size messages, and their link bytes are those
+messages' sizes, padding included (:func:`flatep.bench.accounting.static_link_bytes`), not the plan's
+rows. With ``--link-gbps`` a
 labelled link model charges each rank ``max(egress, ingress) / link_gbps`` per phase
 (``link_model_us``: the busiest rank).
 """
@@ -26,7 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from flatep.bench.accounting import PHASES, carried, link_model_us, rank_link_bytes, rows_to_ranks
+from flatep.bench.accounting import PHASES, carried, link_model_us, rank_link_bytes, rows_to_ranks, static_link_bytes
 from flatep.bench.timing import copy_ceiling_gbps, device_name, gemm_ceiling_tflops, time_us
 from flatep.config import MODEL_SHAPES, EPConfig, preset
 from flatep.experts.pool import ExpertPool
@@ -83,12 +86,15 @@ def _ep_cell(group, pool: ExpertPool, x, ids, weights, config: EPConfig, policy:
     rows_in = torch.empty_like(rows_out)
     dist.all_to_all_single(rows_in, rows_out)
     rank = group.first_rank
+    row_bytes = config.hidden * x.element_size()
+    link_bytes = rank_link_bytes(plan, row_bytes, config.expert_bytes(x.element_size()), int(rows_in.sum() - rows_in[rank]))
+    if getattr(group, "static_splits", False):
+        link_bytes.update(static_link_bytes(x.shape[0], config.top_k, plan.dedup, row_bytes, group.world))
     return dict(
         plan_us=plan_us, dispatch_us=dispatch_us, push_us=push_us, experts_us=experts_us, combine_us=combine_us,
         step_us=step_us, rows=int(plan.received[rank]),
         sent_rows=int(carried(plan).sum()),
-        link_bytes=rank_link_bytes(plan, config.hidden * x.element_size(), config.expert_bytes(x.element_size()),
-                                   int(rows_in.sum() - rows_in[rank])),
+        link_bytes=link_bytes,
         borrowed=int((plan.slot_experts[rank] >= 0).sum()),
     )
 
@@ -158,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"],
                         help="auto: one GPU per process when the host has as many GPUs as local processes, else the CPU "
                         "(gloo); several processes cannot share one GPU under NCCL")
+    parser.add_argument("--static-splits", action="store_true",
+                        help="collective transport: fixed-size dispatch and combine messages, no host read (init_group)")
     parser.add_argument("--link-gbps", type=float, default=None,
                         help="bandwidth per direction of the labelled link model, GB/s (None: no model, bytes only)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed calls before timing")
@@ -176,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"flatep.bench.distributed: {torch.cuda.device_count()} GPU(s) for more local processes: running on the CPU "
               "with gloo (NCCL needs one GPU per process)", flush=True)
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
-    group = init_group(transport=args.transport, device=device)
+    group = init_group(transport=args.transport, device=device, static_splits=args.static_splits)
     timing = dict(device=device, warmup=args.warmup, iters=args.iters)
     config = _config(args, world, max(args.tokens))
     ceilings = dict(copy_ceiling_gbps=copy_ceiling_gbps(device, 1024 if on_gpu else 64),
@@ -205,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
                 if rank == 0:
                     row = dict(
                         model=args.model, ranks=world, ranks_kind="processes", transport=type(group).__name__,
+                        static_splits=getattr(group, "static_splits", False),
                         tokens=tokens, maxvio_target=target, maxvio=reached, sigma=sigma, arm=arm,
                         device=device_name(device), hidden=config.hidden, experts=config.experts, top_k=config.top_k,
                         intermediate=config.intermediate, link_gbps_model=args.link_gbps,
