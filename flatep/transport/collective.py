@@ -181,6 +181,14 @@ def arrivals(plan: Layout, rank: int) -> tuple[torch.Tensor, torch.Tensor, torch
     return rows, real, source, position - (ends - counts)[source]
 
 
+def refuse_capture(what: str, instead: str) -> None:
+    """Raise ``ValueError`` if a CUDA graph is being captured: ``what`` reads sizes on the host,
+    which would break the capture; ``instead`` says what to do."""
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise ValueError(f"the collective transport's {what} reads sizes on the host and cannot run inside CUDA-graph "
+                         f"capture: {instead}")
+
+
 class CollectiveGroup(Group):
     """One EP rank per process over a ``torch.distributed`` process group (NCCL or gloo).
 
@@ -288,6 +296,7 @@ class CollectiveGroup(Group):
         if self.static_splits:
             self._dispatch_static(x, topk_weights, plan, shard, shard_weights, links)
             return
+        refuse_capture("dispatch", "make the group with static_splits=True")
         top_k = topk_weights.shape[-1]
         order, send_counts = send_order(plan, self.world)
         rows, receive_counts = receive_order(plan, self.rank)
@@ -422,6 +431,7 @@ class CollectiveGroup(Group):
         """
         if self.static_splits:
             return self._combine_static(rows, plan, links, out_dtype)
+        refuse_capture("combine", "make the group with static_splits=True")
         tokens, top_k = plan.dest_rank.shape
         order, _ = send_order(plan, self.world)
         targets, receive_counts = receive_order(plan, self.rank)
@@ -515,6 +525,8 @@ class CollectiveGroup(Group):
     ) -> None:
         """:meth:`push_experts` for every pool of a layer: the slot table read once, all messages in
         one batch (each tagged by its pool and slot)."""
+        refuse_capture("push of borrowed experts", "capture steps that borrow nothing (policy='none') with "
+                       "static_splits=True, or run borrowing steps eagerly")
         epn = slot_experts.shape[1]
         operations = []
         for receiver, borrowed in enumerate(slot_experts.tolist()):

@@ -34,6 +34,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass
+from unittest import mock
 from pathlib import Path
 
 import torch
@@ -292,6 +293,15 @@ def static(group, rank: int, world: int, size: str, log) -> dict[str, object]:
     for name, first, second in (("padded", runs[0][0], runs[1][0]), ("backward", runs[0][1], runs[1][1])):
         results[f"{name}/dedup=True"] = True if torch.equal(bits(first), bits(second)) else "FAIL: differ"
         log(f"{name}: {results[f'{name}/dedup=True']}")
+    # Inside CUDA-graph capture, what reads the host refuses to run, naming the way out.
+    with mock.patch("torch.cuda.is_available", return_value=True), \
+            mock.patch("torch.cuda.is_current_stream_capturing", return_value=True):
+        for what, call, hint in (
+            ("dispatch", lambda: dynamic.dispatch(x[rank], weights[rank], None, None, None, None), "static_splits=True"),
+            ("push", lambda: group.push_pools([], torch.full((world, 1), -1, dtype=torch.int32)), "policy='none'"),
+        ):
+            message = expect_value_error(call, "CUDA-graph capture")
+            results[f"capture/{what}"] = True if hint in message else f"FAIL: {message}"
     dynamic.close()
     return results
 
