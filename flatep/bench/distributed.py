@@ -88,7 +88,7 @@ def _ep_cell(group, pool: ExpertPool, x, ids, weights, config: EPConfig, policy:
     rank = group.first_rank
     row_bytes = config.hidden * x.element_size()
     link_bytes = rank_link_bytes(plan, row_bytes, config.expert_bytes(x.element_size()), int(rows_in.sum() - rows_in[rank]))
-    if getattr(group, "static_splits", False):
+    if group.static_splits:
         link_bytes.update(static_link_bytes(x.shape[0], config.top_k, plan.dedup, row_bytes, group.world))
     return dict(
         plan_us=plan_us, dispatch_us=dispatch_us, push_us=push_us, experts_us=experts_us, combine_us=combine_us,
@@ -213,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
                 if rank == 0:
                     row = dict(
                         model=args.model, ranks=world, ranks_kind="processes", transport=type(group).__name__,
-                        static_splits=getattr(group, "static_splits", False),
+                        static_splits=group.static_splits,
                         tokens=tokens, maxvio_target=target, maxvio=reached, sigma=sigma, arm=arm,
                         device=device_name(device), hidden=config.hidden, experts=config.experts, top_k=config.top_k,
                         intermediate=config.intermediate, link_gbps_model=args.link_gbps,

@@ -70,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     ceiling = copy_ceiling_gbps(device)
     print(f"{device_name(device)}: copy ceiling {ceiling:.0f} GB/s (read+write)")
     records = []
+    library_split = backend.SPLIT_BELOW_ITEMS  # --split-below changes it while it times; put back at the end
     for tokens in args.tokens:
         config = preset(args.model, ranks=args.ranks, capacity=tokens)
         group = LocalGroup(args.ranks, device)
@@ -106,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"s={tokens}: push of {slots} w13 experts {push_us:.1f} us ({100 * push_fraction:.0f}% of copy ceiling)")
         records.append(dict(tokens=tokens, push_us=push_us, push_slots=slots, push_fraction=push_fraction))
         group.close()
+    backend.SPLIT_BELOW_ITEMS = library_split
     if args.out:
         with open(args.out, "w") as handle:
             json.dump(dict(device=device_name(device), copy_ceiling_gbps=ceiling, graph_calls=args.graph_calls, command=" ".join(sys.argv), records=records), handle, indent=1)

@@ -65,6 +65,8 @@ class Group(ABC):
         peer_addressable: whether ranks reach each other's buffers through :meth:`peer_offsets`, so
             that the dispatch and combine kernels move rows themselves (local, nvlink). False where
             the transport moves rows with its own ``dispatch`` and ``combine`` (all-to-all).
+        static_splits: whether the transport's own dispatch and combine messages have fixed sizes
+            (only the collective transport has the option: :class:`flatep.transport.collective.CollectiveGroup`).
     """
 
     world: int
@@ -74,6 +76,7 @@ class Group(ABC):
     eager_check: bool = True
     push_on_side_stream: bool = True
     peer_addressable: bool = True
+    static_splits: bool = False
 
     def _start_checks(self, eager_check: bool) -> None:
         """Set the checking mode and allocate the device error flags (at set-up: never inside a graph)."""

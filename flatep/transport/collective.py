@@ -372,7 +372,9 @@ class CollectiveGroup(Group):
                                            rows_out.view(self.world, row_slots, row_bytes)])
         targets, real, source, index = arrivals(plan, self.rank)
         arrived = meta_in[source, index.clamp(0, entry_slots - 1)]  # [shard_rows, meta bytes]
-        # Every shard row is rewritten, the rows no entry reached with their own values: static shapes.
+        # Every shard row up to the plan's shard_rows is rewritten, the rows no entry reached with
+        # their own values: static shapes, at the price of HBM traffic over all of those rows (the
+        # worst-case shard under classic EP, up to R times the real rows), not only the real ones.
         weight = arrived[:, :4].contiguous().view(torch.float32).view(-1)
         shard_weights[targets] = torch.where(real, weight, shard_weights[targets])
         if not plan.dedup:
