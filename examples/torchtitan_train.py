@@ -1,9 +1,9 @@
 """Train a tiny torchtitan Qwen3-MoE with FlatEP's expert parallelism and without, and compare the losses.
 
 Both models start from the same seed and see the same batches (a fixed random Markov chain over
-the vocabulary), trained by the same plain AdamW loop on the CPU. The FlatEP model is torchtitan's
-model switched by :func:`flatep.integrations.torchtitan.apply_flatep` over ``--ranks`` virtual ranks
-of the local transport. Two comparisons:
+the vocabulary), trained by the same plain AdamW loop on the CPU (or a GPU: ``--device cuda``). The
+FlatEP model is torchtitan's model switched by :func:`flatep.integrations.torchtitan.apply_flatep`
+over ``--ranks`` virtual ranks of the local transport. Two comparisons:
 
 - ``fp32``: FlatEP with ``expert_dtype=None`` against torchtitan's model whose routed experts compute
   in fp32 (:class:`flatep.integrations.tiny_torchtitan.ModelDtypeGroupedExperts`: torchtitan's
@@ -13,24 +13,52 @@ of the local transport. Two comparisons:
 
 Writes ``losses.json`` (every curve, the sizes, the largest differences) and ``losses.png`` to ``--out``.
 
-Example::
+``--device cuda`` trains the same models on a GPU (the virtual ranks share it). torchtitan 0.3.0
+imports ``torch.distributed.fsdp.DataParallelMeshDims`` when its Qwen3 package loads, for its FSDP
+wrapping, and torch 2.11 does not have that name. On such a torch this script defines an empty
+class under that name before it imports torchtitan, says so on stdout and in ``losses.json``
+(``torch_compat``). No code that runs here uses it: the models are built by torchtitan's classes,
+not wrapped by its FSDP.
+
+Examples::
 
     python examples/torchtitan_train.py --steps 50 --policy exact --ranks 4 --out bench/results/torchtitan-cpu
+    python examples/torchtitan_train.py --steps 50 --policy exact --ranks 8 --device cuda --out bench/results/torchtitan-h200
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import json
+import os
 import time
 import warnings
 from pathlib import Path
 
 import torch
+import torch.distributed.fsdp
 
 import flatep
-from flatep.integrations.tiny_torchtitan import TinyQwen3MoE, markov_batches, tiny_qwen3_moe, train
-from flatep.integrations.torchtitan import apply_flatep
+
+
+def define_missing_fsdp_mesh_dims() -> str | None:
+    """Let torchtitan 0.3.0 import on a torch without ``torch.distributed.fsdp.DataParallelMeshDims``.
+
+    Returns a description of what was defined, or ``None`` where torch has the name.
+    """
+    if hasattr(torch.distributed.fsdp, "DataParallelMeshDims"):
+        return None
+    torch.distributed.fsdp.DataParallelMeshDims = type("DataParallelMeshDims", (), {})
+    note = (f"torch {torch.__version__} has no torch.distributed.fsdp.DataParallelMeshDims: an empty class "
+            "was defined under that name so that torchtitan imports (used only by its FSDP wrapping, not run here)")
+    print(note)
+    return note
+
+
+TORCH_COMPAT = define_missing_fsdp_mesh_dims()
+
+from flatep.integrations.tiny_torchtitan import TinyQwen3MoE, markov_batches, tiny_qwen3_moe, train  # noqa: E402
+from flatep.integrations.torchtitan import apply_flatep  # noqa: E402
 
 # torchtitan's router asks for fp32 autocast, which the CPU cannot do (it computes in fp32 anyway).
 warnings.filterwarnings("ignore", message="In CPU autocast, but the target dtype is not supported")
@@ -45,6 +73,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seq", type=int, default=64, help="tokens per sequence")
     parser.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and of the data")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the models train")
     parser.add_argument("--out", type=Path, required=True, help="folder for losses.json and losses.png")
     return parser.parse_args()
 
@@ -56,8 +85,8 @@ def relative_differences(reference: list[float], other: list[float]) -> list[flo
 def run(args: argparse.Namespace) -> dict:
     """Train the four models; their loss curves and the largest relative differences per comparison."""
     sizes = TinyQwen3MoE()
-    batches = markov_batches(args.steps, args.batch, args.seq, sizes.vocab, seed=args.seed)
-    group = flatep.init_group("local", ranks=args.ranks, device="cpu")
+    batches = [batch.to(args.device) for batch in markov_batches(args.steps, args.batch, args.seq, sizes.vocab, seed=args.seed)]
+    group = flatep.init_group("local", ranks=args.ranks, device=args.device)
     curves, seconds = {}, {}
     for name, bf16_experts, flat, expert_dtype in (
         ("torchtitan_fp32_experts", False, False, None),
@@ -65,7 +94,7 @@ def run(args: argparse.Namespace) -> dict:
         ("torchtitan", True, False, None),
         ("flatep_bf16_experts", True, True, torch.bfloat16),
     ):
-        model = tiny_qwen3_moe(sizes, seed=args.seed, bf16_experts=bf16_experts)
+        model = tiny_qwen3_moe(sizes, seed=args.seed, bf16_experts=bf16_experts).to(args.device)
         if flat:
             apply_flatep(model, group, args.policy, expert_dtype=expert_dtype)
         start = time.perf_counter()
@@ -83,7 +112,9 @@ def run(args: argparse.Namespace) -> dict:
         "training": {"steps": args.steps, "batch": args.batch, "seq": args.seq, "lr": args.lr, "seed": args.seed,
                      "optimizer": "AdamW(weight_decay=0, foreach=False)", "dtype": "float32 parameters"},
         "flatep": {"policy": args.policy, "ranks": args.ranks, "transport": "local"},
+        "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
         "versions": {"torch": torch.__version__, "torchtitan": _torchtitan_version()},
+        "torch_compat": TORCH_COMPAT,
         "losses": curves,
         "seconds": seconds,
         "relative_difference": comparisons,
@@ -111,7 +142,7 @@ def plot(result: dict, path: Path) -> None:
     top.plot(steps, losses["torchtitan"], label="torchtitan stock (bf16 experts)", lw=3, alpha=0.5)
     top.plot(steps, losses["flatep_bf16_experts"], ":", label="FlatEP, bf16 experts")
     top.set_ylabel("training loss")
-    top.set_title(f"tiny torchtitan Qwen3-MoE on CPU, FlatEP policy={result['flatep']['policy']!r}")
+    top.set_title(f"tiny torchtitan Qwen3-MoE on {result['device']}, FlatEP policy={result['flatep']['policy']!r}")
     top.legend()
     floor = 1e-9  # equal losses plot at the floor of the log axis
     bottom.semilogy(steps, [max(d, floor) for d in differences["fp32"]], label="fp32: |FlatEP - torchtitan| / torchtitan")
@@ -125,6 +156,8 @@ def plot(result: dict, path: Path) -> None:
 
 def main() -> None:
     args = parse_args()
+    if args.device == "cuda":
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS's deterministic mode needs it
     torch.use_deterministic_algorithms(True)
     args.out.mkdir(parents=True, exist_ok=True)
     result = run(args)

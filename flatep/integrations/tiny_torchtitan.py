@@ -78,10 +78,24 @@ class ModelDtypeGroupedExperts(GroupedExperts):
         pass
 
     def forward(self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
+        if x_RD.is_cuda and x_RD.dtype != torch.bfloat16:
+            return self._per_expert(x_RD, num_tokens_per_expert_E)
         offsets_E = torch.cumsum(num_tokens_per_expert_E, dim=0, dtype=torch.int32)
         gate_RF = torch._grouped_mm(x_RD, self.w1_EFD.transpose(-2, -1), offs=offsets_E)
         up_RF = torch._grouped_mm(x_RD, self.w3_EFD.transpose(-2, -1), offs=offsets_E)
         return torch._grouped_mm(F.silu(gate_RF) * up_RF, self.w2_EDF.transpose(-2, -1), offs=offsets_E)
+
+    def _per_expert(self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
+        """The same products as one matmul per expert: CUDA's grouped GEMM takes bfloat16 only.
+
+        Reads the group sizes back to the host (a synchronisation): this module is a reference.
+        """
+        outputs = []
+        for expert, rows in enumerate(x_RD.split(num_tokens_per_expert_E.tolist())):
+            gate = rows @ self.w1_EFD[expert].transpose(-2, -1)
+            up = rows @ self.w3_EFD[expert].transpose(-2, -1)
+            outputs.append((F.silu(gate) * up) @ self.w2_EDF[expert].transpose(-2, -1))
+        return torch.cat(outputs)
 
 
 def tiny_qwen3_moe(sizes: TinyQwen3MoE = TinyQwen3MoE(), seed: int = 0, bf16_experts: bool = True) -> nn.Module:
