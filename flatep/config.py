@@ -49,9 +49,10 @@ class EPConfig:
             above it moves. ``0`` (default) balances every uneven step; a larger value moves
             fewer experts, at the price of shards that hold ``(1 + tolerance)`` times the mean
             rows. Planners use it in fixed point (:attr:`tolerance_fixed`).
-        dedup: send each token once per destination rank (off by default: on the H200 its
-            kernels hit an illegal memory access at Kimi-K2, s = 4096, and its combine is slower
-            than the per-entry one; see ``docs/decode.md``). A token whose ``K``
+        dedup: send each token once per destination rank (off by default: on one GPU, where
+            virtual ranks share the memory and no link bytes are saved, its expansion and run
+            sums are extra local copies and its combine is slower than the per-entry one; see
+            ``docs/decode.md``). A token whose ``K``
             experts live on fewer than ``K`` ranks crosses the link once per rank: dispatch sends
             the row of the token's first entry (in ``k`` order) bound for each rank, and that rank
             copies it into the token's other rows there; combine first sums, on each computing
