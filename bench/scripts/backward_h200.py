@@ -15,7 +15,11 @@ What it measures (R = 8 virtual ranks on one GPU, local transport; H=7168, E=384
     :func:`flatep.routing.skewed_topk` at the sigma that :func:`flatep.routing.sigma_for_maxvio`
     finds; the maxvio reached is written). Eager steps (planning included), timed with CUDA events
     around ``ep_moe(...)`` and ``out.backward(grad)``; the median of ``--iters`` (default 3) after
-    one warm-up step. Gradients are taken for ``x``, ``topk_weights`` and ``w2``; ``w13`` is frozen,
+    one warm-up step. Classic's shards are sized to the step's hottest rank, as the sweeps size them
+    (:func:`flatep.bench.sweep.sized_to_step`: planned with ``plan_step``, inside the timed region,
+    which then reads the plan's offsets on the host): sized for the worst case, ``R*s*K`` rows per
+    virtual rank, eight virtual classic ranks do not fit on one GPU from s = 4096. This favours
+    classic (a real classic rank sizes for the worst case or synchronises to learn its counts). Gradients are taken for ``x``, ``topk_weights`` and ``w2``; ``w13`` is frozen,
     because its fp32 gradient (45 GB, plus 22.5 GB in bf16) does not fit beside the weights and the
     activations of s = 8192 on one GPU: the timed backward therefore leaves out the ``dW13`` grouped
     GEMM (one of the six backward GEMMs, the size of the ``dx`` one). A cell that runs out of memory is
@@ -43,7 +47,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from flatep import EPConfig, ep_moe, init_group, preset  # noqa: E402
+from flatep import EPConfig, ep_moe, init_group, plan_step, preset  # noqa: E402
+from flatep.bench.sweep import SIZED_TO_STEP, sized_to_step  # noqa: E402
 from flatep.routing import maxvio, sigma_for_maxvio, skewed_topk  # noqa: E402
 
 TOLERANCE = 1e-2
@@ -165,7 +170,11 @@ def time_cell(run: dict, w13: torch.Tensor, w2: torch.Tensor, group, tokens: int
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
         began = time.perf_counter()
-        out = ep_moe(x, ids, topk_weights, w13, w2, config=config, group=group, policy=policy, backend=run["backend"])
+        plan = None
+        if policy in SIZED_TO_STEP:
+            plan = sized_to_step(plan_step(ids, config, group, policy), config.align)
+        out = ep_moe(x, ids, topk_weights, w13, w2, config=config, group=group, policy=policy, plan=plan,
+                     backend=run["backend"])
         out.backward(grad_out)
         if device.type == "cuda":
             end.record()
@@ -251,7 +260,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{str(run['dtype']).removeprefix('torch.')} on {run['device'].type}",
         tokens=run["tokens"], check=check, timing=timing, seconds=time.perf_counter() - began,
         timing_note=f"eager, CUDA events, median of {args.iters} after 1 warm-up; gradients of x, topk_weights, w2 "
-                    "(w13 frozen: its fp32 gradient does not fit beside s=8192 on one GPU)",
+                    "(w13 frozen: its fp32 gradient does not fit beside s=8192 on one GPU); classic's shards sized to the "
+                    "step's hottest rank (planned in the timed region)",
     )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
