@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warps", type=int, nargs="+", default=[4, 8], help="warps per program to try")
     parser.add_argument("--split-below", type=int, nargs="+", default=[backend.SPLIT_BELOW_ITEMS],
                         help="values of flatep.kernels.backend.SPLIT_BELOW_ITEMS to try (token blocks below which "
-                             "a launch splits rows into column parts)")
+                             "dispatch makes every column chunk of a row its own work item)")
     parser.add_argument("--graph-calls", type=int, default=0,
                         help="time N launches per CUDA-graph replay (0: eager launches)")
     parser.add_argument("--out", help="write the measurements as JSON")

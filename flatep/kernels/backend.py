@@ -58,24 +58,27 @@ def column_block(columns: int, element_size: int) -> int:
 
 
 SPLIT_BELOW_ITEMS = 2048
-"""Launches of dispatch and combine with fewer token blocks than this split each row's columns
-into parts (:func:`column_parts`): at decode sizes there are too few rows for the copies to keep the
-memory system busy, and every program would walk all of a row's column chunks one after another."""
+"""Launches of dispatch with fewer token blocks than this split each row's columns into parts
+(:func:`column_parts`), and combine launches that small take more warps per program
+(:func:`flatep.kernels.combine.combine_warps`): at decode sizes there are too few rows for the
+copies to keep the memory system busy."""
 
 
 def column_parts(token_items: int, columns: int, block_h: int) -> tuple[int, int]:
-    """``(parts, chunks per part)``: how dispatch and combine split each row's ``columns``.
+    """``(parts, chunks per part)``: how dispatch splits each row's ``columns``.
 
     A launch with ``token_items`` (ranks driven x token blocks) below :data:`SPLIT_BELOW_ITEMS`
-    gives each row ``parts`` work items of ``chunks per part`` chunks of ``block_h`` columns, so
-    that it has about :data:`SPLIT_BELOW_ITEMS` items (at most one chunk per item); larger
-    launches keep whole rows (``(1, all chunks)``). The shapes alone decide, so a captured graph
-    keeps its split, and every column is still written by exactly one program in the same arithmetic.
+    makes every chunk of ``block_h`` columns of a row its own work item (``(chunks, 1)``); larger
+    launches keep whole rows (``(1, chunks)``). The shapes alone decide, so a captured graph keeps
+    its split, and every column is still written by exactly one program in the same arithmetic.
+    Measured on the H200 at Kimi-K2, R = 8, s = 128 (1024 token items, 7 chunks per row):
+    one chunk per item took 40.6 us against 42.1 us for two parts of 4 and 3 chunks
+    (``bench/results/2026-12-04-h200-f/kernels-decode.log``). Combine keeps whole rows: each of its
+    work items first looks up its tokens' carrier rows, and at s = 128 whole rows took 42.0 us against
+    50.2 us for two parts and 67.2 us for one chunk per item (8 warps, the same log).
     """
     chunks = -(-columns // block_h)
-    wanted = 1 if token_items >= SPLIT_BELOW_ITEMS else min(chunks, -(-SPLIT_BELOW_ITEMS // max(token_items, 1)))
-    per_part = -(-chunks // wanted)
-    return -(-chunks // per_part), per_part
+    return (1, chunks) if token_items >= SPLIT_BELOW_ITEMS else (chunks, 1)
 
 
 # CUDA allows 2**31 - 1 programs on grid axis 0 (65,535 on axes 1 and 2, which is why the

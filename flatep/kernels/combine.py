@@ -16,27 +16,23 @@ import triton
 import triton.language as tl
 
 from flatep.config import next_pow2
-from flatep.kernels.backend import column_block, column_parts, comm_grid, token_block
+from flatep.kernels.backend import SPLIT_BELOW_ITEMS, column_block, comm_grid, token_block
 from flatep.kernels.dispatch import real_rows, row_block, row_grid
 
 
 @triton.jit
 def _combine_kernel(
     out_ptr, dest_rank_ptr, dest_row_ptr, carrier_ptr, order_ptr, shard_ptr, shard_peers_ptr,
-    tokens, blocks, work, parts, out_rank_stride, entry_rank_stride,
+    tokens, blocks, work, out_rank_stride, entry_rank_stride,
     H: tl.constexpr, K: tl.constexpr, K_SLOTS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
-    PART_COLUMNS: tl.constexpr,
 ):
-    # Work item = (local rank, block of BLOCK_T tokens, column part), all on grid axis 0 (axis 1
+    # Work item = (local rank, block of BLOCK_T tokens), whole rows, all on grid axis 0 (axis 1
     # stops at 65,535 programs); a grid-stride loop lets a capped grid cover every item.
     # K_SLOTS = K rounded up to a power of two (a tensor dimension).
     position = tl.arange(0, K_SLOTS)
     for step in range(tl.program_id(0), work, tl.num_programs(0)):
-        part = step % parts
-        local, token, token_mask, entry_base = token_block(step // parts, blocks, tokens, entry_rank_stride, K, BLOCK_T)
+        local, token, token_mask, entry_base = token_block(step, blocks, tokens, entry_rank_stride, K, BLOCK_T)
         out_rows = out_ptr + local * out_rank_stride + token * H
-        first_column = part * PART_COLUMNS
-        column_end = tl.minimum(first_column + PART_COLUMNS, H)
         # The i-th carrier row of each token (the send order: ascending destination rank), as an
         # element offset, -1 where there is none; found once per item, not once per column chunk,
         # so that the column loop's K row loads wait on no chain of table loads.
@@ -50,9 +46,9 @@ def _combine_kernel(
             row = tl.load(dest_row_ptr + entry_base + entry, mask=live, other=0)
             source = tl.load(shard_peers_ptr + dest, mask=live, other=0) + row.to(tl.int64) * H
             sources = tl.where(position[None, :] == i, tl.where(live, source, -1)[:, None], sources)
-        for start in range(first_column, column_end, BLOCK_H):
+        for start in range(0, H, BLOCK_H):
             column = start + tl.arange(0, BLOCK_H)
-            column_mask = column < column_end
+            column_mask = column < H
             total = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32)
             for i in tl.static_range(K):
                 source = tl.sum(tl.where(position[None, :] == i, sources, 0), axis=1)
@@ -106,14 +102,26 @@ def _sum_runs_kernel(
                              mask=carrier[:, None] & column_mask[None, :])
 
 
-def combine_grid(ranks_here: int, tokens: int, block_t: int = 1, programs: int | None = None, parts: int = 1) -> tuple[int]:
-    """Grid of the combine kernel: 1-D, one program per (rank driven, block of ``block_t`` tokens,
-    column part: :func:`flatep.kernels.backend.column_parts`), at most ``programs``.
+def combine_grid(ranks_here: int, tokens: int, block_t: int = 1, programs: int | None = None) -> tuple[int]:
+    """Grid of the combine kernel: 1-D, one program per (rank driven, block of ``block_t`` tokens),
+    at most ``programs``.
 
     Raises:
         ValueError: if the launch would exceed the kernels' work-item limit (:func:`comm_grid`).
     """
-    return comm_grid(ranks_here * triton.cdiv(tokens, block_t) * parts, programs, "token blocks")
+    return comm_grid(ranks_here * triton.cdiv(tokens, block_t), programs, "token blocks")
+
+
+def combine_warps(token_items: int) -> int:
+    """Warps per program of a combine launch of ``token_items`` (ranks driven x token blocks) items.
+
+    Measured on the H200 at Kimi-K2 with R = 8 (``python -m flatep.bench.kernels``, CUDA graphs of
+    10 launches, ``bench/results/2026-12-04-h200-f/kernels-decode.log``): below
+    :data:`~flatep.kernels.backend.SPLIT_BELOW_ITEMS` items (s < 256) 8 warps, whole rows, took
+    s = 128 from 53.7 to 42.0 us and s = 32 from 13.6 to 8.8 us; from there on 4 warps are the
+    best measured (s = 1024: 276 against 291 us, ``2026-12-04-h200-e/kernels-c9c7e35.log``).
+    """
+    return 8 if token_items < SPLIT_BELOW_ITEMS else 4
 
 
 def combine_triton(
@@ -126,7 +134,7 @@ def combine_triton(
     shard_peers: torch.Tensor,
     block_t: int = 1,
     block_h: int | None = None,
-    num_warps: int = 4,
+    num_warps: int | None = None,
     programs: int | None = None,
 ) -> None:
     """``out[r, t]`` = the fp32 sum, in ``send_order``, of the rows of token ``(r, t)``'s carriers.
@@ -139,8 +147,9 @@ def combine_triton(
         dest_rank, dest_row, carrier, send_order: ``[n, s, K]`` int32 from the plan.
         shard: base of this process's shard buffer (``[.., rows, H]``).
         shard_peers: ``[R] int64`` element offsets of every rank's shard from ``shard``'s base.
-        block_t, block_h, num_warps: tuning (see ``python -m flatep.bench.kernels``). The defaults
-            (one token per program, 2 KiB column chunks, 4 warps) were the best or within 3% of it
+        block_t, block_h, num_warps: tuning (see ``python -m flatep.bench.kernels``; ``num_warps``
+            ``None``: :func:`combine_warps`). The defaults (one token per program, 2 KiB column
+            chunks, 4 warps from s = 256 at R = 8) were the best or within 3% of it
             on the H200 for Kimi-K2 and Kimi-K3 at s=1024 and 4096
             (``bench/results/2026-12-02-h200-b/kernels-*.log``): more tokens per program hold
             ``block_t*block_h`` fp32 sums in registers and spill. Finding each token's carrier
@@ -157,13 +166,12 @@ def combine_triton(
     top_k = dest_rank.shape[-1]
     blocks = triton.cdiv(tokens, block_t)
     block_h = block_h or column_block(hidden, shard.element_size())
-    parts, part_chunks = column_parts(ranks_here * blocks, hidden, block_h)
-    grid = combine_grid(ranks_here, tokens, block_t, programs, parts)
+    grid = combine_grid(ranks_here, tokens, block_t, programs)
     _combine_kernel[grid](
         out, dest_rank, dest_row, carrier, send_order, shard, shard_peers,
-        tokens, blocks, ranks_here * blocks * parts, parts, tokens * hidden, tokens * top_k,
+        tokens, blocks, ranks_here * blocks, tokens * hidden, tokens * top_k,
         H=hidden, K=top_k, K_SLOTS=next_pow2(top_k), BLOCK_T=block_t, BLOCK_H=block_h,
-        PART_COLUMNS=part_chunks * block_h, num_warps=num_warps,
+        num_warps=num_warps or combine_warps(ranks_here * blocks),
     )
 
 

@@ -246,19 +246,23 @@ def test_column_parts_split_small_launches_only():
     from flatep.kernels.backend import SPLIT_BELOW_ITEMS, column_parts
 
     assert column_parts(SPLIT_BELOW_ITEMS, 7168, 1024) == (1, 7)  # large launches keep whole rows
-    assert column_parts(1024, 7168, 1024) == (2, 4)  # Kimi-K2, s=128 on 8 ranks: two parts of 4 and 3 chunks
-    assert column_parts(1, 7168, 1024) == (7, 1)  # at most one chunk per item
+    assert column_parts(SPLIT_BELOW_ITEMS - 1, 7168, 1024) == (7, 1)  # small ones: one chunk per item
+    assert column_parts(1, 7168, 1024) == (7, 1)
     assert column_parts(8, 40, 16) == (3, 1)  # a ragged last chunk
-    for items in (1, 3, 100, 700, 2047):
-        parts, per_part = column_parts(items, 7168, 512)
-        assert (parts - 1) * per_part < 14 <= parts * per_part  # every chunk in exactly one part
+
+
+def test_combine_takes_more_warps_in_small_launches():
+    from flatep.kernels.backend import SPLIT_BELOW_ITEMS
+    from flatep.kernels.combine import combine_warps
+
+    assert combine_warps(SPLIT_BELOW_ITEMS - 1) == 8 and combine_warps(SPLIT_BELOW_ITEMS) == 4
 
 
 @pytest.mark.skipif(not use_triton(DEVICE), reason="needs CUDA or TRITON_INTERPRET=1")
 @pytest.mark.parametrize("dedup", [False, True])
 def test_rows_split_into_column_parts_give_bit_identical_results(dedup):
-    """Narrow column chunks split each row over several work items (40 columns in chunks of 16: three
-    parts, the last ragged); dispatch and combine equal the whole-row launch bit for bit."""
+    """Narrow column chunks (40 columns in chunks of 16, the last ragged): dispatch splits each row
+    over three work items, combine walks three chunks per row; both equal the one-chunk launch bit for bit."""
     from flatep.layer import link_buffer
 
     config = EPConfig(ranks=4, experts=8, top_k=3, hidden=40, intermediate=16, capacity=5, align=4, dedup=dedup)
