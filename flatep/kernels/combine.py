@@ -23,29 +23,34 @@ from flatep.kernels.dispatch import real_rows, row_block, row_grid
 @triton.jit
 def _combine_kernel(
     out_ptr, dest_rank_ptr, dest_row_ptr, carrier_ptr, order_ptr, shard_ptr, shard_peers_ptr,
-    tokens, blocks, work, out_rank_stride, entry_rank_stride,
-    H: tl.constexpr, K: tl.constexpr, K_SLOTS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+    tokens, blocks, work, ranks, out_rank_stride, entry_rank_stride,
+    H: tl.constexpr, K: tl.constexpr, K_SLOTS: tl.constexpr, R_SLOTS: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_H: tl.constexpr,
 ):
     # Work item = (local rank, block of BLOCK_T tokens), whole rows, all on grid axis 0 (axis 1
     # stops at 65,535 programs); a grid-stride loop lets a capped grid cover every item.
-    # K_SLOTS = K rounded up to a power of two (a tensor dimension).
+    # K_SLOTS, R_SLOTS = K and the group's ranks rounded up to powers of two (tensor dimensions).
     position = tl.arange(0, K_SLOTS)
+    peer_rank = tl.arange(0, R_SLOTS)
+    # The peer offset table is [R]: held in registers, so a row's address waits on no load of it.
+    peers = tl.load(shard_peers_ptr + peer_rank, mask=peer_rank < ranks, other=0)
     for step in range(tl.program_id(0), work, tl.num_programs(0)):
         local, token, token_mask, entry_base = token_block(step, blocks, tokens, entry_rank_stride, K, BLOCK_T)
         out_rows = out_ptr + local * out_rank_stride + token * H
-        # The i-th carrier row of each token (the send order: ascending destination rank), as an
-        # element offset, -1 where there is none; found once per item, not once per column chunk,
-        # so that the column loop's K row loads wait on no chain of table loads.
-        sources = tl.full([BLOCK_T, K_SLOTS], -1, tl.int64)
-        for i in tl.static_range(K):
-            entry = tl.load(order_ptr + entry_base + i, mask=token_mask, other=-1)
-            live = token_mask & (entry >= 0)
-            carrier = tl.load(carrier_ptr + entry_base + entry, mask=live, other=-1)
-            live = live & (carrier == entry)
-            dest = tl.load(dest_rank_ptr + entry_base + entry, mask=live, other=0)
-            row = tl.load(dest_row_ptr + entry_base + entry, mask=live, other=0)
-            source = tl.load(shard_peers_ptr + dest, mask=live, other=0) + row.to(tl.int64) * H
-            sources = tl.where(position[None, :] == i, tl.where(live, source, -1)[:, None], sources)
+        # Each token's carrier rows in send order (ascending destination rank), as element offsets,
+        # -1 where there is none. Every table is read in one load of all K entries (no chain of
+        # loads through the send order), then permuted in registers; found once per item, so the
+        # column loop's K row loads wait on nothing else.
+        entries = entry_base[:, None] + position[None, :]
+        entry_mask = token_mask[:, None] & (position < K)[None, :]
+        order = tl.load(order_ptr + entries, mask=entry_mask, other=-1)
+        carrier = tl.load(carrier_ptr + entries, mask=entry_mask, other=-1)
+        dest = tl.load(dest_rank_ptr + entries, mask=entry_mask, other=-1)
+        row = tl.load(dest_row_ptr + entries, mask=entry_mask, other=0)
+        peer = tl.sum(tl.where(dest[:, :, None] == peer_rank[None, None, :], peers[None, None, :], 0), axis=2)
+        by_entry = tl.where(carrier == position[None, :], peer + row.to(tl.int64) * H, -1)  # carriers only
+        chosen = tl.sum(tl.where(order[:, :, None] == position[None, None, :], by_entry[:, None, :], 0), axis=2)
+        sources = tl.where(order >= 0, chosen, -1)
         for start in range(0, H, BLOCK_H):
             column = start + tl.arange(0, BLOCK_H)
             column_mask = column < H
@@ -155,7 +160,9 @@ def combine_triton(
             ``block_t*block_h`` fp32 sums in registers and spill. Finding each token's carrier
             rows once per work item, before the column loop, took Kimi-K2 at s = 1024 from 332 to
             277 µs (92% of the copy ceiling; CUDA graphs of 10 launches,
-            ``bench/results/2026-12-04-h200-e/kernels-*.log``).
+            ``bench/results/2026-12-04-h200-e/kernels-*.log``); reading each table in one load
+            and the peer offsets from registers, from 275 to 268 µs, and s = 128 from 45.3 to 43.4
+            µs (same call, ``bench/results/2026-12-04-h200-f/kernels-combine-*.log``).
         programs: at most this many programs (``None``: one per token block), to leave SMs to
             work running beside combine; results do not depend on it.
 
@@ -169,8 +176,9 @@ def combine_triton(
     grid = combine_grid(ranks_here, tokens, block_t, programs)
     _combine_kernel[grid](
         out, dest_rank, dest_row, carrier, send_order, shard, shard_peers,
-        tokens, blocks, ranks_here * blocks, tokens * hidden, tokens * top_k,
-        H=hidden, K=top_k, K_SLOTS=next_pow2(top_k), BLOCK_T=block_t, BLOCK_H=block_h,
+        tokens, blocks, ranks_here * blocks, shard_peers.numel(), tokens * hidden, tokens * top_k,
+        H=hidden, K=top_k, K_SLOTS=next_pow2(top_k), R_SLOTS=next_pow2(shard_peers.numel()), BLOCK_T=block_t,
+        BLOCK_H=block_h,
         num_warps=num_warps or combine_warps(ranks_here * blocks),
     )
 
