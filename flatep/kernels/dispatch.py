@@ -90,11 +90,14 @@ def _dispatch_kernel(
             tile = tl.load(x_rows[:, None] + column[None, :], mask=tile_mask)
             for k in tl.static_range(K):
                 # Carriers only: the token's other entries on that rank are expanded from its row there.
+                # The entry's destination and row are read whether it is a carrier or not, so that
+                # the three table loads run together and the store waits on two loads, not three.
                 carrier = tl.load(carrier_ptr + entry_base + k, mask=token_mask, other=-1)
-                live = token_mask & (carrier == k)
-                dest = tl.load(dest_rank_ptr + entry_base + k, mask=live, other=0)
-                row = tl.load(dest_row_ptr + entry_base + k, mask=live, other=0)
-                target = tl.load(shard_peers_ptr + dest, mask=live, other=0) + row.to(tl.int64) * H
+                dest = tl.load(dest_rank_ptr + entry_base + k, mask=token_mask, other=-1)
+                row = tl.load(dest_row_ptr + entry_base + k, mask=token_mask, other=0)
+                planned = token_mask & (dest >= 0)
+                live = planned & (carrier == k)
+                target = tl.load(shard_peers_ptr + dest, mask=planned, other=0) + row.to(tl.int64) * H
                 tl.store(shard_ptr + target[:, None] + column[None, :], tile, mask=live[:, None] & column_mask[None, :])
 
 
