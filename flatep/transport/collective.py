@@ -34,9 +34,11 @@ per token with ``plan.dedup``, one per entry without), filled on the device, pad
 receiver picks its rows out by the plan. More bytes cross the link, the price of a step the host
 never waits on. The push of borrowed experts reads the slot table in either mode: how many experts
 go from which owner to which receiver is only known on the device, and fixed sizes would have to
-provision every pair for all of a rank's slots. So with ``static_splits`` a step that borrows
-nothing (``policy="none"``) has no host synchronisation of this transport's own, while borrowing
-steps read the slot table once per layer. The collectives already order every exchange, so
+provision every pair for all of a rank's slots. The backward's :meth:`CollectiveGroup.gather_entries`
+follows ``static_splits`` as dispatch and combine do (``s*K`` entries per peer). So with
+``static_splits`` a step that borrows nothing (``policy="none"``), forward and backward, has no host
+synchronisation of this transport's own, while borrowing steps read the slot table once per layer
+(and again in a backward that returns borrowed experts' weight gradients). The collectives already order every exchange, so
 :meth:`CollectiveGroup.barrier` has nothing to do.
 """
 from __future__ import annotations
@@ -504,8 +506,28 @@ class CollectiveGroup(Group):
         Returns:
             ``[s, K, C]`` in ``values``' dtype: entry ``(t, k)`` gets its row's values; padded entries zeros.
         """
+        if self.static_splits:
+            return self._gather_entries_static(values, plan)
+        refuse_capture("gather_entries", "make the group with static_splits=True")
         returned, source = self._return_entries(values.contiguous(), plan)
         return returned[source]
+
+    def _gather_entries_static(self, values: torch.Tensor, plan: RankPlan) -> torch.Tensor:
+        """:meth:`gather_entries` with fixed-size messages (``static_splits``): every peer's part holds
+        ``s*K`` entries, each arrived row's values going back to the place dispatch gave its entry."""
+        tokens, top_k = plan.dest_rank.shape
+        entry_slots, _ = static_slots(tokens, top_k, plan.dedup)
+        targets, real, source, index = arrivals(plan, self.rank)
+        # A spare last slot takes the rows no entry arrived in.
+        back = torch.zeros(self.world * entry_slots + 1, values.shape[-1], dtype=values.dtype, device=self.device)
+        back[torch.where(real, source * entry_slots + index, self.world * entry_slots)] = values[targets]
+        (returned,) = self._exchange([back[:-1].view(torch.uint8).view(self.world, entry_slots, -1)])
+        returned = returned.view(values.dtype).view(self.world * entry_slots, -1)
+        order, peer, entry_slot, _ = static_positions(plan, self.world)
+        gathered = torch.zeros(tokens * top_k, values.shape[-1], dtype=values.dtype, device=self.device)
+        gathered[order] = torch.where((entry_slot >= 0).unsqueeze(1),
+                                      returned[(peer * entry_slots + entry_slot).clamp_min(0)], 0)
+        return gathered.view(tokens, top_k, -1)
 
     def push_experts(
         self, home: torch.Tensor, slots: torch.Tensor, slot_experts: torch.Tensor, backend: str = "auto",

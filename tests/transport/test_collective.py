@@ -93,16 +93,17 @@ def test_collective_equals_local_transport_and_dense(equivalence_run):
 @pytest.mark.parametrize("world", [2, 4])
 def test_static_splits_read_nothing_back_and_equal_host_sized_messages(world, tmp_path):
     """static_splits=True: every case, dedup off and on, bit-identical to the default exchange, with
-    the static group's dispatch and combine under HostReadGuard (no value read back to the host);
-    what reads the host refuses to run inside CUDA-graph capture."""
+    the static group's dispatch, combine and gather_entries (the backward's return of each route
+    weight's gradient) under HostReadGuard (no value read back to the host); what reads the host
+    refuses to run inside CUDA-graph capture."""
     results = launch(world, tmp_path, "--transport", "collective", "--suite", "static")
     for rank, result in enumerate(results):
         assert result["group"].startswith("CollectiveGroup("), result
         checks = {name: value for name, value in result.items() if "/dedup=" in name}
-        assert len(checks) == 2 * len(cases(world, "small")) + 2, sorted(checks)  # + ragged tokens, backward
+        assert len(checks) == 2 * len(cases(world, "small")) + 3, sorted(checks)  # + ragged tokens, backward (x, route)
         assert all(value is True for value in checks.values()), (rank, [v for v in checks.values() if v is not True])
         # Inside CUDA-graph capture the host-sized exchange and the push refuse, saying what to do instead.
-        assert result["capture/dispatch"] is True and result["capture/push"] is True, result
+        assert all(result[f"capture/{what}"] is True for what in ("dispatch", "gather_entries", "push")), result
 
 
 @pytest.mark.parametrize("world", [2, 4])

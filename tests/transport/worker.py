@@ -262,6 +262,7 @@ def static(group, rank: int, world: int, size: str, log) -> dict[str, object]:
     """``group`` exchanges with static splits: outputs bit-identical to messages sized on the host."""
     dynamic = CollectiveGroup(group.process_group, group.device)
     group.dispatch, group.combine = guarded(group.dispatch), guarded(group.combine)
+    group.gather_entries = guarded(group.gather_entries)
     results: dict[str, object] = {}
     for case in cases(world, size):
         x, ids, weights, w13, w2 = case.inputs(group.device)
@@ -286,11 +287,13 @@ def static(group, rank: int, world: int, size: str, log) -> dict[str, object]:
         plan = plan_step(ids[rank], config, g, case.policy, tokens=padded_counts(world, case.tokens)[rank], dtype=case.dtype)
         out = ep_moe(x[rank], ids[rank], weights[rank], w13, w2, config=config, group=g, policy=case.policy, plan=plan)
         tokens = x[rank].float().requires_grad_()
+        route = weights[rank].clone().requires_grad_()  # its gradient comes back through gather_entries
         with torch.enable_grad():
-            trained = ep_moe(tokens, ids[rank], weights[rank], w13.float(), w2.float(), config=config, group=g, policy=case.policy)
+            trained = ep_moe(tokens, ids[rank], route, w13.float(), w2.float(), config=config, group=g, policy=case.policy)
             trained.backward(torch.ones_like(trained))
-        runs.append((out, tokens.grad))
-    for name, first, second in (("padded", runs[0][0], runs[1][0]), ("backward", runs[0][1], runs[1][1])):
+        runs.append((out, tokens.grad, route.grad))
+    for name, first, second in (("padded", runs[0][0], runs[1][0]), ("backward", runs[0][1], runs[1][1]),
+                                ("backward-route", runs[0][2], runs[1][2])):
         results[f"{name}/dedup=True"] = True if torch.equal(bits(first), bits(second)) else "FAIL: differ"
         log(f"{name}: {results[f'{name}/dedup=True']}")
     # Inside CUDA-graph capture, what reads the host refuses to run, naming the way out.
@@ -298,6 +301,7 @@ def static(group, rank: int, world: int, size: str, log) -> dict[str, object]:
             mock.patch("torch.cuda.is_current_stream_capturing", return_value=True):
         for what, call, hint in (
             ("dispatch", lambda: dynamic.dispatch(x[rank], weights[rank], None, None, None, None), "static_splits=True"),
+            ("gather_entries", lambda: dynamic.gather_entries(x[rank], None), "static_splits=True"),
             ("push", lambda: group.push_pools([], torch.full((world, 1), -1, dtype=torch.int32)), "policy='none'"),
         ):
             message = expect_value_error(call, "CUDA-graph capture")
