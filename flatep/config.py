@@ -28,6 +28,12 @@ def align_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
+def rows_per_expert(total_tokens: int, top_k: int, experts: int) -> int:
+    """``ceil(T*K/E)``: the rows an expert holds on average in a step of ``T`` tokens over the group
+    (a host int, from the sizes alone: what the expert kernels and their tiles follow)."""
+    return -(-total_tokens * top_k // experts)
+
+
 @dataclass(frozen=True)
 class EPConfig:
     """Sizes of one expert-parallel group.

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from flatep.config import EPConfig
+from flatep.config import EPConfig, rows_per_expert
 
 _FS_PER_US = 10**9
 _FS_PER_S = 10**15
@@ -217,7 +217,7 @@ def few_rows_per_expert(config: EPConfig, total_tokens: int) -> bool:
     the rule :func:`flatep.experts.grouped.grouped_swiglu` follows for bf16 weights)."""
     from flatep.kernels.decode_gemm import DECODE_ROWS_PER_GROUP
 
-    return -(-total_tokens * config.top_k // config.experts) <= DECODE_ROWS_PER_GROUP
+    return rows_per_expert(total_tokens, config.top_k, config.experts) <= DECODE_ROWS_PER_GROUP
 
 
 @dataclass(frozen=True)

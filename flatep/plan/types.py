@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from flatep.config import EPConfig
+from flatep.config import EPConfig, rows_per_expert
 
 if TYPE_CHECKING:
     from flatep.plan.auto import AutoChoice
@@ -113,9 +113,8 @@ class Layout:
         return self.tokens_per_expert.shape[0]
 
     def rows_per_expert(self, top_k: int) -> int:
-        """``ceil(T*K/E)``: the rows an expert holds on average in this step (a host int, from the
-        sizes alone: what the expert kernels and their tiles follow)."""
-        return -(-self.total_tokens * top_k // self.tokens_per_expert.shape[1])
+        """:func:`flatep.config.rows_per_expert` of this step (``ceil(T*K/E)``)."""
+        return rows_per_expert(self.total_tokens, top_k, self.tokens_per_expert.shape[1])
 
     def padded_rows(self) -> torch.Tensor:
         """``[R] int32``: rows each rank's experts compute (its real rows plus group padding)."""
