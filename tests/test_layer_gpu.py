@@ -10,7 +10,11 @@ from flatep.plan.split import split_slot_rows
 from flatep.routing import adversarial_topk, sigma_for_maxvio, skewed_topk
 from tests.helpers import relative_error
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+# xdist_group: these files take tens of GB of GPU memory each; one worker runs them one after another.
+pytestmark = [
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.xdist_group("gpu-memory"),
+]
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,11 @@ from flatep.experts.grouped import grouped_swiglu, quantized_grouped_mm
 from flatep.quant import QuantizedTensor
 from tests.helpers import relative_error
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+# xdist_group: these files take tens of GB of GPU memory each; one worker runs them one after another.
+pytestmark = [
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.xdist_group("gpu-memory"),
+]
 
 
 @pytest.mark.parametrize("format, hidden, intermediate", [("fp8", 7168, 2048), ("mxfp4", 3584, 3072), ("mxfp4", 2880, 2880)])

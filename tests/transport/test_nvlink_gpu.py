@@ -8,7 +8,11 @@ import torch
 
 from tests.helpers import launch_workers
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+# xdist_group: these files take tens of GB of GPU memory each; one worker runs them one after another.
+pytestmark = [
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.xdist_group("gpu-memory"),
+]
 
 
 @pytest.fixture
