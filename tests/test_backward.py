@@ -398,3 +398,37 @@ def test_the_backward_reads_nothing_back_to_the_host(monkeypatch):
     grads = torch.autograd.grad(out, list(tensors.values()), torch.ones_like(out))
     monkeypatch.undo()
     assert all(torch.isfinite(grad).all() for grad in grads)
+
+
+def saved_activation_bytes(config: EPConfig, tokens: int, policy: str) -> tuple[int, int]:
+    """``(bytes, shard_rows)`` of one step: the bytes of every tensor autograd keeps for the backward
+    (``torch.autograd.graph.saved_tensors_hooks``) that is not a view of the step's weights (those are
+    references, not copies), and the plan's shard rows per rank."""
+    group = init_group("local", ranks=config.ranks, device=DEVICE)
+    ids, tensors = leaves(config, tokens, 2.0, biases=False, seed=5)
+    weights = {tensors[name].untyped_storage().data_ptr() for name in ("w13", "w2")}
+    saved = []
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.untyped_storage().data_ptr() not in weights:
+            saved.append(tensor.numel() * tensor.element_size())
+        return tensor
+
+    plan = plan_step(ids, config, group, policy)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        out = ep_moe(tensors["x"], ids, tensors["topk_weights"], tensors["w13"], tensors["w2"], config=config,
+                     group=group, policy=policy, plan=plan, backend="torch")
+    out.sum().backward()  # the saved tensors serve their backward
+    return sum(saved), plan.shard_rows
+
+
+@pytest.mark.parametrize("experts", [32, 128])
+@pytest.mark.parametrize("policy", ["exact", "none"])
+def test_what_the_forward_saves_is_its_shard_rows(policy, experts):
+    """Besides references to the weights, a step keeps exactly its dispatched rows, their fp32 route
+    weights and their int32 links: ``R * rows * (H * itemsize + 4 + 8)`` bytes, ``rows`` = the plan's
+    shard rows (set by ``s``, ``K`` and the groups' padding room), nothing of size ``E x H`` or
+    ``E x I``: the gate/up projection and the activation are recomputed in the backward."""
+    config = EPConfig(ranks=4, experts=experts, top_k=2, hidden=64, intermediate=32, capacity=16)
+    saved, rows = saved_activation_bytes(config, 12, policy)
+    assert saved == config.ranks * rows * (config.hidden * 4 + 4 + 2 * 4), (saved, rows)
