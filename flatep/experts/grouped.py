@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from flatep.kernels.activation import copy_rows_triton, swiglu_weighted_torch, swiglu_weighted_triton
 from flatep.kernels.backend import use_triton
 from flatep.kernels.decode_gemm import DECODE_ROWS_PER_GROUP, decode_config, gate_up_swiglu_triton, grouped_mm_triton
+from flatep.kernels.grouped_fp32 import grouped_rows_mm
 from flatep.kernels.quant_gemm import default_config, fp8_grouped_mm_triton, mxfp4_grouped_mm_triton
 from flatep.quant.fp8 import dequantize_fp8_activations, quantize_fp8_activations
 from flatep.quant.tensor import QuantizedTensor
@@ -77,13 +78,9 @@ def _grouped_matmul(
     if isinstance(weights, QuantizedTensor):
         return quantized_grouped_mm(rows, weights, offsets, backend, rows_per_group)
     if rows.is_cuda and rows.dtype != torch.bfloat16:
-        # The CUDA grouped GEMM is bf16-only: fall back to one matmul per group (host sync; for checks).
-        out = torch.empty(rows.shape[0], weights.shape[1], dtype=rows.dtype, device=rows.device)
-        start = 0
-        for group, end in enumerate(offsets.tolist()):
-            out[start:end] = rows[start:end] @ weights[group].T
-            start = end
-        return out
+        # The CUDA grouped GEMM is bf16-only (other dtypes take a fallback that reads the offsets on
+        # the host): FlatEP's fp32 grouped GEMM instead, IEEE products, offsets read on the device.
+        return grouped_rows_mm(rows.float(), weights.transpose(-2, -1), offsets).to(rows.dtype)
     return torch._grouped_mm(rows, weights.transpose(-2, -1), offs=offsets)
 
 

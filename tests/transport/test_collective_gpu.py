@@ -15,11 +15,11 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 def test_static_split_classic_steps_run_under_sync_debug_error_and_equal_the_local_transport(tmp_path):
-    """bf16 steps (fp32 experts on CUDA read their group sizes back, on every transport: see the worker)."""
+    """Every classic case of the worker, bf16 and fp32 (fp32 experts run FlatEP's fp32 grouped GEMM on CUDA)."""
     output = launch_workers(
         "tests.transport.worker", 1,
         ["--backend", "nccl", "--init-method", f"file://{tmp_path}/store", "--transport", "collective",
          "--suite", "sync-free", "--size", "mid"],
         300,
     )
-    assert output.count("ok  ") >= 7 and "PASSED" in output, output  # the 7 bf16 steps at least
+    assert output.count("ok  ") >= 14 and "FAIL" not in output and "PASSED" in output, output  # 7 bf16, 7 fp32
