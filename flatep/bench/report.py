@@ -91,7 +91,8 @@ def _virtual_meaning(first: dict[str, Any]) -> str:
         "taking the slower of the copy measured and the modelled link time. Bytes: dispatch = logical, the busiest "
         "rank's rows x H x 2 (s*K rows per rank without dedup, one per token and destination rank with it); "
         "push = expert-weight bytes moved in all; egress/ingress max = the busiest rank's link bytes in dispatch "
-        "and push (combine mirrors dispatch's rows, without their per-entry metadata)"
+        "and push (combine mirrors dispatch's rows, without their per-entry metadata); `disp + comb per rank` = "
+        "(dispatch + combine) / R, a rank's share of the launches"
         + ("; copy% = dispatch/combine kernels' bytes read+written over the copy ceiling; GEMM% = slowest "
            "rank's expert TFLOP/s over the ceiling; read% = the weights of the slowest rank's experts that hold "
            "rows (GB, read once) over its experts time, as a fraction of the read ceiling." if on_gpu else ".")
@@ -215,7 +216,8 @@ def summary_markdown(rows: list[dict[str, Any]]) -> str:
         "`ep_moe` step of the slowest rank; for `a2a` (plain `all_to_all_single` of classic-EP rows, no "
         "experts) dispatch + combine. Bytes: dispatch = logical, the busiest rank's rows x H x 2 (s*K without "
         "dedup, one per token and destination rank with it), local rows included; "
-        "egress/ingress max = the busiest rank's bytes over the link, local rows excluded."
+        "egress/ingress max = the busiest rank's bytes over the link, local rows excluded; "
+        "`disp + comb per rank` = dispatch + combine."
         if processes else _virtual_meaning(first)
     )
     backend = f", kernels: {first['backend']}" if first.get("backend") else ""
@@ -230,11 +232,14 @@ def summary_markdown(rows: list[dict[str, Any]]) -> str:
         "",
         meaning,
         "",
-        "| arm | s | maxvio (target) | plan | dispatch | push | experts max | experts mean | combine | layer | "
-        "link model | layer + link | dispatch MB/rank | dispatch egress/ingress max MB | push egress/ingress max MB | "
-        "push MB | copy% disp/comb | GEMM% | read% (GB) | rows max |",
-        "|" + "---|" * 20,
+        "| arm | s | maxvio (target) | plan | dispatch | push | experts max | experts mean | combine | "
+        "disp + comb per rank | layer | link model | layer + link | dispatch MB/rank | dispatch egress/ingress max MB | "
+        "push egress/ingress max MB | push MB | copy% disp/comb | GEMM% | read% (GB) | rows max |",
+        "|" + "---|" * 21,
     ]
+    # Virtual ranks: one dispatch and one combine launch cover all R ranks, so a rank's share is 1/R
+    # of them; processes: each rank's own.
+    ranks_per_launch = 1 if processes else first["ranks"]
     for row in sorted(rows, key=lambda r: (r["arm"], r["tokens"], r["maxvio_target"])):
         copy = "-"
         if row.get("dispatch_copy_fraction") is not None:
@@ -246,7 +251,8 @@ def summary_markdown(rows: list[dict[str, Any]]) -> str:
         lines.append(
             f"| {row['arm']} | {row['tokens']} | {row['maxvio']:.2f} ({row['maxvio_target']:g}) | {_fmt(row['plan_us'])} | "
             f"{_fmt(row['dispatch_us'])} | {_fmt(row['push_us'])} | {_fmt(row['experts_us_max'])} | "
-            f"{_fmt(row['experts_us_mean'])} | {_fmt(row['combine_us'])} | **{_spread(row, 'layer_us')}** | "
+            f"{_fmt(row['experts_us_mean'])} | {_fmt(row['combine_us'])} | "
+            f"{_fmt((row['dispatch_us'] + row['combine_us']) / ranks_per_launch, 2)} | **{_spread(row, 'layer_us')}** | "
             f"{_fmt(row.get('link_model_us'))} | {_fmt(row.get('layer_with_link_model_us'))} | "
             f"{_mb(row['dispatch_bytes'])} | {_link_cells(row)} | {row['push_bytes'] / 1e6:.0f} | "
             f"{copy} | {gemm} | {read} | {_fmt(row.get('rows_max'))} |"
