@@ -4,8 +4,8 @@
 times each kernel configuration (tokens per program, columns per step, warps) on R virtual ranks of
 one GPU and prints achieved bandwidth (bytes read + written) beside the copy ceiling measured in the
 same run. Eager launches by default; ``--graph-calls N`` times N launches captured in one CUDA graph
-per replay instead (per launch), as a serving step's graph runs them. Bytes counted: dispatch reads each token row once and writes its carriers' rows (K rows per
-token without ``EPConfig.dedup``, one per destination rank with it); combine reads those rows and
+per replay instead (per launch), as a serving step's graph runs them. Bytes counted: dispatch reads
+each token row once and writes its carriers' rows (K rows per token without ``EPConfig.dedup``, one per destination rank with it); combine reads those rows and
 writes one; push reads and writes every pushed expert. Only the two exchange kernels are timed:
 with dedup the destinations' expansion after dispatch and the run sums before combine
 (:func:`flatep.kernels.dispatch.expand_triton`, :func:`flatep.kernels.combine.sum_runs_triton`)

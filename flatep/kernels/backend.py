@@ -73,7 +73,8 @@ def column_parts(token_items: int, columns: int, block_h: int) -> tuple[int, int
     its split, and every column is still written by exactly one program in the same arithmetic.
     Measured on the H200 at Kimi-K2, R = 8, s = 128 (1024 token items, 7 chunks per row):
     one chunk per item took 40.6 us against 42.1 us for two parts of 4 and 3 chunks
-    (``bench/results/2026-12-04-h200-f/kernels-decode.log``). Combine keeps whole rows: each of its
+    (``bench/results/2026-12-04-h200-f/kernels-decode.log``; a gain within dispatch's spread between
+    calls, kept because it was never slower in that log's settings). Combine keeps whole rows: each of its
     work items first looks up its tokens' carrier rows, and at s = 128 whole rows took 42.0 us against
     50.2 us for two parts and 67.2 us for one chunk per item (8 warps, the same log).
     """

@@ -349,6 +349,18 @@ class CollectiveGroup(Group):
         pieces = received.split([part[0].numel() for part in parts], dim=1)
         return [piece.reshape(part.shape) for piece, part in zip(pieces, parts)]
 
+    def _send_to_slots(
+        self, values: torch.Tensor, peer: torch.Tensor, slot: torch.Tensor, keep: torch.Tensor, slots: int
+    ) -> torch.Tensor:
+        """One equal-split all-to-all of rows placed by the device: ``values[i]`` (``[n, C]``) goes to
+        peer ``peer[i]`` at place ``slot[i]`` of its ``slots``-row part, where ``keep[i]`` (the others
+        land in a spare row that is not sent). Returns ``[R, slots, C]`` in ``values``' dtype, part
+        ``p`` what peer ``p`` sent this rank; places no row was given hold garbage."""
+        outgoing = torch.empty(self.world * slots + 1, values.shape[-1], dtype=values.dtype, device=self.device)
+        outgoing[torch.where(keep, peer * slots + slot, self.world * slots)] = values
+        (received,) = self._exchange([outgoing[:-1].view(torch.uint8).view(self.world, slots, -1)])
+        return received.view(values.dtype).view(self.world, slots, -1)
+
     def _dispatch_static(
         self, x: torch.Tensor, topk_weights: torch.Tensor, plan: RankPlan, shard: torch.Tensor,
         shard_weights: torch.Tensor, links: torch.Tensor,
@@ -476,10 +488,7 @@ class CollectiveGroup(Group):
             partial = run_sums(rows, links, torch.where(own, targets, -1), top_k)
         else:
             own, slot, partial = real, index, rows[targets]
-        back = torch.empty(self.world * row_slots + 1, hidden, dtype=rows.dtype, device=self.device)
-        back[torch.where(own, source * row_slots + slot, self.world * row_slots)] = partial
-        (returned,) = self._exchange([back[:-1].view(torch.uint8).view(self.world, row_slots, -1)])
-        returned = returned.view(rows.dtype).view(self.world, row_slots, hidden)
+        returned = self._send_to_slots(partial, source, slot, own, row_slots)
         order, _, _, row_slot = static_positions(plan, self.world)
         slot_of_entry = torch.empty_like(row_slot)
         slot_of_entry[order] = row_slot
@@ -518,15 +527,10 @@ class CollectiveGroup(Group):
         tokens, top_k = plan.dest_rank.shape
         entry_slots, _ = static_slots(tokens, top_k, plan.dedup)
         targets, real, source, index = arrivals(plan, self.rank)
-        # A spare last slot takes the rows no entry arrived in.
-        back = torch.zeros(self.world * entry_slots + 1, values.shape[-1], dtype=values.dtype, device=self.device)
-        back[torch.where(real, source * entry_slots + index, self.world * entry_slots)] = values[targets]
-        (returned,) = self._exchange([back[:-1].view(torch.uint8).view(self.world, entry_slots, -1)])
-        returned = returned.view(values.dtype).view(self.world * entry_slots, -1)
+        returned = self._send_to_slots(values[targets], source, index, real, entry_slots)
         order, peer, entry_slot, _ = static_positions(plan, self.world)
-        gathered = torch.zeros(tokens * top_k, values.shape[-1], dtype=values.dtype, device=self.device)
-        gathered[order] = torch.where((entry_slot >= 0).unsqueeze(1),
-                                      returned[(peer * entry_slots + entry_slot).clamp_min(0)], 0)
+        gathered = torch.empty(tokens * top_k, values.shape[-1], dtype=values.dtype, device=self.device)
+        gathered[order] = torch.where((entry_slot >= 0).unsqueeze(1), returned[peer, entry_slot.clamp_min(0)], 0)
         return gathered.view(tokens, top_k, -1)
 
     def push_experts(
