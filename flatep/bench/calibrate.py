@@ -22,7 +22,9 @@ Fitted (:func:`fit_profile`, plain arithmetic tested with a fake timer): ``hbm_g
 read; then, over the ranks of the steps with more rows per expert than the decode kernels take,
 ``tile_rows`` (64/128/256), ``gemm_tflops`` and ``group_us`` together, as the triple whose model
 has the least squared relative error; then over the decode steps ``decode_tile_rows`` (16 to
-128), ``decode_gemm_tflops`` and ``decode_group_us`` the same way. Calibrating on uniform groups instead
+128), ``decode_gemm_tflops`` and ``decode_group_us`` the same way; then, per step size, the
+decision ``margins`` from how far the ranks of one step are off against each other
+(:func:`fit_margins`). Calibrating on uniform groups instead
 (every group of a rank holding ``n`` rows, ``n`` up to 4096) misled the model on the H200 at
 Kimi-K2 shapes: it fitted 128-row tiles at 635 TFLOP/s, and put the layer's experts 10-22% too
 slow at s >= 4096 and up to 24% too fast at s = 1024; planned steps fitted 256-row tiles at
@@ -33,13 +35,14 @@ H200), else the generic one.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from flatep.config import MODEL_SHAPES, EPConfig, preset
+from flatep.config import MODEL_SHAPES, EPConfig, preset, rows_per_expert
 
 # Planned steps whose experts are timed: tokens per rank (few rows per expert to many) x router
 # imbalance x policy (classic: home groups only; exact: home groups and borrowed slots).
@@ -54,6 +57,8 @@ MIN_GROUP_US = 0.1
 # Candidate compute rates searched by the fit (TFLOP/s, ~1% apart) and the largest group time.
 TFLOPS_GRID = tuple(50 * 1.01**step for step in range(400))
 MAX_GROUP_US = 100.0
+# The largest decision margin a calibration sets (a fraction of classic's time).
+MAX_MARGIN = 0.5
 
 
 @dataclass(frozen=True)
@@ -218,6 +223,41 @@ def fit_gemm(
     return best[1]
 
 
+def gemm_us(groups: Sequence[int], weight_us: float, fit: GemmFit) -> float:
+    """The fitted GEMM term of one rank: ``sum over its groups of group + max(weight, ceil(n/tile)*tile*row)``."""
+    padded = np.ceil(np.asarray(groups, dtype=np.float64) / fit.tile_rows) * fit.tile_rows
+    return float(np.sum(fit.group_us + np.maximum(weight_us, padded * fit.row_us)))
+
+
+def fit_margins(
+    config: EPConfig, experts_us: list[tuple[dict, float]], weight_us: float, many: GemmFit, few: GemmFit,
+) -> tuple[tuple[float, float], ...]:
+    """``CostProfile.margins``: per measured step size, how far two ranks' times can be off against each other.
+
+    Within one planned step (``tokens``, ``sigma``, ``policy``), every rank's measured time over the
+    fitted GEMM term, divided by the step's median of that ratio, is the rank's own error (what a
+    common factor, the same for every rank, leaves out). ``auto`` compares the busiest ranks of two
+    plans, so the error of that comparison is about ``sqrt(2)`` times the ranks' root-mean-square
+    error: that is the margin, per ``ceil(T*K/E)`` rows per expert of the measured steps.
+    """
+    from flatep.plan.cost import few_rows_per_expert
+
+    steps: dict[tuple, list[float]] = {}
+    for params, us in experts_us:
+        fit = few if few_rows_per_expert(config, params["total_tokens"]) else many
+        key = (params["total_tokens"], params["sigma"], params["policy"])
+        steps.setdefault(key, []).append(us / gemm_us(params["groups"], weight_us, fit))
+    deviations: dict[int, list[float]] = {}
+    for (total_tokens, _, _), ratios in steps.items():
+        median = float(np.median(ratios))
+        deviations.setdefault(total_tokens, []).extend(ratio / median - 1 for ratio in ratios)
+    return tuple(
+        (float(rows_per_expert(total_tokens, config.top_k, config.experts)),
+         min(MAX_MARGIN, math.sqrt(2 * float(np.mean(np.square(values))))))
+        for total_tokens, values in sorted(deviations.items())
+    )
+
+
 def fit_profile(
     config: EPConfig,
     experts_us: list[tuple[dict, float]],
@@ -262,6 +302,7 @@ def fit_profile(
         decode_gemm_tflops=flops_per_row / (few.row_us * 1e6),
         decode_group_us=few.group_us,
         decode_tile_rows=few.tile_rows,
+        margins=fit_margins(config, experts_us, weight_us, many, few),
     )
 
 

@@ -356,6 +356,7 @@ def _model_fields(plan: Plan, config: EPConfig, cost: CostProfile, measured_us: 
             predicted_us=report["predicted_us"],
             predicted_rank_us=report["predicted_rank_us"],
             model_experts_moved=report["experts_moved"],
+            auto_margin=report["margin"],
             auto_candidates=[
                 dict(choice=candidate.label(), predicted_us=us, experts_moved=count)
                 for candidate, us, count in zip(auto.candidates, layer_us, moved)

@@ -4,7 +4,8 @@ The candidates, in this fixed order (ties go to the first): classic (``none``: n
 ``bounded`` for each tolerance of :data:`LADDER` ascending (only the surplus above ``(1+t)`` times
 the mean moves), and ``exact`` with tolerance 0 (flat). Every candidate is planned from the
 gathered histogram, :func:`flatep.plan.cost.predict` gives each one's per-rank time, and the choice
-is the first ``argmin`` of the busiest rank's time: a device tensor, never read on the host, so a
+is the first ``argmin`` of the busiest rank's time, a candidate that moves weights charged the
+profile's decision margin (:func:`choose`): a device tensor, never read on the host, so a
 captured CUDA graph replays the decision for whatever routing it sees. The plan's tables are the
 chosen candidate's, gathered with ``index_select`` on the device.
 
@@ -64,11 +65,14 @@ class AutoChoice:
         prediction: the model's :class:`~flatep.plan.cost.Prediction` for every candidate
             (``rank_fs [C, R]``, ``layer_fs``, ``experts_moved``, ``bytes_moved`` ``[C]``, int64,
             femtoseconds and bytes).
+        margin_ppm: the decision margin the choice charged moving candidates, in millionths
+            of classic's predicted time (:meth:`flatep.CostProfile.margin`).
     """
 
     candidates: tuple[Candidate, ...]
     choice: torch.Tensor
     prediction: Prediction
+    margin_ppm: int = 0
 
     def chosen(self, values: torch.Tensor) -> torch.Tensor:
         """Row ``choice`` of a ``[C, ...]`` tensor, on the device (no host sync)."""
@@ -77,7 +81,7 @@ class AutoChoice:
     def report(self) -> dict:
         """The choice for reports (reads the device: a host sync). Keys: ``choice`` (label),
         ``policy``, ``tolerance``, ``predicted_us`` (busiest rank), ``predicted_rank_us`` ``[R]``,
-        ``experts_moved``, ``bytes_moved``."""
+        ``experts_moved``, ``bytes_moved``, ``margin`` (a fraction)."""
         index = int(self.choice)
         candidate = self.candidates[index]
         prediction = self.prediction
@@ -89,6 +93,7 @@ class AutoChoice:
             "predicted_rank_us": [value / 1e9 for value in prediction.rank_fs[index].tolist()],
             "experts_moved": int(prediction.experts_moved[index]),
             "bytes_moved": int(prediction.bytes_moved[index]),
+            "margin": self.margin_ppm / 1e6,
         }
 
 
@@ -126,9 +131,17 @@ def candidates_for(config: EPConfig, cost: CostProfile | None, total_tokens: int
     return CANDIDATES[:1] if moving_never_pays(config, cost, total_tokens) else CANDIDATES
 
 
-def choose(prediction: Prediction) -> torch.Tensor:
-    """``[] int64``: the first candidate with the least busiest-rank time (``torch.argmin`` returns the first)."""
-    return torch.argmin(prediction.layer_fs)
+def choose(prediction: Prediction, margin_ppm: int = 0) -> torch.Tensor:
+    """``[] int64``: the first candidate with the least score (``torch.argmin`` returns the first).
+
+    A candidate's score is its busiest-rank time, plus, if it moves any expert, ``margin_ppm``
+    millionths of classic's time (candidate 0): a moving candidate wins only when the model puts
+    it faster than classic by more than the margin (:meth:`flatep.CostProfile.margin`). Integer
+    arithmetic, as :func:`flatep.plan.cost_triton.choose_triton`.
+    """
+    layer_fs = prediction.layer_fs
+    penalty = (layer_fs[0] // 10**6) * margin_ppm
+    return torch.argmin(layer_fs + torch.where(prediction.experts_moved > 0, penalty, 0))
 
 
 def slot_rows(config: EPConfig, total_tokens: int, candidates: tuple[Candidate, ...] = CANDIDATES) -> int:
@@ -170,9 +183,10 @@ def select(
     if not isinstance(cost, CostProfile):
         raise ValueError(f"cost must be a flatep.CostProfile, got {type(cost).__name__}")
     alloc = torch.stack([plan.alloc for plan in plans])  # [C, E, R]
-    prediction = predictor(tokens_per_expert.to(alloc.device), alloc, cost.constants(config, total_tokens=total_tokens))
-    choice = choose(prediction)
-    auto = AutoChoice(candidates=candidates, choice=choice, prediction=prediction)
+    constants = cost.constants(config, total_tokens=total_tokens)
+    prediction = predictor(tokens_per_expert.to(alloc.device), alloc, constants)
+    choice = choose(prediction, constants.margin_ppm)
+    auto = AutoChoice(candidates=candidates, choice=choice, prediction=prediction, margin_ppm=constants.margin_ppm)
     changes: dict[str, object] = {
         name: auto.chosen(torch.stack([getattr(plan, name) for plan in plans]))
         for name in plans[0].tensors()

@@ -32,6 +32,7 @@ from flatep.config import EPConfig, rows_per_expert
 
 _FS_PER_US = 10**9
 _FS_PER_S = 10**15
+_PPM = 10**6
 # Every link term is kept below 2**60 fs so that a few of them plus the GEMM terms fit int64.
 _LINK_FS_LIMIT = 2**60
 _PROFILES = Path(__file__).resolve().parent.parent / "bench" / "profiles"
@@ -63,6 +64,12 @@ class CostProfile:
             scales), or None for bf16 (:meth:`flatep.EPConfig.expert_bytes`). Not a device constant:
             :func:`flatep.ep_moe` fills it from a packed (fp8, mxfp4) pool; planning on its own
             takes it from :meth:`with_expert_bytes`.
+        margins: ``((rows_per_expert, fraction), ...)``: how far the model's per-rank times are
+            off, measured by ``flatep calibrate`` at steps of that many rows per expert on
+            average (``ceil(T*K/E)``). ``auto`` moves weights only when the model puts the moving
+            candidate faster than classic by more than the fraction of the measured step nearest
+            (in log rows) to the step at hand: a saving smaller than the model's error is not
+            taken. None or empty: no margin. Each fraction is in ``[0, 1)``.
     """
 
     link_gbps: float
@@ -76,11 +83,14 @@ class CostProfile:
     decode_gemm_tflops: float | None = None
     decode_group_us: float | None = None
     decode_tile_rows: int | None = None
+    margins: tuple[tuple[float, float], ...] | None = None
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            if field.name == "expert_bytes":
+            if field.name == "margins":
+                object.__setattr__(self, "margins", _checked_margins(value))
+            elif field.name == "expert_bytes":
                 if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                     raise ValueError(f"CostProfile.expert_bytes must be None or a positive integer, got {value!r}")
             elif field.name == "name":
@@ -112,7 +122,17 @@ class CostProfile:
 
     def to_dict(self) -> dict:
         """The fields as a JSON-ready mapping."""
-        return dataclasses.asdict(self)
+        values = dataclasses.asdict(self)
+        values["margins"] = None if self.margins is None else [list(pair) for pair in self.margins]
+        return values
+
+    def margin(self, config: EPConfig, total_tokens: int | None) -> float:
+        """The decision margin of a step of ``T`` tokens: the fraction of :attr:`margins` measured
+        nearest (in log rows per expert) to the step's ``ceil(T*K/E)``; 0 without margins or ``T``."""
+        if not self.margins or total_tokens is None:
+            return 0.0
+        rows = math.log(max(1, rows_per_expert(total_tokens, config.top_k, config.experts)))
+        return min(self.margins, key=lambda pair: abs(math.log(pair[0]) - rows))[1]
 
     @classmethod
     def load(cls, path: str | Path) -> "CostProfile":
@@ -208,7 +228,27 @@ class CostProfile:
             byte_fs=min(round(_FS_PER_S / (self.link_gbps * 1e9)), _LINK_FS_LIMIT // link_bytes),
             weight_bytes=weight_bytes,
             row_bytes=row_bytes,
+            margin_ppm=round(self.margin(config, total_tokens) * _PPM),
         )
+
+
+def _checked_margins(value) -> tuple[tuple[float, float], ...] | None:
+    """``margins`` as a tuple of ``(rows_per_expert, fraction)`` pairs; ``ValueError`` naming the field otherwise."""
+    if value is None:
+        return None
+    expected = "CostProfile.margins must be None or a list of [rows_per_expert > 0, fraction in [0, 1)] pairs"
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+        raise ValueError(f"{expected}, got {value!r}")
+    pairs = []
+    for pair in value:
+        if isinstance(pair, (str, bytes)) or not hasattr(pair, "__len__") or len(pair) != 2 or any(
+                isinstance(item, bool) or not isinstance(item, (int, float)) for item in pair):
+            raise ValueError(f"{expected}, got {value!r}")
+        rows, fraction = pair
+        if not 0 < rows < math.inf or not 0 <= fraction < 1:
+            raise ValueError(f"{expected}, got {value!r}")
+        pairs.append((float(rows), float(fraction)))
+    return tuple(pairs)
 
 
 def few_rows_per_expert(config: EPConfig, total_tokens: int) -> bool:
@@ -233,6 +273,7 @@ class CostConstants:
         byte_fs: link time of one byte (clamped so that no link term exceeds ``2**60``).
         weight_bytes: bytes of one expert's weights.
         row_bytes: link bytes of one entry (dispatch plus combine).
+        margin_ppm: the step's decision margin (:meth:`CostProfile.margin`) in parts per million.
     """
 
     row_fs: int
@@ -243,6 +284,7 @@ class CostConstants:
     byte_fs: int
     weight_bytes: int
     row_bytes: int
+    margin_ppm: int = 0
 
 
 @dataclass

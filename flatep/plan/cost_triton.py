@@ -159,7 +159,7 @@ def predict_triton(tokens_per_expert: torch.Tensor, alloc: torch.Tensor, constan
 
 @triton.jit
 def _choose_kernel(
-    layer_fs_ptr, tables_ptr, chosen_ptr, choice_ptr, table_size,
+    layer_fs_ptr, moved_ptr, tables_ptr, chosen_ptr, choice_ptr, table_size, margin_ppm,
     CANDIDATES: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """Every program finds the choice (``CANDIDATES`` values: cheaper than waiting for one program
@@ -170,6 +170,9 @@ def _choose_kernel(
     # Two reductions, not one over (time, index) packed into an int64: times reach a few times
     # 2**60 fs (the model's link-term cap), and scaling them by BLOCK_C would overflow.
     time = tl.load(layer_fs_ptr + candidate, mask=real, other=0)
+    penalty = (tl.load(layer_fs_ptr) // 1000000) * margin_ppm
+    moved = tl.load(moved_ptr + candidate, mask=real, other=0)
+    time = time + tl.where(moved > 0, penalty, 0)
     least = tl.min(tl.where(real, time, 2**63 - 1), axis=0)
     best = tl.min(tl.where(real & (time == least), candidate, BLOCK_C), axis=0).to(tl.int64)
     if tl.program_id(0) == 0:
@@ -179,19 +182,29 @@ def _choose_kernel(
     tl.store(chosen_ptr + word, tl.load(tables_ptr + best * table_size + word, mask=inside), mask=inside)
 
 
-def choose_triton(layer_fs: torch.Tensor, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def choose_triton(
+    layer_fs: torch.Tensor, experts_moved: torch.Tensor, tables: torch.Tensor, margin_ppm: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``auto``'s choice and the chosen row of ``tables``, in one launch (no host sync).
 
     Args:
         layer_fs: ``[C]`` int64 predicted busiest-rank time of each candidate (``Prediction.layer_fs``).
+        experts_moved: ``[C]`` int64 experts each candidate moves (``Prediction.experts_moved``).
         tables: ``[C, S]`` int32, contiguous: each candidate's tables, on the same device.
+        margin_ppm: the decision margin in millionths of candidate 0's (classic's) time.
 
     Returns:
-        ``(choice [] int64, chosen [S] int32)``: the first candidate with the least time
-        (:func:`flatep.plan.auto.choose`) and a copy of its row of ``tables``.
+        ``(choice [] int64, chosen [S] int32)``: the first candidate with the least score
+        (:func:`flatep.plan.auto.choose`, the same integers) and a copy of its row of ``tables``.
     """
-    if layer_fs.dim() != 1 or layer_fs.dtype != torch.int64 or not layer_fs.is_contiguous():
-        raise ValueError(f"layer_fs must be a contiguous [C] int64 tensor, got {layer_fs.dtype} {list(layer_fs.shape)}")
+    for name, values in (("layer_fs", layer_fs), ("experts_moved", experts_moved)):
+        if values.dim() != 1 or values.dtype != torch.int64 or not values.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous [C] int64 tensor, got {values.dtype} {list(values.shape)}")
+    if experts_moved.shape != layer_fs.shape or experts_moved.device != layer_fs.device:
+        raise ValueError(f"experts_moved must be [C={layer_fs.shape[0]}] on {layer_fs.device} like layer_fs, "
+                         f"got {list(experts_moved.shape)} on {experts_moved.device}")
+    if isinstance(margin_ppm, bool) or not isinstance(margin_ppm, int) or not 0 <= margin_ppm < 10**6:
+        raise ValueError(f"margin_ppm must be an integer in [0, 1000000), got {margin_ppm!r}")
     if tables.dim() != 2 or tables.shape[0] != layer_fs.shape[0] or not tables.is_contiguous():
         raise ValueError(f"tables must be a contiguous [C={layer_fs.shape[0]}, S] tensor, got {list(tables.shape)}")
     if tables.device != layer_fs.device:
@@ -201,7 +214,7 @@ def choose_triton(layer_fs: torch.Tensor, tables: torch.Tensor) -> tuple[torch.T
     chosen = torch.empty(size, dtype=tables.dtype, device=tables.device)
     block = min(4096, triton.next_power_of_2(max(size, 1)))
     _choose_kernel[(max(1, triton.cdiv(size, block)),)](
-        layer_fs, tables, chosen, choice, size, CANDIDATES=candidates, BLOCK_C=triton.next_power_of_2(candidates),
+        layer_fs, experts_moved, tables, chosen, choice, size, margin_ppm, CANDIDATES=candidates, BLOCK_C=triton.next_power_of_2(candidates),
         BLOCK=block, num_warps=4,
     )
     return choice, chosen

@@ -961,12 +961,13 @@ def _auto_tables(
             _launch_layout(hist, candidate.config(config), candidate.policy, tables)
     alloc_start = _Tables._places(config)[0][2]
     alloc = storage[:, alloc_start:alloc_start + config.experts * config.ranks].view(len(candidates), config.experts, config.ranks)
-    prediction = predict_triton(hist, alloc, cost.constants(config, total_tokens=total_tokens))
+    constants = cost.constants(config, total_tokens=total_tokens)
+    prediction = predict_triton(hist, alloc, constants)
     if len(candidates) == 1:
         choice, chosen = choose(prediction), storage[0]
     else:
-        choice, chosen = choose_triton(prediction.layer_fs, storage)
-    auto = AutoChoice(candidates=candidates, choice=choice, prediction=prediction)
+        choice, chosen = choose_triton(prediction.layer_fs, prediction.experts_moved, storage, constants.margin_ppm)
+    auto = AutoChoice(candidates=candidates, choice=choice, prediction=prediction, margin_ppm=constants.margin_ppm)
     fields = dict(policy="auto", shard_rows=config.step_rows(total_tokens, "auto"), slot_rows=slot_rows(config, total_tokens), auto=auto)
     return _Tables(config, storage=chosen), auto, fields
 

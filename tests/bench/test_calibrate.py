@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from flatep import CostProfile, EPConfig, preset
-from flatep.bench.calibrate import STEP_POLICIES, STEP_SIGMAS, TFLOPS_GRID, calibrate, fit_profile
+from flatep.bench.calibrate import (
+    STEP_POLICIES, STEP_SIGMAS, TFLOPS_GRID, GemmFit, calibrate, fit_margins, fit_profile, gemm_us,
+)
 from flatep.cli import main
 from flatep.plan.cost import few_rows_per_expert
 
@@ -46,6 +48,9 @@ def fake_timer(measurement):
 def test_calibrate_recovers_the_profile_from_fake_times():
     lines = []
     profile = calibrate(CONFIG, "cpu", timer=fake_timer, base=CostProfile.default(), log=lines.append, tokens=TOKENS)
+    # The times are the model's own: no rank is off against another, so no margin at any measured size.
+    assert [rows for rows, _ in profile.margins] == [tokens * CONFIG.ranks * CONFIG.top_k / CONFIG.experts for tokens in TOKENS]
+    assert all(margin < 1e-12 for _, margin in profile.margins)
     assert (profile.tile_rows, profile.decode_tile_rows) == (TRUE.tile_rows, TRUE.decode_tile_rows)
     for name in ("hbm_gbps", "gemm_tflops", "group_us", "decode_gemm_tflops", "decode_group_us"):
         assert getattr(profile, name) == pytest.approx(getattr(TRUE, name), rel=1e-9), name
@@ -55,6 +60,23 @@ def test_calibrate_recovers_the_profile_from_fake_times():
     # Every planned step's ranks were timed: both policies, both regimes, borrowed slots included.
     timed = [line for line in lines if line.startswith("experts")]
     assert len(timed) == len(TOKENS) * len(STEP_SIGMAS) * len(STEP_POLICIES) * CONFIG.ranks
+
+
+def test_margins_are_the_ranks_spread_against_each_other_per_step_size():
+    """Two steps of one size: in each, one rank is 10% slower than the model and one 10% faster,
+    on top of a step-wide factor (which the margin leaves out)."""
+    fit = GemmFit(tile_rows=128, row_us=0.01, group_us=1.0, worst=0.0)
+    groups = [[100, 50], [100, 50], [300], [300]]
+    samples = []
+    for total_tokens, scale in ((1024, 1.3), (4096, 0.7)):
+        for sigma in (0.0, 1.0):
+            for factor, rank_groups in zip((1.0, 1.1, 0.9, 1.0), groups):
+                params = {"groups": rank_groups, "total_tokens": total_tokens, "sigma": sigma, "policy": "none"}
+                samples.append((params, scale * factor * gemm_us(rank_groups, 2.0, fit)))
+    margins = fit_margins(CONFIG, samples, 2.0, fit, fit)
+    # Deviations from the median (1.0): 0, +0.1, -0.1, 0 per step: rms sqrt(0.005), margin sqrt(2)*rms = 0.1.
+    assert [rows for rows, _ in margins] == [1024 * 8 / 64, 4096 * 8 / 64]
+    assert all(margin == pytest.approx(0.1, rel=1e-9) for _, margin in margins)
 
 
 def test_local_link_is_a_copy_within_the_device():
@@ -78,7 +100,8 @@ def test_local_link_is_a_copy_within_the_device():
 
 
 def test_fit_takes_a_measured_link_and_needs_both_regimes():
-    samples = [({"groups": [rows] * 8, "total_tokens": tokens}, model_us(TRUE, CONFIG, [rows] * 8, tokens))
+    samples = [({"groups": [rows] * 8, "total_tokens": tokens, "sigma": 0.0, "policy": "none"},
+                model_us(TRUE, CONFIG, [rows] * 8, tokens))
                for rows, tokens in ((1, 8), (32, 256), (4096, 32768))]
     profile = fit_profile(CONFIG, samples, TRUE.hbm_gbps, 321.0, CostProfile.default(), "m")
     assert profile.link_gbps == 321.0 and profile.name == "m"
@@ -109,8 +132,13 @@ def test_fit_to_ranks_measured_on_an_h200_keeps_every_rank_within_15_percent():
     missed these ranks by up to 24%."""
     data = json.loads((DATA / "h200_kimi_k2_ranks.json").read_text())
     config = preset("kimi-k2", ranks=8)
-    samples = [({"groups": rank["groups"], "total_tokens": rank["total_tokens"]}, rank["experts_us"]) for rank in data["ranks"]]
+    samples = [({"groups": rank["groups"], "total_tokens": rank["total_tokens"], "sigma": rank["maxvio_target"],
+                 "policy": rank["arm"]}, rank["experts_us"]) for rank in data["ranks"]]
     profile = fit_profile(config, samples, data["read_gbps"], None, CostProfile.preset("h200"), "h200")
+    # Ranks of one step are off against each other by a few percent, more where groups fit one tile.
+    margins = dict(profile.margins)
+    assert sorted(margins) == [1.0, 22.0, 171.0, 683.0, 1366.0]  # s = 1, 128, 1024, 4096, 8192
+    assert all(0 < margin < 0.2 for margin in margins.values()) and margins[171.0] > margins[1366.0]
     assert profile.tile_rows == 256 and 700 < profile.gemm_tflops < 850
     for params, us in samples:
         predicted = model_us(profile, config, params["groups"], params["total_tokens"])

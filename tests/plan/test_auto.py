@@ -1,6 +1,8 @@
 """policy="auto": the plan of the cheapest candidate by the cost model, chosen on the device."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -17,6 +19,8 @@ from tests.plan.cases import planner_cases
 ROWS_ONLY = CostProfile(link_gbps=1e12, hbm_gbps=1e12, gemm_tflops=1.0, group_us=1e-12, push_us=1e-12, tile_rows=1)
 # A link of ~0 bandwidth.
 NO_LINK = CostProfile(link_gbps=1e-9, hbm_gbps=3000.0, gemm_tflops=600.0, group_us=2.0, push_us=20.0, tile_rows=128)
+# The generic profile with decision margins: a moving candidate must win by 3-20%.
+MARGINS = dataclasses.replace(CostProfile.default(), margins=((1, 0.2), (8, 0.03)), name="margins")
 
 
 def candidate_plans(ids, config, tokens):
@@ -48,16 +52,19 @@ def check_structure(plan, ids, config, tokens):
 
 
 @settings(max_examples=40, deadline=None)
-@given(planner_cases(max_tokens=16), st.sampled_from(["generic", "h200", "rows_only", "no_link"]))
+@given(planner_cases(max_tokens=16), st.sampled_from(["generic", "h200", "rows_only", "no_link", "margins"]))
 def test_auto_is_the_first_cheapest_candidate_and_keeps_the_guarantees(case, profile_name):
     ids, config, _, tokens = case
-    cost = {"rows_only": ROWS_ONLY, "no_link": NO_LINK}.get(profile_name) or CostProfile.preset(profile_name)
+    cost = {"rows_only": ROWS_ONLY, "no_link": NO_LINK, "margins": MARGINS}.get(profile_name) or CostProfile.preset(profile_name)
     plan = make_plan(ids, config, "auto", tokens, cost=cost)
     plans = candidate_plans(ids, config, tokens)
     constants = cost.constants(config, total_tokens=plan.total_tokens)  # the decode fields where they apply
     layer = [int(predict(p.tokens_per_expert, p.alloc.unsqueeze(0), constants).layer_fs) for p in plans]
+    # A candidate that moves experts is charged the margin, a fraction of classic's time.
+    penalty = layer[0] // 10**6 * constants.margin_ppm
+    scores = [time + (penalty if bool((p.slot_experts >= 0).any()) else 0) for time, p in zip(layer, plans)]
     choice = int(plan.auto.choice)
-    assert choice == layer.index(min(layer))
+    assert choice == scores.index(min(scores))
     planned = len(candidates_for(config, cost, plan.total_tokens))
     # Pruned (moving_never_pays): classic alone was planned, and it is the cheapest of all.
     assert plan.policy == "auto" and plan.auto.prediction.layer_fs.tolist() == layer[:planned]
@@ -83,6 +90,22 @@ def test_rows_only_cost_chooses_the_flat_plan(ranks, seed, sigma):
     assert int(plan.received.max()) == int(exact.received.max()) == -(-ranks * 256 * 2 // ranks)
     if all(rows > busiest[-1] for rows in busiest[:-1]):
         assert CANDIDATES[int(plan.auto.choice)].policy == "exact"
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_moving_plan_must_beat_classic_by_the_margin(seed):
+    config = EPConfig(ranks=4, experts=16, top_k=2, hidden=8, intermediate=8, capacity=256, align=1)
+    ids = skewed_topk(4, config.experts, 2, 256, 2.0, seed=seed)
+    plain = make_plan(ids, config, "auto", cost=ROWS_ONLY)
+    layer = plain.auto.prediction.layer_fs.tolist()
+    best = int(plain.auto.choice)
+    assert best != 0, "the skewed routing must make moving pay under rows-only costs"
+    saving = 1 - layer[best] / layer[0]
+    # Just inside the best saving it still moves; just beyond it classic wins (no candidate saves more).
+    for margin, expected in ((saving * 0.9, best), (saving * 1.1, 0)):
+        plan = make_plan(ids, config, "auto", cost=dataclasses.replace(ROWS_ONLY, margins=((1.0, margin),)))
+        assert plan.auto.prediction.layer_fs.tolist() == layer  # the margin changes the choice, not the model
+        assert int(plan.auto.choice) == expected
 
 
 @settings(max_examples=15, deadline=None)

@@ -23,6 +23,8 @@ PROFILES = {
     "rows_only": CostProfile(link_gbps=1e12, hbm_gbps=1e12, gemm_tflops=1.0, group_us=1e-12, push_us=1e-12, tile_rows=1),
     "no_link": CostProfile(link_gbps=1e-9, hbm_gbps=3000.0, gemm_tflops=600.0, group_us=2.0, push_us=20.0, tile_rows=128),
     "generic": CostProfile.default(),
+    "margins": CostProfile(link_gbps=1e12, hbm_gbps=1e12, gemm_tflops=1.0, group_us=1e-12, push_us=1e-12, tile_rows=1,
+                           margins=((1, 0.1), (4, 0.02))),
 }
 
 

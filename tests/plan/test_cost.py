@@ -56,6 +56,27 @@ def test_save_load_round_trip_and_presets(tmp_path):
         CostProfile.preset("tpu")
 
 
+@pytest.mark.parametrize("bad", [3, "wide", [[128]], [[0, 0.1]], [[128, 1.0]], [[128, -0.1]], [[math.nan, 0.1]],
+                                 [[128, math.inf]], [[True, 0.1]], [[128, "a"]]])
+def test_bad_margins_are_rejected_by_name(bad):
+    with pytest.raises(ValueError, match="CostProfile.margins must be"):
+        CostProfile(**FIELDS, margins=bad)
+
+
+def test_margin_is_the_nearest_measured_step_in_log_rows(tmp_path):
+    profile = CostProfile(**FIELDS, margins=[[20, 0.05], [150, 0.08], [600, 0.02]])
+    assert profile.margins == ((20.0, 0.05), (150.0, 0.08), (600.0, 0.02))
+    profile.save(tmp_path / "p.json")
+    assert CostProfile.load(tmp_path / "p.json") == profile
+    # Kimi-K2 sizes: T*K/E rows per expert at R = 8 virtual ranks.
+    config = EPConfig(ranks=8, experts=384, top_k=8, hidden=64, intermediate=32, capacity=8192)
+    assert [profile.margin(config, 8 * s) for s in (1, 128, 1024, 4096, 8192)] == [0.05, 0.05, 0.08, 0.02, 0.02]
+    assert profile.margin(config, None) == 0.0
+    assert CostProfile(**FIELDS).margin(config, 8192) == CostProfile(**FIELDS, margins=[]).margin(config, 8192) == 0.0
+    assert profile.constants(config, total_tokens=8 * 1024).margin_ppm == 80_000
+    assert profile.constants(config).margin_ppm == 0
+
+
 def test_constants_are_integer_femtoseconds():
     config = EPConfig(ranks=2, experts=2, top_k=1, hidden=10, intermediate=5, capacity=4)
     constants = CostProfile(**FIELDS).constants(config)

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from flatep import CostProfile, EPConfig
-from flatep.plan.cost import predict
+from flatep.plan.auto import choose
+from flatep.plan.cost import Prediction, predict
 from flatep.plan.cost_triton import choose_triton, predict_triton
 from tests.helpers import DEVICE
 
@@ -54,16 +55,41 @@ def test_predict_triton_rejects_mismatched_shapes():
 ])
 def test_choose_triton_takes_the_first_least_and_copies_its_row(layer_fs, size):
     layer_fs = torch.tensor(layer_fs, dtype=torch.int64)
+    moved = torch.arange(layer_fs.shape[0], dtype=torch.int64)
     tables = torch.randint(-2**31, 2**31 - 1, (layer_fs.shape[0], size), dtype=torch.int32,
                            generator=torch.Generator().manual_seed(size))
-    choice, chosen = choose_triton(layer_fs.to(DEVICE), tables.to(DEVICE))
+    choice, chosen = choose_triton(layer_fs.to(DEVICE), moved.to(DEVICE), tables.to(DEVICE))
     assert int(choice) == int(torch.argmin(layer_fs)) and choice.dtype == torch.int64 and choice.dim() == 0
     assert torch.equal(chosen.cpu(), tables[int(torch.argmin(layer_fs))])
 
 
+@pytest.mark.parametrize("margin_ppm", [0, 1, 40_000, 100_000, 999_999])
+def test_choose_triton_charges_the_margin_to_moving_candidates_as_choose(margin_ppm):
+    generator = torch.Generator().manual_seed(margin_ppm)
+    for _ in range(20):
+        classic = int(torch.randint(10**9, 2**61, (1,), generator=generator))
+        # Movers around classic's time, some within the margin, some beyond; some move nothing.
+        layer_fs = (classic * (0.85 + 0.3 * torch.rand(6, generator=generator, dtype=torch.float64))).long()
+        layer_fs[0] = classic
+        moved = torch.randint(0, 3, (6,), generator=generator, dtype=torch.int64)
+        moved[0] = 0
+        tables = torch.arange(6 * 4, dtype=torch.int32).view(6, 4)
+        expected = int(choose(Prediction(layer_fs.view(1, -1).T, layer_fs, moved, moved), margin_ppm))
+        penalty = (classic // 10**6) * margin_ppm
+        scores = [int(t) + (penalty if int(m) > 0 else 0) for t, m in zip(layer_fs, moved)]
+        assert expected == scores.index(min(scores))
+        choice, chosen = choose_triton(layer_fs.to(DEVICE), moved.to(DEVICE), tables.to(DEVICE), margin_ppm)
+        assert int(choice) == expected and torch.equal(chosen.cpu(), tables[expected])
+
+
 def test_choose_triton_rejects_bad_arguments():
     layer_fs = torch.zeros(3, dtype=torch.int64, device=DEVICE)
+    tables = torch.zeros(3, 4, dtype=torch.int32, device=DEVICE)
     with pytest.raises(ValueError, match="layer_fs must be"):
-        choose_triton(layer_fs.int(), torch.zeros(3, 4, dtype=torch.int32, device=DEVICE))
+        choose_triton(layer_fs.int(), layer_fs, tables)
+    with pytest.raises(ValueError, match="experts_moved must be"):
+        choose_triton(layer_fs, layer_fs[:2], tables)
     with pytest.raises(ValueError, match="tables must be"):
-        choose_triton(layer_fs, torch.zeros(2, 4, dtype=torch.int32, device=DEVICE))
+        choose_triton(layer_fs, layer_fs, torch.zeros(2, 4, dtype=torch.int32, device=DEVICE))
+    with pytest.raises(ValueError, match="margin_ppm must be"):
+        choose_triton(layer_fs, layer_fs, tables, 10**6)
