@@ -15,6 +15,10 @@ rows (a few MB at most) are left out. Each time is printed beside the time those
 read ceiling measured in the same run (an fp32 sum over 4 GiB of bf16), and as a fraction of it.
 Each decode arm is checked against the torch arm first (relative error recorded). The result names
 the crossover: the largest rows per expert up to which the default decode tiles beat ``torch``.
+
+``--maxvio 0 2 10`` adds routed cells: the groups of the busiest rank of a step of ``--step-tokens``
+tokens per rank (R = 8) under classic EP, routed as the sweeps route it (a few hot experts hold
+several times the mean rows, so some groups take several row tiles).
 """
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ from triton.runtime.errors import OutOfResources
 
 from flatep.bench.timing import device_name, read_ceiling_gbps, time_us
 from flatep.config import preset
+from flatep.routing import expert_histogram, sigma_for_maxvio, skewed_topk
 from flatep.kernels.activation import swiglu_weighted_triton
 from flatep.kernels.decode_gemm import decode_config, gate_up_swiglu_triton, grouped_mm_triton
 from flatep.kernels.quant_gemm import GemmConfig
@@ -41,18 +46,41 @@ CANDIDATES = (
     GemmConfig(16, 64, 128, num_warps=8, num_stages=4, swap_ab=True),
     GemmConfig(32, 64, 128, num_warps=4, num_stages=4, swap_ab=True),
     GemmConfig(64, 64, 128, num_warps=4, num_stages=3, swap_ab=False),
+    GemmConfig(32, 64, 128, num_warps=4, num_stages=4, group_m=1, swap_ab=True),
+    GemmConfig(32, 64, 128, num_warps=8, num_stages=4, swap_ab=True),
+    GemmConfig(64, 64, 128, num_warps=4, num_stages=4, swap_ab=True),
+    GemmConfig(64, 64, 128, num_warps=8, num_stages=3, swap_ab=True),
 )
 
 
-def _cell(model: str, rows: int, active: int, device: torch.device, ceiling_gbps: float, iters: int) -> dict:
+def uniform_rows(model: str, rows: int, active: int) -> list[int]:
+    """Rows of each of a rank's ``E/8`` groups: ``active`` groups, picked at random, of ``rows`` rows."""
+    counts = torch.zeros(preset(model).experts_per_rank, dtype=torch.int32)
+    counts[torch.randperm(counts.numel())[:active]] = rows
+    return counts.tolist()
+
+
+def busiest_rank_rows(model: str, tokens: int, target: float, ranks: int = 8) -> tuple[list[int], float]:
+    """The groups of the busiest rank under classic EP, as the sweeps route a step: ``tokens`` per
+    rank over ``ranks`` ranks, :func:`flatep.routing.skewed_topk` at the sigma that reaches maxvio
+    ``target`` (:func:`flatep.routing.sigma_for_maxvio`, the sweeps' seed). Returns the rows of each
+    of its ``E/R`` experts and the maxvio reached."""
+    config = preset(model, ranks=ranks)
+    sigma, reached = sigma_for_maxvio(target, ranks, config.experts, config.top_k, tokens)
+    ids = skewed_topk(ranks, config.experts, config.top_k, tokens, sigma)
+    per_rank = expert_histogram(ids, config.experts).view(ranks, config.experts_per_rank)
+    return per_rank[int(per_rank.sum(1).argmax())].tolist(), reached
+
+
+def _cell(model: str, group_rows: list[int], device: torch.device, ceiling_gbps: float, iters: int) -> dict:
     config = preset(model)
     hidden, inter, groups = config.hidden, config.intermediate, config.experts_per_rank
     w13 = (torch.randn(groups, 2 * inter, hidden, device=device) * hidden**-0.5).bfloat16()
     w2 = (torch.randn(groups, hidden, inter, device=device) * inter**-0.5).bfloat16()
-    counts = torch.zeros(groups, dtype=torch.int32, device=device)
-    counts[torch.randperm(groups, device=device)[:active]] = rows
+    counts = torch.tensor(group_rows, dtype=torch.int32, device=device)
     offsets = counts.cumsum(0, dtype=torch.int32)
-    total = rows * active
+    total = int(sum(group_rows))
+    active = sum(1 for rows in group_rows if rows > 0)
     x = torch.randn(total, hidden, device=device).bfloat16()
     route_weights = torch.rand(total, device=device)
     activated = torch.empty(total, inter, dtype=torch.bfloat16, device=device)
@@ -70,9 +98,11 @@ def _cell(model: str, rows: int, active: int, device: torch.device, ceiling_gbps
         return run
 
     weight_bytes = active * 3 * hidden * inter * 2
+    # The layer's tiles follow the step's average rows per group (rows_per_group), as here.
+    default_tiles = decode_config(-(-total // groups) * groups, groups)
     floor_us = weight_bytes / ceiling_gbps / 1e3
     reference = torch_arm().float()
-    arms = {"torch": torch_arm, "decode": decode_arm(None)}
+    arms = {"torch": torch_arm, "decode": decode_arm(default_tiles)}
     arms.update({f"decode {dataclasses.astuple(tiles)}": decode_arm(tiles) for tiles in CANDIDATES})
     results = {}
     for name, run in arms.items():
@@ -86,10 +116,18 @@ def _cell(model: str, rows: int, active: int, device: torch.device, ceiling_gbps
     timed = [name for name in results if name.startswith("decode") and "us" in results[name]]
     best = min(timed, key=lambda name: results[name]["us"])
     return {
-        "model": model, "rows_per_expert": rows, "active_experts": active, "weight_bytes": weight_bytes,
-        "read_floor_us": floor_us, "default_tiles": dataclasses.astuple(decode_config(total, groups)),
+        "model": model, "rows_per_expert": max(group_rows), "active_experts": active, "rows": total,
+        "weight_bytes": weight_bytes, "read_floor_us": floor_us, "default_tiles": dataclasses.astuple(default_tiles),
         "arms": results, "best_decode": best,
     }
+
+
+def _print(cell: dict, label: str) -> None:
+    arms = cell["arms"]
+    best = cell["best_decode"]
+    print(f"{cell['model']} {label}: floor {cell['read_floor_us']:8.1f} us | torch {arms['torch']['us']:8.1f} "
+          f"({arms['torch']['of_read_ceiling']:.0%}) | decode {arms['decode']['us']:8.1f} ({arms['decode']['of_read_ceiling']:.0%})"
+          f" | best {best} {arms[best]['us']:.1f} ({arms[best]['of_read_ceiling']:.0%})", flush=True)
 
 
 def _crossover(cells: list[dict]) -> int:
@@ -107,26 +145,32 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["kimi-k2", "kimi-k3"], help="model shapes (flatep.config presets)")
     parser.add_argument("--rows", nargs="+", type=int, default=list(ROWS_PER_EXPERT), help="rows per active expert")
+    parser.add_argument("--maxvio", nargs="*", type=float, default=[],
+                        help="also time the busiest rank's groups of a routed step at these maxvio targets")
+    parser.add_argument("--step-tokens", type=int, default=128, help="tokens per rank of the routed steps (--maxvio)")
     parser.add_argument("--iters", type=int, default=20, help="timed graph replays per arm (CPU: eager calls)")
     parser.add_argument("--out", default=None, help="JSON file to write (default: print only)")
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     ceiling = read_ceiling_gbps(device, 4096 if device.type == "cuda" else 64)
     print(f"{device_name(device)}: read ceiling {ceiling:.0f} GB/s (fp32 sum over bf16)")
-    cells = []
+    cells, routed = [], []
     for model in args.models:
         groups = preset(model).experts_per_rank
         shapes = [(1, min(SPARSE_ACTIVE, groups))] + [(rows, groups) for rows in args.rows]
         for rows, active in shapes:
-            cell = _cell(model, rows, active, device, ceiling, args.iters)
+            cell = _cell(model, uniform_rows(model, rows, active), device, ceiling, args.iters)
             cells.append(cell)
-            arms = cell["arms"]
-            print(f"{model} {active:4d} experts x {rows:4d} rows: floor {cell['read_floor_us']:8.1f} us | torch "
-                  f"{arms['torch']['us']:8.1f} ({arms['torch']['of_read_ceiling']:.0%}) | decode {arms['decode']['us']:8.1f} "
-                  f"({arms['decode']['of_read_ceiling']:.0%}) | best {cell['best_decode']} {arms[cell['best_decode']]['us']:.1f} "
-                  f"({arms[cell['best_decode']]['of_read_ceiling']:.0%})", flush=True)
+            _print(cell, f"{active:4d} experts x {rows:4d} rows")
+        for target in args.maxvio:
+            group_rows, reached = busiest_rank_rows(model, args.step_tokens, target)
+            cell = _cell(model, group_rows, device, ceiling, args.iters)
+            cell.update(step_tokens=args.step_tokens, maxvio_target=target, maxvio=reached, group_rows=group_rows)
+            routed.append(cell)
+            _print(cell, f"s={args.step_tokens} maxvio {reached:.2f}, busiest rank ({cell['rows']} rows, "
+                         f"largest group {cell['rows_per_expert']})")
     result = {"device": device_name(device), "read_ceiling_gbps": ceiling, "crossover_rows_per_expert": _crossover(cells),
-              "cells": cells}
+              "cells": cells, "routed_cells": routed}
     print(f"crossover: the decode kernels beat torch._grouped_mm up to {result['crossover_rows_per_expert']} rows per expert")
     if args.out:
         with open(args.out, "w") as handle:
