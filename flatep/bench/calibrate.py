@@ -23,8 +23,8 @@ read; then, over the ranks of the steps with more rows per expert than the decod
 ``tile_rows`` (64/128/256), ``gemm_tflops`` and ``group_us`` together, as the triple whose model
 has the least squared relative error; then over the decode steps ``decode_tile_rows`` (16 to
 128), ``decode_gemm_tflops`` and ``decode_group_us`` the same way; then, per step size, the
-decision ``margins`` from how far the ranks of one step are off against each other
-(:func:`fit_margins`). Calibrating on uniform groups instead
+decision ``margins`` from how far the ranks of one step are off against each other, for the
+steps beyond the decode regime (:func:`fit_margins`). Calibrating on uniform groups instead
 (every group of a rank holding ``n`` rows, ``n`` up to 4096) misled the model on the H200 at
 Kimi-K2 shapes: it fitted 128-row tiles at 635 TFLOP/s, and put the layer's experts 10-22% too
 slow at s >= 4096 and up to 24% too fast at s = 1024; planned steps fitted 256-row tiles at
@@ -230,7 +230,7 @@ def gemm_us(groups: Sequence[int], weight_us: float, fit: GemmFit) -> float:
 
 
 def fit_margins(
-    config: EPConfig, experts_us: list[tuple[dict, float]], weight_us: float, many: GemmFit, few: GemmFit,
+    config: EPConfig, experts_us: list[tuple[dict, float]], weight_us: float, many: GemmFit,
 ) -> tuple[tuple[float, float], ...]:
     """``CostProfile.margins``: per measured step size, how far two ranks' times can be off against each other.
 
@@ -239,14 +239,22 @@ def fit_margins(
     common factor, the same for every rank, leaves out). ``auto`` compares the busiest ranks of two
     plans, so the error of that comparison is about ``sqrt(2)`` times the ranks' root-mean-square
     error: that is the margin, per ``ceil(T*K/E)`` rows per expert of the measured steps.
+
+    Only steps of the ``torch._grouped_mm`` regime get a margin (more rows per expert than the
+    decode kernels take): that is where the H200 sweeps saw the model rate a moving plan faster
+    than classic when it was slower (Kimi-K3, s = 1024: rank errors of 4-6% rms). In the decode
+    regime the ranks are off by 1.5-2% rms, the size of a rank's timing noise, and a margin there
+    turned a call the model had right into a miss (Kimi-K2, s = 128, maxvio 20: exact predicted
+    0.8% faster than classic, measured 3.7% faster; ``bench/results/2026-12-04-h200-g``).
     """
     from flatep.plan.cost import few_rows_per_expert
 
     steps: dict[tuple, list[float]] = {}
     for params, us in experts_us:
-        fit = few if few_rows_per_expert(config, params["total_tokens"]) else many
+        if few_rows_per_expert(config, params["total_tokens"]):
+            continue
         key = (params["total_tokens"], params["sigma"], params["policy"])
-        steps.setdefault(key, []).append(us / gemm_us(params["groups"], weight_us, fit))
+        steps.setdefault(key, []).append(us / gemm_us(params["groups"], weight_us, many))
     deviations: dict[int, list[float]] = {}
     for (total_tokens, _, _), ratios in steps.items():
         median = float(np.median(ratios))
@@ -302,7 +310,7 @@ def fit_profile(
         decode_gemm_tflops=flops_per_row / (few.row_us * 1e6),
         decode_group_us=few.group_us,
         decode_tile_rows=few.tile_rows,
-        margins=fit_margins(config, experts_us, weight_us, many, few),
+        margins=fit_margins(config, experts_us, weight_us, many),
     )
 
 

@@ -68,8 +68,9 @@ class CostProfile:
             off, measured by ``flatep calibrate`` at steps of that many rows per expert on
             average (``ceil(T*K/E)``). ``auto`` moves weights only when the model puts the moving
             candidate faster than classic by more than the fraction of the measured step nearest
-            (in log rows) to the step at hand: a saving smaller than the model's error is not
-            taken. None or empty: no margin. Each fraction is in ``[0, 1)``.
+            (in log rows, within the step's regime: :meth:`margin`) to the step at hand: a saving
+            smaller than the model's error is not taken. None or empty: no margin. Each fraction
+            is in ``[0, 1)``.
     """
 
     link_gbps: float
@@ -128,11 +129,19 @@ class CostProfile:
 
     def margin(self, config: EPConfig, total_tokens: int | None) -> float:
         """The decision margin of a step of ``T`` tokens: the fraction of :attr:`margins` measured
-        nearest (in log rows per expert) to the step's ``ceil(T*K/E)``; 0 without margins or ``T``."""
+        nearest (in log rows per expert) to the step's ``ceil(T*K/E)``, among the sizes of the
+        step's regime (the decode kernels' few rows per expert, or more: see
+        :func:`few_rows_per_expert`); 0 without margins of that regime or without ``T``."""
         if not self.margins or total_tokens is None:
             return 0.0
-        rows = math.log(max(1, rows_per_expert(total_tokens, config.top_k, config.experts)))
-        return min(self.margins, key=lambda pair: abs(math.log(pair[0]) - rows))[1]
+        from flatep.kernels.decode_gemm import DECODE_ROWS_PER_GROUP
+
+        rows = rows_per_expert(total_tokens, config.top_k, config.experts)
+        few = rows <= DECODE_ROWS_PER_GROUP
+        same_regime = [pair for pair in self.margins if (pair[0] <= DECODE_ROWS_PER_GROUP) == few]
+        if not same_regime:
+            return 0.0
+        return min(same_regime, key=lambda pair: abs(math.log(pair[0]) - math.log(max(1, rows))))[1]
 
     @classmethod
     def load(cls, path: str | Path) -> "CostProfile":

@@ -48,8 +48,9 @@ def fake_timer(measurement):
 def test_calibrate_recovers_the_profile_from_fake_times():
     lines = []
     profile = calibrate(CONFIG, "cpu", timer=fake_timer, base=CostProfile.default(), log=lines.append, tokens=TOKENS)
-    # The times are the model's own: no rank is off against another, so no margin at any measured size.
-    assert [rows for rows, _ in profile.margins] == [tokens * CONFIG.ranks * CONFIG.top_k / CONFIG.experts for tokens in TOKENS]
+    # The times are the model's own: no rank is off against another, so no margin, at the one
+    # measured size beyond the decode regime (s = 256: 256 rows per expert; 8 and 32 are decode steps).
+    assert [rows for rows, _ in profile.margins] == [256.0]
     assert all(margin < 1e-12 for _, margin in profile.margins)
     assert (profile.tile_rows, profile.decode_tile_rows) == (TRUE.tile_rows, TRUE.decode_tile_rows)
     for name in ("hbm_gbps", "gemm_tflops", "group_us", "decode_gemm_tflops", "decode_group_us"):
@@ -73,10 +74,14 @@ def test_margins_are_the_ranks_spread_against_each_other_per_step_size():
             for factor, rank_groups in zip((1.0, 1.1, 0.9, 1.0), groups):
                 params = {"groups": rank_groups, "total_tokens": total_tokens, "sigma": sigma, "policy": "none"}
                 samples.append((params, scale * factor * gemm_us(rank_groups, 2.0, fit)))
-    margins = fit_margins(CONFIG, samples, 2.0, fit, fit)
+    margins = fit_margins(CONFIG, samples, 2.0, fit)
     # Deviations from the median (1.0): 0, +0.1, -0.1, 0 per step: rms sqrt(0.005), margin sqrt(2)*rms = 0.1.
     assert [rows for rows, _ in margins] == [1024 * 8 / 64, 4096 * 8 / 64]
     assert all(margin == pytest.approx(0.1, rel=1e-9) for _, margin in margins)
+    # Decode steps (at most 64 rows per expert: s = 8 holds 8) get none, however far off their ranks are.
+    decode_step = [({**params, "total_tokens": 64}, us * (1.5 if index % 2 else 1.0))
+                   for index, (params, us) in enumerate(samples)]
+    assert fit_margins(CONFIG, decode_step, 2.0, fit) == ()
 
 
 def test_local_link_is_a_copy_within_the_device():
@@ -137,7 +142,7 @@ def test_fit_to_ranks_measured_on_an_h200_keeps_every_rank_within_15_percent():
     profile = fit_profile(config, samples, data["read_gbps"], None, CostProfile.preset("h200"), "h200")
     # Ranks of one step are off against each other by a few percent, more where groups fit one tile.
     margins = dict(profile.margins)
-    assert sorted(margins) == [1.0, 22.0, 171.0, 683.0, 1366.0]  # s = 1, 128, 1024, 4096, 8192
+    assert sorted(margins) == [171.0, 683.0, 1366.0]  # s = 1024, 4096, 8192 (s = 1 and 128: decode regime)
     assert all(0 < margin < 0.2 for margin in margins.values()) and margins[171.0] > margins[1366.0]
     assert profile.tile_rows == 256 and 700 < profile.gemm_tflops < 850
     for params, us in samples:

@@ -68,9 +68,14 @@ def test_margin_is_the_nearest_measured_step_in_log_rows(tmp_path):
     assert profile.margins == ((20.0, 0.05), (150.0, 0.08), (600.0, 0.02))
     profile.save(tmp_path / "p.json")
     assert CostProfile.load(tmp_path / "p.json") == profile
-    # Kimi-K2 sizes: T*K/E rows per expert at R = 8 virtual ranks.
+    # Kimi-K2 sizes: T*K/E = 1, 22, 171, 683, 1366 rows per expert at R = 8 virtual ranks.
     config = EPConfig(ranks=8, experts=384, top_k=8, hidden=64, intermediate=32, capacity=8192)
     assert [profile.margin(config, 8 * s) for s in (1, 128, 1024, 4096, 8192)] == [0.05, 0.05, 0.08, 0.02, 0.02]
+    # Sizes are matched within their regime (at most 64 rows per expert: the decode kernels'):
+    # s = 384 (64 rows) takes the decode size's margin, s = 385 (65 rows) the nearest larger one.
+    assert (profile.margin(config, 8 * 384), profile.margin(config, 8 * 385)) == (0.05, 0.08)
+    grouped_only = CostProfile(**FIELDS, margins=[[150, 0.08]])
+    assert [grouped_only.margin(config, 8 * s) for s in (1, 128, 1024)] == [0.0, 0.0, 0.08]
     assert profile.margin(config, None) == 0.0
     assert CostProfile(**FIELDS).margin(config, 8192) == CostProfile(**FIELDS, margins=[]).margin(config, 8192) == 0.0
     assert profile.constants(config, total_tokens=8 * 1024).margin_ppm == 80_000
