@@ -18,7 +18,8 @@ the crossover: the largest rows per expert up to which the default decode tiles 
 
 ``--maxvio 0 2 10`` adds routed cells: the groups of the busiest rank of a step of ``--step-tokens``
 tokens per rank (R = 8) under classic EP, routed as the sweeps route it (a few hot experts hold
-several times the mean rows, so some groups take several row tiles).
+several times the mean rows, so some groups take several row tiles). Their ``decode`` arm takes
+the tiles the layer takes, from the step's average rows per expert.
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ import torch
 from triton.runtime.errors import OutOfResources
 
 from flatep.bench.timing import device_name, read_ceiling_gbps, time_us
-from flatep.config import preset
+from flatep.config import preset, rows_per_expert
 from flatep.routing import expert_histogram, sigma_for_maxvio, skewed_topk
 from flatep.kernels.activation import swiglu_weighted_triton
 from flatep.kernels.decode_gemm import decode_config, gate_up_swiglu_triton, grouped_mm_triton
@@ -72,7 +73,13 @@ def busiest_rank_rows(model: str, tokens: int, target: float, ranks: int = 8) ->
     return per_rank[int(per_rank.sum(1).argmax())].tolist(), reached
 
 
-def _cell(model: str, group_rows: list[int], device: torch.device, ceiling_gbps: float, iters: int) -> dict:
+def _cell(
+    model: str, group_rows: list[int], device: torch.device, ceiling_gbps: float, iters: int,
+    rows_per_group: int | None = None,
+) -> dict:
+    """Time one rank's experts holding ``group_rows`` rows per group; the ``decode`` arm takes the
+    tiles the layer would: from ``rows_per_group`` (the step's average, ``ceil(T*K/E)``; default
+    this rank's own average)."""
     config = preset(model)
     hidden, inter, groups = config.hidden, config.intermediate, config.experts_per_rank
     w13 = (torch.randn(groups, 2 * inter, hidden, device=device) * hidden**-0.5).bfloat16()
@@ -98,8 +105,8 @@ def _cell(model: str, group_rows: list[int], device: torch.device, ceiling_gbps:
         return run
 
     weight_bytes = active * 3 * hidden * inter * 2
-    # The layer's tiles follow the step's average rows per group (rows_per_group), as here.
-    default_tiles = decode_config(-(-total // groups) * groups, groups)
+    per_group = -(-total // groups) if rows_per_group is None else rows_per_group
+    default_tiles = decode_config(per_group * groups, groups)
     floor_us = weight_bytes / ceiling_gbps / 1e3
     reference = torch_arm().float()
     arms = {"torch": torch_arm, "decode": decode_arm(default_tiles)}
@@ -164,7 +171,8 @@ def main(argv: list[str] | None = None) -> int:
             _print(cell, f"{active:4d} experts x {rows:4d} rows")
         for target in args.maxvio:
             group_rows, reached = busiest_rank_rows(model, args.step_tokens, target)
-            cell = _cell(model, group_rows, device, ceiling, args.iters)
+            step_average = rows_per_expert(8 * args.step_tokens, preset(model).top_k, preset(model).experts)
+            cell = _cell(model, group_rows, device, ceiling, args.iters, rows_per_group=step_average)
             cell.update(step_tokens=args.step_tokens, maxvio_target=target, maxvio=reached, group_rows=group_rows)
             routed.append(cell)
             _print(cell, f"s={args.step_tokens} maxvio {reached:.2f}, busiest rank ({cell['rows']} rows, "
