@@ -51,9 +51,6 @@ CANDIDATES = (
     GemmConfig(32, 64, 128, num_warps=8, num_stages=4, swap_ab=True),
     GemmConfig(64, 64, 128, num_warps=4, num_stages=4, swap_ab=True),
     GemmConfig(64, 64, 128, num_warps=8, num_stages=3, swap_ab=True),
-    GemmConfig(32, 64, 128, num_warps=4, num_stages=4, swap_ab=True, column_major=True),
-    GemmConfig(64, 64, 128, num_warps=4, num_stages=3, swap_ab=False, column_major=True),
-    GemmConfig(64, 64, 128, num_warps=4, num_stages=4, swap_ab=True, column_major=True),
 )
 
 

@@ -44,7 +44,7 @@ def decode_config(rows: int, groups: int) -> GemmConfig:
     average, the product transposed (``swap_ab``) and a deep pipeline, as weight streaming wants."""
     per_group = max(1, rows // max(groups, 1))
     block_m = 16 if per_group <= 16 else 32 if per_group <= 32 else 64
-    return GemmConfig(block_m, 64, 128, num_warps=4, num_stages=4, group_m=8, swap_ab=True, column_major=True)
+    return GemmConfig(block_m, 64, 128, num_warps=4, num_stages=4, group_m=8, swap_ab=True)
 
 
 @triton.jit
@@ -53,21 +53,19 @@ def _decode_kernel(
     stride_sg, stride_wn, stride_om,
     K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     GROUPS: tl.constexpr, SWAP_AB: tl.constexpr, GATED: tl.constexpr, INTERPRET: tl.constexpr,
-    COLUMN_MAJOR: tl.constexpr,
 ):
     """Groups ``[0, split)`` read ``w``, groups ``[split, groups)`` read ``slot`` from row ``split_start``."""
     starts, ends, tiles, passed, total = _tile_table(offsets_ptr, groups, split, split_start, N, BLOCK_M, BLOCK_N, GROUPS)
     tile = tl.program_id(0)
     while tile < total:
-        group, first, last, first_column = _locate_tile(tile, starts, ends, tiles, passed, N, BLOCK_M, BLOCK_N, GROUP_M, GROUPS,
-                                                         COLUMN_MAJOR)
+        group, first, last, first_column = _locate_tile(tile, starts, ends, tiles, passed, N, BLOCK_M, BLOCK_N, GROUP_M, GROUPS)
         # A group's weights exceed 2**31 elements at real sizes: offsets in int64.
         if group < split:
             w_group = w_ptr + group.to(tl.int64) * stride_wg
         else:
             w_group = slot_ptr + (group - split).to(tl.int64) * stride_sg
         _decode_tile(a_ptr, w_group, weight_ptr, out_ptr, first, last, first_column, N, stride_am, stride_wn, stride_om,
-                     K, BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, GATED, INTERPRET, COLUMN_MAJOR)
+                     K, BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, GATED, INTERPRET)
         tile += tl.num_programs(0)
 
 
@@ -75,14 +73,10 @@ def _decode_kernel(
 def _decode_tile(
     a_ptr, w_group, weight_ptr, out_ptr, first, last, first_column, N, stride_am, stride_wn, stride_om,
     K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr,
-    GATED: tl.constexpr, INTERPRET: tl.constexpr, COLUMN_MAJOR: tl.constexpr,
+    GATED: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """Rows ``[first, min(first + BLOCK_M, last))`` times columns ``[first_column, + BLOCK_N)`` of
-    the group whose weights start at ``w_group``.
-
-    In column-major order a group's rows are read again for each of its column blocks, far apart
-    in time: the weights, read once, are loaded ``evict_first`` and the rows ``evict_last``, so
-    that the rows stay in L2 while the weights stream through it."""
+    the group whose weights start at ``w_group``."""
     row = first + tl.arange(0, BLOCK_M)
     row_mask = row < last
     column = first_column + tl.arange(0, BLOCK_N)
@@ -98,14 +92,11 @@ def _decode_tile(
     acc_up = tl.zeros_like(acc)
     for k in range(0, K, BLOCK_K):
         inner_mask = (k + inner < K)[None, :]
-        a = tl.load(a_tile + k, mask=row_mask[:, None] & inner_mask, other=0.0,
-                    eviction_policy="evict_last" if COLUMN_MAJOR else "")
-        w = tl.load(w_tile + k, mask=column_mask[:, None] & inner_mask, other=0.0,
-                    eviction_policy="evict_first" if COLUMN_MAJOR else "")
+        a = tl.load(a_tile + k, mask=row_mask[:, None] & inner_mask, other=0.0)
+        w = tl.load(w_tile + k, mask=column_mask[:, None] & inner_mask, other=0.0)
         acc += _tile_dot(a, w, SWAP_AB, INTERPRET)
         if GATED:
-            u = tl.load(up_tile + k, mask=column_mask[:, None] & inner_mask, other=0.0,
-                        eviction_policy="evict_first" if COLUMN_MAJOR else "")
+            u = tl.load(up_tile + k, mask=column_mask[:, None] & inner_mask, other=0.0)
             acc_up += _tile_dot(a, u, SWAP_AB, INTERPRET)
     if SWAP_AB:
         acc = tl.trans(acc)
@@ -156,7 +147,6 @@ def _launch(rows, weights, slots, slot_base, route_weights, out, offsets, column
         weights.stride(0), slots.stride(0), weights.stride(1), out.stride(0), inner,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
         GROUPS=triton.next_power_of_2(groups), SWAP_AB=config.swap_ab, GATED=gated, INTERPRET=interpreting(),
-        COLUMN_MAJOR=config.column_major,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out

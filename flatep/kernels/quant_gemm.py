@@ -65,9 +65,7 @@ class GemmConfig:
     docstring); ``swap_ab``: compute the transposed tile, ``W_tile @ A_tile.T``, so that the weight's
     columns fill the MMA's M side (a Hopper warp-group MMA is 64 rows tall, while short row tiles
     of decode shards are 16 or 32 rows; the tall operand may also come from registers, as mxfp4's
-    decoded weights do); ``num_warps``, ``num_stages``: Triton's launch options;
-    ``column_major`` (decode kernels only): number the tiles column block by column block, each
-    block's row tiles of every group together (see :func:`_locate_tile`).
+    decoded weights do); ``num_warps``, ``num_stages``: Triton's launch options.
     """
 
     block_m: int
@@ -77,7 +75,6 @@ class GemmConfig:
     num_stages: int = 3
     group_m: int = 8
     swap_ab: bool = False
-    column_major: bool = False
 
 
 def default_config(rows: int, groups: int, format: str) -> GemmConfig:
@@ -126,43 +123,25 @@ def _tile_table(
 def _locate_tile(
     tile, starts, ends, tiles, passed, N,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, GROUPS: tl.constexpr,
-    COLUMN_MAJOR: tl.constexpr,
 ):
     """``(group, first_row, end_row, first_column)`` of tile ``tile < total`` (see :func:`_tile_table`).
 
-    Group-major (the default): group ``g`` owns tiles ``[base_g, base_g + tiles_g) * column_blocks``,
-    so ``tile // column_blocks`` finds the group; within the group, bands of ``GROUP_M`` row tiles
-    (the last band may be shorter) each take all column blocks, row tiles fastest.
-
-    ``COLUMN_MAJOR``: column block ``tile // row_tiles`` (``row_tiles`` over all groups), then the
-    groups' row tiles in order. The programs running together then hold one or a few column
-    blocks of every group, instead of every column block of one group: a group of many rows (a hot
-    expert, compute-bound) runs beside groups of few (weight-read bound), and each weight tile is
-    still read by its group's row tiles back to back.
+    Group ``g`` owns tiles ``[base_g, base_g + tiles_g) * column_blocks``, so ``tile //
+    column_blocks`` finds the group; within the group, bands of ``GROUP_M`` row tiles (the last band
+    may be shorter) each take all column blocks, row tiles fastest.
     """
     column_blocks = tl.cdiv(N, BLOCK_N)
     g = tl.arange(0, GROUPS)
-    if COLUMN_MAJOR:
-        row_tiles = tl.sum(tiles, axis=0)
-        column = tile // row_tiles
-        row_tile = tile - column * row_tiles
-        group = tl.sum((passed <= row_tile).to(tl.int32), axis=0)
-        mine = g == group
-        local = row_tile - tl.sum(tl.where(mine, passed - tiles, 0), axis=0)
-        first = tl.sum(tl.where(mine, starts, 0), axis=0) + local * BLOCK_M
-        first_column = column * BLOCK_N
-    else:
-        group = tl.sum((passed <= tile // column_blocks).to(tl.int32), axis=0)
-        mine = g == group
-        count = tl.sum(tl.where(mine, tiles, 0), axis=0)
-        local = tile - tl.sum(tl.where(mine, passed - tiles, 0), axis=0) * column_blocks
-        band = local // (GROUP_M * column_blocks)
-        band_tiles = tl.minimum(count - band * GROUP_M, GROUP_M)
-        within = local - band * GROUP_M * column_blocks
-        first = tl.sum(tl.where(mine, starts, 0), axis=0) + (band * GROUP_M + within % band_tiles) * BLOCK_M
-        first_column = (within // band_tiles) * BLOCK_N
+    group = tl.sum((passed <= tile // column_blocks).to(tl.int32), axis=0)
+    mine = g == group
+    count = tl.sum(tl.where(mine, tiles, 0), axis=0)
+    local = tile - tl.sum(tl.where(mine, passed - tiles, 0), axis=0) * column_blocks
+    band = local // (GROUP_M * column_blocks)
+    band_tiles = tl.minimum(count - band * GROUP_M, GROUP_M)
+    within = local - band * GROUP_M * column_blocks
+    first = tl.sum(tl.where(mine, starts, 0), axis=0) + (band * GROUP_M + within % band_tiles) * BLOCK_M
     last = tl.sum(tl.where(mine, ends, 0), axis=0)
-    return group, first, last, first_column
+    return group, first, last, (within // band_tiles) * BLOCK_N
 
 
 @triton.jit
@@ -227,8 +206,7 @@ def _fp8_grouped_kernel(
     starts, ends, tiles, passed, total = _tile_table(offsets_ptr, groups, groups, 0, N, BLOCK_M, BLOCK_N, GROUPS)
     tile = tl.program_id(0)
     while tile < total:
-        group, first, last, first_column = _locate_tile(tile, starts, ends, tiles, passed, N, BLOCK_M, BLOCK_N, GROUP_M, GROUPS,
-                                                         False)
+        group, first, last, first_column = _locate_tile(tile, starts, ends, tiles, passed, N, BLOCK_M, BLOCK_N, GROUP_M, GROUPS)
         _fp8_tile(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, group, first, last, first_column, N, stride_om, K,
                   BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, INTERPRET)
         tile += tl.num_programs(0)
@@ -295,8 +273,7 @@ def _mxfp4_grouped_kernel(
     starts, ends, tiles, passed, total = _tile_table(offsets_ptr, groups, groups, 0, N, BLOCK_M, BLOCK_N, GROUPS)
     tile = tl.program_id(0)
     while tile < total:
-        group, first, last, first_column = _locate_tile(tile, starts, ends, tiles, passed, N, BLOCK_M, BLOCK_N, GROUP_M, GROUPS,
-                                                         False)
+        group, first, last, first_column = _locate_tile(tile, starts, ends, tiles, passed, N, BLOCK_M, BLOCK_N, GROUP_M, GROUPS)
         _mxfp4_tile(a_ptr, w_ptr, s_ptr, out_ptr, group, first, last, first_column, N, stride_am, stride_om, K,
                     BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, INTERPRET)
         tile += tl.num_programs(0)

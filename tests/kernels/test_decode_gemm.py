@@ -8,9 +8,7 @@ from flatep.kernels.decode_gemm import decode_config, gate_up_swiglu_triton, gro
 from flatep.kernels.quant_gemm import GemmConfig
 from tests.helpers import DEVICE
 
-# Group-major and column-major tile orders (the latter with more column blocks than groups' row tiles).
-CONFIGS = [None, GemmConfig(16, 32, 32, swap_ab=False), GemmConfig(32, 16, 64, swap_ab=True),
-           GemmConfig(16, 16, 32, swap_ab=True, column_major=True), GemmConfig(16, 32, 64, column_major=True)]
+CONFIGS = [None, GemmConfig(16, 32, 32, swap_ab=False), GemmConfig(32, 16, 64, swap_ab=True)]
 
 
 def _operands(counts, hidden=96, inter=48, seed=0):
@@ -97,9 +95,8 @@ def _two_sets(home_counts, slot_counts, slot_base, hidden=96, inter=48, seed=4):
     return [t.to(DEVICE) for t in (x, *weights, *downs, route_weights, offsets)]
 
 
-@pytest.mark.parametrize("config", [None, GemmConfig(16, 16, 32, swap_ab=True, column_major=True)])
 @pytest.mark.parametrize("slot_counts", [[4, 0, 7], [0, 0, 0]])
-def test_two_weight_sets_in_one_launch_equal_two_launches(slot_counts, config):
+def test_two_weight_sets_in_one_launch_equal_two_launches(slot_counts):
     """Home experts and borrow slots in one launch (groups past the home ones start at
     ``slot_base`` and read the second set) give each part's launch's rows; no other row is written."""
     home_counts, slot_base = [3, 0, 6], 16
@@ -107,16 +104,15 @@ def test_two_weight_sets_in_one_launch_equal_two_launches(slot_counts, config):
     epn, home_end, end = len(home_counts), int(offsets[len(home_counts) - 1]), int(offsets[-1])
     inter = w2.shape[2]
     activated = torch.full((x.shape[0], inter), float("nan"), dtype=torch.bfloat16, device=DEVICE)
-    gate_up_swiglu_triton(x, w13, route_weights, offsets, config, out=activated, slots=slot_w13, slot_base=slot_base)
+    gate_up_swiglu_triton(x, w13, route_weights, offsets, out=activated, slots=slot_w13, slot_base=slot_base)
     out = torch.full((x.shape[0], w2.shape[1]), float("nan"), dtype=torch.bfloat16, device=DEVICE)
-    grouped_mm_triton(activated, w2, offsets, config, out=out, slots=slot_w2, slot_base=slot_base)
+    grouped_mm_triton(activated, w2, offsets, out=out, slots=slot_w2, slot_base=slot_base)
     for first, last, gate_up, down, part_offsets in (
         (0, home_end, w13, w2, offsets[:epn]),
         (slot_base, end, slot_w13, slot_w2, offsets[epn:] - slot_base),
     ):
-        part_activated = gate_up_swiglu_triton(x[first:], gate_up, route_weights[first:].contiguous(),
-                                               part_offsets.contiguous(), config)
-        part_out = grouped_mm_triton(part_activated, down, part_offsets.contiguous(), config)
+        part_activated = gate_up_swiglu_triton(x[first:], gate_up, route_weights[first:].contiguous(), part_offsets.contiguous())
+        part_out = grouped_mm_triton(part_activated, down, part_offsets.contiguous())
         torch.testing.assert_close(activated[first:last].float(), part_activated[: last - first].float(), rtol=0, atol=0)
         torch.testing.assert_close(out[first:last].float(), part_out[: last - first].float(), rtol=0, atol=0)
     assert out[home_end:slot_base].isnan().all() and out[end:].isnan().all()

@@ -147,14 +147,13 @@ def test_many_groups_with_empty_ones(format):
 
 @triton.jit
 def _tile_order_kernel(offsets_ptr, out_ptr, total_ptr, groups, split, split_start, N, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, GROUPS: tl.constexpr, COLUMN_MAJOR: tl.constexpr):
+                       BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, GROUPS: tl.constexpr):
     """The grouped GEMM kernels' loop: each program writes where each of its tiles lies."""
     starts, ends, tiles, passed, total = _tile_table(offsets_ptr, groups, split, split_start, N, BLOCK_M, BLOCK_N, GROUPS)
     tl.store(total_ptr + tl.program_id(0), total)
     tile = tl.program_id(0)
     while tile < total:
-        group, first, last, first_column = _locate_tile(tile, starts, ends, tiles, passed, N, BLOCK_M, BLOCK_N, GROUP_M, GROUPS,
-                                                         COLUMN_MAJOR)
+        group, first, last, first_column = _locate_tile(tile, starts, ends, tiles, passed, N, BLOCK_M, BLOCK_N, GROUP_M, GROUPS)
         tl.store(out_ptr + 4 * tile, group)
         tl.store(out_ptr + 4 * tile + 1, first)
         tl.store(out_ptr + 4 * tile + 2, last)
@@ -164,22 +163,18 @@ def _tile_order_kernel(offsets_ptr, out_ptr, total_ptr, groups, split, split_sta
 
 def expected_tile_order(sizes, columns, config, split=None, split_start=0):
     """``(group, first row, end row, first column)`` of each tile, in tile order:
-    group by group, bands of ``group_m`` row tiles, all column blocks per band, row tiles fastest
-    (``column_major``: column block by column block, every group's row tiles in order within it);
+    group by group, bands of ``group_m`` row tiles, all column blocks per band, row tiles fastest;
     group ``split`` starts at row ``split_start``."""
-    row_tiles, start = [], 0
+    order, start = [], 0
     for group, size in enumerate(sizes):
         if group == split:
             start = split_start
-        row_tiles.append([(group, start + tile * config.block_m, start + size) for tile in range(-(-size // config.block_m))])
-        start += size
-    if config.column_major:
-        return [tile + (column,) for column in range(0, columns, config.block_n) for group in row_tiles for tile in group]
-    order = []
-    for group in row_tiles:
-        for band in range(0, len(group), config.group_m):
+        tiles = -(-size // config.block_m)
+        for band in range(0, tiles, config.group_m):
             for column in range(0, columns, config.block_n):
-                order.extend(tile + (column,) for tile in group[band:band + config.group_m])
+                for tile in range(band, min(band + config.group_m, tiles)):
+                    order.append((group, start + tile * config.block_m, start + size, column))
+        start += size
     return order
 
 
@@ -191,9 +186,6 @@ def expected_tile_order(sizes, columns, config, split=None, split_start=0):
     ([0, 0], 32, GemmConfig(16, 32)),  # nothing to do
     ([int(size) for size in torch.randint(0, 70, (29,), generator=torch.Generator().manual_seed(5))], 80,
      GemmConfig(32, 32, group_m=4)),  # many groups
-    ([3, 0, 50, 1, 0, 17], 64, GemmConfig(16, 16, column_major=True)),  # column block by column block
-    ([0, 0, 0, 5], 48, GemmConfig(32, 16, column_major=True)),
-    ([0, 0], 32, GemmConfig(16, 32, column_major=True)),
 ])
 def test_tiles_run_group_by_group_and_each_once_over_a_capped_grid(sizes, columns, config):
     offsets = torch.tensor(sizes, dtype=torch.int32).cumsum(0).to(torch.int32).to(DEVICE)
@@ -206,27 +198,25 @@ def test_tiles_run_group_by_group_and_each_once_over_a_capped_grid(sizes, column
     totals = torch.full((programs,), -1, dtype=torch.int32, device=DEVICE)
     _tile_order_kernel[(programs,)](offsets, tiles, totals, len(sizes), len(sizes), 0, columns, BLOCK_M=config.block_m,
                                     BLOCK_N=config.block_n, GROUP_M=config.group_m,
-                                    GROUPS=triton.next_power_of_2(len(sizes)), COLUMN_MAJOR=config.column_major)
+                                    GROUPS=triton.next_power_of_2(len(sizes)))
     assert totals.eq(len(expected)).all()
     assert [tuple(row) for row in tiles[:len(expected)].tolist()] == expected
     assert tiles[len(expected)].eq(-1).all()  # nothing written past the last tile
 
 
 @needs_triton
-@pytest.mark.parametrize("column_major", [False, True])
 @pytest.mark.parametrize("home, slots", [([3, 0, 20], [5, 0, 9]), ([4, 4], [0, 0]), ([0, 0], [7, 1])])
-def test_a_second_run_of_groups_starts_at_its_own_row(home, slots, column_major):
+def test_a_second_run_of_groups_starts_at_its_own_row(home, slots):
     """Groups from ``split`` on (a layer's borrow slots) start at ``split_start``, not where the
     home groups end; the rows in between belong to no tile."""
-    config, columns, split_start = GemmConfig(16, 32, group_m=2, column_major=column_major), 64, 48
+    config, columns, split_start = GemmConfig(16, 32, group_m=2), 64, 48
     ends = torch.tensor(home).cumsum(0).tolist() + (split_start + torch.tensor(slots).cumsum(0)).tolist()
     offsets = torch.tensor(ends, dtype=torch.int32, device=DEVICE)
     expected = expected_tile_order(home + slots, columns, config, split=len(home), split_start=split_start)
     tiles = torch.full((len(expected) + 1, 4), -1, dtype=torch.int32, device=DEVICE)
     totals = torch.full((3,), -1, dtype=torch.int32, device=DEVICE)
     _tile_order_kernel[(3,)](offsets, tiles, totals, len(ends), len(home), split_start, columns, BLOCK_M=config.block_m,
-                             BLOCK_N=config.block_n, GROUP_M=config.group_m, GROUPS=triton.next_power_of_2(len(ends)),
-                             COLUMN_MAJOR=column_major)
+                             BLOCK_N=config.block_n, GROUP_M=config.group_m, GROUPS=triton.next_power_of_2(len(ends)))
     assert totals.eq(len(expected)).all()
     assert [tuple(row) for row in tiles[:len(expected)].tolist()] == expected
     assert tiles[len(expected)].eq(-1).all()
