@@ -7,8 +7,11 @@ with CUDA-graph timing (median of replays), one EP8 rank's experts (``E/8`` bf16
 - ``torch``: gate/up ``torch._grouped_mm``, the weighted SwiGLU kernel, down ``torch._grouped_mm``
   (the path :func:`flatep.experts.grouped_swiglu` takes above the crossover);
 - ``decode``: :func:`flatep.kernels.decode_gemm.gate_up_swiglu_triton` then
-  :func:`~flatep.kernels.decode_gemm.grouped_mm_triton`, with the default tiles
-  (:func:`~flatep.kernels.decode_gemm.decode_config`) and each of :data:`CANDIDATES`.
+  :func:`~flatep.kernels.decode_gemm.grouped_mm_triton`, in the layer's launches
+  (:func:`~flatep.kernels.decode_gemm.decode_launches`: the groups of at most ``HOT_ROWS`` rows
+  with :func:`~flatep.kernels.decode_gemm.decode_config`'s tiles, the others in a second launch
+  with ``HOT_TILES``), one launch over every group with each of :data:`CANDIDATES`, and the
+  layer's split with each of :data:`HOT_CANDIDATES` for the hot groups.
 
 Bytes counted: the weights of the active experts (``3 * H * I * 2`` bytes each), read once; the
 rows (a few MB at most) are left out. Each time is printed beside the time those bytes take at the
@@ -34,7 +37,7 @@ from flatep.bench.timing import device_name, read_ceiling_gbps, time_us
 from flatep.config import preset, rows_per_expert
 from flatep.routing import expert_histogram, sigma_for_maxvio, skewed_topk
 from flatep.kernels.activation import swiglu_weighted_triton
-from flatep.kernels.decode_gemm import decode_config, gate_up_swiglu_triton, grouped_mm_triton
+from flatep.kernels.decode_gemm import decode_launches, gate_up_swiglu_triton, grouped_mm_triton
 from flatep.kernels.quant_gemm import GemmConfig
 
 ROWS_PER_EXPERT = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -51,6 +54,12 @@ CANDIDATES = (
     GemmConfig(32, 64, 128, num_warps=8, num_stages=4, swap_ab=True),
     GemmConfig(64, 64, 128, num_warps=4, num_stages=4, swap_ab=True),
     GemmConfig(64, 64, 128, num_warps=8, num_stages=3, swap_ab=True),
+)
+# Tiles of the second launch, the groups above HOT_ROWS rows (flatep.kernels.decode_gemm.decode_launches).
+HOT_CANDIDATES = (
+    GemmConfig(64, 64, 128, num_warps=4, num_stages=4, swap_ab=False),
+    GemmConfig(128, 64, 64, num_warps=8, num_stages=4, swap_ab=False),
+    GemmConfig(64, 128, 64, num_warps=4, num_stages=4, swap_ab=False),
 )
 
 
@@ -98,19 +107,26 @@ def _cell(
         swiglu_weighted_triton(hidden_states, route_weights, offsets[-1:], activated)
         return torch._grouped_mm(activated, w2.mT, offs=offsets)
 
-    def decode_arm(tiles: GemmConfig | None):
+    def decode_arm(launches: list[tuple[GemmConfig, tuple[int, int]]]):
         def run() -> torch.Tensor:
-            gate_up_swiglu_triton(x, w13, route_weights, offsets, tiles, out=activated)
-            return grouped_mm_triton(activated, w2, offsets, tiles, out=out)
+            for tiles, group_rows in launches:
+                gate_up_swiglu_triton(x, w13, route_weights, offsets, tiles, out=activated, group_rows=group_rows)
+            for tiles, group_rows in launches:
+                grouped_mm_triton(activated, w2, offsets, tiles, out=out, group_rows=group_rows)
+            return out
         return run
 
     weight_bytes = active * 3 * hidden * inter * 2
     per_group = -(-total // groups) if rows_per_group is None else rows_per_group
-    default_tiles = decode_config(per_group * groups, groups)
+    launches = decode_launches(per_group * groups, groups)
+    default_tiles = launches[0][0]
     floor_us = weight_bytes / ceiling_gbps / 1e3
     reference = torch_arm().float()
-    arms = {"torch": torch_arm, "decode": decode_arm(default_tiles)}
-    arms.update({f"decode {dataclasses.astuple(tiles)}": decode_arm(tiles) for tiles in CANDIDATES})
+    arms = {"torch": torch_arm, "decode": decode_arm(launches)}
+    every_group = (0, 2**31 - 1)
+    arms.update({f"decode {dataclasses.astuple(tiles)}": decode_arm([(tiles, every_group)]) for tiles in CANDIDATES})
+    arms.update({f"decode split hot {dataclasses.astuple(hot)}": decode_arm(decode_launches(per_group * groups, groups, hot))
+                 for hot in HOT_CANDIDATES})
     results = {}
     for name, run in arms.items():
         try:

@@ -39,6 +39,31 @@ DECODE_ROWS_PER_GROUP = 64
 these kernels over ``torch._grouped_mm`` (bf16 weights on CUDA)."""
 
 
+HOT_ROWS = 64
+"""Groups holding more rows than this run in a launch of their own with :data:`HOT_TILES`
+(:func:`decode_launches`): a hot expert's rows fill tall tiles, and its many row tiles would
+otherwise each stream the same weight tile."""
+
+HOT_TILES = GemmConfig(64, 64, 128, num_warps=4, num_stages=3, swap_ab=False)
+"""Tiles of the hot groups' launch (:data:`HOT_ROWS`)."""
+
+_ALL_ROWS = 2**31 - 1
+
+
+def decode_launches(rows: int, groups: int, hot: GemmConfig | None = HOT_TILES) -> list[tuple[GemmConfig, tuple[int, int]]]:
+    """The decode GEMM launches of a step: ``(tiles, (rows_above, rows_at_most))`` each, run one
+    after another over the same operands; each launch computes only the groups holding more than
+    ``rows_above`` and at most ``rows_at_most`` rows (read from the offsets on the device).
+
+    With ``hot`` (the default :data:`HOT_TILES`): groups of at most :data:`HOT_ROWS` rows with
+    :func:`decode_config`'s tiles, the rest with ``hot``'s. ``hot=None``: one launch of every group.
+    """
+    tiles = decode_config(rows, groups)
+    if hot is None:
+        return [(tiles, (0, _ALL_ROWS))]
+    return [(tiles, (0, HOT_ROWS)), (hot, (HOT_ROWS, _ALL_ROWS))]
+
+
 def decode_config(rows: int, groups: int) -> GemmConfig:
     """Tiles for ``rows`` shard rows over ``groups`` groups: row tiles no taller than a group's
     average, the product transposed (``swap_ab``) and a deep pipeline, as weight streaming wants."""
@@ -50,12 +75,17 @@ def decode_config(rows: int, groups: int) -> GemmConfig:
 @triton.jit
 def _decode_kernel(
     a_ptr, w_ptr, slot_ptr, weight_ptr, out_ptr, offsets_ptr, groups, split, split_start, N, stride_am, stride_wg,
-    stride_sg, stride_wn, stride_om,
+    stride_sg, stride_wn, stride_om, rows_above, rows_at_most,
     K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     GROUPS: tl.constexpr, SWAP_AB: tl.constexpr, GATED: tl.constexpr, INTERPRET: tl.constexpr,
 ):
-    """Groups ``[0, split)`` read ``w``, groups ``[split, groups)`` read ``slot`` from row ``split_start``."""
+    """Groups ``[0, split)`` read ``w``, groups ``[split, groups)`` read ``slot`` from row ``split_start``;
+    only groups of more than ``rows_above`` and at most ``rows_at_most`` rows get tiles."""
     starts, ends, tiles, passed, total = _tile_table(offsets_ptr, groups, split, split_start, N, BLOCK_M, BLOCK_N, GROUPS)
+    group_rows = ends - starts
+    tiles = tl.where((group_rows > rows_above) & (group_rows <= rows_at_most), tiles, 0)
+    passed = tl.cumsum(tiles, axis=0)
+    total = tl.sum(tiles, axis=0) * tl.cdiv(N, BLOCK_N)
     tile = tl.program_id(0)
     while tile < total:
         group, first, last, first_column = _locate_tile(tile, starts, ends, tiles, passed, N, BLOCK_M, BLOCK_N, GROUP_M, GROUPS)
@@ -134,9 +164,21 @@ def _check(rows: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor, slo
                          f"{list(offsets.shape)}")
 
 
-def _launch(rows, weights, slots, slot_base, route_weights, out, offsets, columns, config, gated) -> torch.Tensor:
+def _check_group_rows(group_rows) -> tuple[int, int]:
+    if group_rows is None:
+        return 0, _ALL_ROWS
+    if (not isinstance(group_rows, tuple) or len(group_rows) != 2
+            or any(isinstance(v, bool) or not isinstance(v, int) for v in group_rows)
+            or not 0 <= group_rows[0] <= group_rows[1] <= _ALL_ROWS):
+        raise ValueError(f"group_rows must be None or (rows_above, rows_at_most) ints with 0 <= rows_above <= "
+                         f"rows_at_most <= {_ALL_ROWS}, got {group_rows!r}")
+    return group_rows
+
+
+def _launch(rows, weights, slots, slot_base, route_weights, out, offsets, columns, config, gated, group_rows) -> torch.Tensor:
     split, inner = weights.shape[0], rows.shape[1]
     groups = offsets.shape[0]
+    rows_above, rows_at_most = _check_group_rows(group_rows)
     config = config or decode_config(rows.shape[0], groups)
     out = _output(rows, columns, out)
     if rows.shape[0] == 0:
@@ -144,7 +186,7 @@ def _launch(rows, weights, slots, slot_base, route_weights, out, offsets, column
     slots = weights if slots is None else slots
     _decode_kernel[_grid(rows.shape[0], groups, columns, config, rows.device)](
         rows, weights, slots, route_weights, out, offsets, groups, split, slot_base, columns, rows.stride(0),
-        weights.stride(0), slots.stride(0), weights.stride(1), out.stride(0), inner,
+        weights.stride(0), slots.stride(0), weights.stride(1), out.stride(0), rows_above, rows_at_most, inner,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
         GROUPS=triton.next_power_of_2(groups), SWAP_AB=config.swap_ab, GATED=gated, INTERPRET=interpreting(),
         num_warps=config.num_warps, num_stages=config.num_stages,
@@ -155,6 +197,7 @@ def _launch(rows, weights, slots, slot_base, route_weights, out, offsets, column
 def grouped_mm_triton(
     rows: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor, config: GemmConfig | None = None,
     out: torch.Tensor | None = None, *, slots: torch.Tensor | None = None, slot_base: int = 0,
+    group_rows: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """``out[i] = rows[i] @ weights[g(i)].T``, as ``torch._grouped_mm(rows, weights.mT, offs=offsets)``.
 
@@ -168,18 +211,22 @@ def grouped_mm_triton(
             for groups ``G .. G+G2-1``, whose rows start at row ``slot_base`` rather than at
             ``offsets[G-1]``: a layer's home experts and the borrow slots in one launch.
         slot_base: first row of group ``G`` (with ``slots``).
+        group_rows: ``(rows_above, rows_at_most)``: compute only the groups holding more than
+            ``rows_above`` and at most ``rows_at_most`` rows (None: every group); see
+            :func:`decode_launches`.
 
     Returns:
-        ``out`` or a new ``[M, N]`` bf16 tensor; only the groups' rows are written.
+        ``out`` or a new ``[M, N]`` bf16 tensor; only the computed groups' rows are written.
     """
     _check(rows, weights, offsets, slots, slot_base)
-    return _launch(rows, weights, slots, slot_base, offsets, out, offsets, weights.shape[1], config, gated=False)
+    return _launch(rows, weights, slots, slot_base, offsets, out, offsets, weights.shape[1], config, gated=False,
+                   group_rows=group_rows)
 
 
 def gate_up_swiglu_triton(
     rows: torch.Tensor, w13: torch.Tensor, route_weights: torch.Tensor, offsets: torch.Tensor,
     config: GemmConfig | None = None, out: torch.Tensor | None = None, *, slots: torch.Tensor | None = None,
-    slot_base: int = 0,
+    slot_base: int = 0, group_rows: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """``out[i] = silu(gate_i) * up_i * route_weights[i]`` with ``[gate_i, up_i] = rows[i] @ w13[g(i)].T``.
 
@@ -192,9 +239,11 @@ def gate_up_swiglu_triton(
         out: optional ``[M, I]`` bf16 (unit column stride) to write into.
         slots, slot_base: a second set of ``[G2, 2I, H]`` weights whose groups start at row
             ``slot_base`` (see :func:`grouped_mm_triton`).
+        group_rows: compute only the groups of more than ``group_rows[0]`` and at most
+            ``group_rows[1]`` rows (see :func:`grouped_mm_triton`).
 
     Returns:
-        ``out`` or a new ``[M, I]`` bf16 tensor; only the groups' rows are written.
+        ``out`` or a new ``[M, I]`` bf16 tensor; only the computed groups' rows are written.
     """
     _check(rows, w13, offsets, slots, slot_base)
     if w13.shape[1] % 2:
@@ -202,4 +251,5 @@ def gate_up_swiglu_triton(
     if route_weights.shape != (rows.shape[0],) or route_weights.dtype != torch.float32 or not route_weights.is_contiguous():
         raise ValueError(f"route_weights must be a contiguous [{rows.shape[0]}] float32 tensor, got "
                          f"{route_weights.dtype} {list(route_weights.shape)}")
-    return _launch(rows, w13, slots, slot_base, route_weights, out, offsets, w13.shape[1] // 2, config, gated=True)
+    return _launch(rows, w13, slots, slot_base, route_weights, out, offsets, w13.shape[1] // 2, config, gated=True,
+                   group_rows=group_rows)

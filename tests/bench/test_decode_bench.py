@@ -8,6 +8,7 @@ from flatep.config import MODEL_SHAPES
 def test_decode_bench_writes_every_arm(tmp_path, monkeypatch):
     monkeypatch.setitem(MODEL_SHAPES, "toy", (64, 16, 2, 32))
     monkeypatch.setattr(decode, "CANDIDATES", decode.CANDIDATES[:1])
+    monkeypatch.setattr(decode, "HOT_CANDIDATES", decode.HOT_CANDIDATES[:1])
     out = tmp_path / "decode.json"
     assert decode.main(["--models", "toy", "--rows", "4", "--iters", "1", "--maxvio", "1", "--step-tokens", "4",
                         "--out", str(out)]) == 0
@@ -18,7 +19,8 @@ def test_decode_bench_writes_every_arm(tmp_path, monkeypatch):
     assert len(routed["group_rows"]) == 2 and routed["rows"] == sum(routed["group_rows"]) >= 8 * 4 * 2 // 8
     assert routed["maxvio_target"] == 1.0 and routed["maxvio"] > 0
     for cell in result["cells"] + [routed]:
-        assert set(cell["arms"]) == {"torch", "decode", "decode (16, 128, 128, 4, 3, 8, True)"}
+        assert set(cell["arms"]) == {"torch", "decode", "decode (16, 128, 128, 4, 3, 8, True)",
+                                     "decode split hot (64, 64, 128, 4, 4, 8, False)"}
         assert all(arm["rel_error"] < 1e-2 for arm in cell["arms"].values())
         assert cell["weight_bytes"] == cell["active_experts"] * 3 * 64 * 32 * 2
 

@@ -4,7 +4,9 @@ import torch
 
 from flatep.experts.grouped import grouped_swiglu, takes_decode_kernels
 from flatep.kernels.activation import swiglu_weighted_torch
-from flatep.kernels.decode_gemm import decode_config, gate_up_swiglu_triton, grouped_mm_triton
+from flatep.kernels.decode_gemm import (
+    HOT_ROWS, HOT_TILES, decode_config, decode_launches, gate_up_swiglu_triton, grouped_mm_triton,
+)
 from flatep.kernels.quant_gemm import GemmConfig
 from tests.helpers import DEVICE
 
@@ -150,5 +152,58 @@ def test_grouped_swiglu_takes_the_decode_kernels_with_the_step_tiles(monkeypatch
     monkeypatch.setattr(grouped, "gate_up_swiglu_triton",
                         lambda *args, config=None, **kwargs: seen.append(config) or launch(*args, config=config, **kwargs))
     got = grouped.grouped_swiglu(x, route_weights, w13, w2, offsets, rows_per_group=rows_per_group)
-    assert seen == [decode_config((rows_per_group or -(-x.shape[0] // 4)) * 4, 4)]
+    assert seen == [decode_config((rows_per_group or -(-x.shape[0] // 4)) * 4, 4), HOT_TILES]
     torch.testing.assert_close(got[:end].float(), expected[:end].float(), rtol=3e-2, atol=3e-3)
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_a_launch_computes_only_the_groups_in_its_row_range(config):
+    """``group_rows=(above, at_most)``: groups of 5 and 17 rows are computed, the others (3, 1,
+    0 and 40 rows) keep the poison; two launches over complementary ranges give one launch's rows."""
+    counts = [3, 5, 0, 17, 1, 40]
+    x, w13, w2, route_weights, offsets = _operands(counts, seed=4)
+    rows = x[:, : w2.shape[2]].contiguous()
+    whole = grouped_mm_triton(rows, w2, offsets, config)
+    out = torch.full((x.shape[0], w2.shape[1]), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    grouped_mm_triton(rows, w2, offsets, config, out=out, group_rows=(4, 20))
+    starts = [0] + offsets[:-1].tolist()
+    for count, start in zip(counts, starts):
+        inside = out[start:start + count]
+        if 4 < count <= 20:
+            torch.testing.assert_close(inside.float(), whole[start:start + count].float(), rtol=0, atol=0)
+        else:
+            assert inside.isnan().all()
+    grouped_mm_triton(rows, w2, offsets, config, out=out, group_rows=(0, 4))
+    grouped_mm_triton(rows, w2, offsets, config, out=out, group_rows=(20, 2**31 - 1))
+    end = int(offsets[-1])
+    torch.testing.assert_close(out[:end].float(), whole[:end].float(), rtol=0, atol=0)
+    activated = torch.full((x.shape[0], w13.shape[1] // 2), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    for group_rows in ((0, 16), (16, 2**31 - 1)):
+        gate_up_swiglu_triton(x, w13, route_weights, offsets, config, out=activated, group_rows=group_rows)
+    torch.testing.assert_close(activated[:end].float(), gate_up_swiglu_triton(x, w13, route_weights, offsets, config)[:end].float(),
+                               rtol=0, atol=0)
+
+
+def test_hot_groups_run_in_a_launch_of_their_own(monkeypatch):
+    """Groups above HOT_ROWS rows take HOT_TILES in a second launch; the step still equals the GEMM path."""
+    import flatep.experts.grouped as grouped
+    from flatep.kernels.backend import use_triton
+
+    if not use_triton(torch.device(DEVICE)):
+        pytest.skip("needs CUDA or TRITON_INTERPRET=1")
+    assert decode_launches(32 * 4, 4) == [(decode_config(32 * 4, 4), (0, HOT_ROWS)), (HOT_TILES, (HOT_ROWS, 2**31 - 1))]
+    assert decode_launches(32 * 4, 4, hot=None) == [(decode_config(32 * 4, 4), (0, 2**31 - 1))]
+    x, w13, w2, route_weights, offsets = _operands([5, HOT_ROWS + 9, 0, HOT_ROWS], hidden=64, inter=32, seed=5)
+    end = int(offsets[-1])
+    expected = grouped.grouped_swiglu(x, route_weights, w13, w2, offsets, backend="torch")
+    monkeypatch.setattr(grouped, "takes_decode_kernels", lambda *args, **kwargs: True)
+    got = grouped.grouped_swiglu(x, route_weights, w13, w2, offsets, rows_per_group=16)
+    torch.testing.assert_close(got[:end].float(), expected[:end].float(), rtol=3e-2, atol=3e-3)
+
+
+def test_bad_group_rows_are_rejected():
+    x, w13, w2, _, offsets = _operands([3, 5])
+    rows = x[:, : w2.shape[2]].contiguous()
+    for bad in ((5, 4), (-1, 3), [0, 3], (0, 2**31), (0.5, 3)):
+        with pytest.raises(ValueError, match="group_rows must be"):
+            grouped_mm_triton(rows, w2, offsets, group_rows=bad)
