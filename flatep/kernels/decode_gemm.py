@@ -44,8 +44,12 @@ HOT_ROWS = 64
 (:func:`decode_launches`): a hot expert's rows fill tall tiles, and its many row tiles would
 otherwise each stream the same weight tile."""
 
-HOT_TILES = GemmConfig(64, 64, 128, num_warps=4, num_stages=3, swap_ab=False)
-"""Tiles of the hot groups' launch (:data:`HOT_ROWS`)."""
+HOT_TILES = GemmConfig(128, 64, 64, num_warps=8, num_stages=4, swap_ab=False)
+"""Tiles of the hot groups' launch (:data:`HOT_ROWS`): the best of three measured on the H200
+(``python -m flatep.bench.decode --maxvio 0 10 20``, ``bench/results/2026-12-04-h200-h/decode-split.log``):
+the busiest rank of a routed s = 128 step read its weights at 91 / 79% of the read ceiling at
+Kimi-K2 maxvio 10 / 20 (87 / 69% in one launch) and 95 / 91% at Kimi-K3 (95 / 84%); uniform
+groups are unchanged (97-102%)."""
 
 _ALL_ROWS = 2**31 - 1
 
