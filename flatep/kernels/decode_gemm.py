@@ -10,6 +10,10 @@ These kernels keep to that floor:
   buffer past the step's rows cost no program;
 - with ``swap_ab`` the product is computed transposed, ``W_tile @ A_tile.T``, so that the weight's
   rows fill the tensor core's 64-row side while a decode row tile is 16 or 32 rows;
+- a launch can be limited to the groups within a range of rows (``group_rows``, read on the
+  device): the layer runs the groups of at most :data:`HOT_ROWS` rows with short tiles and the
+  hot ones, a skewed step's busiest experts, in a second launch with tall tiles
+  (:func:`decode_launches`);
 - :func:`gate_up_swiglu_triton` fuses the gate/up GEMM with the activation and the route weight:
   a program computes the gate columns ``[j, j + BLOCK_N)`` and the up columns ``[I + j, I + j +
   BLOCK_N)`` of its rows and writes ``silu(gate) * up * route_weight`` (``[rows, I]``), so the
