@@ -108,6 +108,7 @@ def test_a_moving_plan_must_beat_classic_by_the_margin(seed):
         plan = make_plan(ids, config, "auto", cost=dataclasses.replace(ROWS_ONLY, margins=((128.0, margin),)))
         assert plan.auto.prediction.layer_fs.tolist() == layer  # the margin changes the choice, not the model
         assert int(plan.auto.choice) == expected
+        assert plan.auto.report()["margin"] == pytest.approx(margin, abs=1e-6)  # kept in millionths
 
 
 @settings(max_examples=15, deadline=None)
