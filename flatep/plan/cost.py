@@ -136,12 +136,12 @@ class CostProfile:
             return 0.0
         from flatep.kernels.decode_gemm import DECODE_ROWS_PER_GROUP
 
-        rows = rows_per_expert(total_tokens, config.top_k, config.experts)
-        few = rows <= DECODE_ROWS_PER_GROUP
+        few = few_rows_per_expert(config, total_tokens)
         same_regime = [pair for pair in self.margins if (pair[0] <= DECODE_ROWS_PER_GROUP) == few]
         if not same_regime:
             return 0.0
-        return min(same_regime, key=lambda pair: abs(math.log(pair[0]) - math.log(max(1, rows))))[1]
+        rows = math.log(max(1, rows_per_expert(total_tokens, config.top_k, config.experts)))
+        return min(same_regime, key=lambda pair: abs(math.log(pair[0]) - rows))[1]
 
     @classmethod
     def load(cls, path: str | Path) -> "CostProfile":
@@ -237,7 +237,8 @@ class CostProfile:
             byte_fs=min(round(_FS_PER_S / (self.link_gbps * 1e9)), _LINK_FS_LIMIT // link_bytes),
             weight_bytes=weight_bytes,
             row_bytes=row_bytes,
-            margin_ppm=round(self.margin(config, total_tokens) * _PPM),
+            # A fraction just below 1 must not round to a whole classic time (choose takes < 10**6).
+            margin_ppm=min(round(self.margin(config, total_tokens) * _PPM), _PPM - 1),
         )
 
 

@@ -80,6 +80,8 @@ def test_margin_is_the_nearest_measured_step_in_log_rows(tmp_path):
     assert CostProfile(**FIELDS).margin(config, 8192) == CostProfile(**FIELDS, margins=[]).margin(config, 8192) == 0.0
     assert profile.constants(config, total_tokens=8 * 1024).margin_ppm == 80_000
     assert profile.constants(config).margin_ppm == 0
+    nearly_whole = CostProfile(**FIELDS, margins=[[150, 0.9999999]])
+    assert nearly_whole.constants(config, total_tokens=8 * 1024).margin_ppm == 999_999
 
 
 def test_constants_are_integer_femtoseconds():
