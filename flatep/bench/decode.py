@@ -35,10 +35,10 @@ from triton.runtime.errors import OutOfResources
 
 from flatep.bench.timing import device_name, read_ceiling_gbps, time_us
 from flatep.config import preset, rows_per_expert
-from flatep.routing import expert_histogram, sigma_for_maxvio, skewed_topk
 from flatep.kernels.activation import swiglu_weighted_triton
-from flatep.kernels.decode_gemm import decode_launches, gate_up_swiglu_triton, grouped_mm_triton
+from flatep.kernels.decode_gemm import decode_launches, decode_swiglu
 from flatep.kernels.quant_gemm import GemmConfig
+from flatep.routing import expert_histogram, sigma_for_maxvio, skewed_topk
 
 ROWS_PER_EXPERT = (1, 2, 4, 8, 16, 32, 64, 128)
 SPARSE_ACTIVE = 12  # experts active on the slowest rank at s=1 (Kimi-K2, EP8): a cell of its own
@@ -108,13 +108,7 @@ def _cell(
         return torch._grouped_mm(activated, w2.mT, offs=offsets)
 
     def decode_arm(launches: list[tuple[GemmConfig, tuple[int, int]]]):
-        def run() -> torch.Tensor:
-            for tiles, group_rows in launches:
-                gate_up_swiglu_triton(x, w13, route_weights, offsets, tiles, out=activated, group_rows=group_rows)
-            for tiles, group_rows in launches:
-                grouped_mm_triton(activated, w2, offsets, tiles, out=out, group_rows=group_rows)
-            return out
-        return run
+        return lambda: decode_swiglu(x, w13, w2, route_weights, offsets, launches, activated, out)
 
     weight_bytes = active * 3 * hidden * inter * 2
     per_group = -(-total // groups) if rows_per_group is None else rows_per_group

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from flatep.kernels.activation import copy_rows_triton, swiglu_weighted_torch, swiglu_weighted_triton
 from flatep.kernels.backend import use_triton
-from flatep.kernels.decode_gemm import DECODE_ROWS_PER_GROUP, decode_launches, gate_up_swiglu_triton, grouped_mm_triton
+from flatep.kernels.decode_gemm import DECODE_ROWS_PER_GROUP, decode_launches, decode_swiglu
 from flatep.kernels.grouped_fp32 import grouped_rows_mm
 from flatep.kernels.quant_gemm import default_config, fp8_grouped_mm_triton, mxfp4_grouped_mm_triton
 from flatep.quant.fp8 import dequantize_fp8_activations, quantize_fp8_activations
@@ -235,17 +235,11 @@ def grouped_swiglu(
         # lives in (sized for the step's worst case, or for another policy's: on the H200 at
         # Kimi-K2, s = 128, classic's experts took 995 us with 32-row tiles and auto's, the same
         # groups in a larger buffer, 1087 us with the 64-row tiles its buffer implied).
-        launches = decode_launches(per_group * groups, groups)
-        slot_w13, slot_w2 = (None, None) if slots is None else slots
         activated = torch.empty(shard.shape[0], intermediate, dtype=shard.dtype, device=shard.device)
-        for tiles, group_rows in launches:
-            gate_up_swiglu_triton(shard, w13, route_weights, offsets, config=tiles, out=activated, slots=slot_w13,
-                                  slot_base=slot_base, group_rows=group_rows)
         direct = out is not None and out.dtype == torch.bfloat16 and out.stride(1) == 1
         result = out if direct else torch.empty(shard.shape[0], w2.shape[1], dtype=shard.dtype, device=shard.device)
-        for tiles, group_rows in launches:
-            grouped_mm_triton(activated, w2, offsets, config=tiles, out=result, slots=slot_w2, slot_base=slot_base,
-                              group_rows=group_rows)
+        decode_swiglu(shard, w13, w2, route_weights, offsets, decode_launches(per_group * groups, groups), activated,
+                      result, slots=slots, slot_base=slot_base)
         if direct:
             return out
         out = out if out is not None else torch.empty(result.shape, dtype=out_dtype, device=result.device)

@@ -261,3 +261,21 @@ def gate_up_swiglu_triton(
                          f"{route_weights.dtype} {list(route_weights.shape)}")
     return _launch(rows, w13, slots, slot_base, route_weights, out, offsets, w13.shape[1] // 2, config, gated=True,
                    group_rows=group_rows)
+
+
+def decode_swiglu(
+    rows: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, route_weights: torch.Tensor, offsets: torch.Tensor,
+    launches: list[tuple[GemmConfig, tuple[int, int]]], activated: torch.Tensor, out: torch.Tensor, *,
+    slots: tuple[torch.Tensor, torch.Tensor] | None = None, slot_base: int = 0,
+) -> torch.Tensor:
+    """One rank's experts at decode sizes: :func:`gate_up_swiglu_triton` into ``activated [M, I]``
+    in every launch of ``launches`` (:func:`decode_launches`), then :func:`grouped_mm_triton` into
+    ``out [M, H]`` the same way; ``slots=(w13, w2)`` and ``slot_base`` as for those. Returns ``out``."""
+    slot_w13, slot_w2 = (None, None) if slots is None else slots
+    for tiles, group_rows in launches:
+        gate_up_swiglu_triton(rows, w13, route_weights, offsets, tiles, out=activated, slots=slot_w13,
+                              slot_base=slot_base, group_rows=group_rows)
+    for tiles, group_rows in launches:
+        grouped_mm_triton(activated, w2, offsets, tiles, out=out, slots=slot_w2, slot_base=slot_base,
+                          group_rows=group_rows)
+    return out

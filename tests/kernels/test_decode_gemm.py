@@ -146,11 +146,13 @@ def test_grouped_swiglu_takes_the_decode_kernels_with_the_step_tiles(monkeypatch
     x, w13, w2, route_weights, offsets = _operands([5, 9, 0, 2], seed=3)
     end = int(offsets[-1])
     expected = grouped.grouped_swiglu(x, route_weights, w13, w2, offsets, backend="torch")
+    import flatep.kernels.decode_gemm as decode_gemm
+
     seen = []
-    launch = grouped.gate_up_swiglu_triton
+    launch = decode_gemm.gate_up_swiglu_triton
     monkeypatch.setattr(grouped, "takes_decode_kernels", lambda *args, **kwargs: True)
-    monkeypatch.setattr(grouped, "gate_up_swiglu_triton",
-                        lambda *args, config=None, **kwargs: seen.append(config) or launch(*args, config=config, **kwargs))
+    monkeypatch.setattr(decode_gemm, "gate_up_swiglu_triton",
+                        lambda *args, **kwargs: seen.append(args[4]) or launch(*args, **kwargs))
     got = grouped.grouped_swiglu(x, route_weights, w13, w2, offsets, rows_per_group=rows_per_group)
     assert seen == [decode_config((rows_per_group or -(-x.shape[0] // 4)) * 4, 4), HOT_TILES]
     torch.testing.assert_close(got[:end].float(), expected[:end].float(), rtol=3e-2, atol=3e-3)
