@@ -40,12 +40,12 @@ INTERPRETER_PROGRAMS = 4
 """Programs of those launches under the interpreter: a few, so that each walks several tiles."""
 
 
-def resident_programs(device: torch.device) -> int:
-    """Programs a persistent launch on ``device`` takes: :data:`PROGRAMS_PER_SM` per SM on CUDA
-    (each program loops over tiles, so more would only queue), :data:`INTERPRETER_PROGRAMS` on CPU."""
+def resident_programs(device: torch.device, per_sm: int = PROGRAMS_PER_SM) -> int:
+    """Programs a persistent launch on ``device`` takes: ``per_sm`` per SM on CUDA (each program
+    loops over tiles, so more than fit at once would only queue), :data:`INTERPRETER_PROGRAMS` on CPU."""
     if device.type != "cuda":
         return INTERPRETER_PROGRAMS
-    return PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
+    return per_sm * torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def column_block(columns: int, element_size: int) -> int:

@@ -22,15 +22,21 @@ each weight tile is read by the band's row tiles back to back.
   (``scale = max(amax, 1e-10) / 448``, e4m3 rounded to nearest and saturated), as DeepSeek-V3 runs
   its FP8 experts; the GEMM then multiplies e4m3 tiles (fp32 accumulation on the tensor cores) and
   applies the row's activation scale and the column's weight block scale per 128-wide K step.
-- mxfp4 (:func:`mxfp4_grouped_mm_triton`): reads the packed bytes and their e8m0 scales,
-  decodes them in registers into bf16 (exact: e2m1 times a power of two), and multiplies with
-  bf16 tensor-core dots. The low and high nibbles of a byte are columns ``2j`` and ``2j+1``: the
-  kernel decodes both and interleaves them in registers (``tl.join`` then a reshape), so the
-  activations are read as contiguous ``[BLOCK_M, BLOCK_K]`` tiles and each K step is one dot; the
-  ``BLOCK_K / 32`` scales of a weight row are loaded once per step and broadcast over their 32
-  columns. An e8m0 byte 0 (``2**-127``) decodes to 0 (its values are below ``6 * 2**-127`` anyway).
-  ``tl.dot_scaled`` (bf16 times e2m1) would be the alternative; it is left out because Triton 3.6's
-  interpreter has no ``dot_scaled``, so a kernel using it could not be checked on CPU.
+- mxfp4 (:func:`mxfp4_grouped_mm_triton`): reads the packed values as int32 words (8 nibbles,
+  nibble ``i`` of word ``j`` = column ``8j + i``) and their e8m0 scales, and decodes them in
+  registers into bf16, exactly (e2m1 times a power of two), for bf16 tensor-core dots. The decode
+  works on whole words, two weights per instruction: ``(word << 6) & 0x01C001C0 | (word << 12) &
+  0x80008000`` places nibbles 0 and 4 bit for bit into the two halves of a bf16 pair (sign to bit
+  15, exponent and mantissa to bits 8-6), which is ``e2m1 * 2**-126`` for every code (codes 0 and 1
+  become bf16 subnormals); nibbles 1 and 5, 2 and 6, 3 and 7 take other shifts. Two packed bf16x2
+  multiplies, by ``2**126`` and by the block's ``2**(e - 127)``, finish each pair (PTX inline
+  assembly; both exact, the first needs the subnormal inputs that bf16 arithmetic keeps). So a
+  word yields columns in the order 0 4 1 5 2 6 3 7: the dot runs over K in that order, and the
+  activations are permuted alike as they are loaded (in registers). An e8m0 byte 0 (``2**-127``)
+  decodes to 0 (its values are below ``6 * 2**-127`` anyway). The interpreter runs the same bit
+  placement and multiplies in fp32. ``tl.dot_scaled`` (bf16 times e2m1) would be the alternative; on
+  Hopper Triton 3.6 upcasts its e2m1 operand itself and measured no faster, and its interpreter
+  has no ``dot_scaled``.
 
 ``K`` is a compile-time constant of the GEMM kernels (one compilation per layer shape): the K loop
 stays a ``for`` loop over constant bounds, which Triton software-pipelines (``num_stages``; it does
@@ -64,8 +70,9 @@ class GemmConfig:
     32); ``group_m``: row tiles of a group that take the column blocks together (see the module
     docstring); ``swap_ab``: compute the transposed tile, ``W_tile @ A_tile.T``, so that the weight's
     columns fill the MMA's M side (a Hopper warp-group MMA is 64 rows tall, while short row tiles
-    of decode shards are 16 or 32 rows; the tall operand may also come from registers, as mxfp4's
-    decoded weights do); ``num_warps``, ``num_stages``: Triton's launch options.
+    of decode shards are 16 or 32 rows); ``num_warps``, ``num_stages``: Triton's launch options;
+    ``programs_per_sm``: the persistent grid's programs per SM (more hide more latency, if their
+    registers and shared memory fit).
     """
 
     block_m: int
@@ -75,18 +82,24 @@ class GemmConfig:
     num_stages: int = 3
     group_m: int = 8
     swap_ab: bool = False
+    programs_per_sm: int = 2
 
 
 def default_config(rows: int, groups: int, format: str) -> GemmConfig:
     """Tiles for ``rows`` shard rows over ``groups`` groups of ``format`` (``fp8`` or ``mxfp4``) weights.
 
     Row tiles are no taller than a group's average (decode shards hold a few rows per expert).
-    Chosen from ``python -m flatep.quant.bench --quick`` on the H200 (Triton 3.6): short tiles
-    stream the weights with the product transposed (``swap_ab``: the weight's columns on the
-    tensor core's 64-row side), tall ones are compute-bound (8 warps); mxfp4 decodes every weight
-    tile in registers, so its tiles are narrower in N (short tiles) or in K (tall ones).
-    Measured there against bf16 ``torch._grouped_mm`` (gate/up plus down, one rank's experts):
-    fp8 0.39x at 16 rows per expert, 0.76x at 128, 1.11x at 1024; mxfp4 0.78x, 1.95x, 2.98x.
+    Measured on the H200 (Triton 3.6; one rank's experts, gate/up plus down):
+
+    - fp8 (``python -m flatep.quant.bench --quick``): short tiles stream the weights with the
+      product transposed (``swap_ab``: the weight's columns on the tensor core's 64-row side),
+      tall ones are compute-bound (8 warps). Against bf16 ``torch._grouped_mm``: 0.39x at 16 rows
+      per expert, 0.76x at 128, 1.11x at 1024.
+    - mxfp4 (``bench/scripts/quant_decode.py`` and its tile sweep): short tiles are not swapped. A
+      16- or 32-row tile then runs on ``mma.sync`` (16 rows tall), and Triton decodes the weight
+      words straight into the MMA's operand registers, with no round trip through shared memory.
+      The swapped tile (a 64-row warp-group MMA) needed one, and took 1.5x longer. Four programs
+      per SM of 16-row tiles hide more of the decode's latency than two.
     """
     if format not in ("fp8", "mxfp4"):
         raise ValueError(f"format must be fp8 or mxfp4, got {format!r}")
@@ -97,8 +110,10 @@ def default_config(rows: int, groups: int, format: str) -> GemmConfig:
             return GemmConfig(block_m, 128, 128, num_warps=4, num_stages=5, swap_ab=True)
         return GemmConfig(block_m, 128, 128, num_warps=4 if block_m == 64 else 8, num_stages=4,
                           group_m=16 if per_group >= 1024 else 8)
-    if block_m <= 32:
-        return GemmConfig(block_m, 64, 128, num_warps=4, num_stages=3, swap_ab=True)
+    if block_m == 16:
+        return GemmConfig(16, 128, 64, num_warps=4, num_stages=4, programs_per_sm=4)
+    if block_m == 32:
+        return GemmConfig(32, 256, 64, num_warps=4, num_stages=3)
     return GemmConfig(block_m, 128, 64, num_warps=4 if block_m == 64 else 8, num_stages=3)
 
 
@@ -256,15 +271,6 @@ def _fp8_tile(
 
 
 @triton.jit
-def _e2m1_to_fp32(nibble):
-    """fp32 value of int32 e2m1 nibbles, built from bits: codes 2..7 are ``2**(e-1) * (1 + m/2)``,
-    whose fp32 pattern is ``(126 << 23) + (code << 22)``; code 1 is 0.5 (``126 << 23``), code 0 is 0."""
-    code = nibble & 7
-    magnitude = tl.where(code < 2, code * (126 << 23), (code << 22) + (126 << 23))
-    return (magnitude | ((nibble >> 3) << 31)).to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def _mxfp4_grouped_kernel(
     a_ptr, w_ptr, s_ptr, out_ptr, offsets_ptr, groups, N, stride_am, stride_om, K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, GROUPS: tl.constexpr,
@@ -279,42 +285,106 @@ def _mxfp4_grouped_kernel(
         tile += tl.num_programs(0)
 
 
+_SIGNS = tl.constexpr(-0x7FFF8000)  # 0x80008000 as an int32: the sign bits of two bf16 halves
+_MAGNITUDES = tl.constexpr(0x01C001C0)  # exponent bits 0-1 and the top mantissa bit of two bf16 halves
+
+
+@triton.jit
+def _e2m1_bf16_pairs(words):
+    """The four bf16 pairs of int32 ``words``, 8 nibbles each (nibble ``i`` = column ``8j + i``):
+    pair ``i`` holds nibble ``i`` in its low half and nibble ``i + 4`` in its high half, each placed
+    bit for bit into a bf16 (sign to bit 15, exponent and mantissa bits to bits 8-6), which makes it
+    ``e2m1 * 2**-126`` exactly (codes 0 and 1 become bf16 subnormals). Two shifts and two masks
+    per pair, for both halves at once."""
+    p0 = ((words << 6) & _MAGNITUDES) | ((words << 12) & _SIGNS)
+    p1 = ((words << 2) & _MAGNITUDES) | ((words << 8) & _SIGNS)
+    p2 = ((words >> 2) & _MAGNITUDES) | ((words << 4) & _SIGNS)
+    p3 = ((words >> 6) & _MAGNITUDES) | (words & _SIGNS)
+    return p0, p1, p2, p3
+
+
+def _scaled_pairs_ptx() -> str:
+    """PTX of :func:`_scaled_pairs_asm`: per pair, the placement of :func:`_e2m1_bf16_pairs`, then
+    two bf16x2 FMAs with a -0 addend (plain products, signs of zeros kept)."""
+    lines = [".reg .b32 t, u, big, nzero;", "mov.b32 big, 0x7E807E80;", "mov.b32 nzero, 0x80008000;"]
+    for pair, (magnitude, sign) in enumerate((("shl.b32 t, $4, 6", "shl.b32 u, $4, 12"), ("shl.b32 t, $4, 2", "shl.b32 u, $4, 8"),
+                                              ("shr.b32 t, $4, 2", "shl.b32 u, $4, 4"), ("shr.b32 t, $4, 6", "mov.b32 u, $4"))):
+        lines += [f"{magnitude};", "and.b32 t, t, 0x01C001C0;", f"{sign};", "and.b32 u, u, 0x80008000;", "or.b32 t, t, u;",
+                  "fma.rn.bf16x2 t, t, big, nzero;", f"fma.rn.bf16x2 ${pair}, t, $5, nzero;"]
+    return "{\n" + "\n".join(lines) + "\n}"
+
+
+_SCALED_PAIRS_PTX = tl.constexpr(_scaled_pairs_ptx())
+
+
+@triton.jit
+def _scaled_pairs_asm(words, scale_pairs):
+    """:func:`_e2m1_bf16_pairs` times ``2**126`` (0x7E80 in bf16) times ``scale_pairs`` (bf16x2),
+    in PTX: the multiplies are packed bf16x2 FMAs, one instruction per two weights, exact (powers of two)."""
+    return tl.inline_asm_elementwise(
+        _SCALED_PAIRS_PTX, "=r,=r,=r,=r,r,r", [words, scale_pairs], dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
+        is_pure=True, pack=1,
+    )
+
+
+@triton.jit
+def _pairs_to_values(p0, p1, p2, p3, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """int32 pairs ``[BLOCK_N, BLOCK_K/8]`` each -> ``[BLOCK_N, BLOCK_K/2]`` int32 in logical order
+    (pair ``i`` of word ``j`` at ``4j + i``)."""
+    return tl.reshape(tl.join(tl.join(p0, p2), tl.join(p1, p3)), [BLOCK_N, BLOCK_K // 2])
+
+
 @triton.jit
 def _mxfp4_tile(
     a_ptr, w_ptr, s_ptr, out_ptr, group, first, last, first_column, N, stride_am, stride_om, K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr, INTERPRET: tl.constexpr,
 ):
-    """Rows ``[first, min(first + BLOCK_M, last))`` times columns ``[first_column, + BLOCK_N)`` of ``group``."""
-    HALF: tl.constexpr = BLOCK_K // 2
+    """Rows ``[first, min(first + BLOCK_M, last))`` times columns ``[first_column, + BLOCK_N)`` of ``group``;
+    ``w_ptr`` is the packed values read as int32 words (8 nibbles each)."""
+    WORDS: tl.constexpr = BLOCK_K // 8
     BLOCKS: tl.constexpr = BLOCK_K // 32
-    packed_k = K // 2
+    words_k = K // 8
     scales_k = K // 32
     row = first + tl.arange(0, BLOCK_M)
     row_mask = row < last
     column = first_column + tl.arange(0, BLOCK_N)
     column_mask = column < N
     inner = tl.arange(0, BLOCK_K)
-    byte = tl.arange(0, HALF)
+    word = tl.arange(0, WORDS)
     block = tl.arange(0, BLOCKS)
     expert = group.to(tl.int64)
     a_tile = a_ptr + row.to(tl.int64)[:, None] * stride_am + inner[None, :]
-    w_tile = w_ptr + expert * N * packed_k + column.to(tl.int64)[:, None] * packed_k + byte[None, :]
+    w_tile = w_ptr + expert * N * words_k + column.to(tl.int64)[:, None] * words_k + word[None, :]
     s_tile = s_ptr + expert * N * scales_k + column.to(tl.int64)[:, None] * scales_k + block[None, :]
     if SWAP_AB:
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
-        # K is a multiple of 32, not necessarily of BLOCK_K: the last step may be partial.
         a = tl.load(a_tile + k, mask=row_mask[:, None] & (k + inner < K)[None, :], other=0.0)
-        packed = tl.load(w_tile + k // 2, mask=column_mask[:, None] & (k // 2 + byte < packed_k)[None, :], other=0)
+        # The dot runs over K in the decoded pairs' order, within each 8 columns 0 4 1 5 2 6 3 7:
+        # the activations are permuted alike (in registers, as they are loaded).
+        a = tl.reshape(tl.permute(tl.reshape(a, [BLOCK_M, WORDS, 2, 4]), (0, 1, 3, 2)), [BLOCK_M, BLOCK_K])
+        words = tl.load(w_tile + k // 8, mask=column_mask[:, None] & (k // 8 + word < words_k)[None, :], other=0)
         exponent = tl.load(s_tile + k // 32, mask=column_mask[:, None] & (k // 32 + block < scales_k)[None, :], other=0)
-        # 2**(byte - 127) is the fp32 with exponent field = byte (byte 0 gives 0, see the module docstring).
-        scale = (exponent.to(tl.int32) << 23).to(tl.float32, bitcast=True)
-        packed = packed.to(tl.int32)
-        # [BLOCK_N, HALF, 2] -> [BLOCK_N, BLOCKS, 32]: byte j's low nibble is column 2j, its high one 2j+1.
-        decoded = tl.reshape(tl.join(_e2m1_to_fp32(packed & 15), _e2m1_to_fp32(packed >> 4)), [BLOCK_N, BLOCKS, 32])
-        w = tl.reshape(decoded * scale[:, :, None], [BLOCK_N, BLOCK_K]).to(tl.bfloat16)  # exact: e2m1 times 2**e
+        exponent = exponent.to(tl.int32)
+        if INTERPRET:
+            p0, p1, p2, p3 = _e2m1_bf16_pairs(words)
+            pairs = _pairs_to_values(p0, p1, p2, p3, BLOCK_N, BLOCK_K)
+            low = (pairs << 16).to(tl.float32, bitcast=True)
+            high = (pairs & -0x10000).to(tl.float32, bitcast=True)
+            raw = tl.reshape(tl.join(low, high), [BLOCK_N, BLOCKS, 32]) * 8.507059173023462e37  # 2**126
+            scale = (exponent << 23).to(tl.float32, bitcast=True)
+            w = tl.reshape(raw * scale[:, :, None], [BLOCK_N, BLOCK_K])
+        else:
+            # The bf16 of 2**(byte - 127) has exponent field = byte (byte 0 gives 0), twice per word.
+            scale_pairs = (exponent << 7) | (exponent << 23)
+            scale_pairs = tl.reshape(tl.broadcast_to(scale_pairs[:, :, None], [BLOCK_N, BLOCKS, 4]), [BLOCK_N, WORDS])
+            p0, p1, p2, p3 = _scaled_pairs_asm(words, scale_pairs)
+            pairs = _pairs_to_values(p0, p1, p2, p3, BLOCK_N, BLOCK_K)
+            low = pairs.to(tl.int16).to(tl.bfloat16, bitcast=True)
+            high = (pairs >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+            w = tl.reshape(tl.join(low, high), [BLOCK_N, BLOCK_K])
         acc += _tile_dot(a, w, SWAP_AB, INTERPRET)
     if SWAP_AB:
         acc = tl.trans(acc)
@@ -346,7 +416,8 @@ def _grid(rows: int, groups: int, columns: int, config: GemmConfig, device: torc
     ``r_g`` rows has at most ``(r_g + block_m - 1) / block_m`` row tiles: ``(rows + groups *
     (block_m - 1)) / block_m`` in all, times the column blocks) and two programs per SM."""
     row_tiles = (rows + groups * (config.block_m - 1)) // config.block_m
-    return (max(1, min(row_tiles * triton.cdiv(columns, config.block_n), resident_programs(device))),)
+    programs = resident_programs(device, config.programs_per_sm)
+    return (max(1, min(row_tiles * triton.cdiv(columns, config.block_n), programs)),)
 
 
 def _output(rows: torch.Tensor, columns: int, out: torch.Tensor | None) -> torch.Tensor:
@@ -456,8 +527,9 @@ def mxfp4_grouped_mm_triton(
     if config.block_k < 32 or config.block_k & (config.block_k - 1):
         raise ValueError(f"mxfp4 block_k must be a power of two, at least 32, got {config.block_k}")
     out = _output(rows, columns, out)
+    words = values.view(torch.int32)  # K/2 is a multiple of 16 bytes
     _mxfp4_grouped_kernel[_grid(rows.shape[0], groups, columns, config, rows.device)](
-        rows, values, scales, out, offsets, groups, columns, rows.stride(0), out.stride(0), inner,
+        rows, words, scales, out, offsets, groups, columns, rows.stride(0), out.stride(0), inner,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
         GROUPS=triton.next_power_of_2(groups), SWAP_AB=config.swap_ab, INTERPRET=interpreting(),
         num_warps=config.num_warps, num_stages=config.num_stages,
