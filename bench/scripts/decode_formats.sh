@@ -4,22 +4,27 @@
 # (bench/scripts/h200-decode-<model>.yaml: s in {1, 8, 32, 64, 128} x maxvio {0, 2, 10}, flat /
 # classic / auto), then Kimi-K2 in FP8 (h200-decode-k2-fp8.yaml: s in {32, 128} x maxvio {0, 10},
 # flat / classic) and the same cells in bf16 (`--weights bf16`: decode-k2-fp8-as-bf16), so that
-# the fp8 experts are timed in the same run as the bf16 ones.
+# the fp8 experts are timed in the same run as the bf16 ones; then Kimi-K3 in MXFP4 and bf16 alike
+# (h200-decode-k3-mxfp4.yaml: decode-k3-mxfp4, decode-k3-mxfp4-as-bf16).
 #   bash bench/scripts/decode_formats.sh        (from the repository root)
 # auto decides with the profiles PROFILE_DIR/profile-kimi-<model>.json (default: those the
 # 2026-12-04-h200-d sweeps calibrated (planned steps, --link local) on an H200). Writes $OUT/decode-k2, decode-k3,
-# decode-k2-fp8, decode-k2-fp8-as-bf16 (results.jsonl, summary.md, plots) and their .log files (OUT defaults to
-# ./bench-out). SWEEP_TIMEOUT (seconds, default 900) bounds each sweep; run the same command again
+# decode-k2-fp8, decode-k2-fp8-as-bf16, decode-k3-mxfp4, decode-k3-mxfp4-as-bf16 (results.jsonl, summary.md,
+# plots) and their .log files (OUT defaults to ./bench-out). FORMATS_ONLY=1 runs the four packed-format sweeps only. SWEEP_TIMEOUT (seconds, default 900) bounds each sweep; run the same command again
 # to continue a cut one (--resume).
 cd "$(dirname "$0")/../.."
 source bench/scripts/gpu_env.sh
 profiles="${PROFILE_DIR:-bench/results/2026-12-04-h200-d}"
 status=0
-for name in decode-k2 decode-k3 decode-k2-fp8; do
+names="decode-k2 decode-k3 decode-k2-fp8 decode-k3-mxfp4"
+[ "${FORMATS_ONLY:-0}" = 1 ] && names="decode-k2-fp8 decode-k3-mxfp4"
+for name in $names; do
   model=${name#decode-}
-  model=${model%-fp8}
+  model=${model%-*}
   bench_sweep "$name" "bench/scripts/h200-$name.yaml" "${SWEEP_TIMEOUT:-900}" --cost "$profiles/profile-kimi-$model.json" || status=1
+  if [ "$name" != "${name%-fp8}" ] || [ "$name" != "${name%-mxfp4}" ]; then
+    bench_sweep "$name-as-bf16" "bench/scripts/h200-$name.yaml" "${SWEEP_TIMEOUT:-900}" --weights bf16 \
+      --cost "$profiles/profile-kimi-$model.json" || status=1
+  fi
 done
-bench_sweep decode-k2-fp8-as-bf16 bench/scripts/h200-decode-k2-fp8.yaml "${SWEEP_TIMEOUT:-900}" --weights bf16 \
-  --cost "$profiles/profile-kimi-k2.json" || status=1
 exit $status
