@@ -361,6 +361,7 @@ def _mxfp4_tile(
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
+        # K is a multiple of 32, not necessarily of BLOCK_K: the last step may be partial.
         a = tl.load(a_tile + k, mask=row_mask[:, None] & (k + inner < K)[None, :], other=0.0)
         # The dot runs over K in the decoded pairs' order, within each 8 columns 0 4 1 5 2 6 3 7:
         # the activations are permuted alike (in registers, as they are loaded).
