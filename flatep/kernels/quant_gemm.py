@@ -58,7 +58,6 @@ import triton.language as tl
 from flatep.kernels.backend import interpreting, resident_programs
 
 _FP8_BLOCK = 128
-_ACT_QUANT_PROGRAMS_PER_SM = 8  # small programs (a 16 x 128 tile each): several per SM hide the loads' latency
 _E4M3_MAX = tl.constexpr(448.0)
 
 
@@ -197,23 +196,20 @@ def _act_quant_kernel(
     x_ptr, q_ptr, s_ptr, end_ptr, stride_x, K, GROUPS_K,
     BLOCK_M: tl.constexpr, GROUP: tl.constexpr, ROUND_FIRST: tl.constexpr,
 ):
-    # Items = (row block, column group) over the rows before ``end`` only, walked grid-stride: the
-    # buffer holds a worst case of rows, and a program per row block of it would mostly find none.
     end = tl.load(end_ptr)
-    item = tl.program_id(0)
-    while item < tl.cdiv(end, BLOCK_M) * GROUPS_K:
-        row = ((item // GROUPS_K) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-        row_mask = row < end
-        group = item % GROUPS_K
-        column = group * GROUP + tl.arange(0, GROUP)
-        x = tl.load(x_ptr + row[:, None] * stride_x + column[None, :], mask=row_mask[:, None], other=0.0).to(tl.float32)
-        scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-10) / _E4M3_MAX
-        q = tl.minimum(tl.maximum(x / scale[:, None], -_E4M3_MAX), _E4M3_MAX)
-        if ROUND_FIRST:  # the interpreter's fp32 -> e4m3 cast drops carries (127.2 -> 64): round first
-            q = _round_to_e4m3(q)
-        tl.store(q_ptr + row[:, None] * K + column[None, :], q.to(q_ptr.dtype.element_ty), mask=row_mask[:, None])
-        tl.store(s_ptr + row * GROUPS_K + group, scale, mask=row_mask)
-        item += tl.num_programs(0)
+    first = tl.program_id(0) * BLOCK_M
+    if first >= end:
+        return
+    row = (first + tl.arange(0, BLOCK_M)).to(tl.int64)
+    row_mask = row < end
+    column = tl.program_id(1) * GROUP + tl.arange(0, GROUP)
+    x = tl.load(x_ptr + row[:, None] * stride_x + column[None, :], mask=row_mask[:, None], other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-10) / _E4M3_MAX
+    q = tl.minimum(tl.maximum(x / scale[:, None], -_E4M3_MAX), _E4M3_MAX)
+    if ROUND_FIRST:  # the interpreter's fp32 -> e4m3 cast drops carries (127.2 -> 64): round first
+        q = _round_to_e4m3(q)
+    tl.store(q_ptr + row[:, None] * K + column[None, :], q.to(q_ptr.dtype.element_ty), mask=row_mask[:, None])
+    tl.store(s_ptr + row * GROUPS_K + tl.program_id(1), scale, mask=row_mask)
 
 
 @triton.jit
@@ -448,8 +444,7 @@ def quantize_fp8_activations_triton(rows: torch.Tensor, end: torch.Tensor) -> tu
     values = torch.empty(count, columns, dtype=torch.float8_e4m3fn, device=rows.device)
     scales = torch.empty(count, columns // _FP8_BLOCK, dtype=torch.float32, device=rows.device)
     block_m = 16
-    items = triton.cdiv(count, block_m) * (columns // _FP8_BLOCK)
-    _act_quant_kernel[(max(1, min(items, resident_programs(rows.device, _ACT_QUANT_PROGRAMS_PER_SM))),)](
+    _act_quant_kernel[(triton.cdiv(count, block_m), columns // _FP8_BLOCK)](
         rows, values, scales, end, rows.stride(0), columns, columns // _FP8_BLOCK, BLOCK_M=block_m, GROUP=_FP8_BLOCK,
         ROUND_FIRST=interpreting(),
     )

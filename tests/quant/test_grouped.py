@@ -140,16 +140,14 @@ def test_mxfp4_kernel_decodes_every_code_at_any_scale_exactly(config):
 
 @needs_triton
 def test_fp8_activation_quantization_kernel_equals_torch():
-    """Rows before ``end`` only, in more (row block, column group) items than the interpreter's
-    programs: each program walks several."""
     generator = torch.Generator().manual_seed(3)
-    x = (torch.randn(64, 256, generator=generator) * torch.logspace(-4, 1, 256)).bfloat16().to(DEVICE)
+    x = (torch.randn(12, 256, generator=generator) * torch.logspace(-4, 1, 256)).bfloat16().to(DEVICE)
     x[5] = 0
-    end = 37
-    values, scales = quantize_fp8_activations_triton(x, torch.tensor([end], dtype=torch.int32, device=DEVICE))
-    expected_values, expected_scales = quantize_fp8_activations(x[:end])
-    assert torch.equal(scales[:end], expected_scales)
-    assert torch.equal(values[:end].float(), expected_values.float())
+    end = torch.tensor([10], dtype=torch.int32, device=DEVICE)
+    values, scales = quantize_fp8_activations_triton(x, end)
+    expected_values, expected_scales = quantize_fp8_activations(x[:10])
+    assert torch.equal(scales[:10], expected_scales)
+    assert torch.equal(values[:10].float(), expected_values.float())
 
 
 @needs_triton
