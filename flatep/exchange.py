@@ -13,6 +13,7 @@ import torch
 from flatep.kernels.backend import use_triton
 from flatep.kernels.combine import combine_torch, combine_triton, sum_runs_torch, sum_runs_triton
 from flatep.kernels.dispatch import dispatch_torch, dispatch_triton, expand_torch, expand_triton, real_rows_torch
+from flatep.kernels.fp8_rows import pack_rows_torch, pack_rows_triton, unpack_real_rows_torch, unpack_real_rows_triton
 from flatep.plan.types import Layout
 from flatep.transport.base import Group
 
@@ -60,6 +61,32 @@ def dispatch_rows(
     dispatch_torch(x, topk_weights, *tables, shard, shard_weights, links, plan.dedup)
     if plan.dedup:
         expand_torch(shard, links, real_rows_torch(plan.offsets, plan.padding, plan.slot_base, shard.shape[-2]))
+
+
+def pack_rows(x: torch.Tensor, backend: str = "auto") -> torch.Tensor:
+    """``x [.., H]`` quantized into packed fp8 rows ``[.., W]`` int32 (:mod:`flatep.kernels.fp8_rows`)."""
+    return pack_rows_triton(x) if use_triton(x.device, backend) else pack_rows_torch(x)
+
+
+def unpack_rows(
+    packed: torch.Tensor, shard: torch.Tensor, plan: Layout, group: Group, backend: str = "auto",
+    programs: int | None = None,
+) -> None:
+    """Unpack the real rows of this process's packed shards (after :func:`dispatch_rows`) into ``shard``.
+
+    Args:
+        packed: ``[n, rows, W]`` (or ``[rows, W]``) int32, every real row complete (expanded).
+        shard: ``[n, rows, H]`` (or ``[rows, H]``) the experts' input rows; padding rows untouched.
+        plan, group, backend, programs: as for :func:`dispatch_rows`.
+    """
+    if use_triton(shard.device, backend):
+        unpack_real_rows_triton(packed, shard, plan.offsets, plan.padding, plan.slot_base, group.first_rank,
+                                programs=programs)
+        return
+    ranks = slice(group.first_rank, group.first_rank + len(group.local_ranks))
+    rows, hidden = shard.shape[-2:]
+    real = real_rows_torch(plan.offsets[ranks], plan.padding[ranks], plan.slot_base, rows)
+    unpack_real_rows_torch(packed.view(-1, rows, packed.shape[-1]), shard.view(-1, rows, hidden), real)
 
 
 def combine_rows(

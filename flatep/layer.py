@@ -16,9 +16,10 @@ from flatep.config import POLICIES, EPConfig, check_policy
 from flatep.experts.grouped import PRECISIONS, Activation, grouped_swiglu, swiglu, takes_decode_kernels
 from flatep.experts.pool import ExpertPool, check_expert_weights, check_slot_sets
 from flatep.kernels.backend import check_programs, interpreting, use_triton
-from flatep.exchange import combine_rows, dispatch_rows
+from flatep.exchange import combine_rows, dispatch_rows, pack_rows, unpack_rows
 from flatep.kernels.combine import combine_grid
 from flatep.kernels.dispatch import dispatch_grid
+from flatep.kernels.fp8_rows import check_dispatch_dtype, packed_row_bytes, packed_words, packs_rows
 from flatep.plan.auto import candidates_for, slot_rows
 from flatep.plan.cost import CostProfile, check_cost
 from flatep.plan.reference import _check_ids, _valid_mask, dedup_tables, histogram, make_plan, plan_rank
@@ -29,7 +30,7 @@ from flatep.quant.tensor import QuantizedTensor, expert_weight_nbytes
 from flatep.transport.base import Group
 
 # What ranks of a per-process group must agree on before they exchange anything sized by it.
-_AGREED = ("s", "R", "E", "K", "H", "I", "capacity", "align", "tolerance", "dedup", "policy", "dtype")
+_AGREED = ("s", "R", "E", "K", "H", "I", "capacity", "align", "tolerance", "dedup", "policy", "dtype", "dispatch")
 _DTYPE_CODES = {None: 0, torch.bfloat16: 1, torch.float32: 2}
 _TOLERANCE_SCALE = 2**20  # the header is int64: tolerance travels in fixed point
 
@@ -54,12 +55,16 @@ def _check_types(config: object, group: object, **tensors: object) -> None:
             raise ValueError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
 
 
-def _cost_of_these_weights(
-    cost: CostProfile | None, pool: ExpertPool | None, w13: torch.Tensor | QuantizedTensor | None, config: EPConfig
+def _cost_of_this_step(
+    cost: CostProfile | None, pool: ExpertPool | None, w13: torch.Tensor | QuantizedTensor | None, config: EPConfig,
+    dispatch_dtype: torch.dtype | None,
 ) -> CostProfile:
     """``auto``'s profile with the bytes one expert of this step's weights really has (packed fp8 or
-    mxfp4 values and scales, biases), unless the profile already says."""
+    mxfp4 values and scales, biases) and, with fp8 dispatch, the link bytes of one entry (a packed
+    row out, a bf16 row back, the route weight), unless the profile already says."""
     cost = CostProfile.default() if cost is None else cost
+    if packs_rows(dispatch_dtype) and cost.row_bytes is None:
+        cost = cost.with_row_bytes(packed_row_bytes(config.hidden) + config.token_bytes() + 4)
     if cost.expert_bytes is not None:
         return cost
     if pool is not None:
@@ -95,7 +100,7 @@ def refuse_autograd(reason: str, **tensors: torch.Tensor | None) -> None:
         )
 
 
-def _without_backward(pool: ExpertPool | None, w13: object) -> str | None:
+def _without_backward(pool: ExpertPool | None, w13: object, dispatch_dtype: torch.dtype | None) -> str | None:
     """Why a step with these arguments has no backward, or ``None`` when it has one (on every transport)."""
     if pool is not None:
         # A pool holds copies of the weights: training through it would leave the weights the
@@ -104,6 +109,8 @@ def _without_backward(pool: ExpertPool | None, w13: object) -> str | None:
                 "the experts)")
     if isinstance(w13, QuantizedTensor):
         return f"ep_moe has no backward through {w13.format} expert weights"
+    if packs_rows(dispatch_dtype):
+        return "ep_moe has no backward through fp8 dispatch (dispatch_dtype=torch.float8_e4m3fn)"
     return None
 
 
@@ -151,14 +158,24 @@ def link_buffer(group: Group, rows: int) -> torch.Tensor:
     return group.buffer("shard_links", (rows, 2), torch.int32)
 
 
-def shard_buffers(group: Group, config: EPConfig, policy: str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def packed_buffer(group: Group, rows: int, hidden: int) -> torch.Tensor:
+    """The group's ``[.., rows, W]`` int32 receive buffer of packed fp8 rows (:mod:`flatep.kernels.fp8_rows`)."""
+    return group.buffer("shard_fp8", (rows, packed_words(hidden)), torch.int32)
+
+
+def shard_buffers(
+    group: Group, config: EPConfig, policy: str, dtype: torch.dtype, dispatch_dtype: torch.dtype | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The group's receive buffers for ``config``/``policy``/``dtype``: ``(shard [.., rows, H], weights [.., rows] fp32)``.
 
     Allocated on first use (collectively, on the per-process transports) and reused by every layer
-    and step of that shape, ``rows`` = :func:`buffer_rows`.
+    and step of that shape, ``rows`` = :func:`buffer_rows`. With fp8 dispatch (``dispatch_dtype``)
+    the packed rows land in a :func:`packed_buffer` first, allocated here too.
     """
     rows = buffer_rows(config, policy)
     link_buffer(group, rows)  # allocated with the shards (collectively on nvlink), not first inside a step
+    if packs_rows(dispatch_dtype):
+        packed_buffer(group, rows, config.hidden)
     return (group.buffer("shard", (rows, config.hidden), dtype), group.buffer("shard_weights", (rows,), torch.float32))
 
 
@@ -270,6 +287,7 @@ def plan_step(
     tokens: list[int] | int | None = None,
     dtype: torch.dtype | None = None,
     cost: CostProfile | None = None,
+    dispatch_dtype: torch.dtype | None = None,
 ) -> Plan | RankPlan:
     """Plan one step, on any transport: THE way to plan outside :func:`ep_moe` (e.g. before a CUDA graph).
 
@@ -280,8 +298,8 @@ def plan_step(
     other ids. ``make_plan``/``plan_rank`` are the reference planner itself (the specification).
 
     On a per-process group this is collective (every rank must call it). The ranks gather a
-    fixed-size header (``s``, the config, the policy, the activation dtype, their real token count
-    and whether their ids are valid), then the ``[E]`` histograms, and each plans its own
+    fixed-size header (``s``, the config, the policy, the activation dtype, whether rows cross in
+    fp8, their real token count and whether their ids are valid), then the ``[E]`` histograms, and each plans its own
     entries. With ``group.eager_check`` (outside CUDA-graph capture) every rank reads the header
     and all raise ``ValueError`` together if they disagree or any rank's input is bad; otherwise
     nothing is read back and a disagreement sets the ``step`` error flag (:meth:`Group.check`).
@@ -295,6 +313,8 @@ def plan_step(
             transport, this rank's count (an int) on a per-process one (default ``s``).
         dtype: activation dtype the ranks must agree on (per-process groups; ``None``: not checked).
         cost: the :class:`flatep.CostProfile` of ``policy="auto"`` (per-process ranks must pass the same).
+        dispatch_dtype: ``torch.float8_e4m3fn`` if the step will dispatch fp8 rows (per-process
+            groups: the ranks must agree; see :func:`ep_moe`).
 
     On CUDA the sync-free Triton planner plans (bit-equal to the reference planner, which plans on
     CPU and for configs beyond the Triton planner's limits). Ids of real tokens outside ``[0, E)``
@@ -330,7 +350,7 @@ def plan_step(
             raise ValueError(f"dtype must be torch.bfloat16, torch.float32 or None, got {dtype}")
         if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int)):
             raise ValueError(f"tokens must be this rank's token count (an int) on a per-process group, got {tokens!r}")
-        plan = _plan_this_rank(ids, config, group, policy, tokens, dtype, cost)
+        plan = _plan_this_rank(ids, config, group, policy, tokens, dtype, cost, packs_rows(dispatch_dtype))
         counts = tokens
     made_for = MadeFor(config=config, policy=policy, tokens=ids.shape[-2], counts=counts, fingerprint=ids_fingerprint(ids))
     return dataclasses.replace(split_slot_rows(plan), made_for=made_for)
@@ -347,20 +367,21 @@ def _invalid_ids(topk_ids: torch.Tensor, counts: list[int] | int, experts: int) 
 
 
 def _header(
-    group: Group, config: EPConfig, policy: str, dtype: torch.dtype | None, step: int, real: int, ok: torch.Tensor
+    group: Group, config: EPConfig, policy: str, dtype: torch.dtype | None, packed: bool, step: int, real: int,
+    ok: torch.Tensor,
 ) -> torch.Tensor:
     """``[len(_AGREED) + 2] int64`` on the group's device: what ranks must agree on, the real token count, ids valid.
 
-    The config part is copied to the device once per (config, policy, dtype) and cached on the
+    The config part is copied to the device once per (config, policy, dtype, packed) and cached on the
     group; ``s`` and the real count are filled by kernels, so building it never copies from the
     host (a pageable host-to-device copy synchronises, and could not be captured).
     """
     constants = group.__dict__.setdefault("_header_constants", {})
-    key = (config, policy, dtype)
+    key = (config, policy, dtype, packed)
     if key not in constants:
         values = [config.ranks, config.experts, config.top_k, config.hidden, config.intermediate, config.capacity,
                   config.align, round(config.tolerance * _TOLERANCE_SCALE), int(config.dedup), POLICIES.index(policy),
-                  _DTYPE_CODES[dtype]]
+                  _DTYPE_CODES[dtype], int(packed)]
         constants[key] = torch.tensor(values, dtype=torch.int64, device=group.device)
     counts = torch.empty(2, dtype=torch.int64, device=group.device)
     counts[0].fill_(step)
@@ -370,7 +391,7 @@ def _header(
 
 def _plan_this_rank(
     topk_ids: torch.Tensor, config: EPConfig, group: Group, policy: str, tokens: int | None, dtype: torch.dtype | None,
-    cost: CostProfile | None = None,
+    cost: CostProfile | None = None, packed: bool = False,
 ) -> RankPlan:
     """:func:`plan_step` on a per-process group (collective)."""
     if config.ranks != group.world:
@@ -381,7 +402,7 @@ def _plan_this_rank(
     in_range = 0 <= real <= step
     bad = _invalid_ids(topk_ids, real if in_range else 0, config.experts)
     ok = ~bad.any() if in_range else torch.zeros((), dtype=torch.bool, device=group.device)
-    everyone = group.all_gather(_header(group, config, policy, dtype, step, real, ok))  # [R, columns]
+    everyone = group.all_gather(_header(group, config, policy, dtype, packed, step, real, ok))  # [R, columns]
     on_device = supports_triton_planner(config) and (topk_ids.is_cuda or interpreting())
     # The reference planner reads the tables on the host anyway (and raises for bad ids on its own
     # rank only): reading the header there costs nothing more, and keeps every rank raising together.
@@ -452,12 +473,15 @@ def dispatch_step(
     config: EPConfig | None = None,
     comm_programs: int | None = None,
     barrier_before: bool = True,
+    dispatch_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Scatter rows and route weights into the receive shards, barrier, and expand (every real row holds its token).
 
     Rows cross the link once per (token, destination rank) and are copied into the token's other
     rows there (:func:`flatep.exchange.dispatch_rows`); the links that tell combine how to sum them
-    back go to the group's :func:`link_buffer`. Padding rows are left unwritten.
+    back go to the group's :func:`link_buffer`. Padding rows are left unwritten. With fp8 dispatch
+    the rows cross packed (:mod:`flatep.kernels.fp8_rows`) into the group's :func:`packed_buffer`,
+    and each rank then unpacks its real rows into the shard.
 
     Args:
         x: ``[R, s, H]`` (local) or ``[s, H]`` tokens; topk_weights: ``[.., s, K]`` fp32.
@@ -466,6 +490,7 @@ def dispatch_step(
         comm_programs: cap on the dispatch kernels' programs (Triton only; ``None``: uncapped).
         barrier_before: barrier first, so that no peer still combines the previous step out of
             the shards (:func:`ep_moe` does it itself, to start the push after it).
+        dispatch_dtype: ``torch.float8_e4m3fn`` to send packed fp8 rows (``None``: ``x``'s dtype).
 
     Returns:
         ``(shard [n, rows, H], shard_weights [n, rows] fp32)`` (``n`` = ranks this process
@@ -479,14 +504,21 @@ def dispatch_step(
     if config is not None:
         # An auto step planned as classic (see _planned) uses auto's buffers: their home half holds it.
         sized_for = plan.policy if plan.made_for is None else plan.made_for.policy
-        shard, shard_weights = shard_buffers(group, config, sized_for, x.dtype)
+        shard, shard_weights = shard_buffers(group, config, sized_for, x.dtype, dispatch_dtype)
     else:
         shard = group.buffer("shard", (plan.shard_rows, hidden), x.dtype)
         shard_weights = group.buffer("shard_weights", (plan.shard_rows,), torch.float32)
+    rows = shard.shape[-2]
+    packed = packs_rows(dispatch_dtype)
+    # Quantized before the barrier: it reads only this rank's tokens.
+    sent = pack_rows(x, backend) if packed else x
     if barrier_before:  # peers may still be combining the previous step out of these shards
         group.barrier()
-    dispatch_rows(x, topk_weights, plan, group, shard, shard_weights, link_buffer(group, shard.shape[-2]), backend,
+    received = packed_buffer(group, rows, hidden) if packed else shard
+    dispatch_rows(sent, topk_weights, plan, group, received, shard_weights, link_buffer(group, rows), backend,
                   comm_programs)
+    if packed:
+        unpack_rows(received, shard, plan, group, backend, comm_programs)
     return shard, shard_weights
 
 
@@ -714,6 +746,7 @@ def ep_moe(
     activation: Activation = swiglu,
     precision: str = "fp32",
     combine_dtype: torch.dtype | None = None,
+    dispatch_dtype: torch.dtype | None = None,
     cost: CostProfile | None = None,
     backend: str = "auto",
     comm_programs: int | None = None,
@@ -758,6 +791,14 @@ def ep_moe(
             (DeepSeek-V3, Kimi-K2 in transformers), at twice the combine bytes. Under ``fp32``
             precision the down GEMM's output is already rounded to bfloat16 (torch's grouped GEMM
             has no fp32 output for bf16 inputs), so it is refused rather than paid for nothing.
+        dispatch_dtype: dtype of the rows dispatch sends (default ``x``'s).
+            ``torch.float8_e4m3fn`` sends each row as e4m3 values with one fp32 scale per 128
+            columns (DeepSeek-V3's activation quantization; ``H + H/32`` bytes instead of ``2H``
+            in bf16: :mod:`flatep.kernels.fp8_rows`), as DeepEP's low-latency dispatch does; each
+            receiving rank dequantizes its rows into ``x``'s dtype before its experts, so the
+            experts see the quantized activations and combine stays in ``x``'s dtype. Needs
+            ``H % 4 == 0``; inference only (no backward). On a per-process group every rank must
+            pass the same (checked with the step's header).
         backend: ``auto`` (Triton on CUDA or under ``TRITON_INTERPRET=1``), ``triton`` or ``torch``.
         cost: the :class:`flatep.CostProfile` of ``policy="auto"`` (default: the generic one).
         comm_programs: at most this many programs (thread blocks) for each of the dispatch,
@@ -800,7 +841,7 @@ def ep_moe(
     inputs = dict(x=x, topk_weights=topk_weights, w13=w13, w2=w2, b13=b13, b2=b2, **pool_tensors)
     training = bool(requiring_grad(**inputs))
     if training:
-        reason = _without_backward(pool, w13)
+        reason = _without_backward(pool, w13, dispatch_dtype)
         if reason is not None:
             refuse_autograd(reason, **inputs)
     if precision not in PRECISIONS:
@@ -814,6 +855,7 @@ def ep_moe(
         )
     check_programs(comm_programs)
     x, topk_ids, topk_weights = check_inputs(x, topk_ids, topk_weights, config, group, backend, comm_programs)
+    check_dispatch_dtype(dispatch_dtype, x.dtype, config.hidden)
     if pushed is not None:
         if not isinstance(pushed, Prefetch):
             raise ValueError(f"pushed must be a Prefetch from flatep.layer.prefetch_experts, got {type(pushed).__name__}")
@@ -838,9 +880,9 @@ def ep_moe(
         raise ValueError(f"pool dtype {pool.dtype} must match x dtype {x.dtype}")
     if plan is None:
         if policy == "auto":
-            cost = _cost_of_these_weights(cost, pool, w13, config)
+            cost = _cost_of_this_step(cost, pool, w13, config, dispatch_dtype)
         # Per-process ranks agree on the step while planning, before the pool's collective allocation.
-        plan = plan_step(topk_ids, config, group, policy, dtype=x.dtype, cost=cost)
+        plan = plan_step(topk_ids, config, group, policy, dtype=x.dtype, cost=cost, dispatch_dtype=dispatch_dtype)
     else:
         plan = check_plan(plan, topk_ids, config, group, policy)
         if _checks_now(group):
@@ -869,7 +911,8 @@ def ep_moe(
     elif borrowing:  # the push needs only the plan: start it before dispatch, beside it on CUDA
         done = start_push(pool, plan.slot_experts, backend, comm_programs)
     shard, shard_weights = dispatch_step(
-        x, topk_weights, plan, group, backend, config=config, comm_programs=comm_programs, barrier_before=False
+        x, topk_weights, plan, group, backend, config=config, comm_programs=comm_programs, barrier_before=False,
+        dispatch_dtype=dispatch_dtype,
     )
     out = shard
     if combine_dtype not in (None, x.dtype):
@@ -921,7 +964,8 @@ class EPMoE(nn.Module):
     is rebuilt only when the routed weights change (tracked by their version counters).
 
     ``comm_programs`` caps the communication kernels' programs (see :func:`ep_moe`); ``layer``
-    and ``slot_sets`` choose the pool's slot set (see :class:`ExpertPool`).
+    and ``slot_sets`` choose the pool's slot set (see :class:`ExpertPool`); ``dispatch_dtype``
+    ``torch.float8_e4m3fn`` sends fp8 rows (inference only, see :func:`ep_moe`).
     """
 
     def __init__(
@@ -937,15 +981,17 @@ class EPMoE(nn.Module):
         comm_programs: int | None = None,
         layer: int = 0,
         slot_sets: int = 1,
+        dispatch_dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         check_policy(policy)
+        check_dispatch_dtype(dispatch_dtype, dtype, config.hidden)
         check_cost(policy, cost)
         check_programs(comm_programs)
         check_slot_sets(layer, slot_sets)
         self.config, self.group, self.policy, self.cost = config, group, policy, cost
         self.comm_programs, self.layer, self.slot_sets = comm_programs, layer, slot_sets
-        self.renormalize, self.backend = renormalize, backend
+        self.renormalize, self.backend, self.dispatch_dtype = renormalize, backend, dispatch_dtype
         if config.ranks != group.world:
             raise ValueError(f"config.ranks={config.ranks} must equal the group's size {group.world}")
         hidden, intermediate, experts = config.hidden, config.intermediate, config.experts
@@ -966,7 +1012,7 @@ class EPMoE(nn.Module):
                         parameter.copy_(group.all_gather(parameter.detach().contiguous())[0])
         self._pool: ExpertPool | None = None
         self._pool_versions: tuple[int, ...] = ()
-        shard_buffers(group, config, policy, dtype)  # at set-up, where every rank allocates alike
+        shard_buffers(group, config, policy, dtype, dispatch_dtype)  # at set-up, where every rank allocates alike
 
     def expert_pool(self) -> ExpertPool:
         """The layer's pool, rebuilt if ``w13`` or ``w2`` changed since it was built."""
@@ -989,7 +1035,7 @@ class EPMoE(nn.Module):
         logits = x.float() @ self.router.float().T
         topk_ids, topk_weights = route(logits, self.config.top_k, self.renormalize)
         options = dict(config=self.config, group=self.group, policy=self.policy, backend=self.backend, cost=self.cost,
-                       comm_programs=self.comm_programs)
+                       comm_programs=self.comm_programs, dispatch_dtype=self.dispatch_dtype)
         if requiring_grad(**tensors):
             out = ep_moe(x, topk_ids, topk_weights, self.w13, self.w2, **options)
         else:

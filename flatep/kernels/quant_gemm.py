@@ -193,9 +193,11 @@ def _round_to_bf16(x):
 
 @triton.jit
 def _act_quant_kernel(
-    x_ptr, q_ptr, s_ptr, end_ptr, stride_x, K, GROUPS_K,
+    x_ptr, q_ptr, s_ptr, end_ptr, stride_x, stride_q, stride_s, K,
     BLOCK_M: tl.constexpr, GROUP: tl.constexpr, ROUND_FIRST: tl.constexpr,
 ):
+    # Program (row block, column group): the group's e4m3 values and its one fp32 scale per row.
+    # The last group of a K that is not a multiple of GROUP is partial (its absent columns count as 0).
     end = tl.load(end_ptr)
     first = tl.program_id(0) * BLOCK_M
     if first >= end:
@@ -203,13 +205,14 @@ def _act_quant_kernel(
     row = (first + tl.arange(0, BLOCK_M)).to(tl.int64)
     row_mask = row < end
     column = tl.program_id(1) * GROUP + tl.arange(0, GROUP)
-    x = tl.load(x_ptr + row[:, None] * stride_x + column[None, :], mask=row_mask[:, None], other=0.0).to(tl.float32)
+    mask = row_mask[:, None] & (column < K)[None, :]
+    x = tl.load(x_ptr + row[:, None] * stride_x + column[None, :], mask=mask, other=0.0).to(tl.float32)
     scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-10) / _E4M3_MAX
     q = tl.minimum(tl.maximum(x / scale[:, None], -_E4M3_MAX), _E4M3_MAX)
     if ROUND_FIRST:  # the interpreter's fp32 -> e4m3 cast drops carries (127.2 -> 64): round first
         q = _round_to_e4m3(q)
-    tl.store(q_ptr + row[:, None] * K + column[None, :], q.to(q_ptr.dtype.element_ty), mask=row_mask[:, None])
-    tl.store(s_ptr + row * GROUPS_K + tl.program_id(1), scale, mask=row_mask)
+    tl.store(q_ptr + row[:, None] * stride_q + column[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + row * stride_s + tl.program_id(1), scale, mask=row_mask)
 
 
 @triton.jit
@@ -445,7 +448,7 @@ def quantize_fp8_activations_triton(rows: torch.Tensor, end: torch.Tensor) -> tu
     scales = torch.empty(count, columns // _FP8_BLOCK, dtype=torch.float32, device=rows.device)
     block_m = 16
     _act_quant_kernel[(triton.cdiv(count, block_m), columns // _FP8_BLOCK)](
-        rows, values, scales, end, rows.stride(0), columns, columns // _FP8_BLOCK, BLOCK_M=block_m, GROUP=_FP8_BLOCK,
+        rows, values, scales, end, rows.stride(0), columns, columns // _FP8_BLOCK, columns, BLOCK_M=block_m, GROUP=_FP8_BLOCK,
         ROUND_FIRST=interpreting(),
     )
     return values, scales

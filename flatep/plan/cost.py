@@ -64,6 +64,9 @@ class CostProfile:
             scales), or None for bf16 (:meth:`flatep.EPConfig.expert_bytes`). Not a device constant:
             :func:`flatep.ep_moe` fills it from a packed (fp8, mxfp4) pool; planning on its own
             takes it from :meth:`with_expert_bytes`.
+        row_bytes: link bytes one entry costs in dispatch plus combine, or None for rows in bf16
+            both ways plus the fp32 route weight (``2*H*2 + 4``). Not a device constant either:
+            :func:`flatep.ep_moe` fills it for fp8 dispatch (:meth:`with_row_bytes`).
         margins: ``((rows_per_expert, fraction), ...)``: how far the model's per-rank times are
             off, measured by ``flatep calibrate`` at steps of that many rows per expert on
             average (``ceil(T*K/E)``). ``auto`` moves weights only when the model puts the moving
@@ -84,6 +87,7 @@ class CostProfile:
     decode_gemm_tflops: float | None = None
     decode_group_us: float | None = None
     decode_tile_rows: int | None = None
+    row_bytes: int | None = None
     margins: tuple[tuple[float, float], ...] | None = None
 
     def __post_init__(self) -> None:
@@ -91,9 +95,9 @@ class CostProfile:
             value = getattr(self, field.name)
             if field.name == "margins":
                 object.__setattr__(self, "margins", _checked_margins(value))
-            elif field.name == "expert_bytes":
+            elif field.name in ("expert_bytes", "row_bytes"):
                 if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                    raise ValueError(f"CostProfile.expert_bytes must be None or a positive integer, got {value!r}")
+                    raise ValueError(f"CostProfile.{field.name} must be None or a positive integer, got {value!r}")
             elif field.name == "name":
                 if not isinstance(value, str):
                     raise ValueError(f"CostProfile.name must be a string, got {value!r}")
@@ -194,6 +198,10 @@ class CostProfile:
         """This profile for experts stored in ``expert_bytes`` bytes each (None: bf16)."""
         return dataclasses.replace(self, expert_bytes=expert_bytes)
 
+    def with_row_bytes(self, row_bytes: int | None) -> "CostProfile":
+        """This profile for entries that cost ``row_bytes`` link bytes in dispatch plus combine (None: bf16 rows)."""
+        return dataclasses.replace(self, row_bytes=row_bytes)
+
     def constants(
         self, config: EPConfig, weight_bytes: int | None = None, row_bytes: int | None = None, *,
         total_tokens: int | None = None,
@@ -209,12 +217,13 @@ class CostProfile:
                 the others.
             weight_bytes: bytes of one expert's weights as stored and pushed (default: the profile's
                 ``expert_bytes``, else bf16: :meth:`~flatep.EPConfig.expert_bytes`).
-            row_bytes: link bytes one entry costs in dispatch plus combine (default bf16 rows both
-                ways plus the fp32 route weight: ``2*H*2 + 4``).
+            row_bytes: link bytes one entry costs in dispatch plus combine (default: the profile's
+                ``row_bytes``, else bf16 rows both ways plus the fp32 route weight: ``2*H*2 + 4``).
         """
         if weight_bytes is None:
             weight_bytes = config.expert_bytes() if self.expert_bytes is None else self.expert_bytes
-        row_bytes = 2 * config.token_bytes() + 4 if row_bytes is None else row_bytes
+        if row_bytes is None:
+            row_bytes = 2 * config.token_bytes() + 4 if self.row_bytes is None else self.row_bytes
         for name, value in (("weight_bytes", weight_bytes), ("row_bytes", row_bytes)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")

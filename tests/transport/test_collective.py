@@ -76,11 +76,11 @@ def test_collective_equals_local_transport_and_dense(equivalence_run):
     group = init_group("local", ranks=world, device="cpu")
     for case in cases(world, "small"):
         x, ids, weights, w13, w2 = case.inputs(torch.device("cpu"))
-        torch_path = ep_moe(x, ids, weights, w13, w2, config=case.config, group=group, policy=case.policy, backend="torch")
-        dense = dense_moe(x, ids, weights, w13, w2)
+        torch_path = ep_moe(x, ids, weights, w13, w2, config=case.config, group=group, backend="torch", **case.options)
+        dense = dense_moe(case.seen_by_experts(x), ids, weights, w13, w2)
         kernels = None
         if case.dtype == torch.float32 and interpreting():
-            kernels = ep_moe(x, ids, weights, w13, w2, config=case.config, group=group, policy=case.policy, backend="triton")
+            kernels = ep_moe(x, ids, weights, w13, w2, config=case.config, group=group, backend="triton", **case.options)
         for rank in range(world):
             out = results[rank][case.name]
             assert out.shape == x[rank].shape and out.dtype == case.dtype
@@ -159,6 +159,7 @@ def test_disagreement_and_bad_input_raise_on_every_rank(equivalence_run):
         assert "s [16, " in result["disagree-s"] and "every rank raises" in result["disagree-s"]
         assert "align [4, 8" in result["disagree-config"]
         assert "tolerance [0.0, 0.5" in result["disagree-tolerance"]
+        assert "dispatch [0, 1" in result["disagree-dispatch"]
         if rank == world - 1:
             assert "is not an expert id" in result["bad-ids"]
         else:

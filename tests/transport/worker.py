@@ -7,7 +7,7 @@ process against the local transport on the same device and the dense MoE (``--co
 script). Suites:
 
 * ``equivalence``: every case of :func:`cases` (both policies, several maxvio, adversarial
-  routings, bf16 and fp32, one pool reused across steps), then ranks that disagree on ``s``, on
+  routings, bf16 and fp32, fp8 dispatch with dedup, one pool reused across steps), then ranks that disagree on ``s``, on
   the config, or pass bad ids (every rank must raise ``ValueError``), then one more good step.
 * ``lazy``: a group with ``eager_check=False`` (with ``TRITON_INTERPRET=1`` on CPU, so the
   sync-free Triton planner plans): a few cases, a step whose ranks hold fewer real tokens than
@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from flatep import EPConfig, ExpertPool, dense_moe, ep_moe, init_group, make_plan
+from flatep.kernels.fp8_rows import pack_rows_torch, unpack_rows_torch
 from flatep.layer import plan_step
 from flatep.routing import sigma_for_maxvio
 from flatep.transport.collective import CollectiveGroup
@@ -51,7 +52,8 @@ WEIGHT_SEED = 7
 
 @dataclass(frozen=True)
 class Case:
-    """One step of the equivalence suite; ``routing`` is a maxvio target (float) or an adversarial kind."""
+    """One step of the equivalence suite; ``routing`` is a maxvio target (float) or an adversarial kind;
+    ``dispatch_dtype`` that of ``ep_moe`` (``torch.float8_e4m3fn``: packed fp8 rows)."""
 
     config: EPConfig
     tokens: int
@@ -59,11 +61,24 @@ class Case:
     policy: str
     dtype: torch.dtype
     seed: int
+    dispatch_dtype: torch.dtype | None = None
 
     @property
     def name(self) -> str:
         dtype = str(self.dtype).removeprefix("torch.")
-        return f"R{self.config.ranks}-s{self.tokens}-{self.routing}-{self.policy}-{dtype}"
+        sent = "" if self.dispatch_dtype is None else "-fp8-dispatch"
+        return f"R{self.config.ranks}-s{self.tokens}-{self.routing}-{self.policy}-{dtype}{sent}"
+
+    @property
+    def options(self) -> dict[str, object]:
+        """``ep_moe``'s step options of this case."""
+        return dict(policy=self.policy, dispatch_dtype=self.dispatch_dtype)
+
+    def seen_by_experts(self, x: torch.Tensor) -> torch.Tensor:
+        """The tokens the experts compute on: ``x`` itself, or its fp8 rows dequantized (fp8 dispatch)."""
+        if self.dispatch_dtype is None:
+            return x
+        return unpack_rows_torch(pack_rows_torch(x), x.shape[-1], x.dtype)
 
     def inputs(self, device: torch.device) -> tuple[torch.Tensor, ...]:
         """``x [R, s, H]``, ``topk_ids [R, s, K]``, ``topk_weights [R, s, K]``, ``w13``, ``w2`` on ``device``.
@@ -92,12 +107,20 @@ def cases(ranks: int, size: str) -> list[Case]:
     else:
         config = EPConfig(ranks=ranks, experts=32, top_k=4, hidden=1024, intermediate=512, capacity=256, align=128)
         steps = [(256, 0.0), (256, 1.0), (256, 4.0), (256, 10.0), (256, "one"), (256, "next"), (97, 4.0)]
-    return [
+    plain = [
         Case(config, tokens, routing, policy, dtype, seed=100 + index)
         for dtype in (torch.bfloat16, torch.float32)
         for index, (tokens, routing) in enumerate(steps)
         for policy in ("exact", "none")
     ]
+    # fp8 rows with dedup: the packed rows are expanded on arrival, then unpacked.
+    fp8 = [
+        Case(config.replace(dedup=True), steps[index][0], steps[index][1], policy, torch.bfloat16, seed=200 + index,
+             dispatch_dtype=torch.float8_e4m3fn)
+        for index in (1, 3)
+        for policy in ("exact", "none")
+    ]
+    return plain + fp8
 
 
 def padded_case(ranks: int, size: str) -> Case:
@@ -133,11 +156,11 @@ def equivalence(group, rank: int, world: int, size: str, compare: bool, log) -> 
         key = (case.config, case.dtype)
         if key not in pools:  # one pool per config: buffers, slots and barriers are reused across steps
             pools[key] = ExpertPool.from_weights(w13, w2, case.config, group)
-        out = ep_moe(x[rank], ids[rank], weights[rank], config=case.config, group=group, policy=case.policy, pool=pools[key])
+        out = ep_moe(x[rank], ids[rank], weights[rank], config=case.config, group=group, pool=pools[key], **case.options)
         results[case.name] = out.cpu()
         if compare:
-            reference = ep_moe(x, ids, weights, w13, w2, config=case.config, group=local, policy=case.policy)[rank]
-            dense = dense_moe(x[rank], ids[rank], weights[rank], w13, w2)
+            reference = ep_moe(x, ids, weights, w13, w2, config=case.config, group=local, **case.options)[rank]
+            dense = dense_moe(case.seen_by_experts(x[rank]), ids[rank], weights[rank], w13, w2)
             error = float((out.double() - dense.double()).norm() / dense.double().norm())
             same = torch.equal(bits(out), bits(reference))
             good = same and error < (1e-2 if case.dtype == torch.bfloat16 else 1e-5)
@@ -171,6 +194,11 @@ def equivalence(group, rank: int, world: int, size: str, compare: bool, log) -> 
     results["disagree-tolerance"] = expect_value_error(
         lambda: ep_moe(x[rank], ids[rank], weights[rank], w13, w2, config=loose, group=group), "disagree"
     )
+    sent = torch.float8_e4m3fn if rank else None
+    results["disagree-dispatch"] = expect_value_error(
+        lambda: ep_moe(x[rank], ids[rank], weights[rank], w13, w2, config=config, group=group, dispatch_dtype=sent),
+        "disagree",
+    )
     broken = ids[rank].clone()
     if rank == world - 1:
         broken[0, 0] = config.experts
@@ -180,7 +208,7 @@ def equivalence(group, rank: int, world: int, size: str, compare: bool, log) -> 
     out = ep_moe(x[rank], ids[rank], weights[rank], w13, w2, config=config, group=group, policy=case.policy)
     results["after-errors"] = out.cpu()
     results["after-errors/case"] = case.name
-    for name in ("disagree-s", "disagree-config", "disagree-tolerance", "bad-ids"):
+    for name in ("disagree-s", "disagree-config", "disagree-tolerance", "disagree-dispatch", "bad-ids"):
         log(f"{'FAIL' if results[name].startswith('FAIL') else 'ok  '} {name}: {results[name]}")
     if compare:
         same = torch.equal(bits(out), bits(results[case.name].to(out.device)))
@@ -270,7 +298,7 @@ def static(group, rank: int, world: int, size: str, log) -> dict[str, object]:
             config = case.config.replace(dedup=dedup)
             name = f"{case.name}/dedup={dedup}"
             try:
-                outs = [ep_moe(x[rank], ids[rank], weights[rank], w13, w2, config=config, group=g, policy=case.policy)
+                outs = [ep_moe(x[rank], ids[rank], weights[rank], w13, w2, config=config, group=g, **case.options)
                         for g in (group, dynamic)]
                 same = torch.equal(bits(outs[0]), bits(outs[1]))
                 results[name] = True if same else "FAIL: static and host-sized exchanges differ"
