@@ -7,6 +7,7 @@ import sys
 from collections.abc import Sequence
 
 from flatep.bench.calibrate import add_calibrate_command
+from flatep.kernels.fp8_rows import DISPATCH_FORMATS
 from flatep.config import MODEL_SHAPES, POLICIES, preset
 from flatep.plan.cost import CostProfile
 from flatep.quant import WEIGHT_FORMATS
@@ -97,7 +98,8 @@ def _bench_command(args: argparse.Namespace) -> int:
         raise CliError("--device cuda: no CUDA GPU is available here (torch.cuda.is_available() is False); use --device cpu")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     sweep = Sweep.load(args.config or ("default" if device.type == "cuda" else "cpu"))
-    overrides = {key: value for key, value in (("weights", args.weights), ("cost", args.cost)) if value is not None}
+    overrides = {key: value for key, value in (("weights", args.weights), ("dispatch", args.dispatch), ("cost", args.cost))
+                 if value is not None}
     if overrides:
         sweep = dataclasses.replace(sweep, **overrides)
         sweep.validate()
@@ -198,6 +200,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="kernels: auto = Triton on a GPU, the plain-torch paths on the CPU")
     bench.add_argument("--weights", default=None, choices=list(WEIGHT_FORMATS),
                        help="weight format of the expert pool, overriding the config's weights key (None: the config's)")
+    bench.add_argument("--dispatch", default=None, choices=list(DISPATCH_FORMATS),
+                       help="dtype of the rows the EP arms dispatch (fp8: e4m3 with a scale per 128 columns), "
+                       "overriding the config's dispatch key (None: the config's)")
     bench.add_argument("--cost", default=None, metavar="PROFILE",
                        help="cost profile of the auto arm and of the model predictions: a preset (generic, h200) or a "
                        "JSON file from 'flatep calibrate --out', overriding the config's cost key (None: the config's)")

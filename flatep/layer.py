@@ -19,7 +19,7 @@ from flatep.kernels.backend import check_programs, interpreting, use_triton
 from flatep.exchange import combine_rows, dispatch_rows, pack_rows, unpack_rows
 from flatep.kernels.combine import combine_grid
 from flatep.kernels.dispatch import dispatch_grid
-from flatep.kernels.fp8_rows import check_dispatch_dtype, packed_row_bytes, packed_words, packs_rows
+from flatep.kernels.fp8_rows import check_dispatch_dtype, entry_link_bytes, packed_words, packs_rows
 from flatep.plan.auto import candidates_for, slot_rows
 from flatep.plan.cost import CostProfile, check_cost
 from flatep.plan.reference import _check_ids, _valid_mask, dedup_tables, histogram, make_plan, plan_rank
@@ -57,14 +57,14 @@ def _check_types(config: object, group: object, **tensors: object) -> None:
 
 def _cost_of_this_step(
     cost: CostProfile | None, pool: ExpertPool | None, w13: torch.Tensor | QuantizedTensor | None, config: EPConfig,
-    dispatch_dtype: torch.dtype | None,
+    dtype: torch.dtype, dispatch_dtype: torch.dtype | None,
 ) -> CostProfile:
     """``auto``'s profile with the bytes one expert of this step's weights really has (packed fp8 or
     mxfp4 values and scales, biases) and, with fp8 dispatch, the link bytes of one entry (a packed
-    row out, a bf16 row back, the route weight), unless the profile already says."""
+    row out, the route weight, a row of ``dtype`` back), unless the profile already says."""
     cost = CostProfile.default() if cost is None else cost
     if packs_rows(dispatch_dtype) and cost.row_bytes is None:
-        cost = cost.with_row_bytes(packed_row_bytes(config.hidden) + config.token_bytes() + 4)
+        cost = cost.with_row_bytes(entry_link_bytes(config.hidden, dtype.itemsize, dispatch_dtype))
     if cost.expert_bytes is not None:
         return cost
     if pool is not None:
@@ -880,7 +880,7 @@ def ep_moe(
         raise ValueError(f"pool dtype {pool.dtype} must match x dtype {x.dtype}")
     if plan is None:
         if policy == "auto":
-            cost = _cost_of_this_step(cost, pool, w13, config, dispatch_dtype)
+            cost = _cost_of_this_step(cost, pool, w13, config, x.dtype, dispatch_dtype)
         # Per-process ranks agree on the step while planning, before the pool's collective allocation.
         plan = plan_step(topk_ids, config, group, policy, dtype=x.dtype, cost=cost, dispatch_dtype=dispatch_dtype)
     else:

@@ -98,9 +98,9 @@ def test_bad_dispatch_dtypes_are_refused_before_any_kernel():
 
 def test_auto_prices_an_entry_at_a_packed_row_out_and_a_bf16_row_back():
     cfg = config(False, hidden=7168)
-    cost = _cost_of_this_step(None, None, None, cfg, FP8)
+    cost = _cost_of_this_step(None, None, None, cfg, torch.bfloat16, FP8)
     assert cost.row_bytes == 7168 + 4 * 56 + 2 * 7168 + 4 == packed_row_bytes(7168) + cfg.token_bytes() + 4
     assert cost.constants(cfg).row_bytes == cost.row_bytes
-    assert _cost_of_this_step(None, None, None, cfg, None).constants(cfg).row_bytes == 2 * 2 * 7168 + 4
+    assert _cost_of_this_step(None, None, None, cfg, torch.bfloat16, None).constants(cfg).row_bytes == 2 * 2 * 7168 + 4
     own = CostProfile.default().with_row_bytes(123)
-    assert _cost_of_this_step(own, None, None, cfg, FP8).row_bytes == 123  # a profile that says keeps its own
+    assert _cost_of_this_step(own, None, None, cfg, torch.bfloat16, FP8).row_bytes == 123  # a profile that says keeps its own

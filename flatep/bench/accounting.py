@@ -3,7 +3,8 @@
 What crosses the link in one step (bytes per rank; a row whose destination is its own rank stays
 on the device and is counted apart, as ``local``):
 
-- dispatch: one row of ``H`` elements per (token, destination rank) with a deduplicating plan
+- dispatch: one row of ``H`` elements (or one packed fp8 row of ``H + 4*ceil(H/128)`` bytes:
+  :mod:`flatep.kernels.fp8_rows`) per (token, destination rank) with a deduplicating plan
   (``plan.dedup``: only the token's carrier rows cross, see :class:`flatep.plan.types.Plan`), one
   per (token, k) entry without; plus per entry the metadata the implementation sends beside it
   (:func:`entry_metadata_bytes`: its fp32 route weight, and with dedup its int32 link pair). Source
@@ -79,13 +80,17 @@ def rows_to_ranks(plan: RankPlan) -> torch.Tensor:
     return torch.bincount(dest[carried(plan).reshape(-1)], minlength=plan.slot_experts.shape[0])
 
 
-def plan_link_bytes(plan: Plan, row_bytes: int, expert_bytes: int) -> dict[str, dict[str, list[int]]]:
+def plan_link_bytes(
+    plan: Plan, row_bytes: int, expert_bytes: int, combine_row_bytes: int | None = None
+) -> dict[str, dict[str, list[int]]]:
     """Bytes each rank sends and receives over the link in every phase of a whole group's plan.
 
     Args:
         plan: a :class:`Plan` (``dest_rank``, ``carrier [R, s, K] int32``, ``-1`` for padding entries).
-        row_bytes: bytes of one token row (``H * element size``).
+        row_bytes: bytes of one token row as dispatch sends it (``H * element size``, or a packed
+            fp8 row: :func:`flatep.kernels.fp8_rows.packed_row_bytes`).
         expert_bytes: bytes of one expert's weights as the push moves them.
+        combine_row_bytes: bytes of one row combine sends back (default ``row_bytes``).
 
     Returns:
         ``{phase: {"egress": [R], "ingress": [R], "local": [R]}}`` for ``dispatch``, ``combine``
@@ -102,17 +107,20 @@ def plan_link_bytes(plan: Plan, row_bytes: int, expert_bytes: int) -> dict[str, 
     entries_in = torch.bincount(dest[remote], minlength=ranks)
     rows_in = torch.bincount(dest[remote & rows], minlength=ranks)
     meta = entry_metadata_bytes(plan.dedup)
+    back = row_bytes if combine_row_bytes is None else combine_row_bytes
     return dict(
         dispatch=dict(egress=(rows_out * row_bytes + entries_out * meta).tolist(),
                       ingress=(rows_in * row_bytes + entries_in * meta).tolist(),
                       local=((local & rows).sum(1) * row_bytes + local.sum(1) * meta).tolist()),
-        combine=dict(egress=(rows_in * row_bytes).tolist(), ingress=(rows_out * row_bytes).tolist(),
-                     local=((local & rows).sum(1) * row_bytes).tolist()),
+        combine=dict(egress=(rows_in * back).tolist(), ingress=(rows_out * back).tolist(),
+                     local=((local & rows).sum(1) * back).tolist()),
         push=_push_bytes(plan.slot_experts, expert_bytes),
     )
 
 
-def rank_link_bytes(plan: RankPlan, row_bytes: int, expert_bytes: int, rows_in: int) -> dict[str, dict[str, int]]:
+def rank_link_bytes(
+    plan: RankPlan, row_bytes: int, expert_bytes: int, rows_in: int, combine_row_bytes: int | None = None
+) -> dict[str, dict[str, int]]:
     """:func:`plan_link_bytes` for one rank of a per-process group, from its own :class:`RankPlan`.
 
     Entries arriving from other ranks are the rank's real rows (``received``) less its local ones;
@@ -121,6 +129,7 @@ def rank_link_bytes(plan: RankPlan, row_bytes: int, expert_bytes: int, rows_in: 
     Args:
         rows_in: rows other ranks' dispatches send this rank: the sum over the other ranks of their
             :func:`rows_to_ranks` at this rank (an all-to-all of them in a per-process group).
+        row_bytes, expert_bytes, combine_row_bytes: as for :func:`plan_link_bytes`.
     """
     rank = plan.rank
     dest = plan.dest_rank.reshape(-1)
@@ -131,26 +140,29 @@ def rank_link_bytes(plan: RankPlan, row_bytes: int, expert_bytes: int, rows_in: 
     entries_in = int(plan.received[rank]) - local_entries
     meta = entry_metadata_bytes(plan.dedup)
     push = _push_bytes(plan.slot_experts, expert_bytes)
+    back = row_bytes if combine_row_bytes is None else combine_row_bytes
     return dict(
         dispatch=dict(egress=rows_out * row_bytes + entries_out * meta, ingress=rows_in * row_bytes + entries_in * meta,
                       local=local_rows * row_bytes + local_entries * meta),
-        combine=dict(egress=rows_in * row_bytes, ingress=rows_out * row_bytes, local=local_rows * row_bytes),
+        combine=dict(egress=rows_in * back, ingress=rows_out * back, local=local_rows * back),
         push=dict(egress=push["egress"][rank], ingress=push["ingress"][rank]),
     )
 
 
-def static_link_bytes(tokens: int, top_k: int, dedup: bool, row_bytes: int, ranks: int) -> dict[str, dict[str, int]]:
+def static_link_bytes(
+    tokens: int, top_k: int, dedup: bool, row_bytes: int, ranks: int, combine_row_bytes: int | None = None
+) -> dict[str, dict[str, int]]:
     """Dispatch and combine bytes of one rank of the collective transport with ``static_splits``:
     every peer's part of each message has a fixed size, padding included
     (:func:`flatep.transport.collective.static_slots`), whatever the plan; the part a rank sends
-    itself stays ``local``.
+    itself stays ``local``. ``row_bytes`` and ``combine_row_bytes`` as for :func:`plan_link_bytes`.
 
     Returns:
         ``{"dispatch": {...}, "combine": {...}}``, each ``{"egress", "ingress", "local"}`` in bytes.
     """
     entry_slots, row_slots = static_slots(tokens, top_k, dedup)
     dispatch = entry_slots * entry_metadata_bytes(dedup) + row_slots * row_bytes
-    combine = row_slots * row_bytes
+    combine = row_slots * (row_bytes if combine_row_bytes is None else combine_row_bytes)
     return dict(
         dispatch=dict(egress=(ranks - 1) * dispatch, ingress=(ranks - 1) * dispatch, local=dispatch),
         combine=dict(egress=(ranks - 1) * combine, ingress=(ranks - 1) * combine, local=combine),

@@ -13,7 +13,9 @@ local rows apart) come from its own plan (:func:`flatep.bench.accounting.rank_li
 ``link_bytes_max`` is the most any rank sends or receives in dispatch. With ``--static-splits``
 (collective transport) dispatch and combine send fixed-size messages, and their link bytes are those
 messages' sizes, padding included (:func:`flatep.bench.accounting.static_link_bytes`), not the plan's
-rows. With ``--link-gbps`` a
+rows. With ``--dispatch fp8`` the EP arms send packed fp8 rows (``H + 4*ceil(H/128)`` bytes,
+:mod:`flatep.kernels.fp8_rows`) and their dispatch link bytes count those; combine rows stay bf16.
+With ``--link-gbps`` a
 labelled link model charges each rank ``max(egress, ingress) / link_gbps`` per phase
 (``link_model_us``: the busiest rank).
 """
@@ -33,6 +35,7 @@ from flatep.bench.accounting import PHASES, carried, link_model_us, rank_link_by
 from flatep.bench.timing import copy_ceiling_gbps, device_name, gemm_ceiling_tflops, time_us
 from flatep.config import MODEL_SHAPES, EPConfig, preset
 from flatep.experts.pool import ExpertPool
+from flatep.kernels.fp8_rows import DISPATCH_FORMATS, packed_row_bytes, packs_rows
 from flatep.layer import combine_step, dispatch_step, ep_moe, experts_step, plan_step
 from flatep.routing import sigma_for_maxvio, skewed_topk
 from flatep.transport import init_group
@@ -72,24 +75,32 @@ def _a2a_baseline(x: torch.Tensor, ids: torch.Tensor, config: EPConfig, timing: 
     return dict(dispatch_us=time_us(dispatch, **timing), combine_us=time_us(combine, **timing))
 
 
-def _ep_cell(group, pool: ExpertPool, x, ids, weights, config: EPConfig, policy: str, timing: dict[str, Any]) -> dict[str, Any]:
-    plan_us = time_us(lambda: plan_step(ids, config, group, policy, dtype=x.dtype), **timing)
-    plan = plan_step(ids, config, group, policy, dtype=x.dtype)
-    dispatch_us = time_us(lambda: dispatch_step(x, weights, plan, group), **timing)
+def _ep_cell(
+    group, pool: ExpertPool, x, ids, weights, config: EPConfig, policy: str, timing: dict[str, Any],
+    dispatch_dtype: torch.dtype | None,
+) -> dict[str, Any]:
+    sent = dict(dispatch_dtype=dispatch_dtype)
+    plan_us = time_us(lambda: plan_step(ids, config, group, policy, dtype=x.dtype, **sent), **timing)
+    plan = plan_step(ids, config, group, policy, dtype=x.dtype, **sent)
+    dispatch_us = time_us(lambda: dispatch_step(x, weights, plan, group, **sent), **timing)
     push_us = time_us(lambda: pool.push(plan.slot_experts), **timing)
-    shard, shard_weights = dispatch_step(x, weights, plan, group)
+    shard, shard_weights = dispatch_step(x, weights, plan, group, **sent)
     experts_us = time_us(lambda: experts_step(shard, shard_weights, pool, plan, group, 0), **timing)
     combine_us = time_us(lambda: combine_step(shard, plan, group, x.shape[0], config.top_k, x.dtype), **timing)
-    step_us = time_us(lambda: ep_moe(x, ids, weights, config=config, group=group, policy=policy, pool=pool), **timing)
+    step_us = time_us(lambda: ep_moe(x, ids, weights, config=config, group=group, policy=policy, pool=pool, **sent),
+                      **timing)
     # The rows other ranks send here are in their plans, not this one: one all-to-all of the counts.
     rows_out = rows_to_ranks(plan)
     rows_in = torch.empty_like(rows_out)
     dist.all_to_all_single(rows_in, rows_out)
     rank = group.first_rank
     row_bytes = config.hidden * x.element_size()
-    link_bytes = rank_link_bytes(plan, row_bytes, config.expert_bytes(x.element_size()), int(rows_in.sum() - rows_in[rank]))
+    sent_row_bytes = packed_row_bytes(config.hidden) if packs_rows(dispatch_dtype) else row_bytes
+    link_bytes = rank_link_bytes(plan, sent_row_bytes, config.expert_bytes(x.element_size()),
+                                 int(rows_in.sum() - rows_in[rank]), combine_row_bytes=row_bytes)
     if group.static_splits:
-        link_bytes.update(static_link_bytes(x.shape[0], config.top_k, plan.dedup, row_bytes, group.world))
+        link_bytes.update(static_link_bytes(x.shape[0], config.top_k, plan.dedup, sent_row_bytes, group.world,
+                                            combine_row_bytes=row_bytes))
     return dict(
         plan_us=plan_us, dispatch_us=dispatch_us, push_us=push_us, experts_us=experts_us, combine_us=combine_us,
         step_us=step_us, rows=int(plan.received[rank]),
@@ -166,6 +177,8 @@ def main(argv: list[str] | None = None) -> int:
                         "(gloo); several processes cannot share one GPU under NCCL")
     parser.add_argument("--static-splits", action="store_true",
                         help="collective transport: fixed-size dispatch and combine messages, no host read (init_group)")
+    parser.add_argument("--dispatch", default="bf16", choices=list(DISPATCH_FORMATS),
+                        help="dtype of the rows the EP arms dispatch (fp8: e4m3 with a scale per 128 columns)")
     parser.add_argument("--link-gbps", type=float, default=None,
                         help="bandwidth per direction of the labelled link model, GB/s (None: no model, bytes only)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed calls before timing")
@@ -207,13 +220,14 @@ def main(argv: list[str] | None = None) -> int:
                 if arm == "a2a":
                     measured = _a2a_baseline(x, ids, config, timing)
                 else:
-                    measured = _ep_cell(group, pool, x, ids, weights, config, ARMS[arm], timing)
+                    measured = _ep_cell(group, pool, x, ids, weights, config, ARMS[arm], timing,
+                                        DISPATCH_FORMATS[args.dispatch])
                 gathered: list[Any] = [None] * world
                 dist.all_gather_object(gathered, {**measured, **ceilings})
                 if rank == 0:
                     row = dict(
                         model=args.model, ranks=world, ranks_kind="processes", transport=type(group).__name__,
-                        static_splits=group.static_splits,
+                        static_splits=group.static_splits, dispatch=args.dispatch if arm != "a2a" else "bf16",
                         tokens=tokens, maxvio_target=target, maxvio=reached, sigma=sigma, arm=arm,
                         device=device_name(device), hidden=config.hidden, experts=config.experts, top_k=config.top_k,
                         intermediate=config.intermediate, link_gbps_model=args.link_gbps,

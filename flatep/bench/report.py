@@ -226,6 +226,7 @@ def summary_markdown(rows: list[dict[str, Any]]) -> str:
         f"I={first['intermediate']}, align={first.get('align', 128)}), R={first['ranks']} "
         f"{'processes' if processes else 'virtual ranks'} on {first['device']}{backend}"
         f"{', weights: ' + first['weights'] if first.get('weights') else ''}"
+        f"{', dispatch: ' + first['dispatch'] if first.get('dispatch', 'bf16') != 'bf16' else ''}"
         f"{', cost profile: ' + first['cost_profile']['name'] if first.get('cost_profile') else ''}",
         "",
         _ceilings(first),

@@ -30,6 +30,7 @@ import torch
 import yaml
 
 from flatep.bench.accounting import carried, link_model_us, plan_link_bytes, push_tables
+from flatep.kernels.fp8_rows import DISPATCH_FORMATS, check_dispatch_dtype, entry_link_bytes, packed_row_bytes, packs_rows
 from flatep.bench.timing import (
     Timing, copy_ceiling_gbps, device_name, gemm_ceiling_tflops, read_ceiling_gbps, time_interleaved, time_stats,
 )
@@ -52,7 +53,8 @@ ARMS = {"flat": "exact", "classic": "none", "dense": None}
 Any other arm name must be a planner policy (:data:`flatep.config.POLICIES`) and plans with it."""
 CELL_KEY = ("model", "ranks", "tokens", "maxvio_target", "arm")
 IDENTITY = ("sweep", "model", "ranks", "hidden", "experts", "top_k", "intermediate", "align", "tolerance",
-            "dedup", "link_gbps_model", "warmup", "iters", "graph_calls", "device", "backend", "weights", "cost_profile")
+            "dedup", "link_gbps_model", "warmup", "iters", "graph_calls", "device", "backend", "weights", "dispatch",
+            "cost_profile")
 """Fields every row of one results file shares: ``--resume`` refuses a file whose rows differ."""
 
 
@@ -99,6 +101,10 @@ class Sweep:
         weights: format of the expert pool, one of :data:`flatep.quant.WEIGHT_FORMATS`
             (``bf16``; ``fp8``: e4m3 with 128x128 block scales, needs ``H`` and ``I`` multiples
             of 128; ``mxfp4``: e2m1 with a scale per 32, needs multiples of 32), random values.
+        dispatch: dtype of the rows the EP arms dispatch, one of :data:`DISPATCH_FORMATS`
+            (``bf16``; ``fp8``: e4m3 with a scale per 128 columns, packed: ``ep_moe``'s
+            ``dispatch_dtype=torch.float8_e4m3fn``); ``dispatch_bytes`` and the link model count
+            the bytes that format sends. The dense arm has no dispatch.
         cost: the :class:`flatep.CostProfile` of the ``auto`` arm and of every row's model
             prediction: a preset name (``generic``, ``h200``) or the path of a JSON profile
             written by ``flatep calibrate --out``; ``None`` is :meth:`CostProfile.default`.
@@ -118,6 +124,7 @@ class Sweep:
     tolerance: float = 0.0
     dedup: bool = False
     weights: str = "bf16"
+    dispatch: str = "bf16"
     cost: str | None = None
 
     @classmethod
@@ -165,7 +172,17 @@ class Sweep:
             check_pool_dims(self.weights, config.hidden, config.intermediate)
         except ValueError as error:
             raise ValueError(f"weights: {self.weights} does not fit model {self.model_name}: {error}") from None
+        if self.dispatch not in DISPATCH_FORMATS:
+            raise ValueError(f"dispatch must be one of {list(DISPATCH_FORMATS)}, got {self.dispatch!r}")
+        try:
+            check_dispatch_dtype(self.dispatch_dtype(), torch.bfloat16, config.hidden)
+        except ValueError as error:
+            raise ValueError(f"dispatch: {self.dispatch} does not fit model {self.model_name}: {error}") from None
         self.cost_profile()
+
+    def dispatch_dtype(self) -> torch.dtype | None:
+        """``ep_moe``'s ``dispatch_dtype`` of :attr:`dispatch`."""
+        return DISPATCH_FORMATS[self.dispatch]
 
     def cost_profile(self) -> CostProfile:
         """The profile named by :attr:`cost`; ``ValueError`` naming the key ``cost`` if it cannot be read."""
@@ -412,11 +429,13 @@ def _ep_cells(
     # The planner ep_moe uses: sync-free Triton on the GPU, the reference on the CPU.
     triton_planner = device.type == "cuda" and supports_triton_planner(config)
     planner = make_plan_triton if triton_planner else make_plan
-    setups = [_set_up_arm(config, cell, arm, planner, device, backend, cost, timing) for arm in arms]
+    sent = sweep.dispatch_dtype()
+    setups = [_set_up_arm(config, cell, arm, planner, device, backend, cost, timing, sent) for arm in arms]
     # The shards are filled after every dispatch is timed: at most one captured dispatch's copy of
     # them is held at a time.
     for setup in setups:
-        setup.shard, setup.shard_weights = dispatch_step(cell.x, cell.weights, setup.plan, setup.group, backend)
+        setup.shard, setup.shard_weights = dispatch_step(cell.x, cell.weights, setup.plan, setup.group, backend,
+                                                         dispatch_dtype=sent)
     short = {**timing, "calls": max(sweep.graph_calls, SHORT_PHASE_CALLS)}
     plan_t = time_interleaved(
         [lambda s=s: split_slot_rows(planner(cell.ids, config, s.policy, **s.planner_cost)) for s in setups],
@@ -438,7 +457,7 @@ def _ep_cells(
     )
     for setup in setups:
         setup.shard = setup.shard_weights = None
-    step_t = [_time_whole_step(config, cell, setup, pool, backend, timing) for setup in setups]
+    step_t = [_time_whole_step(config, cell, setup, pool, backend, timing, sent) for setup in setups]
     return {
         setup.arm: _ep_row(sweep, config, cell, setup, pool, cost, plan_t[index], [by_rank[index] for by_rank in push_by_rank],
                            [by_rank[index] for by_rank in experts_by_rank], combine_t[index], step_t[index])
@@ -468,7 +487,7 @@ def _time_pushes(
 
 def _set_up_arm(
     config: EPConfig, cell: Cell, arm: str, planner, device: torch.device, backend: str,
-    cost: CostProfile, timing: dict[str, Any],
+    cost: CostProfile, timing: dict[str, Any], dispatch_dtype: torch.dtype | None,
 ) -> _ArmSetup:
     """Plan one arm's step and time its dispatch."""
     group = LocalGroup(config.ranks, device)
@@ -479,12 +498,15 @@ def _set_up_arm(
     if policy in SIZED_TO_STEP:
         plan = sized_to_step(plan, config.align)
     plan = split_slot_rows(plan)
-    dispatch_t = time_stats(lambda: dispatch_step(cell.x, cell.weights, plan, group, backend), **timing)
+    dispatch_t = time_stats(
+        lambda: dispatch_step(cell.x, cell.weights, plan, group, backend, dispatch_dtype=dispatch_dtype), **timing
+    )
     return _ArmSetup(arm, policy, planner_cost, group, plan, dispatch_t)
 
 
 def _time_whole_step(
-    config: EPConfig, cell: Cell, setup: _ArmSetup, pool: ExpertPool, backend: str, timing: dict[str, Any]
+    config: EPConfig, cell: Cell, setup: _ArmSetup, pool: ExpertPool, backend: str, timing: dict[str, Any],
+    dispatch_dtype: torch.dtype | None,
 ) -> Timing | None:
     """The whole layer (``ep_moe`` with the arm's plan) timed, or ``None`` where its buffers do not fit."""
     # The layer's receive buffers sized for this cell's s, not the sweep's largest: classic's and
@@ -494,7 +516,8 @@ def _time_whole_step(
     try:
         step_t = time_stats(
             lambda: ep_moe(cell.x, cell.ids, cell.weights, config=step_config, group=setup.group, policy=setup.policy,
-                           pool=pool, plan=setup.plan, backend=backend, **setup.planner_cost),
+                           pool=pool, plan=setup.plan, backend=backend, dispatch_dtype=dispatch_dtype,
+                           **setup.planner_cost),
             **timing,
         )
     except torch.cuda.OutOfMemoryError:
@@ -524,7 +547,9 @@ def _ep_row(
     slowest = int(torch.tensor(experts_us).argmax())
     slots_per_rank = (plan.slot_experts >= 0).sum(1).cpu()
     borrowed = int(slots_per_rank.sum())
-    link_bytes = plan_link_bytes(plan, hidden * element, expert_bytes)
+    # Dispatch sends rows in the sweep's dispatch format; combine returns rows of x's dtype.
+    sent_row_bytes = packed_row_bytes(hidden) if packs_rows(sweep.dispatch_dtype()) else hidden * element
+    link_bytes = plan_link_bytes(plan, sent_row_bytes, expert_bytes, combine_row_bytes=hidden * element)
     # Rows each rank's dispatch sends (one per token and destination rank with dedup), and those that leave it.
     sent = carried(plan).reshape(ranks, -1)
     remote = sent & (plan.dest_rank.reshape(ranks, -1) != torch.arange(ranks, device=sent.device).view(-1, 1))
@@ -534,7 +559,8 @@ def _ep_row(
     rows_link_us = [a + b for a, b in zip(profile_link_us["dispatch"], profile_link_us["combine"])]
     measured_for_model, measured_rank = model_terms_us(experts_us, push_us, rows_link_us)
     # Bytes the dispatch and combine kernels read plus write, all virtual ranks together.
-    kernel_bytes = ranks * (cell.tokens * hidden * element + entries * hidden * element)
+    dispatch_kernel_bytes = ranks * (cell.tokens + entries) * sent_row_bytes
+    combine_kernel_bytes = ranks * (cell.tokens + entries) * hidden * element
     received = plan.received.double().cpu()
 
     # Dispatch and combine are one launch for all virtual ranks (each rank pays 1/R of it); every
@@ -568,7 +594,7 @@ def _ep_row(
         **(_spread("step_us", step_t) if step_t else {"step_us": None, "step_note": "out of memory (whole-step buffers)"}),
         layer_us=layer_us,
         layer_us_spread=[layer(lambda t: t.min), layer(lambda t: t.max)],
-        dispatch_bytes=sent_rows_max * hidden * element,
+        dispatch_bytes=sent_rows_max * sent_row_bytes,
         combine_bytes=sent_rows_max * hidden * element,
         expert_bytes=expert_bytes,
         push_bytes=borrowed * expert_bytes,
@@ -578,8 +604,8 @@ def _ep_row(
         plan_policy=plan.policy,
         shard_rows=plan.shard_rows,
         shard_sized_to_step=setup.policy in SIZED_TO_STEP,
-        dispatch_copy_fraction=kernel_bytes / dispatch_t.median / 1e3,
-        combine_copy_fraction=kernel_bytes / combine_t.median / 1e3,
+        dispatch_copy_fraction=dispatch_kernel_bytes / dispatch_t.median / 1e3,
+        combine_copy_fraction=combine_kernel_bytes / combine_t.median / 1e3,
         experts_tflops_slowest=float(padded_rows[slowest]) * flops_per_row / experts_us[slowest] / 1e6,
         # Weights the slowest rank's GEMMs read: every expert with rows, once (decode is read bound).
         weight_bytes_read_slowest=int(plan.active_groups()[slowest]) * expert_bytes,
@@ -771,7 +797,7 @@ def run(sweep: Sweep, out_dir: Path, device: torch.device, resume: bool = False,
         top_k=config.top_k, intermediate=config.intermediate, align=config.align, tolerance=config.tolerance,
         dedup=config.dedup, link_gbps_model=sweep.link_gbps, warmup=sweep.warmup, iters=sweep.iters,
         graph_calls=sweep.graph_calls, device=hardware,
-        backend=backend, weights=sweep.weights, cost_profile=cost.to_dict(),
+        backend=backend, weights=sweep.weights, dispatch=sweep.dispatch, cost_profile=cost.to_dict(),
     )
     out_dir.mkdir(parents=True, exist_ok=True)
     results_path = out_dir / "results.jsonl"
@@ -791,6 +817,8 @@ def run(sweep: Sweep, out_dir: Path, device: torch.device, resume: bool = False,
     pool, dense_weights, shared = _random_weights(config, device, sweep.arms, sweep.weights) if todo else (None, None, False)
     if pool is not None and cost.expert_bytes is None:
         cost = cost.with_expert_bytes(pool.expert_nbytes())  # as ep_moe does: the model counts packed bytes
+    if packs_rows(sweep.dispatch_dtype()) and cost.row_bytes is None:  # and the link bytes of packed rows
+        cost = cost.with_row_bytes(entry_link_bytes(config.hidden, 2, sweep.dispatch_dtype()))
     bar = tqdm(total=len(todo), desc=f"flatep bench {sweep.name}", disable=not progress, unit="cell")
     with results_path.open("a") as results:
         for (tokens, target), arms in _points(todo):

@@ -31,6 +31,10 @@ from flatep.quant.fp8 import FP8_BLOCK, quantize_fp8_activations
 FP8_DISPATCH = torch.float8_e4m3fn
 """The ``dispatch_dtype`` that sends packed fp8 rows."""
 
+DISPATCH_FORMATS = {"bf16": None, "fp8": FP8_DISPATCH}
+"""Dispatch formats by name (``flatep bench``'s ``dispatch``) and the ``dispatch_dtype`` of each
+(``None``: rows in the layer's own dtype)."""
+
 
 def check_dispatch_dtype(dispatch_dtype: torch.dtype | None, dtype: torch.dtype, hidden: int) -> None:
     """Raise ``ValueError`` unless ``dispatch_dtype`` is ``None``, ``dtype`` (the layer's) or fp8 with ``hidden % 4 == 0``."""
@@ -60,6 +64,13 @@ def packed_words(hidden: int) -> int:
 def packed_row_bytes(hidden: int) -> int:
     """Link bytes of one packed row: ``H + 4 G``."""
     return 4 * packed_words(hidden)
+
+
+def entry_link_bytes(hidden: int, element_size: int, dispatch_dtype: torch.dtype | None) -> int:
+    """Link bytes of one entry in dispatch plus combine: its row out (packed with fp8 dispatch, else
+    ``H`` elements), its fp32 route weight, and a row of ``H`` elements back."""
+    row = hidden * element_size
+    return (packed_row_bytes(hidden) if packs_rows(dispatch_dtype) else row) + 4 + row
 
 
 def _views(packed: torch.Tensor, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -54,19 +54,21 @@ def test_two_processes_write_results_for_every_arm(tmp_path):
     assert "processes" in paths[0].read_text()
 
 
-def test_static_splits_count_the_fixed_size_messages(tmp_path):
+@pytest.mark.parametrize("dispatch, row_bytes", [("bf16", 64 * 2), ("fp8", 64 + 4)])  # fp8: H values, one fp32 scale
+def test_static_splits_count_the_fixed_size_messages(tmp_path, dispatch, row_bytes):
     out = tmp_path / "out"
     launch_workers(
         "flatep.bench.distributed", 2,
         ["--init-method", f"file://{tmp_path}/store", "--model", "64,8,2,32", "--tokens", "8", "--maxvio", "0",
          "--arms", "classic", "flat", "--warmup", "0", "--iters", "1", "--transport", "collective", "--device", "cpu",
-         "--static-splits", "--out", str(out)],
+         "--static-splits", "--dispatch", dispatch, "--out", str(out)],
         timeout=240,
     )
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
-    assert len(rows) == 2 and all(row["static_splits"] for row in rows)
-    # Per peer: every entry's metadata (8 tokens x K = 2) and, without dedup, every entry's row.
-    dispatch, combine = 8 * 2 * (entry_metadata_bytes(False) + 64 * 2), 8 * 2 * 64 * 2
+    assert len(rows) == 2 and all(row["static_splits"] and row["dispatch"] == dispatch for row in rows)
+    # Per peer: every entry's metadata (8 tokens x K = 2) and, without dedup, every entry's row;
+    # combine returns bf16 rows.
+    dispatch, combine = 8 * 2 * (entry_metadata_bytes(False) + row_bytes), 8 * 2 * 64 * 2
     for row in rows:
         link = row["link_bytes"]
         assert link["dispatch"]["egress"] == link["dispatch"]["ingress"] == [dispatch, dispatch]

@@ -372,6 +372,8 @@ def test_the_dense_arm_computes_the_ep_layer_with_the_same_packed_weights(weight
         ("weights: fp16\n", "weights must be one of"),
         ("weights: [fp8]\n", "weights must be one of"),
         ("weights: fp8\nmodel: {hidden: 64, experts: 8, top_k: 2, intermediate: 32}\n", "weights: fp8 does not fit model"),
+        ("dispatch: fp16\n", "dispatch must be one of"),
+        ("dispatch: fp8\nmodel: {hidden: 30, experts: 8, top_k: 2, intermediate: 32}\n", "dispatch: fp8 does not fit model"),
         ("cost: h100\n", "cost: cost profile preset must be one of"),
         ("cost: missing.json\n", "cost: profile file 'missing.json' does not exist"),
         ("cost: 370\n", "cost must be a preset name"),
@@ -414,3 +416,29 @@ def test_shipped_configs_run_the_formats_the_models_ship_in():
     assert Sweep.load("default").weights == "fp8" and Sweep.load("kimi-k3").weights == "mxfp4"
     for name in ("default", "kimi-k3", "cpu", "tiny"):
         assert "auto" in Sweep.load(name).arms
+
+
+def test_fp8_dispatch_sweeps_count_packed_rows_out_and_bf16_rows_back(tmp_path, capsys):
+    """``dispatch: fp8`` (or ``--dispatch fp8``): the same plans as bf16, with dispatch's rows
+    ``H + 4*ceil(H/128)`` bytes instead of ``2H``; combine's rows stay bf16."""
+    text = SMALL + "tokens: [8]\nmaxvio: [0, 2]\narms: [flat, classic]\ndedup: true\n"
+    _, plain = _sweep_rows(tmp_path, text, out_name="bf16")
+    out, packed = _sweep_rows(tmp_path, text, "--dispatch", "fp8", out_name="fp8")
+    assert {row["dispatch"] for row in packed} == {"fp8"} and {row["dispatch"] for row in plain} == {"bf16"}
+    assert "dispatch: fp8" in (out / "summary.md").read_text()
+    meta = entry_metadata_bytes(True)
+    for bf16_row, fp8_row in zip(plain, packed):
+        assert (bf16_row["arm"], bf16_row["maxvio_target"]) == (fp8_row["arm"], fp8_row["maxvio_target"])
+        assert fp8_row["dispatch_bytes"] * 2 * 128 == bf16_row["dispatch_bytes"] * (128 + 4)
+        assert fp8_row["combine_bytes"] == bf16_row["combine_bytes"]
+        assert fp8_row["link_bytes"]["combine"] == bf16_row["link_bytes"]["combine"]
+        for side, back in (("egress", "ingress"), ("ingress", "egress")):
+            for bf16_bytes, fp8_bytes, returned in zip(bf16_row["link_bytes"]["dispatch"][side],
+                                                       fp8_row["link_bytes"]["dispatch"][side],
+                                                       fp8_row["link_bytes"]["combine"][back]):
+                rows = returned // (2 * 128)  # combine returns one bf16 row per row dispatch sent
+                assert bf16_bytes - rows * 2 * 128 == fp8_bytes - rows * (128 + 4)  # the same metadata
+                assert (fp8_bytes - rows * (128 + 4)) % meta == 0
+    with pytest.raises(SystemExit):
+        main(["bench", "tiny", "--out", str(tmp_path / "odd"), "--device", "cpu", "--quiet", "--dispatch", "fp16"])
+    assert "--dispatch: invalid choice: 'fp16'" in capsys.readouterr().err

@@ -160,16 +160,16 @@ def test_layer_takes_packed_weights_without_a_pool():
 def test_auto_charges_the_packed_bytes_of_the_weights_it_plans_for():
     """ep_moe hands auto's model the bytes one expert really has: the pool's, or packed w13/w2's."""
     from flatep import CostProfile
-    from flatep.layer import _cost_of_these_weights
+    from flatep.layer import _cost_of_this_step
 
     config = EPConfig(ranks=2, experts=4, top_k=2, hidden=128, intermediate=128, capacity=8)
     group = init_group("local", ranks=2, device="cpu")
     w13, w2 = torch.randn(4, 256, 128) / 11, torch.randn(4, 128, 128) / 11
     for weights in ("bf16", "fp8", "mxfp4"):
         pool = ExpertPool.from_weights(w13, w2, config, group, weights=weights, dtype=torch.bfloat16)
-        assert _cost_of_these_weights(None, pool, None, config).expert_bytes == pool.expert_nbytes()
+        assert _cost_of_this_step(None, pool, None, config, torch.bfloat16, None).expert_bytes == pool.expert_nbytes()
     packed = QuantizedTensor.quantize(w13, "mxfp4")
-    assert _cost_of_these_weights(None, None, packed, config).expert_bytes == expert_weight_nbytes("mxfp4", 128, 128)
-    assert _cost_of_these_weights(None, None, w13, config).expert_bytes is None  # bf16: from the config
+    assert _cost_of_this_step(None, None, packed, config, torch.bfloat16, None).expert_bytes == expert_weight_nbytes("mxfp4", 128, 128)
+    assert _cost_of_this_step(None, None, w13, config, torch.bfloat16, None).expert_bytes is None  # bf16: from the config
     given = CostProfile.preset("h200").with_expert_bytes(123)
-    assert _cost_of_these_weights(given, pool, None, config) is given
+    assert _cost_of_this_step(given, pool, None, config, torch.bfloat16, None) is given
