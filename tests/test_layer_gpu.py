@@ -70,6 +70,39 @@ def test_kimi_k2_layer_equals_dense(kimi_k2, tokens, routing, policy, dedup):
     group.close()
 
 
+@pytest.mark.parametrize("tokens, routing, policy, dedup", [
+    (1, 0.0, "exact", False), (128, 10.0, "auto", True), (128, "one", "none", True), (4096, 10.0, "exact", True),
+])
+def test_kimi_k2_layer_with_fp8_dispatch_equals_dense_of_the_quantized_tokens(kimi_k2, tokens, routing, policy, dedup):
+    """fp8 rows (e4m3, a scale per 128 columns) at Kimi-K2 size: the dense MoE over the tokens each
+    rank receives (quantized, then dequantized), within bf16's tolerance; the Triton packing is
+    bit-equal to the torch twin's."""
+    from flatep.kernels.fp8_rows import pack_rows_torch, pack_rows_triton, unpack_rows_torch
+
+    config, w13, w2, pool = kimi_k2
+    config = config.replace(capacity=tokens, dedup=dedup)
+    group = init_group("local", ranks=8, device="cuda")
+    if isinstance(routing, str):
+        ids = adversarial_topk(routing, 8, config.experts, config.top_k, tokens).cuda()
+    else:
+        sigma, _ = sigma_for_maxvio(routing, 8, config.experts, config.top_k, tokens) if routing else (0.0, 0.0)
+        ids = skewed_topk(8, config.experts, config.top_k, tokens, sigma).cuda()
+    generator = torch.Generator(device="cuda").manual_seed(tokens + 7)
+    x = torch.randn(8, tokens, config.hidden, device="cuda", generator=generator).bfloat16()
+    weights = torch.rand(8, tokens, config.top_k, device="cuda", generator=generator)
+    assert torch.equal(pack_rows_triton(x), pack_rows_torch(x))
+    for buffer in shard_buffers(group, config, policy, torch.bfloat16, torch.float8_e4m3fn):
+        buffer.fill_(float("nan"))
+    out = ep_moe(x, ids, weights, config=config, group=group, policy=policy, pool=pool,
+                 dispatch_dtype=torch.float8_e4m3fn)
+    seen = unpack_rows_torch(pack_rows_torch(x), config.hidden, x.dtype)
+    error = relative_error(out, dense_moe(seen, ids, weights, w13, w2))
+    print(f"kimi-k2 fp8 dispatch s={tokens} routing={routing} policy={policy}: relative error {error:.2e}")
+    assert error < 1e-2
+    assert relative_error(out, dense_moe(x, ids, weights, w13, w2)) > 1e-2  # the rows were quantized
+    group.close()
+
+
 @pytest.mark.parametrize("tokens, policy", [(1, "exact"), (32, "exact"), (128, "auto")])
 def test_decode_experts_of_both_parts_in_one_launch_equal_the_parts_apart(kimi_k2, tokens, policy):
     """Where the decode kernels run, experts_step covers the home experts and the borrowed slots
@@ -95,9 +128,11 @@ def test_decode_experts_of_both_parts_in_one_launch_equal_the_parts_apart(kimi_k
 
 
 
-@pytest.mark.parametrize("dedup", [False, True])
-@pytest.mark.parametrize("plan_inside", [False, True])
-def test_cuda_graph_replay_is_bit_identical_to_eager(kimi_k2, plan_inside, dedup):
+@pytest.mark.parametrize("plan_inside, dedup, dispatch_dtype", [
+    (False, False, None), (True, False, None), (False, True, None), (True, True, None),
+    (True, True, torch.float8_e4m3fn), (False, False, torch.float8_e4m3fn),
+])
+def test_cuda_graph_replay_is_bit_identical_to_eager(kimi_k2, plan_inside, dedup, dispatch_dtype):
     """With the Triton planner the whole step, planning included, is captured; new routings replay."""
     config, _, _, pool = kimi_k2
     config = config.replace(dedup=dedup)
@@ -109,7 +144,7 @@ def test_cuda_graph_replay_is_bit_identical_to_eager(kimi_k2, plan_inside, dedup
     plan = None if plan_inside else make_plan(ids, config)  # the reference planner syncs: outside
 
     def step():
-        return ep_moe(x, ids, weights, config=config, group=group, pool=pool, plan=plan)
+        return ep_moe(x, ids, weights, config=config, group=group, pool=pool, plan=plan, dispatch_dtype=dispatch_dtype)
 
     eager = step()
     stream = torch.cuda.Stream()
