@@ -19,7 +19,7 @@ from flatep.kernels.backend import check_programs, interpreting, use_triton
 from flatep.exchange import combine_rows, dispatch_rows, pack_rows, unpack_rows
 from flatep.kernels.combine import combine_grid
 from flatep.kernels.dispatch import dispatch_grid
-from flatep.kernels.fp8_rows import check_dispatch_dtype, entry_link_bytes, packed_words, packs_rows
+from flatep.kernels.fp8_rows import Fp8Rows, check_dispatch_dtype, entry_link_bytes, packed_words, packs_rows
 from flatep.plan.auto import candidates_for, slot_rows
 from flatep.plan.cost import CostProfile, check_cost
 from flatep.plan.reference import _check_ids, _valid_mask, dedup_tables, histogram, make_plan, plan_rank
@@ -474,6 +474,7 @@ def dispatch_step(
     comm_programs: int | None = None,
     barrier_before: bool = True,
     dispatch_dtype: torch.dtype | None = None,
+    unpack: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Scatter rows and route weights into the receive shards, barrier, and expand (every real row holds its token).
 
@@ -491,6 +492,9 @@ def dispatch_step(
         barrier_before: barrier first, so that no peer still combines the previous step out of
             the shards (:func:`ep_moe` does it itself, to start the push after it).
         dispatch_dtype: ``torch.float8_e4m3fn`` to send packed fp8 rows (``None``: ``x``'s dtype).
+        unpack: with fp8 rows, whether to unpack them into the shard; ``False`` where the experts
+            read the packed rows themselves (:func:`reads_packed_rows`, :func:`packed_rows`): the
+            shard's rows are then left unwritten, and it serves as the experts' output.
 
     Returns:
         ``(shard [n, rows, H], shard_weights [n, rows] fp32)`` (``n`` = ranks this process
@@ -517,9 +521,22 @@ def dispatch_step(
     received = packed_buffer(group, rows, hidden) if packed else shard
     dispatch_rows(sent, topk_weights, plan, group, received, shard_weights, link_buffer(group, rows), backend,
                   comm_programs)
-    if packed:
+    if packed and unpack:
         unpack_rows(received, shard, plan, group, backend, comm_programs)
     return shard, shard_weights
+
+
+def reads_packed_rows(pool: ExpertPool, dispatch_dtype: torch.dtype | None) -> bool:
+    """Whether ``pool``'s experts take fp8 dispatch's rows as they arrive: fp8 experts quantize their
+    input as fp8 dispatch does (per token, per 128 columns), so their gate/up GEMMs read the packed
+    values and scales, and the rows are neither unpacked nor quantized a second time."""
+    return packs_rows(dispatch_dtype) and pool.weights == "fp8"
+
+
+def packed_rows(group: Group, shard: torch.Tensor) -> Fp8Rows:
+    """The packed rows the last fp8 dispatch into ``shard``'s buffers delivered (views, no copy)."""
+    rows, hidden = shard.shape[-2:]
+    return Fp8Rows.of(packed_buffer(group, rows, hidden), hidden)
 
 
 def experts_step(
@@ -535,6 +552,7 @@ def experts_step(
     backend: str = "auto",
     *,
     parts: tuple[str, ...] = ("home", "slots"),
+    activations: Fp8Rows | None = None,
 ) -> None:
     """Run one rank's experts over its shard and write the result into ``out`` (default: the shard itself).
 
@@ -546,7 +564,9 @@ def experts_step(
     rows keep the route-weighted products unrounded until combine). With Triton (``backend``), only
     each part's real rows (before its ``offsets[-1]``) are written; combine never reads the others.
     ``parts`` selects which of the two run (``("home",)`` needs no slots, so it may run before
-    the push has landed).
+    the push has landed). ``activations``: with fp8 experts after fp8 dispatch, the packed rows
+    (:class:`flatep.kernels.fp8_rows.Fp8Rows` of the shards, see :func:`reads_packed_rows`), which
+    the gate/up GEMMs then read instead of the shard.
 
     Raises:
         ValueError: if ``plan`` borrows experts but is not in the split layout.
@@ -556,6 +576,8 @@ def experts_step(
     rank = group.local_ranks[local_index]
     rows = shard[local_index] if group.stacked else shard
     weights = shard_weights[local_index] if group.stacked else shard_weights
+    if activations is not None and group.stacked:
+        activations = activations[local_index]
     target = shard if out is None else out
     target = target[local_index] if group.stacked else target
     epn = pool.config.experts_per_rank
@@ -592,6 +614,7 @@ def experts_step(
         grouped_swiglu(
             rows[first:end], weights[first:end], w13, w2, part_offsets, b13=b13, b2=b2, activation=activation,
             precision=precision, backend=backend, out=target[first:end], rows_per_group=rows_per_group,
+            activations=None if activations is None else activations[first:end],
         )
 
 
@@ -910,24 +933,26 @@ def ep_moe(
         done = _pending(group).pop(_slot_set_key(pool)).done
     elif borrowing:  # the push needs only the plan: start it before dispatch, beside it on CUDA
         done = start_push(pool, plan.slot_experts, backend, comm_programs)
+    direct = reads_packed_rows(pool, dispatch_dtype)
     shard, shard_weights = dispatch_step(
         x, topk_weights, plan, group, backend, config=config, comm_programs=comm_programs, barrier_before=False,
-        dispatch_dtype=dispatch_dtype,
+        dispatch_dtype=dispatch_dtype, unpack=not direct,
     )
+    activations = packed_rows(group, shard) if direct else None
     out = shard
     if combine_dtype not in (None, x.dtype):
         out = group.buffer("expert_out", (shard.shape[-2], x.shape[-1]), combine_dtype)
     local_indices = range(len(group.local_ranks))
     for local_index in local_indices:  # home experts need only the rows: they run while the push lands
         experts_step(shard, shard_weights, pool, plan, group, local_index, activation, precision, out=out,
-                     backend=backend, parts=("home",))
+                     backend=backend, parts=("home",), activations=activations)
     if borrowing:
         join_push(done, group.device)
         # After the join, so this rank's push is complete when it arrives: past it, every donor's is.
         group.barrier()
         for local_index in local_indices:
             experts_step(shard, shard_weights, pool, plan, group, local_index, activation, precision, out=out,
-                         backend=backend, parts=("slots",))
+                         backend=backend, parts=("slots",), activations=activations)
     result = combine_step(out, plan, group, tokens, config.top_k, x.dtype, backend, comm_programs=comm_programs)
     if _checks_now(group):
         group.check()

@@ -5,9 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flatep import EPConfig, EPMoE, dense_moe, ep_moe, init_group
+from flatep import EPConfig, EPMoE, ExpertPool, dense_moe, ep_moe, init_group
 from flatep.kernels.fp8_rows import pack_rows_torch, packed_row_bytes, unpack_rows_torch
-from flatep.layer import _cost_of_this_step, route, dispatch_step, packed_buffer, plan_step, shard_buffers
+from flatep.layer import (
+    _cost_of_this_step, dispatch_step, packed_buffer, plan_step, reads_packed_rows, route, shard_buffers,
+)
 from flatep.kernels.dispatch import real_rows_torch
 from flatep.plan.cost import CostProfile
 from tests.helpers import DEVICE, TRITON_BACKENDS, make_inputs, relative_error, tolerance
@@ -104,3 +106,24 @@ def test_auto_prices_an_entry_at_a_packed_row_out_and_a_bf16_row_back():
     assert _cost_of_this_step(None, None, None, cfg, torch.bfloat16, None).constants(cfg).row_bytes == 2 * 2 * 7168 + 4
     own = CostProfile.default().with_row_bytes(123)
     assert _cost_of_this_step(own, None, None, cfg, torch.bfloat16, FP8).row_bytes == 123  # a profile that says keeps its own
+
+
+@pytest.mark.parametrize("backend", TRITON_BACKENDS)
+@pytest.mark.parametrize("policy", ["exact", "none"])
+def test_fp8_experts_read_the_dispatched_rows_without_unpacking_them(backend, policy):
+    """With an fp8 pool the gate/up GEMMs take the packed values and scales as they arrive. They are
+    what those GEMMs would have made of the bf16 rows (the same quantization), so the step is bit
+    for bit the one without fp8 dispatch, and the bf16 shard's rows are never read (poisoned)."""
+    cfg = EPConfig(ranks=2, experts=8, top_k=2, hidden=256, intermediate=128, capacity=8, align=4, dedup=True)
+    group = init_group("local", ranks=cfg.ranks, device=DEVICE)
+    x, ids, weights, w13, w2 = make_inputs(cfg, 8, 2.0, torch.bfloat16, seed=21)
+    pool = ExpertPool.from_weights(w13, w2, cfg, group, weights="fp8", dtype=torch.bfloat16)
+    assert reads_packed_rows(pool, FP8) and not reads_packed_rows(pool, None)
+    plan = plan_step(ids, cfg, group, policy)
+    assert policy == "none" or bool((plan.slot_experts >= 0).any())  # borrowed experts read packed rows too
+    shard, _ = shard_buffers(group, cfg, policy, torch.bfloat16, FP8)
+    shard.fill_(float("nan"))
+    out = ep_moe(x, ids, weights, config=cfg, group=group, policy=policy, pool=pool, backend=backend, dispatch_dtype=FP8)
+    assert bool(out.isfinite().all())
+    plain = ep_moe(x, ids, weights, config=cfg, group=group, policy=policy, pool=pool, backend=backend)
+    assert torch.equal(out.view(torch.int16), plain.view(torch.int16))

@@ -37,7 +37,9 @@ from flatep.bench.timing import (
 from flatep.config import MODEL_SHAPES, POLICIES, EPConfig, align_up, preset
 from flatep.experts.grouped import grouped_swiglu
 from flatep.experts.pool import ExpertPool
-from flatep.layer import combine_step, dispatch_step, ep_moe, experts_step, planned_policy
+from flatep.layer import (
+    combine_step, dispatch_step, ep_moe, experts_step, packed_rows, planned_policy, reads_packed_rows,
+)
 from flatep.plan.auto import Candidate
 from flatep.plan.cost import CostProfile, predict
 from flatep.plan.reference import make_plan
@@ -408,6 +410,7 @@ class _ArmSetup:
     dispatch_t: Timing
     shard: Any = None
     shard_weights: Any = None
+    activations: Any = None
 
 
 def _ep_cells(
@@ -430,12 +433,15 @@ def _ep_cells(
     triton_planner = device.type == "cuda" and supports_triton_planner(config)
     planner = make_plan_triton if triton_planner else make_plan
     sent = sweep.dispatch_dtype()
-    setups = [_set_up_arm(config, cell, arm, planner, device, backend, cost, timing, sent) for arm in arms]
+    # As ep_moe runs them: fp8 experts read fp8 dispatch's packed rows as they arrive.
+    direct = reads_packed_rows(pool, sent)
+    setups = [_set_up_arm(config, cell, arm, planner, device, backend, cost, timing, sent, direct) for arm in arms]
     # The shards are filled after every dispatch is timed: at most one captured dispatch's copy of
     # them is held at a time.
     for setup in setups:
         setup.shard, setup.shard_weights = dispatch_step(cell.x, cell.weights, setup.plan, setup.group, backend,
-                                                         dispatch_dtype=sent)
+                                                         dispatch_dtype=sent, unpack=not direct)
+        setup.activations = packed_rows(setup.group, setup.shard) if direct else None
     short = {**timing, "calls": max(sweep.graph_calls, SHORT_PHASE_CALLS)}
     plan_t = time_interleaved(
         [lambda s=s: split_slot_rows(planner(cell.ids, config, s.policy, **s.planner_cost)) for s in setups],
@@ -445,7 +451,8 @@ def _ep_cells(
     # experts_by_rank[rank][arm index]
     experts_by_rank = [
         time_interleaved(
-            [lambda s=s, rank=rank: experts_step(s.shard, s.shard_weights, pool, s.plan, s.group, rank, backend=backend)
+            [lambda s=s, rank=rank: experts_step(s.shard, s.shard_weights, pool, s.plan, s.group, rank, backend=backend,
+                                                 activations=s.activations)
              for s in setups],
             **timing,
         )
@@ -456,7 +463,7 @@ def _ep_cells(
         **timing,
     )
     for setup in setups:
-        setup.shard = setup.shard_weights = None
+        setup.shard = setup.shard_weights = setup.activations = None
     step_t = [_time_whole_step(config, cell, setup, pool, backend, timing, sent) for setup in setups]
     return {
         setup.arm: _ep_row(sweep, config, cell, setup, pool, cost, plan_t[index], [by_rank[index] for by_rank in push_by_rank],
@@ -487,7 +494,7 @@ def _time_pushes(
 
 def _set_up_arm(
     config: EPConfig, cell: Cell, arm: str, planner, device: torch.device, backend: str,
-    cost: CostProfile, timing: dict[str, Any], dispatch_dtype: torch.dtype | None,
+    cost: CostProfile, timing: dict[str, Any], dispatch_dtype: torch.dtype | None, direct: bool,
 ) -> _ArmSetup:
     """Plan one arm's step and time its dispatch."""
     group = LocalGroup(config.ranks, device)
@@ -499,7 +506,8 @@ def _set_up_arm(
         plan = sized_to_step(plan, config.align)
     plan = split_slot_rows(plan)
     dispatch_t = time_stats(
-        lambda: dispatch_step(cell.x, cell.weights, plan, group, backend, dispatch_dtype=dispatch_dtype), **timing
+        lambda: dispatch_step(cell.x, cell.weights, plan, group, backend, dispatch_dtype=dispatch_dtype, unpack=not direct),
+        **timing,
     )
     return _ArmSetup(arm, policy, planner_cost, group, plan, dispatch_t)
 

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from flatep.kernels.activation import copy_rows_triton, swiglu_weighted_torch, swiglu_weighted_triton
 from flatep.kernels.backend import use_triton
 from flatep.kernels.decode_gemm import DECODE_ROWS_PER_GROUP, decode_launches, decode_swiglu
+from flatep.kernels.fp8_rows import Fp8Rows
 from flatep.kernels.grouped_fp32 import grouped_rows_mm
 from flatep.kernels.quant_gemm import default_config, fp8_grouped_mm_triton, mxfp4_grouped_mm_triton
 from flatep.quant.fp8 import dequantize_fp8_activations, quantize_fp8_activations
@@ -62,7 +63,7 @@ class ClampedSwiGLU:
 
 def _grouped_matmul(
     rows: torch.Tensor, weights: torch.Tensor | QuantizedTensor, offsets: torch.Tensor, backend: str = "auto",
-    rows_per_group: int | None = None,
+    rows_per_group: int | None = None, activations: Fp8Rows | None = None,
 ) -> torch.Tensor:
     """``out[i] = rows[i] @ weights[g(i)].T`` for the group ``g(i)`` holding row ``i``.
 
@@ -73,10 +74,10 @@ def _grouped_matmul(
         offsets: ``[G]`` int32 inclusive end row of each group; rows past ``offsets[-1]`` are
             left unwritten.
         backend: for packed weights, ``auto``, ``triton`` or ``torch``.
-        rows_per_group: for packed weights, see :func:`quantized_grouped_mm`.
+        rows_per_group, activations: for packed weights, see :func:`quantized_grouped_mm`.
     """
     if isinstance(weights, QuantizedTensor):
-        return quantized_grouped_mm(rows, weights, offsets, backend, rows_per_group)
+        return quantized_grouped_mm(rows, weights, offsets, backend, rows_per_group, activations)
     if rows.is_cuda and rows.dtype != torch.bfloat16:
         # The CUDA grouped GEMM is bf16-only (other dtypes take a fallback that reads the offsets on
         # the host): FlatEP's fp32 grouped GEMM instead, IEEE products, offsets read on the device.
@@ -86,7 +87,7 @@ def _grouped_matmul(
 
 def quantized_grouped_mm(
     rows: torch.Tensor, weights: QuantizedTensor, offsets: torch.Tensor, backend: str = "auto",
-    rows_per_group: int | None = None,
+    rows_per_group: int | None = None, activations: Fp8Rows | None = None,
 ) -> torch.Tensor:
     """``out[i] = rows[i] @ W[g(i)].T`` with packed ``W``: ``[M, out]`` in ``rows``' dtype.
 
@@ -104,21 +105,30 @@ def quantized_grouped_mm(
         offsets: ``[G]`` int32 inclusive end row of each group.
         rows_per_group: the real rows a group holds on average (a host int; default ``M / G``): the
             Triton kernels' tiles follow it (:func:`flatep.kernels.quant_gemm.default_config`).
+        activations: ``fp8`` only: the rows already quantized (:class:`flatep.kernels.fp8_rows.Fp8Rows`
+            ``[M, K]``, as fp8 dispatch delivers them), used instead of quantizing ``rows``, which
+            are then not read.
     """
     if rows.dim() != 2 or weights.shape[-1] != rows.shape[1] or len(weights.shape) != 3:
         raise ValueError(f"rows [M, K] and weights [G, N, K] must agree on K, got {list(rows.shape)} and {list(weights.shape)}")
     if offsets.dtype != torch.int32 or offsets.shape != (weights.shape[0],):
         raise ValueError(f"offsets must be [{weights.shape[0]}] int32, got {list(offsets.shape)} {offsets.dtype}")
+    if activations is not None and weights.format != "fp8":
+        raise ValueError(f"pre-quantized fp8 activations need fp8 weights, got {weights.format}")
     if use_triton(rows.device, backend) and rows.dtype == torch.bfloat16:
-        kernel = fp8_grouped_mm_triton if weights.format == "fp8" else mxfp4_grouped_mm_triton
         groups = weights.shape[0]
         config = None if rows_per_group is None else default_config(rows_per_group * groups, groups, weights.format)
-        return kernel(rows, weights.values, weights.scales, offsets, config=config)
-    if weights.format == "fp8":
-        activations = dequantize_fp8_activations(*quantize_fp8_activations(rows))
+        if weights.format == "fp8":
+            given = None if activations is None else (activations.values, activations.scales)
+            return fp8_grouped_mm_triton(rows, weights.values, weights.scales, offsets, config=config, activations=given)
+        return mxfp4_grouped_mm_triton(rows, weights.values, weights.scales, offsets, config=config)
+    if activations is not None:
+        products = dequantize_fp8_activations(activations.values, activations.scales)
+    elif weights.format == "fp8":
+        products = dequantize_fp8_activations(*quantize_fp8_activations(rows))
     else:
-        activations = rows.float()
-    return _grouped_matmul(activations, weights.dequantize(torch.float32), offsets).to(rows.dtype)
+        products = rows.float()
+    return _grouped_matmul(products, weights.dequantize(torch.float32), offsets).to(rows.dtype)
 
 
 def row_groups(offsets: torch.Tensor, rows: int) -> torch.Tensor:
@@ -168,6 +178,7 @@ def grouped_swiglu(
     rows_per_group: int | None = None,
     slots: tuple[torch.Tensor, torch.Tensor] | None = None,
     slot_base: int = 0,
+    activations: Fp8Rows | None = None,
 ) -> torch.Tensor:
     """The experts of one rank over its receive shard.
 
@@ -211,6 +222,10 @@ def grouped_swiglu(
             ends), whose rows start at row ``slot_base``: both sets run in the same launches. Only
             where the decode kernels run (:func:`takes_decode_kernels`); otherwise ``ValueError``.
         slot_base: first row of the ``slots`` groups.
+        activations: with fp8 ``w13`` only: the shard's rows as fp8 dispatch delivered them
+            (:class:`flatep.kernels.fp8_rows.Fp8Rows`, ``[rows, H]``); the gate/up GEMM reads them
+            instead of quantizing ``shard``, whose rows are then not read (only its shape, dtype
+            and device are used).
 
     Returns:
         ``out``, or a new ``[rows, H]`` tensor in ``out_dtype``; rows past ``offsets[-1]`` are
@@ -218,6 +233,8 @@ def grouped_swiglu(
     """
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    if activations is not None and not (isinstance(w13, QuantizedTensor) and w13.format == "fp8"):
+        raise ValueError("activations (fp8 rows as dispatched) need fp8 w13 weights")
     out_dtype = out.dtype if out is not None else out_dtype or shard.dtype
     intermediate = w2.shape[-1]
     biased = b13 is not None or b2 is not None
@@ -245,7 +262,7 @@ def grouped_swiglu(
         out = out if out is not None else torch.empty(result.shape, dtype=out_dtype, device=result.device)
         copy_rows_triton(out, result, offsets[-1:])
         return out
-    hidden_states = _grouped_matmul(shard, w13, offsets, backend, rows_per_group)
+    hidden_states = _grouped_matmul(shard, w13, offsets, backend, rows_per_group, activations)
     if fused:
         # Same function, but the elementwise steps skip rows past offsets[-1] (several times the
         # real rows at small batch); those rows of the result stay undefined, as the GEMMs leave them.

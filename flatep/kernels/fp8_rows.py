@@ -14,9 +14,11 @@ to nearest even and saturated at +-448), so a row costs ``H + 4 G`` bytes, ``(1 
 of its bf16 bytes. ``H`` must be a multiple of 4 (the scales start on a word). The receiver
 unpacks each real row into the shard the experts read, in the layer's dtype:
 ``value * scale`` in fp32, rounded once (:func:`unpack_real_rows_triton`). Combine stays in the
-layer's dtype.
+layer's dtype, except where the experts are fp8 themselves (:class:`Fp8Rows`).
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -78,6 +80,32 @@ def _views(packed: torch.Tensor, hidden: int) -> tuple[torch.Tensor, torch.Tenso
     words = hidden // 4
     values = packed[..., :words].view(torch.float8_e4m3fn)
     return values, packed[..., words:].view(torch.float32)
+
+
+@dataclass(frozen=True)
+class Fp8Rows:
+    """Received rows still packed, as the fp8 expert GEMMs take their activations.
+
+    The fp8 experts quantize their input exactly as fp8 dispatch does (per token, per 128 columns):
+    where both meet, the gate/up GEMM reads the dispatched values and scales themselves, and the
+    rows are neither unpacked nor quantized again.
+
+    Attributes:
+        values: ``[.., rows, H]`` float8_e4m3fn view of the packed rows (row stride ``4 W`` bytes).
+        scales: ``[.., rows, G]`` float32 view (row stride ``W`` words).
+    """
+
+    values: torch.Tensor
+    scales: torch.Tensor
+
+    @classmethod
+    def of(cls, packed: torch.Tensor, hidden: int) -> "Fp8Rows":
+        """Views of packed rows ``[.., rows, W]`` int32 (no copy)."""
+        return cls(*_views(packed, hidden))
+
+    def __getitem__(self, index: int | slice) -> "Fp8Rows":
+        """The same leading-dimension index of both views (a rank, or a range of rows)."""
+        return Fp8Rows(self.values[index], self.scales[index])
 
 
 def pack_rows_torch(x: torch.Tensor) -> torch.Tensor:

@@ -217,23 +217,24 @@ def _act_quant_kernel(
 
 @triton.jit
 def _fp8_grouped_kernel(
-    a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, offsets_ptr, groups, N, stride_om, K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, GROUPS: tl.constexpr,
-    SWAP_AB: tl.constexpr, INTERPRET: tl.constexpr,
+    a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, offsets_ptr, groups, N, stride_om, stride_am, stride_as,
+    K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    GROUPS: tl.constexpr, SWAP_AB: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     starts, ends, tiles, passed, total = _tile_table(offsets_ptr, groups, groups, 0, N, BLOCK_M, BLOCK_N, GROUPS)
     tile = tl.program_id(0)
     while tile < total:
         group, first, last, first_column = _locate_tile(tile, starts, ends, tiles, passed, N, BLOCK_M, BLOCK_N, GROUP_M, GROUPS)
-        _fp8_tile(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, group, first, last, first_column, N, stride_om, K,
-                  BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, INTERPRET)
+        _fp8_tile(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, group, first, last, first_column, N, stride_om,
+                  stride_am, stride_as, K, BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, INTERPRET)
         tile += tl.num_programs(0)
 
 
 @triton.jit
 def _fp8_tile(
-    a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, group, first, last, first_column, N, stride_om, K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr, INTERPRET: tl.constexpr,
+    a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, group, first, last, first_column, N, stride_om, stride_am, stride_as,
+    K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):
     """Rows ``[first, min(first + BLOCK_M, last))`` times columns ``[first_column, + BLOCK_N)`` of ``group``."""
     k_blocks: tl.constexpr = K // BLOCK_K
@@ -246,9 +247,9 @@ def _fp8_tile(
     expert = group.to(tl.int64)
     # Both operands K-contiguous (the fp8 tensor-core MMA takes them K-major). A group's weights
     # exceed 2**31 bytes at real sizes: offsets in int64.
-    a_tile = a_ptr + row.to(tl.int64)[:, None] * K + inner[None, :]
+    a_tile = a_ptr + row.to(tl.int64)[:, None] * stride_am + inner[None, :]
     w_tile = w_ptr + expert * N * K + column.to(tl.int64)[:, None] * K + inner[None, :]
-    a_scales = a_scale_ptr + row.to(tl.int64) * k_blocks
+    a_scales = a_scale_ptr + row.to(tl.int64) * stride_as
     w_scales = w_scale_ptr + expert * n_blocks * k_blocks + (column // BLOCK_K) * k_blocks
     if SWAP_AB:
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
@@ -461,6 +462,7 @@ def fp8_grouped_mm_triton(
     offsets: torch.Tensor,
     config: GemmConfig | None = None,
     out: torch.Tensor | None = None,
+    activations: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``out[i] = q(rows[i]) @ W[g(i)].T`` with fp8 block-scaled ``W`` and per-token-group quantized rows.
 
@@ -471,6 +473,9 @@ def fp8_grouped_mm_triton(
         offsets: ``[G]`` int32 inclusive end row of each group.
         config: tiles (default :func:`default_config`); ``block_k`` must be 128.
         out: optional ``[M, N]`` bf16 (unit column stride) to write into; default a new tensor.
+        activations: optional ``q(rows)`` already made: ``(values [M, K] float8_e4m3fn, scales
+            [M, K/128] float32)``, each with unit column stride (any row stride: e.g. the views of
+            packed fp8 dispatch rows, :mod:`flatep.kernels.fp8_rows`); ``rows`` is then not read.
 
     Returns:
         ``out`` or a new ``[M, N]`` bf16 tensor; rows at and past ``offsets[-1]`` are not written.
@@ -486,10 +491,20 @@ def fp8_grouped_mm_triton(
     config = config or default_config(rows.shape[0], groups, "fp8")
     if config.block_k != _FP8_BLOCK:
         raise ValueError(f"fp8 block_k must be {_FP8_BLOCK} (one scale block), got {config.block_k}")
-    quantized, row_scales = quantize_fp8_activations_triton(rows, offsets[-1:])
+    if activations is None:
+        quantized, row_scales = quantize_fp8_activations_triton(rows, offsets[-1:])
+    else:
+        quantized, row_scales = activations
+        if (quantized.dtype != torch.float8_e4m3fn or tuple(quantized.shape) != tuple(rows.shape)
+                or row_scales.dtype != torch.float32 or tuple(row_scales.shape) != (rows.shape[0], inner // _FP8_BLOCK)
+                or quantized.stride(1) != 1 or row_scales.stride(1) != 1):
+            raise ValueError(f"activations must be [M, K] float8_e4m3fn and [M, K/128] float32 with unit column "
+                             f"strides for rows {list(rows.shape)}, got {quantized.dtype} {list(quantized.shape)} and "
+                             f"{row_scales.dtype} {list(row_scales.shape)}")
     out = _output(rows, columns, out)
     _fp8_grouped_kernel[_grid(rows.shape[0], groups, columns, config, rows.device)](
-        quantized, row_scales, values, scales, out, offsets, groups, columns, out.stride(0), inner,
+        quantized, row_scales, values, scales, out, offsets, groups, columns, out.stride(0), quantized.stride(0),
+        row_scales.stride(0), inner,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=_FP8_BLOCK, GROUP_M=config.group_m,
         GROUPS=triton.next_power_of_2(groups), SWAP_AB=config.swap_ab, INTERPRET=interpreting(),
         num_warps=config.num_warps, num_stages=config.num_stages,

@@ -420,8 +420,9 @@ def test_shipped_configs_run_the_formats_the_models_ship_in():
 
 def test_fp8_dispatch_sweeps_count_packed_rows_out_and_bf16_rows_back(tmp_path, capsys):
     """``dispatch: fp8`` (or ``--dispatch fp8``): the same plans as bf16, with dispatch's rows
-    ``H + 4*ceil(H/128)`` bytes instead of ``2H``; combine's rows stay bf16."""
-    text = SMALL + "tokens: [8]\nmaxvio: [0, 2]\narms: [flat, classic]\ndedup: true\n"
+    ``H + 4*ceil(H/128)`` bytes instead of ``2H``; combine's rows stay bf16. fp8 experts, which
+    read the packed rows as they arrive."""
+    text = SMALL + "tokens: [8]\nmaxvio: [0, 2]\narms: [flat, classic]\ndedup: true\nweights: fp8\n"
     _, plain = _sweep_rows(tmp_path, text, out_name="bf16")
     out, packed = _sweep_rows(tmp_path, text, "--dispatch", "fp8", out_name="fp8")
     assert {row["dispatch"] for row in packed} == {"fp8"} and {row["dispatch"] for row in plain} == {"bf16"}
