@@ -42,6 +42,7 @@ from flatep.config import EPConfig, check_policy
 from flatep.plan.cost import CostProfile, check_cost
 from flatep.experts.grouped import PRECISIONS, Activation, ClampedSwiGLU, swiglu
 from flatep.experts.pool import ExpertPool
+from flatep.kernels.fp8_rows import check_dispatch_dtype
 from flatep.layer import ep_moe, plan_step
 from flatep.transport.base import Group
 
@@ -158,7 +159,7 @@ class FlatEPExperts(nn.Module):
         pool: this process's ranks' expert weights (home experts and borrow slots).
         config: the group's sizes; ``capacity`` grows (to a power of two) when a call needs it,
             unless ``fixed_capacity``.
-        group, policy, backend, activation, precision: as for :func:`flatep.ep_moe`.
+        group, policy, backend, activation, precision, dispatch_dtype: as for :func:`flatep.ep_moe`.
         fixed_capacity: on the per-process transports, every rank pads each call to
             ``config.capacity`` tokens instead of agreeing on the group's largest call (an
             all-gather read on the host): a call then never synchronises with the host for its
@@ -180,11 +181,12 @@ class FlatEPExperts(nn.Module):
         precision: str = "native",
         cost: CostProfile | None = None,
         fixed_capacity: bool = False,
+        dispatch_dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         self.pool, self.config, self.group, self.policy, self.cost = pool, config, group, policy, cost
         self.activation, self.backend, self.record_routing = activation, backend, record_routing
-        self.precision, self.fixed_capacity = precision, fixed_capacity
+        self.precision, self.fixed_capacity, self.dispatch_dtype = precision, fixed_capacity, dispatch_dtype
         self.tokens_per_expert: list[torch.Tensor] = []
         self.received: list[torch.Tensor] = []
 
@@ -261,11 +263,12 @@ class FlatEPExperts(nn.Module):
     ) -> torch.Tensor:
         """Plan (with the real token counts) and run one :func:`flatep.ep_moe` step of ``step`` tokens per rank."""
         config = self._config_for(step)
-        plan = plan_step(ids, config, self.group, self.policy, tokens=tokens, dtype=x.dtype, cost=self.cost)
+        plan = plan_step(ids, config, self.group, self.policy, tokens=tokens, dtype=x.dtype, cost=self.cost,
+                         dispatch_dtype=self.dispatch_dtype)
         out = ep_moe(
             x, ids, weights, config=config, group=self.group, policy=self.policy, pool=self.pool, plan=plan,
             backend=self.backend, activation=self.activation, precision=self.precision,
-            combine_dtype=combine_dtype,
+            combine_dtype=combine_dtype, dispatch_dtype=self.dispatch_dtype,
         )
         if self.record_routing:
             self.tokens_per_expert.append(plan.tokens_per_expert.sum(0))
@@ -347,6 +350,7 @@ def shard_moe(
     precision: str = "native",
     cost: CostProfile | None = None,
     fixed_capacity: bool = False,
+    dispatch_dtype: torch.dtype | None = None,
 ) -> ShardSummary:
     """Make the routed experts of every sparse MoE block of ``model`` expert-parallel over ``group``, in place.
 
@@ -372,6 +376,8 @@ def shard_moe(
             the host for its size (what capturing a decode step in a CUDA graph needs); a call of
             more than ``capacity`` tokens raises ``ValueError``. Default: the ranks agree per
             call on the largest count (one all-gather read on the host).
+        dispatch_dtype: ``torch.float8_e4m3fn`` to dispatch fp8 rows (inference; see
+            :func:`flatep.ep_moe`); default: the model's dtype.
 
     Returns:
         A :class:`ShardSummary` (replaced layers, memory per rank before and after).
@@ -416,8 +422,9 @@ def shard_moe(
         bytes_after += sum(pool.home(n).numel() * pool.home(n).element_size() for n in pool.names)
         slot_bytes.update({pool.slots(n).data_ptr(): pool.slots(n).numel() * pool.slots(n).element_size() for n in pool.names})
         parent_name, _, child = name.rpartition(".")
+        check_dispatch_dtype(dispatch_dtype, pool.dtype, config.hidden)  # the first layer raises, before any change
         replacement = FlatEPExperts(pool, config, group, policy, activation, backend, record_routing, precision, cost,
-                                    fixed_capacity)
+                                    fixed_capacity, dispatch_dtype)
         setattr(model.get_submodule(parent_name), child, replacement)
         del experts
     return ShardSummary(

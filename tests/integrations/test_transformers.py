@@ -179,3 +179,32 @@ def test_tolerance_keeps_the_tokens_and_skips_mild_rebalancing():
         assert experts.config.tolerance == 1.0
         # R = 2: the busiest rank has at most every row, i.e. (1 + 1.0) x the mean, so nothing moves.
         assert experts.rank_imbalance() == experts.rank_imbalance(classic=True)
+
+
+@pytest.mark.parametrize("family", ["kimi-k2", "gpt-oss"])
+def test_fp8_dispatch_equals_the_original_experts_on_the_quantized_tokens(family):
+    """``shard_moe(..., dispatch_dtype=torch.float8_e4m3fn)``: each experts call equals the original
+    module's on the tokens as fp8 dispatch delivers them (quantized per 128 columns, dequantized)."""
+    from flatep.kernels.fp8_rows import pack_rows_torch, unpack_rows_torch
+
+    model = tiny_model(family)
+    block = sparse_blocks(model)[-1]
+    router = getattr(block, "gate", None) or block.router
+    hidden = torch.randn(37, model.config.hidden_size, generator=torch.Generator().manual_seed(5))
+    seen = unpack_rows_torch(pack_rows_torch(hidden), hidden.shape[-1], hidden.dtype)
+    with torch.no_grad():
+        _, weights, ids = router(hidden)
+        expected, unquantized = block.experts(seen, ids, weights), block.experts(hidden, ids, weights)
+        shard_moe(model, init_group("local", ranks=4, device="cpu"), backend="torch",
+                  dispatch_dtype=torch.float8_e4m3fn)
+        out = block.experts(hidden, ids, weights)
+    assert block.experts.dispatch_dtype == torch.float8_e4m3fn
+    assert (out - expected).norm() <= 1e-5 * expected.norm()
+    assert (out - unquantized).norm() > 1e-3 * unquantized.norm()  # the tokens were quantized
+
+
+def test_a_bad_dispatch_dtype_is_refused_before_any_layer_changes():
+    model = tiny_model("qwen3-moe")
+    with pytest.raises(ValueError, match="dispatch_dtype must be None"):
+        shard_moe(model, init_group("local", ranks=2, device="cpu"), dispatch_dtype=torch.float16)
+    assert not sharded_experts(model)
