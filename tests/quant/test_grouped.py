@@ -276,7 +276,8 @@ def test_packed_tiles_follow_the_rows_per_group_hint(format, monkeypatch):
     end = int(offsets[-1])
     name = "fp8_grouped_mm_triton" if format == "fp8" else "mxfp4_grouped_mm_triton"
     launch, seen = getattr(grouped, name), []
-    monkeypatch.setattr(grouped, name, lambda *args, config=None: seen.append(config) or launch(*args, config=config))
+    monkeypatch.setattr(grouped, name,
+                        lambda *args, config=None, **given: seen.append(config) or launch(*args, config=config, **given))
     hinted = quantized_grouped_mm(rows, packed, offsets, rows_per_group=4)
     plain = quantized_grouped_mm(rows, packed, offsets)
     assert seen == [default_config(16, 4, format), None]
