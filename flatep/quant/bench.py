@@ -61,6 +61,8 @@ CANDIDATES = {
         GemmConfig(16, 128, 128, num_warps=4, num_stages=3, swap_ab=True),
         GemmConfig(32, 256, 64, num_warps=4, num_stages=3),
         GemmConfig(32, 128, 64, num_warps=2, num_stages=3, programs_per_sm=3),
+        # 159 registers a thread in a local sm_90 compile (the 32 x 256 tile takes 212): three fit an SM.
+        GemmConfig(32, 128, 64, num_warps=4, num_stages=3, programs_per_sm=3),
         GemmConfig(64, 128, 64, num_warps=4, num_stages=3),
         GemmConfig(128, 128, 64, num_warps=8, num_stages=3),
         GemmConfig(128, 128, 128, num_warps=8, num_stages=3),
@@ -329,6 +331,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="only the GEMMs, bf16 against each candidate config")
     parser.add_argument("--budget", type=float, default=150.0,
                         help="--quick: seconds after which the configs not yet started are skipped")
+    parser.add_argument("--rows", type=int, nargs="+", default=list(ROWS_PER_EXPERT),
+                        help="--quick: rows per expert of the cells (e.g. 18 32: Kimi-K3 decode at s = 128)")
+    parser.add_argument("--formats", nargs="+", default=["fp8", "mxfp4"], choices=["fp8", "mxfp4"],
+                        help="--quick: the formats to sweep (fp8 on Kimi-K2, mxfp4 on Kimi-K3)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("flatep.quant.bench needs a CUDA GPU")
@@ -338,8 +344,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.quick:
         entries = []
         for model, format in (("kimi-k2", "fp8"), ("kimi-k3", "mxfp4")):
+            if format not in args.formats:
+                continue
             weights = _model_weights(model, format, device)
-            entries += quick_cells(model, format, *weights, device, deadline=started + args.budget)
+            entries += quick_cells(model, format, *weights, device, tuple(args.rows), deadline=started + args.budget)
             del weights
             torch.cuda.empty_cache()
         report = {"device": device_name(device), "mode": "quick",
