@@ -10,6 +10,8 @@ experts, combine, both layers) is on the device. Suites:
   dense MoE layer by layer; then the step is captured in one CUDA graph and every replay, over
   several new inputs (hence new routings), is bit-identical to the eager step on the same
   inputs; ``group.check()`` finds nothing.
+* ``graph-fp8``: the ``graph`` suite with fp8 dispatch (``dispatch_dtype=torch.float8_e4m3fn``),
+  against the dense MoE of the tokens as the ranks receive them (quantized, then dequantized).
 * ``dead-rank``: after capture and one replay the last rank exits; the others replay again and
   ``group.check()`` must raise ``TimeoutError`` naming it.
 * ``prefetch``: two layers with two slot sets, their plans made ahead; layer 2's experts are
@@ -28,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from flatep import EPConfig, ExpertPool, dense_moe, ep_moe, init_group, plan_step, route
+from flatep.kernels.fp8_rows import pack_rows_torch, unpack_rows_torch
 from flatep.layer import prefetch_experts
 
 CONFIG = EPConfig(ranks=2, experts=8, top_k=2, hidden=256, intermediate=128, capacity=64, align=16)
@@ -44,15 +47,16 @@ def make_layers(group):
     return layers
 
 
-def step(x, layers, group, routing_bias, real=None):
+def step(x, layers, group, routing_bias, real=None, dispatch_dtype=None):
     """Two layers; each routes on its own input (layer 2 on layer 1's output). Returns every layer's
     (input, ids, weights, output). ``real``: this rank's real tokens, when fewer than ``x``'s rows."""
     trace = []
     hidden = x
     for index, (router, _, _, pool) in enumerate(layers):
         ids, weights = route(hidden.float() @ router.T + routing_bias[index], CONFIG.top_k)
-        plan = None if real is None else plan_step(ids, CONFIG, group, tokens=real, dtype=hidden.dtype)
-        out = ep_moe(hidden, ids, weights, group=group, pool=pool, plan=plan)
+        plan = None if real is None else plan_step(ids, CONFIG, group, tokens=real, dtype=hidden.dtype,
+                                                   dispatch_dtype=dispatch_dtype)
+        out = ep_moe(hidden, ids, weights, group=group, pool=pool, plan=plan, dispatch_dtype=dispatch_dtype)
         trace.append((hidden, ids, weights, out))
         hidden = out
     return trace
@@ -105,6 +109,7 @@ def prefetch_suite(group, rank: int) -> list[str]:
 
 def main() -> int:
     rank, world, suite = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), sys.argv[2]
+    sent = torch.float8_e4m3fn if suite == "graph-fp8" else None
     torch.cuda.set_device(0)
     dist.init_process_group("gloo", init_method=sys.argv[1], rank=rank, world_size=world)
     group = init_group(transport="nvlink", barrier_timeout=5.0, eager_check=False)
@@ -124,7 +129,8 @@ def main() -> int:
         layers = make_layers(group)
         generator = torch.Generator(device="cuda").manual_seed(100 + rank)
         bias = torch.zeros(2, CONFIG.experts, device="cuda")
-        step(torch.randn(CONFIG.capacity, CONFIG.hidden, device="cuda", generator=generator).bfloat16(), layers, group, bias)
+        step(torch.randn(CONFIG.capacity, CONFIG.hidden, device="cuda", generator=generator).bfloat16(), layers, group, bias,
+             dispatch_dtype=sent)
         torch.cuda.synchronize()
         # Eager steps without a single host synchronisation, at several s and skews; the last one
         # with fewer real tokens than s on every rank but the first, by rank.
@@ -133,12 +139,14 @@ def main() -> int:
             bias.copy_(torch.linspace(skew, 0, CONFIG.experts, device="cuda").expand(2, -1))
             torch.cuda.set_sync_debug_mode("error")
             try:
-                trace = step(x, layers, group, bias, real)
+                trace = step(x, layers, group, bias, real, sent)
             finally:
                 torch.cuda.set_sync_debug_mode("default")
             for layer, (hidden, ids, weights, out) in enumerate(trace):
                 if real is not None:
                     hidden, ids, weights, out = hidden[:real], ids[:real], weights[:real], out[:real]
+                if sent is not None:  # the experts compute on the tokens as fp8 dispatch delivers them
+                    hidden = unpack_rows_torch(pack_rows_torch(hidden), CONFIG.hidden, hidden.dtype)
                 dense = dense_moe(hidden, ids, weights, layers[layer][1], layers[layer][2])
                 error = float((out.double() - dense.double()).norm() / dense.double().norm())
                 if not error < 2e-2:
@@ -150,11 +158,11 @@ def main() -> int:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            step(x, layers, group, bias)
+            step(x, layers, group, bias, dispatch_dtype=sent)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            captured = step(x, layers, group, bias)[-1][-1]
+            captured = step(x, layers, group, bias, dispatch_dtype=sent)[-1][-1]
         for replay in range(4):
             x.copy_(torch.randn(x.shape, device="cuda", generator=generator))
             bias.copy_(torch.randn(bias.shape, device="cuda", generator=generator) * 3)
@@ -176,7 +184,7 @@ def main() -> int:
                     os._exit(0 if named else 1)
                 print("FAILED: no TimeoutError after a replay with a dead rank", flush=True)
                 os._exit(1)
-            eager = step(x, layers, group, bias)[-1][-1]
+            eager = step(x, layers, group, bias, dispatch_dtype=sent)[-1][-1]
             if not torch.equal(captured, eager):
                 failures.append(f"replay {replay} differs from eager")
             if replay and torch.equal(captured, previous):

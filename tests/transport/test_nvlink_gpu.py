@@ -21,8 +21,10 @@ def shared_gpu(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
 
 
-def test_two_layer_step_is_sync_free_and_replays_bit_identically(shared_gpu, tmp_path):
-    output = launch_workers("tests.transport.graph_worker", 2, [f"file://{tmp_path}/store", "graph"], 600)
+@pytest.mark.parametrize("suite", ["graph", "graph-fp8"])
+def test_two_layer_step_is_sync_free_and_replays_bit_identically(shared_gpu, tmp_path, suite):
+    """``graph-fp8``: the same with fp8 dispatch (packed rows through the symmetric buffers)."""
+    output = launch_workers("tests.transport.graph_worker", 2, [f"file://{tmp_path}/store", suite], 600)
     assert output.count("PASSED") == 2, output
 
 
