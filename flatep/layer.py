@@ -19,7 +19,7 @@ from flatep.kernels.backend import check_programs, interpreting, use_triton
 from flatep.exchange import combine_rows, dispatch_rows, pack_rows, unpack_rows
 from flatep.kernels.combine import combine_grid
 from flatep.kernels.dispatch import dispatch_grid
-from flatep.kernels.fp8_rows import Fp8Rows, check_dispatch_dtype, entry_link_bytes, packed_words, packs_rows
+from flatep.kernels.fp8_rows import FP8_DISPATCH, Fp8Rows, check_dispatch_dtype, entry_link_bytes, packed_words, packs_rows
 from flatep.plan.auto import candidates_for, slot_rows
 from flatep.plan.cost import CostProfile, check_cost
 from flatep.plan.reference import _check_ids, _valid_mask, dedup_tables, histogram, make_plan, plan_rank
@@ -331,6 +331,11 @@ def plan_step(
         raise ValueError(f"topk_ids must be on the group's device {group.device}, got {topk_ids.device}")
     if topk_ids.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
+    if dispatch_dtype not in (*_DTYPE_CODES, FP8_DISPATCH):
+        raise ValueError(f"dispatch_dtype must be None, torch.bfloat16, torch.float32 or torch.float8_e4m3fn, "
+                         f"got {dispatch_dtype}")
+    if packs_rows(dispatch_dtype):
+        packed_words(config.hidden)  # raises for a hidden size fp8 rows cannot take
     ids = topk_ids.contiguous()
     if group.stacked:
         total = ids.shape[0] * ids.shape[1] if tokens is None else sum(int(count) for count in tokens)
@@ -821,7 +826,8 @@ def ep_moe(
             receiving rank dequantizes its rows into ``x``'s dtype before its experts, so the
             experts see the quantized activations and combine stays in ``x``'s dtype. Needs
             ``H % 4 == 0``; inference only (no backward). On a per-process group every rank must
-            pass the same (checked with the step's header).
+            pass the same (checked with the step's header; a ``plan`` made outside the step with
+            :func:`plan_step` checks it there when given the same ``dispatch_dtype``).
         backend: ``auto`` (Triton on CUDA or under ``TRITON_INTERPRET=1``), ``triton`` or ``torch``.
         cost: the :class:`flatep.CostProfile` of ``policy="auto"`` (default: the generic one).
         comm_programs: at most this many programs (thread blocks) for each of the dispatch,

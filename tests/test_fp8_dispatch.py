@@ -93,6 +93,10 @@ def test_bad_dispatch_dtypes_are_refused_before_any_kernel():
         ep_moe(x, ids, weights, w13, w2, config=odd, group=group, dispatch_dtype=FP8)
     with pytest.raises(ValueError, match="multiple of 4, got H=30"):
         EPMoE(odd, group, dispatch_dtype=FP8)
+    with pytest.raises(ValueError, match="dispatch_dtype must be None, torch.bfloat16"):
+        plan_step(ids, odd, group, dispatch_dtype=torch.float16)
+    with pytest.raises(ValueError, match="multiple of 4, got H=30"):
+        plan_step(ids, odd, group, dispatch_dtype=FP8)
     x, ids, weights, w13, w2 = make_inputs(cfg, 9, 2.0, torch.float32, seed=1)
     with pytest.raises(NotImplementedError, match="no backward through fp8 dispatch"):
         ep_moe(x.requires_grad_(), ids, weights, w13, w2, config=cfg, group=group, dispatch_dtype=FP8)
