@@ -42,6 +42,7 @@ from flatep.config import EPConfig, check_policy
 from flatep.plan.cost import CostProfile, check_cost
 from flatep.experts.grouped import PRECISIONS, Activation, ClampedSwiGLU, swiglu
 from flatep.experts.pool import ExpertPool
+from flatep.quant.tensor import QuantizedTensor, check_format
 from flatep.kernels.fp8_rows import check_dispatch_dtype
 from flatep.layer import ep_moe, plan_step
 from flatep.transport.base import Group
@@ -52,14 +53,14 @@ class ExpertWeights:
     """One layer's routed experts in FlatEP's layout (a contiguous slice ``[lo, hi)`` of them).
 
     Attributes:
-        w13: ``[n, 2I, H]`` gate rows then up rows.
-        w2: ``[n, H, I]``.
+        w13: ``[n, 2I, H]`` gate rows then up rows (float, or packed: :class:`flatep.quant.QuantizedTensor`).
+        w2: ``[n, H, I]``, like ``w13``.
         b13: ``[n, 2I]`` gate then up bias, or None.
         b2: ``[n, H]`` down bias, or None.
     """
 
-    w13: torch.Tensor
-    w2: torch.Tensor
+    w13: torch.Tensor | QuantizedTensor
+    w2: torch.Tensor | QuantizedTensor
     b13: torch.Tensor | None
     b2: torch.Tensor | None
 
@@ -74,6 +75,8 @@ class Family:
         experts_class: name of its fused routed-experts module class in ``transformers.models.<model_type>``.
         convert: ``(experts module, lo, hi) -> ExpertWeights`` of experts ``[lo, hi)``.
         activation: ``(experts module, model config) -> act(gate, up)``.
+        fp8_experts: whether transformers' FP8 experts modules of this family (DeepSeek-V3's
+            checkpoint layout, :func:`fp8_experts_type`) are taken as they are, in fp8.
     """
 
     name: str
@@ -81,11 +84,28 @@ class Family:
     experts_class: str
     convert: Callable[[nn.Module, int, int], ExpertWeights]
     activation: Callable[[nn.Module, object], Activation]
+    fp8_experts: bool = False
 
     def experts_type(self) -> type:
         """The family's experts module class."""
         module = importlib.import_module(f"transformers.models.{self.model_type}.modeling_{self.model_type}")
         return getattr(module, self.experts_class)
+
+    def experts_types(self) -> tuple[type, ...]:
+        """Every experts module class :func:`shard_moe` takes in this family's models."""
+        fp8 = fp8_experts_type() if self.fp8_experts else None
+        return (self.experts_type(),) + ((fp8,) if fp8 is not None else ())
+
+
+def fp8_experts_type() -> type | None:
+    """transformers' fp8 experts module (``FP8Experts``, what ``FineGrainedFP8Config`` checkpoints such
+    as DeepSeek-V3's load into on a GPU of compute capability 8.9 or more), or None where this
+    transformers has none."""
+    try:
+        from transformers.integrations.finegrained_fp8 import FP8Experts
+    except ImportError:
+        return None
+    return FP8Experts
 
 
 def require_transformers_5() -> None:
@@ -110,6 +130,32 @@ def _silu_activation(experts: nn.Module, model_config: object) -> Activation:
     return swiglu
 
 
+def _fp8_swiglu_weights(experts: nn.Module, lo: int, hi: int) -> ExpertWeights:
+    """transformers' ``FP8Experts``: ``gate_up_proj [E, 2I, H]`` e4m3 (gate rows then up rows) with
+    ``gate_up_proj_scale_inv [E, 2I/128, H/128]`` fp32, ``down_proj [E, H, I]`` likewise: DeepSeek-V3's
+    checkpoint layout, which is FlatEP's fp8 format (:mod:`flatep.quant.fp8`), taken as it is.
+
+    Raises:
+        ValueError: for settings FlatEP's fp8 experts do not compute (other blocks or scale
+            formats, static activation scales, biases, clamped or soft-capped gates).
+    """
+    settings = dict(
+        has_gate=getattr(experts, "has_gate", True), has_bias=getattr(experts, "has_bias", False),
+        block_size=tuple(experts.block_size or ()), activation_scheme=experts.activation_scheme,
+        values=experts.gate_up_proj.dtype, scales=experts.gate_up_proj_scale_inv.dtype,
+        limit=getattr(experts, "limit", None), swiglu_alpha=getattr(experts, "swiglu_alpha", None),
+        gate_softcap=getattr(experts, "gate_softcap", None),
+    )
+    supported = dict(has_gate=True, has_bias=False, block_size=(128, 128), activation_scheme="dynamic",
+                     values=torch.float8_e4m3fn, scales=torch.float32, limit=None, swiglu_alpha=None, gate_softcap=None)
+    differing = {key: value for key, value in settings.items() if value != supported[key]}
+    if differing:
+        raise ValueError(f"{type(experts).__name__}: FlatEP's fp8 experts take {supported}; these experts have {differing}")
+    w13 = QuantizedTensor("fp8", experts.gate_up_proj.detach()[lo:hi], experts.gate_up_proj_scale_inv.detach()[lo:hi])
+    w2 = QuantizedTensor("fp8", experts.down_proj.detach()[lo:hi], experts.down_proj_scale_inv.detach()[lo:hi])
+    return ExpertWeights(w13, w2, None, None)
+
+
 def _gpt_oss_weights(experts: nn.Module, lo: int, hi: int) -> ExpertWeights:
     """gpt-oss: ``gate_up_proj [E, H, 2I]`` with interleaved gate/up columns (gate even, up odd) and
     bias ``[E, 2I]`` likewise; ``down_proj [E, I, H]``, bias ``[E, H]``."""
@@ -126,8 +172,9 @@ def _gpt_oss_activation(experts: nn.Module, model_config: object) -> Activation:
 
 
 FAMILIES: tuple[Family, ...] = (
-    Family("Qwen3-MoE", "qwen3_moe", "Qwen3MoeExperts", _fused_swiglu_weights, _silu_activation),
-    Family("DeepSeek-V3 / Kimi-K2", "deepseek_v3", "DeepseekV3Experts", _fused_swiglu_weights, _silu_activation),
+    Family("Qwen3-MoE", "qwen3_moe", "Qwen3MoeExperts", _fused_swiglu_weights, _silu_activation, fp8_experts=True),
+    Family("DeepSeek-V3 / Kimi-K2", "deepseek_v3", "DeepseekV3Experts", _fused_swiglu_weights, _silu_activation,
+           fp8_experts=True),
     Family("gpt-oss", "gpt_oss", "GptOssExperts", _gpt_oss_weights, _gpt_oss_activation),
 )
 
@@ -195,7 +242,7 @@ class FlatEPExperts(nn.Module):
         return (
             f"experts={config.experts}, ranks={config.ranks}, top_k={config.top_k}, hidden={config.hidden}, "
             f"intermediate={config.intermediate}, policy={self.policy!r}, precision={self.precision!r}, "
-            f"biases={self.pool.b13 is not None}"
+            f"weights={self.pool.weights!r}, biases={self.pool.b13 is not None}"
         )
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
@@ -351,12 +398,15 @@ def shard_moe(
     cost: CostProfile | None = None,
     fixed_capacity: bool = False,
     dispatch_dtype: torch.dtype | None = None,
+    weights: str | None = None,
 ) -> ShardSummary:
     """Make the routed experts of every sparse MoE block of ``model`` expert-parallel over ``group``, in place.
 
     Args:
         model: a loaded transformers model of a supported family (see :data:`FAMILIES`), bfloat16 or
-            float32, on ``group.device``; ``R`` must divide its expert count.
+            float32, on ``group.device``; ``R`` must divide its expert count. Experts that
+            transformers loaded in fp8 (``FP8Experts``: ``FineGrainedFP8Config`` checkpoints such
+            as DeepSeek-V3's and Kimi-K2's, on a GPU) are kept in fp8, values and scales as loaded.
         group: from :func:`flatep.init_group`.
         policy: ``exact`` (flat per-rank load), ``bounded``, ``none`` (classic EP) or ``auto``.
         capacity: initial tokens per rank per MoE call; grows by itself when a call passes more
@@ -378,12 +428,20 @@ def shard_moe(
             call on the largest count (one all-gather read on the host).
         dispatch_dtype: ``torch.float8_e4m3fn`` to dispatch fp8 rows (inference; see
             :func:`flatep.ep_moe`); default: the model's dtype.
+        weights: the format of the expert pools (:data:`flatep.quant.WEIGHT_FORMATS`). Default:
+            as the model holds its experts (``fp8`` for fp8 experts modules, else the model's
+            float dtype). ``mxfp4`` or ``fp8`` quantize float experts into that format, e.g.
+            ``mxfp4`` for gpt-oss, whose MXFP4 checkpoint transformers dequantizes where its
+            MXFP4 kernels do not run (on the CPU, and on GPUs without the ``kernels`` package):
+            those bf16 values re-quantize to the checkpoint's own (OCP MX rounding is exact on
+            values that came from it).
 
     Returns:
         A :class:`ShardSummary` (replaced layers, memory per rank before and after).
 
     Raises:
-        ValueError: unsupported family, quantized or unexpected experts modules, bad sizes.
+        ValueError: unsupported family, unexpected experts modules (other quantized layouts),
+            ``weights`` that do not fit the experts, bad sizes.
         ImportError: transformers older than 5.0.
     """
     check_policy(policy)
@@ -393,19 +451,23 @@ def shard_moe(
     if fixed_capacity and group.stacked:
         raise ValueError("fixed_capacity is for the per-process transports (nvlink, collective); the local "
                          "transport's virtual ranks split each call's tokens without any exchange")
+    if weights is not None:
+        check_format(weights)
     require_transformers_5()
     family = family_of(model)
-    experts_type = family.experts_type()
-    targets = [name for name, module in model.named_modules() if isinstance(module, experts_type)]
+    experts_types = family.experts_types()
+    targets = [name for name, module in model.named_modules() if isinstance(module, experts_types)]
     strangers = [
         f"{name} ({type(module).__name__})"
         for name, module in model.named_modules()
-        if name.rsplit(".", 1)[-1] == "experts" and not isinstance(module, (experts_type, FlatEPExperts))
+        if name.rsplit(".", 1)[-1] == "experts" and not isinstance(module, (*experts_types, FlatEPExperts))
     ]
     if strangers:
+        taken = " or ".join(kind.__name__ for kind in experts_types)
         raise ValueError(
-            f"{family.name}: these experts modules are not {family.experts_class} (quantized experts such as "
-            f"MXFP4 or FP8 are not supported; load the checkpoint dequantized): {', '.join(strangers)}"
+            f"{family.name}: these experts modules are not {taken} (other quantized layouts, such as "
+            f"transformers' MXFP4 kernels' swizzled tensors, are not supported: load the checkpoint dequantized and "
+            f"pass weights='mxfp4' to keep the experts in MXFP4): {', '.join(strangers)}"
         )
     if not targets:
         raise ValueError(f"{family.name}: found no {family.experts_class} module to shard in {type(model).__name__}")
@@ -417,7 +479,7 @@ def shard_moe(
         # One layer at a time: its original weights are released as soon as the module is replaced,
         # so the peak is the unsharded model plus one layer's pool.
         experts = model.get_submodule(name)
-        config, pool, activation = _build_pool(family, experts, model.config, group, capacity, align, tolerance)
+        config, pool, activation = _build_pool(family, experts, model, group, capacity, align, tolerance, weights)
         bytes_before += sum(p.numel() * p.element_size() for p in experts.parameters())
         bytes_after += sum(pool.home(n).numel() * pool.home(n).element_size() for n in pool.names)
         slot_bytes.update({pool.slots(n).data_ptr(): pool.slots(n).numel() * pool.slots(n).element_size() for n in pool.names})
@@ -435,27 +497,37 @@ def shard_moe(
 
 @torch.no_grad()
 def _build_pool(
-    family: Family, experts: nn.Module, model_config: object, group: Group, capacity: int, align: int, tolerance: float
+    family: Family, experts: nn.Module, model: nn.Module, group: Group, capacity: int, align: int, tolerance: float,
+    weights: str | None = None,
 ) -> tuple[EPConfig, ExpertPool, Activation]:
     """This process's ranks' pool of one experts module, converting only the experts they own."""
-    first = family.convert(experts, 0, 1)  # shapes and dtype, at the cost of one expert
-    dtype = first.w13.dtype
+    fp8 = family.fp8_experts and isinstance(experts, fp8_experts_type() or ())
+    convert = _fp8_swiglu_weights if fp8 else family.convert
+    first = convert(experts, 0, 1)  # shapes and dtype, at the cost of one expert
+    # fp8 experts hold no activation dtype of their own: the embeddings' (bf16 as loaded).
+    dtype = model.get_input_embeddings().weight.dtype if fp8 else first.w13.dtype
     if dtype not in (torch.bfloat16, torch.float32):
-        raise ValueError(f"{family.name}: expert weights must be bfloat16 or float32, got {dtype}")
+        raise ValueError(f"{family.name}: expert weights (and activations) must be bfloat16 or float32, got {dtype}")
     if first.w13.device != group.device:
         raise ValueError(f"{family.name}: the model is on {first.w13.device}, the group on {group.device}")
+    held = "fp8" if fp8 else "bf16"
+    if fp8 and weights not in (None, "fp8"):
+        raise ValueError(f"{family.name}: these experts are fp8 ({type(experts).__name__}); weights={weights!r} would need "
+                         "them dequantized first: load the checkpoint with FineGrainedFP8Config(dequantize=True)")
     config = EPConfig(
-        ranks=group.world, experts=experts.gate_up_proj.shape[0], top_k=int(model_config.num_experts_per_tok),
+        ranks=group.world, experts=experts.gate_up_proj.shape[0], top_k=int(model.config.num_experts_per_tok),
         hidden=first.w13.shape[-1], intermediate=first.w2.shape[-1], capacity=capacity, align=align,
         tolerance=tolerance,
     )
-    pool = ExpertPool(config, group, dtype, biases=first.b13 is not None)
+    try:
+        pool = ExpertPool(config, group, dtype, biases=first.b13 is not None, weights=weights or held)
+    except ValueError as error:
+        raise ValueError(f"{family.name}: weights={weights or held!r} does not fit these experts: {error}") from None
     epn = config.experts_per_rank
     lo = group.first_rank * epn
-    mine = family.convert(experts, lo, lo + len(group.local_ranks) * epn)
-    for name, weights in zip(pool.names, (mine.w13, mine.w2, mine.b13, mine.b2)):
-        pool.home(name).copy_(weights.reshape(pool.home(name).shape))
-    return config, pool, family.activation(experts, model_config)
+    mine = convert(experts, lo, lo + len(group.local_ranks) * epn)
+    pool.load_home(mine.w13, mine.w2, mine.b13, mine.b2)  # float experts are quantized into a packed pool here
+    return config, pool, family.activation(experts, model.config)
 
 
 def sharded_experts(model: nn.Module) -> list[tuple[str, FlatEPExperts]]:

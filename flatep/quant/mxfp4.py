@@ -32,7 +32,7 @@ _MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)  # between consecutive magn
 
 def e2m1_encode(x: torch.Tensor) -> torch.Tensor:
     """Nibbles (uint8 ``0..15``) of the e2m1 values nearest to ``x`` (ties to even mantissa, saturating at +-6)."""
-    magnitude = x.float().abs()
+    magnitude = x.float().abs().contiguous()  # bucketize copies a strided input (with a warning)
     midpoints = torch.tensor(_MIDPOINTS, device=x.device)
     code = torch.bucketize(magnitude, midpoints)  # a midpoint itself goes to the smaller magnitude...
     tie = (code < len(_MIDPOINTS)) & (magnitude == midpoints[code.clamp(max=len(_MIDPOINTS) - 1)])

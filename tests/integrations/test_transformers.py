@@ -208,3 +208,89 @@ def test_a_bad_dispatch_dtype_is_refused_before_any_layer_changes():
     with pytest.raises(ValueError, match="dispatch_dtype must be None"):
         shard_moe(model, init_group("local", ranks=2, device="cpu"), dispatch_dtype=torch.float16)
     assert not sharded_experts(model)
+
+
+def test_gpt_oss_loaded_dequantized_keeps_its_experts_in_mxfp4_exactly():
+    """transformers dequantizes gpt-oss's MXFP4 checkpoint where its MXFP4 kernels do not run (the
+    CPU): ``weights="mxfp4"`` packs the bf16 values back, exactly (they came from MXFP4), and the
+    model generates the same tokens."""
+    from flatep.quant import QuantizedTensor
+
+    model = tiny_model("gpt-oss")
+    with torch.no_grad():
+        for block in sparse_blocks(model):
+            for name in ("gate_up_proj", "down_proj"):  # [E, in, out]: MXFP4 blocks run along the input dimension
+                weight = getattr(block.experts, name)
+                weight.copy_(QuantizedTensor.quantize(weight.transpose(1, 2), "mxfp4").dequantize().transpose(1, 2))
+    expected_sequences, expected_logits = greedy(model)
+    originals = [(block.experts.gate_up_proj.clone(), block.experts.down_proj.clone()) for block in sparse_blocks(model)]
+    shard_moe(model, init_group("local", ranks=2, device="cpu"), backend="torch", weights="mxfp4")
+    layers = sharded_experts(model)
+    for (_, experts), (gate_up, down) in zip(layers, originals):
+        pool = experts.pool
+        assert pool.weights == "mxfp4" and pool.w13.dtype == torch.uint8
+        w13 = QuantizedTensor("mxfp4", pool.w13.flatten(0, 1), pool.w13_scale.flatten(0, 1)).dequantize()
+        w2 = QuantizedTensor("mxfp4", pool.w2.flatten(0, 1), pool.w2_scale.flatten(0, 1)).dequantize()
+        gate_up = gate_up.transpose(1, 2)  # [E, 2I, H], gate and up rows interleaved
+        assert torch.equal(w13, torch.cat([gate_up[:, 0::2], gate_up[:, 1::2]], dim=1))
+        assert torch.equal(w2, down.transpose(1, 2))
+        assert "weights='mxfp4'" in experts.extra_repr()
+    sequences, logits = greedy(model)
+    assert torch.equal(sequences, expected_sequences)
+    assert (logits - expected_logits).abs().max() <= 1e-5 * expected_logits.abs().max()
+
+
+def fp8_experts_like(experts: torch.nn.Module, config) -> torch.nn.Module:
+    """transformers' ``FP8Experts`` holding ``experts``' weights in fp8 128x128 blocks, as
+    ``FineGrainedFP8Config`` loads a DeepSeek-V3 checkpoint on a GPU (built here on the CPU)."""
+    from transformers.integrations.finegrained_fp8 import FP8Experts
+
+    from flatep.quant import QuantizedTensor
+
+    module = FP8Experts(config, block_size=(128, 128))
+    for name in ("gate_up_proj", "down_proj"):
+        packed = QuantizedTensor.quantize(getattr(experts, name).detach(), "fp8")
+        getattr(module, name).data = packed.values
+        getattr(module, f"{name}_scale_inv").data = packed.scales
+    return module
+
+
+def test_fp8_experts_that_transformers_loaded_stay_in_fp8():
+    """Kimi-K2 with transformers' fp8 experts modules (what its FP8 checkpoint loads into on a GPU):
+    the pools hold the same fp8 values and scales, and the layer computes the fp8 experts' function."""
+    from flatep import dense_moe
+    from flatep.quant import QuantizedTensor
+
+    model = tiny_model("kimi-k2", dtype=torch.bfloat16, hidden_size=128, moe_intermediate_size=128)
+    block = sparse_blocks(model)[-1]
+    router = block.gate
+    hidden = torch.randn(37, 128, generator=torch.Generator().manual_seed(5)).bfloat16()
+    for sparse in sparse_blocks(model):
+        sparse.experts = fp8_experts_like(sparse.experts, model.config)
+    modules = [sparse.experts for sparse in sparse_blocks(model)]
+    with torch.no_grad():
+        _, weights, ids = router(hidden)
+        shard_moe(model, init_group("local", ranks=4, device="cpu"), backend="torch", capacity=64)
+        out = block.experts(hidden, ids, weights)
+    for (_, experts), module in zip(sharded_experts(model), modules):
+        assert experts.pool.weights == "fp8" and experts.pool.dtype == torch.bfloat16
+        assert torch.equal(experts.pool.w13.flatten(0, 1).view(torch.uint8), module.gate_up_proj.view(torch.uint8))
+        assert torch.equal(experts.pool.w2_scale.flatten(0, 1), module.down_proj_scale_inv)
+    last = modules[-1]
+    w13 = QuantizedTensor("fp8", last.gate_up_proj, last.gate_up_proj_scale_inv).dequantize()
+    w2 = QuantizedTensor("fp8", last.down_proj, last.down_proj_scale_inv).dequantize()
+    reference = dense_moe(hidden.unsqueeze(0), ids.unsqueeze(0).int(), weights.unsqueeze(0).float(), w13, w2)[0]
+    # fp8 experts also quantize their activations (per token, per 128 columns): e4m3's error.
+    assert (out.float() - reference).norm() <= 6e-2 * reference.norm()
+
+
+def test_weights_that_do_not_fit_the_experts_are_refused():
+    model = tiny_model("kimi-k2", hidden_size=128, moe_intermediate_size=128)
+    for sparse in sparse_blocks(model):
+        sparse.experts = fp8_experts_like(sparse.experts, model.config)
+    with pytest.raises(ValueError, match="these experts are fp8 .*FineGrainedFP8Config\\(dequantize=True\\)"):
+        shard_moe(model, init_group("local", ranks=2, device="cpu"), weights="mxfp4")
+    with pytest.raises(ValueError, match="weights='fp8' does not fit these experts"):
+        shard_moe(tiny_model("qwen3-moe"), init_group("local", ranks=2, device="cpu"), weights="fp8")  # H = 64
+    with pytest.raises(ValueError, match="weights \\(the weight format\\) must be one of"):
+        shard_moe(tiny_model("qwen3-moe"), init_group("local", ranks=2, device="cpu"), weights="int4")
