@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flatep import EPConfig, ExpertPool, dense_moe, ep_moe, init_group, make_plan
+from flatep import EPConfig, ExpertPool, dense_moe, ep_moe, init_group, make_plan, plan_step
 from flatep.quant import QuantizedTensor, dequantize_fp8_activations, expert_weight_nbytes, quantize_fp8_activations
 from flatep.routing import skewed_topk
 from tests.helpers import DEVICE, TRITON_BACKENDS, relative_error
@@ -80,6 +80,25 @@ def test_layer_equals_dense_over_dequantized_weights(format, policy, backend):
         # moves some activations across e4m3 rounding boundaries; the hardware rounds to nearest.
         interpreted = backend == "triton" and DEVICE.type == "cpu"
         assert relative_error(out, dense_fp8_activations(x, ids, route_weights, d13, d2)) < (2.5e-2 if interpreted else 1e-2)
+
+
+@pytest.mark.parametrize("backend", TRITON_BACKENDS)
+@pytest.mark.parametrize("format", ["fp8", "mxfp4"])
+def test_auto_steps_that_borrow_equal_dense_over_dequantized_weights(format, backend):
+    """``auto`` with a profile where moving weights is nearly free borrows experts (packed pushes)
+    and, like ``exact``, equals the dense MoE over the dequantized weights."""
+    from flatep import CostProfile
+
+    cheap = CostProfile(link_gbps=1e6, hbm_gbps=1e6, gemm_tflops=1e-4, group_us=1e-3, push_us=1e-3, tile_rows=1)
+    group = init_group("local", ranks=CONFIG.ranks, device=DEVICE)
+    x, ids, route_weights, w13, w2 = quantized_inputs(CONFIG, 12, skew=4.0, seed=8)
+    q13, q2 = packed(w13, format), packed(w2, format)
+    pool = ExpertPool.from_weights(q13, q2, CONFIG, group, dtype=torch.bfloat16)
+    plan = plan_step(ids, CONFIG, group, "auto", cost=cheap.with_expert_bytes(pool.expert_nbytes()))
+    assert plan.policy != "none" and int((plan.slot_experts >= 0).sum()) >= 2, "auto must borrow here"
+    out = ep_moe(x, ids, route_weights, config=CONFIG, group=group, policy="auto", pool=pool, plan=plan, backend=backend)
+    reference = dense_moe(x, ids, route_weights, dequantized(q13, format), dequantized(q2, format))
+    assert relative_error(out, reference) < LAYER_ERROR[format]
 
 
 @pytest.mark.parametrize("backend", TRITON_BACKENDS)
