@@ -12,9 +12,9 @@ The values and scales are DeepSeek-V3's activation quantization
 (:func:`flatep.quant.quantize_fp8_activations`: ``scale = max(amax, 1e-10) / 448``, values rounded
 to nearest even and saturated at +-448), so a row costs ``H + 4 G`` bytes, ``(1 + 1/32) / 2``
 of its bf16 bytes. ``H`` must be a multiple of 4 (the scales start on a word). The receiver
-unpacks each real row into the shard the experts read, in the layer's dtype:
-``value * scale`` in fp32, rounded once (:func:`unpack_real_rows_triton`). Combine stays in the
-layer's dtype, except where the experts are fp8 themselves (:class:`Fp8Rows`).
+unpacks each real row into the shard the experts read, in the layer's dtype: ``value * scale``
+in fp32, rounded once (:func:`unpack_real_rows_triton`); fp8 experts instead read the packed rows
+as they are (:class:`Fp8Rows`). Combine stays in the layer's dtype.
 """
 from __future__ import annotations
 
@@ -189,7 +189,8 @@ def unpack_real_rows_triton(
     groups = offsets.shape[1]
     blocks = triton.cdiv(rows, block_r)
     _unpack_kernel[row_grid(ranks_here, rows, block_r, programs)](
-        packed.view(torch.float8_e4m3fn), packed.view(torch.float32), out, offsets, padding, first_rank, rows, slot_base, blocks, ranks_here * blocks,
+        packed.view(torch.float8_e4m3fn), packed.view(torch.float32), out, offsets, padding, first_rank, rows,
+        slot_base, blocks, ranks_here * blocks,
         H=hidden, WORDS=packed.shape[-1], GROUPS=scale_groups(hidden), EPN=groups // 2, BLOCK_G=next_pow2(groups),
         BLOCK_R=block_r, GROUP=FP8_BLOCK, ROUND_BF16=interpreting() and out.dtype == torch.bfloat16,
     )
