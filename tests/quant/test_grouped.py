@@ -284,3 +284,25 @@ def test_packed_tiles_follow_the_rows_per_group_hint(format, monkeypatch):
     assert default_config(16, 4, format) != default_config(rows.shape[0], 4, format)  # the buffer's would differ
     assert torch.equal(hinted[:end].isnan(), plain[:end].isnan())
     torch.testing.assert_close(hinted[:end].float(), plain[:end].float(), rtol=2e-2, atol=2e-2)
+
+
+@needs_triton
+@pytest.mark.parametrize("config", [GemmConfig(16, 128, 128, swap_ab=True), GemmConfig(32, 64, 128, num_stages=2)])
+def test_fp8_gemm_on_packed_rows_equals_quantizing_the_rows_itself(config):
+    """Activations given as fp8 dispatch's packed rows (strided views of int32 words, rows 4 W bytes
+    apart) give, bit for bit, what the GEMM gives quantizing the bf16 rows itself; the rows are then
+    not read (poisoned), and a wrong shape is refused."""
+    from flatep.kernels.fp8_rows import Fp8Rows, pack_rows_triton
+
+    rows, packed, offsets = grouped_inputs("fp8", [5, 0, 19, 2], 64, 384, seed=9)
+    end = int(offsets[-1])
+    activations = Fp8Rows.of(pack_rows_triton(rows), 384)
+    assert activations.values.stride(0) == 384 + 4 * 3 and activations.scales.stride(0) == (384 + 4 * 3) // 4
+    expected = fp8_grouped_mm_triton(rows, packed.values, packed.scales, offsets, config=config)
+    poisoned = torch.full_like(rows, float("nan"))
+    got = fp8_grouped_mm_triton(poisoned, packed.values, packed.scales, offsets, config=config,
+                                activations=(activations.values, activations.scales))
+    assert torch.equal(got[:end].view(torch.int16), expected[:end].view(torch.int16))
+    with pytest.raises(ValueError, match="activations must be"):
+        fp8_grouped_mm_triton(rows, packed.values, packed.scales, offsets,
+                              activations=(activations.values[:, :256], activations.scales))
