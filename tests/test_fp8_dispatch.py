@@ -8,7 +8,7 @@ import torch
 from flatep import EPConfig, EPMoE, ExpertPool, dense_moe, ep_moe, init_group
 from flatep.kernels.fp8_rows import pack_rows_torch, packed_row_bytes, unpack_rows_torch
 from flatep.layer import (
-    _cost_of_this_step, dispatch_step, packed_buffer, plan_step, reads_packed_rows, route, shard_buffers,
+    _cost_of_this_step, buffer_rows, dispatch_step, packed_buffer, plan_step, reads_packed_rows, route, shard_buffers,
 )
 from flatep.kernels.dispatch import real_rows_torch
 from flatep.plan.cost import CostProfile
@@ -34,9 +34,10 @@ def test_layer_equals_the_dense_moe_of_the_quantized_tokens(backend, dedup, poli
     cfg = config(dedup)
     group = init_group("local", ranks=cfg.ranks, device=DEVICE)
     x, ids, weights, w13, w2 = make_inputs(cfg, 9, routing, torch.bfloat16, seed=11)
-    for buffer in (*shard_buffers(group, cfg, policy, torch.bfloat16, FP8),
-                   packed_buffer(group, shard_buffers(group, cfg, policy, torch.bfloat16)[0].shape[-2], cfg.hidden)):
-        buffer.view(torch.int16 if buffer.element_size() == 2 else torch.int32).fill_(-1)  # NaN in every float view
+    # The step's own buffers, poisoned: all-ones bits are NaN in bf16, fp32 and e4m3 alike.
+    poisoned = (*shard_buffers(group, cfg, policy, torch.bfloat16, FP8), packed_buffer(group, buffer_rows(cfg, policy), cfg.hidden))
+    for buffer in poisoned:
+        buffer.view(torch.int16 if buffer.element_size() == 2 else torch.int32).fill_(-1)
     out = ep_moe(x, ids, weights, w13, w2, config=cfg, group=group, policy=policy, backend=backend, dispatch_dtype=FP8)
     assert out.dtype == x.dtype and bool(out.isfinite().all())
     assert relative_error(out, dense_moe(quantized(x), ids, weights, w13, w2)) < tolerance(torch.bfloat16)
