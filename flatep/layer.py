@@ -824,9 +824,11 @@ def ep_moe(
             columns (DeepSeek-V3's activation quantization; ``H + H/32`` bytes instead of ``2H``
             in bf16: :mod:`flatep.kernels.fp8_rows`), as DeepEP's low-latency dispatch does; each
             receiving rank dequantizes its rows into ``x``'s dtype before its experts, so the
-            experts see the quantized activations and combine stays in ``x``'s dtype. Needs
-            ``H % 4 == 0``; inference only (no backward). On a per-process group every rank must
-            pass the same (checked with the step's header; a ``plan`` made outside the step with
+            experts see the quantized activations and combine stays in ``x``'s dtype; fp8 experts
+            (a pool with ``weights="fp8"``) read the dispatched values and scales themselves
+            instead (their own activation quantization is the same: bit-identical to the step
+            without fp8 dispatch). Needs ``H % 4 == 0``; inference only (no backward). On a
+            per-process group every rank must pass the same (checked with the step's header; a ``plan`` made outside the step with
             :func:`plan_step` checks it there when given the same ``dispatch_dtype``).
         backend: ``auto`` (Triton on CUDA or under ``TRITON_INTERPRET=1``), ``triton`` or ``torch``.
         cost: the :class:`flatep.CostProfile` of ``policy="auto"`` (default: the generic one).

@@ -107,7 +107,7 @@ def _cell(
         swiglu_weighted_triton(hidden_states, route_weights, offsets[-1:], activated)
         return torch._grouped_mm(activated, w2.mT, offs=offsets)
 
-    def decode_arm(launches: list[tuple[GemmConfig, tuple[int, int]]]):
+    def decode_arm(launches: list[tuple[GemmConfig, tuple[int, int] | None]]):
         return lambda: decode_swiglu(x, w13, w2, route_weights, offsets, launches, activated, out)
 
     weight_bytes = active * 3 * hidden * inter * 2
@@ -117,8 +117,7 @@ def _cell(
     floor_us = weight_bytes / ceiling_gbps / 1e3
     reference = torch_arm().float()
     arms = {"torch": torch_arm, "decode": decode_arm(launches)}
-    every_group = (0, 2**31 - 1)
-    arms.update({f"decode {dataclasses.astuple(tiles)}": decode_arm([(tiles, every_group)]) for tiles in CANDIDATES})
+    arms.update({f"decode {dataclasses.astuple(tiles)}": decode_arm([(tiles, None)]) for tiles in CANDIDATES})
     arms.update({f"decode split hot {dataclasses.astuple(hot)}": decode_arm(decode_launches(per_group * groups, groups, hot))
                  for hot in HOT_CANDIDATES})
     results = {}

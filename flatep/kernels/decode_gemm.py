@@ -265,7 +265,7 @@ def gate_up_swiglu_triton(
 
 def decode_swiglu(
     rows: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, route_weights: torch.Tensor, offsets: torch.Tensor,
-    launches: list[tuple[GemmConfig, tuple[int, int]]], activated: torch.Tensor, out: torch.Tensor, *,
+    launches: list[tuple[GemmConfig, tuple[int, int] | None]], activated: torch.Tensor, out: torch.Tensor, *,
     slots: tuple[torch.Tensor, torch.Tensor] | None = None, slot_base: int = 0,
 ) -> torch.Tensor:
     """One rank's experts at decode sizes: :func:`gate_up_swiglu_triton` into ``activated [M, I]``

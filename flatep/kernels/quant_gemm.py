@@ -193,12 +193,16 @@ def _round_to_bf16(x):
 
 @triton.jit
 def _act_quant_kernel(
-    x_ptr, q_ptr, s_ptr, end_ptr, stride_x, stride_q, stride_s, K,
+    x_ptr, q_ptr, s_ptr, end_ptr, rows, stride_x, stride_q, stride_s, K,
     BLOCK_M: tl.constexpr, GROUP: tl.constexpr, ROUND_FIRST: tl.constexpr,
 ):
     # Program (row block, column group): the group's e4m3 values and its one fp32 scale per row.
     # The last group of a K that is not a multiple of GROUP is partial (its absent columns count as 0).
-    end = tl.load(end_ptr)
+    # The rows end at end_ptr[0] (read on the device), or at ``rows`` when end_ptr is None.
+    if end_ptr is None:
+        end = rows
+    else:
+        end = tl.load(end_ptr)
     first = tl.program_id(0) * BLOCK_M
     if first >= end:
         return
@@ -449,8 +453,8 @@ def quantize_fp8_activations_triton(rows: torch.Tensor, end: torch.Tensor) -> tu
     scales = torch.empty(count, columns // _FP8_BLOCK, dtype=torch.float32, device=rows.device)
     block_m = 16
     _act_quant_kernel[(triton.cdiv(count, block_m), columns // _FP8_BLOCK)](
-        rows, values, scales, end, rows.stride(0), columns, columns // _FP8_BLOCK, columns, BLOCK_M=block_m, GROUP=_FP8_BLOCK,
-        ROUND_FIRST=interpreting(),
+        rows, values, scales, end, count, rows.stride(0), columns, columns // _FP8_BLOCK, columns,
+        BLOCK_M=block_m, GROUP=_FP8_BLOCK, ROUND_FIRST=interpreting(),
     )
     return values, scales
 
