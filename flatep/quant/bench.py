@@ -52,7 +52,6 @@ CANDIDATES = {
         GemmConfig(32, 128, 128, num_warps=4, num_stages=5, swap_ab=True),
         GemmConfig(64, 128, 128, num_warps=4, num_stages=4),
         GemmConfig(128, 128, 128, num_warps=8, num_stages=4),
-        GemmConfig(128, 256, 128, num_warps=8, num_stages=3),
         GemmConfig(128, 128, 128, num_warps=8, num_stages=4, group_m=16),
     ),
     "mxfp4": (

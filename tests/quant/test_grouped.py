@@ -69,6 +69,8 @@ CASES = [
     ([1, 33, 0, 0], 192, 128, GemmConfig(block_m=32, block_n=128)),
     ([0, 0, 7], 128, 384, None),
     ([5, 0, 19, 2], 256, 256, GemmConfig(block_m=16, block_n=128, swap_ab=True)),
+    # Four column tiles per weight scale block, the last block partial (N = 160).
+    ([4, 11, 0, 6], 160, 256, GemmConfig(block_m=16, block_n=32, swap_ab=True)),
 ]
 
 
@@ -104,6 +106,8 @@ def test_mxfp4_triton_matches_torch(sizes, out_features, in_features, config):
     (lambda r, p, o: fp8_grouped_mm_triton(r, p.values, p.scales, o.long()), "int32"),
     (lambda r, p, o: fp8_grouped_mm_triton(r[:, :128], p.values, p.scales, o), "K=128"),
     (lambda r, p, o: fp8_grouped_mm_triton(r, p.values, p.scales, o, GemmConfig(16, 16, 64)), "block_k"),
+    (lambda r, p, o: fp8_grouped_mm_triton(r, p.values, p.scales, o, GemmConfig(16, 256, 128)), "block_n must divide"),
+    (lambda r, p, o: fp8_grouped_mm_triton(r, p.values, p.scales, o, GemmConfig(16, 96, 128)), "block_n must divide"),
     (lambda r, p, o: quantized_grouped_mm(r[:, :128], p, o), "agree on K"),
     (lambda r, p, o: fp8_grouped_mm_triton(r, p.values, p.scales, o, out=torch.empty_like(r)), "out must be"),
 ])
