@@ -179,10 +179,15 @@ def shard_buffers(
     return (group.buffer("shard", (rows, config.hidden), dtype), group.buffer("shard_weights", (rows,), torch.float32))
 
 
-def check_plan(plan: Layout, topk_ids: torch.Tensor, config: EPConfig, group: Group, policy: str) -> Layout:
+def check_plan(
+    plan: Layout, topk_ids: torch.Tensor, config: EPConfig, group: Group, policy: str,
+    dispatch_dtype: torch.dtype | None = None,
+) -> Layout:
     """Refuse a plan that was not made for this step, before any kernel trusts its destinations.
 
-    Host facts (policy, ``s``, ``K``, config, token counts, rank) raise at once. On the device,
+    Host facts (policy, ``s``, ``K``, config, token counts, rank, whether rows cross in fp8) raise
+    at once. The last keeps the ranks of a per-process group agreeing on ``dispatch_dtype``: they
+    agreed on it in :func:`plan_step`, and each step must pass the one its plan was made for. On the device,
     without synchronising: the ids' fingerprint must equal the plan's (plans from
     :func:`plan_step`), and every planned entry must land inside the real rows of its own
     expert's group on its destination; otherwise the group's ``plan`` error flag is set
@@ -192,6 +197,7 @@ def check_plan(plan: Layout, topk_ids: torch.Tensor, config: EPConfig, group: Gr
     Args:
         plan: a plan (from :func:`plan_step`, or from the planner functions).
         topk_ids: ``[R, s, K]`` (local) or ``[s, K]`` int32 ids of this step (checked already).
+        dispatch_dtype: the step's (see :func:`ep_moe`).
 
     Returns:
         The plan in the split layout, its destinations clamped.
@@ -217,6 +223,10 @@ def check_plan(plan: Layout, topk_ids: torch.Tensor, config: EPConfig, group: Gr
             raise ValueError(f"plan was made for {origin.config}, not {config}")
         if origin.tokens != topk_ids.shape[-2]:
             raise ValueError(f"plan was made for s={origin.tokens} tokens per rank, not {topk_ids.shape[-2]}")
+        if origin.packed_rows != packs_rows(dispatch_dtype):
+            made = "torch.float8_e4m3fn" if origin.packed_rows else "None (rows in x's dtype)"
+            raise ValueError(f"plan was made for dispatch_dtype={made}, not {dispatch_dtype}: pass plan_step the "
+                             f"step's dispatch_dtype")
         group.flag("plan", ids_fingerprint(topk_ids) != origin.fingerprint)
     plan = split_slot_rows(plan)
     ranks, experts = config.ranks, config.experts
@@ -357,7 +367,8 @@ def plan_step(
             raise ValueError(f"tokens must be this rank's token count (an int) on a per-process group, got {tokens!r}")
         plan = _plan_this_rank(ids, config, group, policy, tokens, dtype, cost, packs_rows(dispatch_dtype))
         counts = tokens
-    made_for = MadeFor(config=config, policy=policy, tokens=ids.shape[-2], counts=counts, fingerprint=ids_fingerprint(ids))
+    made_for = MadeFor(config=config, policy=policy, tokens=ids.shape[-2], counts=counts, fingerprint=ids_fingerprint(ids),
+                       packed_rows=packs_rows(dispatch_dtype))
     return dataclasses.replace(split_slot_rows(plan), made_for=made_for)
 
 
@@ -828,8 +839,9 @@ def ep_moe(
             (a pool with ``weights="fp8"``) read the dispatched values and scales themselves
             instead (their own activation quantization is the same: bit-identical to the step
             without fp8 dispatch). Needs ``H % 4 == 0``; inference only (no backward). On a
-            per-process group every rank must pass the same (checked with the step's header; a ``plan`` made outside the step with
-            :func:`plan_step` checks it there when given the same ``dispatch_dtype``).
+            per-process group every rank must pass the same (checked with the step's header); a
+            ``plan`` from :func:`plan_step` must have been made with the same ``dispatch_dtype``
+            (checked), so the ranks agree through it.
         backend: ``auto`` (Triton on CUDA or under ``TRITON_INTERPRET=1``), ``triton`` or ``torch``.
         cost: the :class:`flatep.CostProfile` of ``policy="auto"`` (default: the generic one).
         comm_programs: at most this many programs (thread blocks) for each of the dispatch,
@@ -915,7 +927,7 @@ def ep_moe(
         # Per-process ranks agree on the step while planning, before the pool's collective allocation.
         plan = plan_step(topk_ids, config, group, policy, dtype=x.dtype, cost=cost, dispatch_dtype=dispatch_dtype)
     else:
-        plan = check_plan(plan, topk_ids, config, group, policy)
+        plan = check_plan(plan, topk_ids, config, group, policy, dispatch_dtype)
         if _checks_now(group):
             group.check()  # a plan made for other ids raises before any kernel trusts it
     if training:

@@ -103,6 +103,25 @@ def test_bad_dispatch_dtypes_are_refused_before_any_kernel():
         ep_moe(x.requires_grad_(), ids, weights, w13, w2, config=cfg, group=group, dispatch_dtype=FP8)
 
 
+def test_a_plan_is_refused_for_another_dispatch_dtype_than_it_was_made_for():
+    # On a per-process group the ranks agree on dispatch_dtype in plan_step; a step with a
+    # prebuilt plan must use that one, so that no rank sends rows the others do not expect.
+    cfg = config(False)
+    group = init_group("local", ranks=cfg.ranks, device=DEVICE)
+    x, ids, weights, w13, w2 = make_inputs(cfg, 9, 2.0, torch.bfloat16, seed=3)
+    rows_plan, fp8_plan = plan_step(ids, cfg, group), plan_step(ids, cfg, group, dispatch_dtype=FP8)
+    with pytest.raises(ValueError, match="plan was made for dispatch_dtype=None"):
+        ep_moe(x, ids, weights, w13, w2, config=cfg, group=group, plan=rows_plan, dispatch_dtype=FP8)
+    with pytest.raises(ValueError, match="plan was made for dispatch_dtype=torch.float8_e4m3fn, not None"):
+        ep_moe(x, ids, weights, w13, w2, config=cfg, group=group, plan=fp8_plan)
+    # x's own dtype named explicitly is the same step as None.
+    expected = ep_moe(x, ids, weights, w13, w2, config=cfg, group=group, plan=rows_plan)
+    assert torch.equal(ep_moe(x, ids, weights, w13, w2, config=cfg, group=group, plan=rows_plan,
+                              dispatch_dtype=torch.bfloat16), expected)
+    out = ep_moe(x, ids, weights, w13, w2, config=cfg, group=group, plan=fp8_plan, dispatch_dtype=FP8)
+    assert torch.equal(out, ep_moe(x, ids, weights, w13, w2, config=cfg, group=group, dispatch_dtype=FP8))
+
+
 def test_auto_prices_an_entry_at_a_packed_row_out_and_a_bf16_row_back():
     cfg = config(False, hidden=7168)
     cost = _cost_of_this_step(None, None, None, cfg, torch.bfloat16, FP8)

@@ -48,6 +48,8 @@ class MadeFor:
         counts: real tokens per rank as given to the planner (``None``: ``s`` everywhere).
         fingerprint: :func:`ids_fingerprint` of the ids it was planned from, ``[n, 2]`` int64 on
             their device (``n`` = ranks this process drives).
+        packed_rows: whether its step dispatches packed fp8 rows (``dispatch_dtype``); the
+            ranks of a per-process group agreed on it while planning.
     """
 
     config: EPConfig
@@ -55,6 +57,7 @@ class MadeFor:
     tokens: int
     counts: tuple[int, ...] | int | None
     fingerprint: torch.Tensor
+    packed_rows: bool = False
 
 
 @dataclass(repr=False)
