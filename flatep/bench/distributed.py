@@ -35,7 +35,7 @@ from flatep.bench.accounting import PHASES, carried, link_model_us, rank_link_by
 from flatep.bench.timing import copy_ceiling_gbps, device_name, gemm_ceiling_tflops, time_us
 from flatep.config import MODEL_SHAPES, EPConfig, preset
 from flatep.experts.pool import ExpertPool
-from flatep.kernels.fp8_rows import DISPATCH_FORMATS, packed_row_bytes, packs_rows
+from flatep.kernels.fp8_rows import DISPATCH_FORMATS, dispatch_row_bytes
 from flatep.layer import combine_step, dispatch_step, ep_moe, experts_step, plan_step
 from flatep.routing import sigma_for_maxvio, skewed_topk
 from flatep.transport import init_group
@@ -95,7 +95,7 @@ def _ep_cell(
     dist.all_to_all_single(rows_in, rows_out)
     rank = group.first_rank
     row_bytes = config.hidden * x.element_size()
-    sent_row_bytes = packed_row_bytes(config.hidden) if packs_rows(dispatch_dtype) else row_bytes
+    sent_row_bytes = dispatch_row_bytes(config.hidden, x.element_size(), dispatch_dtype)
     link_bytes = rank_link_bytes(plan, sent_row_bytes, config.expert_bytes(x.element_size()),
                                  int(rows_in.sum() - rows_in[rank]), combine_row_bytes=row_bytes)
     if group.static_splits:

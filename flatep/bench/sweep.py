@@ -30,7 +30,7 @@ import torch
 import yaml
 
 from flatep.bench.accounting import carried, link_model_us, plan_link_bytes, push_tables
-from flatep.kernels.fp8_rows import DISPATCH_FORMATS, check_dispatch_dtype, entry_link_bytes, packed_row_bytes, packs_rows
+from flatep.kernels.fp8_rows import DISPATCH_FORMATS, check_dispatch_dtype, dispatch_row_bytes, entry_link_bytes, packs_rows
 from flatep.bench.timing import (
     Timing, copy_ceiling_gbps, device_name, gemm_ceiling_tflops, read_ceiling_gbps, time_interleaved, time_stats,
 )
@@ -556,7 +556,7 @@ def _ep_row(
     slots_per_rank = (plan.slot_experts >= 0).sum(1).cpu()
     borrowed = int(slots_per_rank.sum())
     # Dispatch sends rows in the sweep's dispatch format; combine returns rows of x's dtype.
-    sent_row_bytes = packed_row_bytes(hidden) if packs_rows(sweep.dispatch_dtype()) else hidden * element
+    sent_row_bytes = dispatch_row_bytes(hidden, element, sweep.dispatch_dtype())
     link_bytes = plan_link_bytes(plan, sent_row_bytes, expert_bytes, combine_row_bytes=hidden * element)
     # Rows each rank's dispatch sends (one per token and destination rank with dedup), and those that leave it.
     sent = carried(plan).reshape(ranks, -1)

@@ -68,11 +68,16 @@ def packed_row_bytes(hidden: int) -> int:
     return 4 * packed_words(hidden)
 
 
+def dispatch_row_bytes(hidden: int, element_size: int, dispatch_dtype: torch.dtype | None) -> int:
+    """Bytes of one row as dispatch sends it: packed with fp8 dispatch, else ``H`` elements of
+    ``element_size`` bytes (combine always sends the latter)."""
+    return packed_row_bytes(hidden) if packs_rows(dispatch_dtype) else hidden * element_size
+
+
 def entry_link_bytes(hidden: int, element_size: int, dispatch_dtype: torch.dtype | None) -> int:
-    """Link bytes of one entry in dispatch plus combine: its row out (packed with fp8 dispatch, else
-    ``H`` elements), its fp32 route weight, and a row of ``H`` elements back."""
-    row = hidden * element_size
-    return (packed_row_bytes(hidden) if packs_rows(dispatch_dtype) else row) + 4 + row
+    """Link bytes of one entry in dispatch plus combine: its row out, its fp32 route weight, and a
+    row of ``H`` elements back."""
+    return dispatch_row_bytes(hidden, element_size, dispatch_dtype) + 4 + hidden * element_size
 
 
 def _views(packed: torch.Tensor, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
