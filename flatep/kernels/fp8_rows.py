@@ -202,5 +202,8 @@ def unpack_real_rows_triton(
 
 
 def unpack_real_rows_torch(packed: torch.Tensor, out: torch.Tensor, real: torch.Tensor) -> None:
-    """Plain-torch :func:`unpack_real_rows_triton`: ``packed [n, rows, W]``, ``out [n, rows, H]``, ``real [n, rows] bool``."""
-    out[real] = unpack_rows_torch(packed[real], out.shape[-1], out.dtype)
+    """Plain-torch :func:`unpack_real_rows_triton`: ``packed [n, rows, W]``, ``out [n, rows, H]``, ``real [n, rows] bool``.
+
+    Every row is unpacked and the real ones selected, rather than indexing by the mask, which would
+    read the number of real rows on the host (a synchronisation on CUDA)."""
+    out.copy_(torch.where(real.unsqueeze(-1), unpack_rows_torch(packed, out.shape[-1], out.dtype), out))
