@@ -26,7 +26,7 @@ from flatep.bench.timing import copy_ceiling_gbps, device_name, time_us
 from flatep.config import preset
 from flatep.kernels.combine import combine_triton
 from flatep.kernels.dispatch import dispatch_triton
-from flatep.kernels.push import push_triton
+from flatep.kernels.push import PoolCopy, push_triton
 from flatep.layer import link_buffer
 from flatep.plan.reference import make_plan
 from flatep.routing import skewed_topk
@@ -40,9 +40,8 @@ def _time_push(group: LocalGroup, config, plan, ceiling: float, timing: dict) ->
     slots = group.symmetric_empty(shape, torch.bfloat16)
     pushed = int((plan.slot_experts >= 0).sum())
     numel = home[0, 0].numel()
-    push_us = time_us(lambda: push_triton(
-        home, group.peer_offsets(home), slots, group.peer_offsets(slots), plan.slot_experts, 0, config.ranks, numel,
-    ), home.device, **timing)
+    pool = PoolCopy(home, group.peer_offsets(home), slots, group.peer_offsets(slots), numel)
+    push_us = time_us(lambda: push_triton([pool], plan.slot_experts, 0, config.ranks), home.device, **timing)
     return pushed, push_us, (2 * pushed * numel * 2 / push_us / 1e3 / ceiling if pushed else 0.0)
 
 

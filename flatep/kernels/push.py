@@ -1,15 +1,23 @@
 """Weight push: owners copy each borrowed expert into the receiver's slot for one step.
 
 Home pools and slots are symmetric buffers laid out ``[epn, numel]`` per rank. One persistent
-copy kernel per pool: every program reads the plan's slot table, lists (in registers) the slots
-this process must fill, and copies a strided share of the chunks of each listed expert. Grid sizes
-depend only on the device (and an optional cap on the programs), never on the routing, and
-nothing waits on the host. Pools are copied as the widest integers their rows allow
-(:func:`copy_views`): the kernel cannot know that peer addresses are aligned, so each element is
-one memory access, and 8-byte elements move 4x (bf16) to 8x (fp8, packed mxfp4) the bytes per
-access of the pools' own types.
+copy kernel moves every pool of a layer (values, scales, biases) in one launch: every program
+reads the plan's slot table, lists (in registers) the slots this process must fill, and copies a
+strided share of the chunks of each listed expert in each pool. Each (expert, pool) segment
+starts at the program after the one that took the previous segment's last chunk, so the programs'
+shares of all segments together differ by at most one chunk (a pool of scales, a few dozen
+chunks an expert, does not leave most programs idle; an expert whose chunks do not divide evenly
+does not cost a whole round). One launch for all pools pays the launch and the table scan once:
+a packed pool has twice the tensors of a bf16 one (values and scales), and on the H200 each
+launch cost about 5 us. Grid sizes depend only on the device (and an optional cap on the
+programs), never on the routing, and nothing waits on the host. Pools are copied as the widest
+integers all their rows allow (:func:`copy_views`): the kernel cannot know that peer addresses are
+aligned, so each element is one memory access, and 8-byte elements move 4x (bf16) to 8x (fp8,
+packed mxfp4) the bytes per access of the pools' own types.
 """
 from __future__ import annotations
+
+from typing import NamedTuple, Sequence
 
 import torch
 import triton
@@ -20,9 +28,10 @@ from flatep.kernels.backend import check_programs
 
 @triton.jit
 def _push_kernel(
-    home_ptr, home_peers_ptr, slots_ptr, slot_peers_ptr, slot_experts_ptr, numel, first_rank, local_ranks,
+    homes, home_peers, slots, slot_peers, numels, slot_experts_ptr, first_rank, local_ranks,
     SLOTS: tl.constexpr, SLOTS_BLOCK: tl.constexpr, EPN: tl.constexpr, BLOCK: tl.constexpr,
 ):
+    # homes, home_peers, slots, slot_peers, numels: tuples with one entry per pool.
     program = tl.program_id(0)
     programs = tl.num_programs(0)
     # The slots whose expert one of this process's ranks owns, numbered in slot order.
@@ -32,21 +41,24 @@ def _push_kernel(
     mine = (table >= 0) & (owners >= first_rank) & (owners < first_rank + local_ranks)
     position = tl.cumsum(mine.to(tl.int32), axis=0) - 1
     count = tl.sum(mine.to(tl.int32), axis=0)
-    # Pools exceed 2**31 elements at real sizes (Kimi-K3: 224 experts x 22M): index in int64.
-    expert_stride = tl.full([], numel, tl.int64)
     block = tl.full([], BLOCK, tl.int64)  # chunk * BLOCK may pass 2**31 near the end of a large expert
-    chunks = tl.cdiv(numel, BLOCK)
+    taken = tl.full([], 0, tl.int32)  # chunks of the segments so far: the next starts at program taken % programs
     for index in range(count):
         slot = tl.sum(tl.where(mine & (position == index), slot_ids, 0), axis=0)
         expert = tl.load(slot_experts_ptr + slot)
         owner = expert // EPN
         receiver = slot // EPN
-        source = home_ptr + tl.load(home_peers_ptr + owner) + (expert - owner * EPN) * expert_stride
-        target = slots_ptr + tl.load(slot_peers_ptr + receiver) + (slot % EPN) * expert_stride
-        for chunk in range(program, chunks, programs):
-            column = chunk * block + tl.arange(0, BLOCK)
-            mask = column < numel
-            tl.store(target + column, tl.load(source + column, mask=mask), mask=mask)
+        for pool in tl.static_range(len(homes)):
+            # Pools exceed 2**31 elements at real sizes (Kimi-K3: 224 experts x 22M): index in int64.
+            numel = tl.full([], numels[pool], tl.int64)
+            source = homes[pool] + tl.load(home_peers[pool] + owner) + (expert - owner * EPN) * numel
+            target = slots[pool] + tl.load(slot_peers[pool] + receiver) + (slot % EPN) * numel
+            chunks = tl.cdiv(numels[pool], BLOCK)
+            for chunk in range((program + programs - taken % programs) % programs, chunks, programs):
+                column = chunk * block + tl.arange(0, BLOCK)
+                mask = column < numel
+                tl.store(target + column, tl.load(source + column, mask=mask), mask=mask)
+            taken += chunks
 
 
 def push_programs(device: torch.device, programs: int | None = None) -> int:
@@ -89,34 +101,50 @@ def copy_views(*pools: torch.Tensor) -> tuple[torch.Tensor, ...]:
     raise AssertionError("a one-byte view always fits")
 
 
+class PoolCopy(NamedTuple):
+    """One pool of a layer as the push kernel takes it.
+
+    Attributes:
+        home: base of this process's home pool, ``[.., epn, *expert_shape]``, contiguous, as the
+            element type of :func:`copy_views` (the same for every pool of one launch).
+        home_peers: ``[R] int64`` element offsets of every rank's home pool from ``home``'s base.
+        slots: base of this process's slots of that pool, shaped like ``home``.
+        slot_peers: ``[R] int64`` element offsets of every rank's slots from ``slots``' base.
+        expert_numel: elements of one expert in this pool.
+    """
+
+    home: torch.Tensor
+    home_peers: torch.Tensor
+    slots: torch.Tensor
+    slot_peers: torch.Tensor
+    expert_numel: int
+
+
 def push_triton(
-    home: torch.Tensor,
-    home_peers: torch.Tensor,
-    slots: torch.Tensor,
-    slot_peers: torch.Tensor,
+    pools: Sequence[PoolCopy],
     slot_experts: torch.Tensor,
     first_rank: int,
     local_ranks: int,
-    expert_numel: int,
     programs: int | None = None,
 ) -> None:
-    """Copy every expert lent by this process's ranks into its receivers' slots.
+    """Copy every expert lent by this process's ranks into its receivers' slots, in every pool, in one launch.
 
     Args:
-        home: base of this process's home pool of one projection, ``[.., epn, *expert_shape]``, contiguous.
-        home_peers: ``[R] int64`` element offsets of every rank's home pool from ``home``'s base.
-        slots: base of this process's slots of that projection, shaped like ``home``.
-        slot_peers: ``[R] int64`` element offsets of every rank's slots from ``slots``' base.
+        pools: the layer's pools (at least one), all viewed as one element type.
         slot_experts: ``[R, epn]`` int32 global id borrowed into each slot (``-1`` empty).
         first_rank, local_ranks: the ranks this process drives, ``[first_rank, first_rank + local_ranks)``.
-        expert_numel: elements of one expert in this projection.
         programs: at most this many copy programs (default 4 per SM), to leave SMs to work
             running beside the push; the bytes copied do not depend on it.
     """
+    if not pools or len({pool.home.dtype for pool in pools}) != 1:
+        raise ValueError(f"pools must be one or more views of one element type, got {[p.home.dtype for p in pools]}")
+    home = pools[0].home
     grid = (push_programs(home.device, programs),)
     ranks, epn = slot_experts.shape
     _push_kernel[grid](
-        home, home_peers, slots, slot_peers, slot_experts, expert_numel, first_rank, local_ranks,
+        tuple(pool.home for pool in pools), tuple(pool.home_peers for pool in pools),
+        tuple(pool.slots for pool in pools), tuple(pool.slot_peers for pool in pools),
+        tuple(pool.expert_numel for pool in pools), slot_experts, first_rank, local_ranks,
         SLOTS=ranks * epn, SLOTS_BLOCK=triton.next_power_of_2(ranks * epn), EPN=epn, BLOCK=chunk_elements(home),
         num_warps=8,
     )

@@ -14,7 +14,7 @@ from abc import ABC, abstractmethod
 import torch
 
 from flatep.kernels.backend import use_triton
-from flatep.kernels.push import copy_views, push_torch, push_triton
+from flatep.kernels.push import PoolCopy, copy_views, push_torch, push_triton
 
 
 def join_process_group(process_group, transport: str):
@@ -155,9 +155,6 @@ class Group(ABC):
     ) -> None:
         """Copy every expert lent by this process's ranks into its receivers' slots (one projection).
 
-        The default moves weights through the peer offset tables (the push kernel); transports
-        without addressable peers override it.
-
         Args:
             home: this process's home pool of one projection, ``[n, epn, *expert_shape]`` when
                 stacked, else ``[epn, *expert_shape]``; contiguous, from :meth:`symmetric_empty`.
@@ -166,25 +163,33 @@ class Group(ABC):
             backend: ``auto``, ``triton`` or ``torch`` (see :func:`flatep.kernels.backend.use_triton`).
             programs: cap on the push kernel's programs (``None``: its default, 4 per SM).
         """
-        if use_triton(home.device, backend):
-            home, slots = copy_views(home, slots)
-            numel = home[0, 0].numel() if self.stacked else home[0].numel()
-            push_triton(home, self.peer_offsets(home), slots, self.peer_offsets(slots), slot_experts,
-                        self.first_rank, len(self.local_ranks), numel, programs)
-        elif self.stacked:
-            push_torch(home, slots, slot_experts)
-        else:
-            raise ValueError("the torch push path needs the local transport (stacked pools)")
+        self.push_pools([(home, slots)], slot_experts, backend, programs)
 
     def push_pools(
         self, pools: list[tuple[torch.Tensor, torch.Tensor]], slot_experts: torch.Tensor, backend: str = "auto",
         programs: int | None = None,
     ) -> None:
         """:meth:`push_experts` for every ``(home, slots)`` pair of a layer (values, scales, biases),
-        one step's slot table for all; transports that read the table on the host override it to
-        read it once."""
-        for home, slots in pools:
-            self.push_experts(home, slots, slot_experts, backend, programs)
+        one step's slot table for all.
+
+        The default moves weights through the peer offset tables: one launch of the push kernel
+        for all pools (:func:`flatep.kernels.push.push_triton`), or the torch copies on the local
+        transport. Transports without addressable peers override it.
+        """
+        if not pools:
+            return
+        if use_triton(pools[0][0].device, backend):
+            views = copy_views(*(tensor for pair in pools for tensor in pair))
+            copies = []
+            for home, slots in zip(views[0::2], views[1::2]):
+                numel = home[0, 0].numel() if self.stacked else home[0].numel()
+                copies.append(PoolCopy(home, self.peer_offsets(home), slots, self.peer_offsets(slots), numel))
+            push_triton(copies, slot_experts, self.first_rank, len(self.local_ranks), programs)
+        elif self.stacked:
+            for home, slots in pools:
+                push_torch(home, slots, slot_experts)
+        else:
+            raise ValueError("the torch push path needs the local transport (stacked pools)")
 
     @abstractmethod
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:

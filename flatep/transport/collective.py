@@ -533,26 +533,14 @@ class CollectiveGroup(Group):
         gathered[order] = torch.where((entry_slot >= 0).unsqueeze(1), returned[peer, entry_slot.clamp_min(0)], 0)
         return gathered.view(tokens, top_k, -1)
 
-    def push_experts(
-        self, home: torch.Tensor, slots: torch.Tensor, slot_experts: torch.Tensor, backend: str = "auto",
-        programs: int | None = None,
-    ) -> None:
-        """Send each borrowed expert from its owner into the receiver's slot (one projection).
-
-        Args:
-            home: this rank's home pool ``[epn, *expert_shape]``.
-            slots: this rank's slots, shaped like ``home``.
-            slot_experts: ``[R, epn]`` int32 from the plan (``-1`` = empty slot); read on the host.
-            backend, programs: ignored (no kernel runs here); accepted for the common interface.
-        """
-        self.push_pools([(home, slots)], slot_experts)
-
     def push_pools(
         self, pools: list[tuple[torch.Tensor, torch.Tensor]], slot_experts: torch.Tensor, backend: str = "auto",
         programs: int | None = None,
     ) -> None:
-        """:meth:`push_experts` for every pool of a layer: the slot table read once, all messages in
-        one batch (each tagged by its pool and slot)."""
+        """:meth:`push_experts` for every pool of a layer as messages, point to point from each
+        owner to each receiver: the slot table read on the host once, all messages in one batch
+        (each tagged by its pool and slot); ``backend`` and ``programs`` are ignored (no kernel
+        runs here)."""
         refuse_capture("push of borrowed experts", "capture steps that borrow nothing (policy='none') with "
                        "static_splits=True, or run borrowing steps eagerly")
         epn = slot_experts.shape[1]

@@ -163,6 +163,35 @@ def test_push_of_one_byte_pools_copies_them_in_chunks_of_the_same_bytes(backend,
     assert bool((slots[0, 1] == 0xAB).all()) and bool((slots[1, 0] == 0xAB).all())
 
 
+@pytest.mark.parametrize("backend", TRITON_BACKENDS)
+@pytest.mark.parametrize("programs", [None, 1, 3])
+@pytest.mark.parametrize("columns", [(20_001, 7, 1024), (20_000, 8, 1024)])  # one-byte, then int64 copy views
+def test_one_push_moves_every_pool_of_a_layer_whatever_its_type_and_size(backend, programs, columns):
+    """Values, scales and biases in one launch: pools of a few chunks an expert and of less than one
+    (most programs get no chunk of them), any cap on the programs; slots not lent stay untouched."""
+    group = init_group("local", ranks=3, device=DEVICE)
+    generator = torch.Generator().manual_seed(sum(columns) + (programs or 0))
+    pools = []
+    for dtype, width in zip((torch.uint8, torch.float32, torch.bfloat16), columns):
+        home = group.symmetric_empty((2, 3, width), dtype)
+        home.view(torch.uint8).copy_(torch.randint(0, 256, home.view(torch.uint8).shape, generator=generator,
+                                                   dtype=torch.uint8).to(DEVICE))
+        slots = group.symmetric_empty((2, 3, width), dtype)
+        slots.view(torch.uint8).fill_(0xAB)
+        pools.append((home, slots))
+    # [R, epn]: rank 0 borrows expert 3 (owned by rank 1), rank 1 experts 0 and 5, rank 2 expert 2.
+    table = torch.tensor([[3, -1], [0, 5], [-1, 2]], dtype=torch.int32, device=DEVICE)
+    group.push_pools(pools, table, backend, programs)
+    for home, slots in pools:
+        for rank, borrowed in enumerate(table.tolist()):
+            for slot, expert in enumerate(borrowed):
+                got = slots[rank, slot].view(torch.uint8)
+                if expert < 0:
+                    assert bool((got == 0xAB).all())
+                else:
+                    assert torch.equal(got, home[expert // 2, expert % 2].view(torch.uint8)), (home.dtype, rank, slot)
+
+
 @pytest.mark.parametrize(("dtype", "columns", "expected"), [
     (torch.bfloat16, 7168, torch.int64), (torch.bfloat16, 6, torch.int32), (torch.bfloat16, 3, torch.int16),
     (torch.uint8, 224, torch.int64), (torch.uint8, 6, torch.int16), (torch.uint8, 5, torch.uint8),
