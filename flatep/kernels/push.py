@@ -10,10 +10,11 @@ chunks an expert, does not leave most programs idle; an expert whose chunks do n
 does not cost a whole round). One launch for all pools pays the launch and the table scan once:
 a packed pool has twice the tensors of a bf16 one (values and scales), and on the H200 each
 launch cost about 5 us. Grid sizes depend only on the device (and an optional cap on the
-programs), never on the routing, and nothing waits on the host. Pools are copied as the widest
-integers all their rows allow (:func:`copy_views`): the kernel cannot know that peer addresses are
-aligned, so each element is one memory access, and 8-byte elements move 4x (bf16) to 8x (fp8,
-packed mxfp4) the bytes per access of the pools' own types.
+programs), never on the routing, and nothing waits on the host. Each pool is copied as the
+widest integers its rows allow (:func:`copy_views`): the kernel cannot know that peer addresses
+are aligned, so each element is one memory access, and 8-byte elements move 4x (bf16) to 8x (fp8,
+packed mxfp4) the bytes per access of the pools' own types. Pools keep their own element types in
+one launch (a pool of odd-sized scales rows does not narrow the values' copies).
 """
 from __future__ import annotations
 
@@ -105,8 +106,8 @@ class PoolCopy(NamedTuple):
     """One pool of a layer as the push kernel takes it.
 
     Attributes:
-        home: base of this process's home pool, ``[.., epn, *expert_shape]``, contiguous, as the
-            element type of :func:`copy_views` (the same for every pool of one launch).
+        home: base of this process's home pool, ``[.., epn, *expert_shape]``, contiguous, viewed
+            as the element type of :func:`copy_views` (with ``slots``).
         home_peers: ``[R] int64`` element offsets of every rank's home pool from ``home``'s base.
         slots: base of this process's slots of that pool, shaped like ``home``.
         slot_peers: ``[R] int64`` element offsets of every rank's slots from ``slots``' base.
@@ -130,22 +131,26 @@ def push_triton(
     """Copy every expert lent by this process's ranks into its receivers' slots, in every pool, in one launch.
 
     Args:
-        pools: the layer's pools (at least one), all viewed as one element type.
+        pools: the layer's pools (at least one).
         slot_experts: ``[R, epn]`` int32 global id borrowed into each slot (``-1`` empty).
         first_rank, local_ranks: the ranks this process drives, ``[first_rank, first_rank + local_ranks)``.
         programs: at most this many copy programs (default 4 per SM), to leave SMs to work
             running beside the push; the bytes copied do not depend on it.
     """
-    if not pools or len({pool.home.dtype for pool in pools}) != 1:
-        raise ValueError(f"pools must be one or more views of one element type, got {[p.home.dtype for p in pools]}")
+    if not pools or any(pool.home.dtype != pool.slots.dtype for pool in pools):
+        raise ValueError(f"pools must be one or more, home and slots of one element type each, got "
+                         f"{[(pool.home.dtype, pool.slots.dtype) for pool in pools]}")
     home = pools[0].home
     grid = (push_programs(home.device, programs),)
+    # One chunk length for all pools (a constexpr): that of the widest elements, so that no chunk
+    # exceeds chunk_elements' bytes.
+    block = min(chunk_elements(pool.home) for pool in pools)
     ranks, epn = slot_experts.shape
     _push_kernel[grid](
         tuple(pool.home for pool in pools), tuple(pool.home_peers for pool in pools),
         tuple(pool.slots for pool in pools), tuple(pool.slot_peers for pool in pools),
         tuple(pool.expert_numel for pool in pools), slot_experts, first_rank, local_ranks,
-        SLOTS=ranks * epn, SLOTS_BLOCK=triton.next_power_of_2(ranks * epn), EPN=epn, BLOCK=chunk_elements(home),
+        SLOTS=ranks * epn, SLOTS_BLOCK=triton.next_power_of_2(ranks * epn), EPN=epn, BLOCK=block,
         num_warps=8,
     )
 

@@ -179,9 +179,8 @@ class Group(ABC):
         if not pools:
             return
         if use_triton(pools[0][0].device, backend):
-            views = copy_views(*(tensor for pair in pools for tensor in pair))
             copies = []
-            for home, slots in zip(views[0::2], views[1::2]):
+            for home, slots in (copy_views(*pair) for pair in pools):
                 numel = home[0, 0].numel() if self.stacked else home[0].numel()
                 copies.append(PoolCopy(home, self.peer_offsets(home), slots, self.peer_offsets(slots), numel))
             push_triton(copies, slot_experts, self.first_rank, len(self.local_ranks), programs)
