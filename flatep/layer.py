@@ -181,13 +181,14 @@ def shard_buffers(
 
 def check_plan(
     plan: Layout, topk_ids: torch.Tensor, config: EPConfig, group: Group, policy: str,
-    dispatch_dtype: torch.dtype | None = None,
+    dispatch_dtype: torch.dtype | None = None, dtype: torch.dtype | None = None,
 ) -> Layout:
     """Refuse a plan that was not made for this step, before any kernel trusts its destinations.
 
-    Host facts (policy, ``s``, ``K``, config, token counts, rank, whether rows cross in fp8) raise
-    at once. The last keeps the ranks of a per-process group agreeing on ``dispatch_dtype``: they
-    agreed on it in :func:`plan_step`, and each step must pass the one its plan was made for. On the device,
+    Host facts (policy, ``s``, ``K``, config, token counts, rank, whether rows cross in fp8, the
+    activation dtype if the plan recorded one) raise at once. The last two keep the ranks of a
+    per-process group agreeing on ``dispatch_dtype`` and on ``x``'s dtype: they agreed on them in
+    :func:`plan_step`, and each step must pass the ones its plan was made for. On the device,
     without synchronising: the ids' fingerprint must equal the plan's (plans from
     :func:`plan_step`), and every planned entry must land inside the real rows of its own
     expert's group on its destination; otherwise the group's ``plan`` error flag is set
@@ -198,6 +199,7 @@ def check_plan(
         plan: a plan (from :func:`plan_step`, or from the planner functions).
         topk_ids: ``[R, s, K]`` (local) or ``[s, K]`` int32 ids of this step (checked already).
         dispatch_dtype: the step's (see :func:`ep_moe`).
+        dtype: the step's activation dtype (``x``'s).
 
     Returns:
         The plan in the split layout, its destinations clamped.
@@ -227,6 +229,8 @@ def check_plan(
             made = "torch.float8_e4m3fn" if origin.packed_rows else "None (rows in x's dtype)"
             raise ValueError(f"plan was made for dispatch_dtype={made}, not {dispatch_dtype}: pass plan_step the "
                              f"step's dispatch_dtype")
+        if origin.dtype is not None and dtype is not None and origin.dtype != dtype:
+            raise ValueError(f"plan was made for activations in {origin.dtype} (plan_step's dtype), not {dtype}")
         group.flag("plan", ids_fingerprint(topk_ids) != origin.fingerprint)
     plan = split_slot_rows(plan)
     ranks, experts = config.ranks, config.experts
@@ -321,7 +325,8 @@ def plan_step(
         policy: ``exact``, ``bounded``, ``none`` or ``auto``.
         tokens: real tokens per rank, rows beyond are padding: ``[R]`` counts on the local
             transport, this rank's count (an int) on a per-process one (default ``s``).
-        dtype: activation dtype the ranks must agree on (per-process groups; ``None``: not checked).
+        dtype: activation dtype the ranks must agree on (per-process groups; ``None``: not
+            checked); a step given the plan must then run in it.
         cost: the :class:`flatep.CostProfile` of ``policy="auto"`` (per-process ranks must pass the same).
         dispatch_dtype: ``torch.float8_e4m3fn`` if the step will dispatch fp8 rows (per-process
             groups: the ranks must agree; see :func:`ep_moe`).
@@ -368,7 +373,7 @@ def plan_step(
         plan = _plan_this_rank(ids, config, group, policy, tokens, dtype, cost, packs_rows(dispatch_dtype))
         counts = tokens
     made_for = MadeFor(config=config, policy=policy, tokens=ids.shape[-2], counts=counts, fingerprint=ids_fingerprint(ids),
-                       packed_rows=packs_rows(dispatch_dtype))
+                       packed_rows=packs_rows(dispatch_dtype), dtype=dtype)
     return dataclasses.replace(split_slot_rows(plan), made_for=made_for)
 
 
@@ -927,7 +932,7 @@ def ep_moe(
         # Per-process ranks agree on the step while planning, before the pool's collective allocation.
         plan = plan_step(topk_ids, config, group, policy, dtype=x.dtype, cost=cost, dispatch_dtype=dispatch_dtype)
     else:
-        plan = check_plan(plan, topk_ids, config, group, policy, dispatch_dtype)
+        plan = check_plan(plan, topk_ids, config, group, policy, dispatch_dtype, x.dtype)
         if _checks_now(group):
             group.check()  # a plan made for other ids raises before any kernel trusts it
     if training:

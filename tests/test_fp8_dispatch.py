@@ -103,7 +103,7 @@ def test_bad_dispatch_dtypes_are_refused_before_any_kernel():
         ep_moe(x.requires_grad_(), ids, weights, w13, w2, config=cfg, group=group, dispatch_dtype=FP8)
 
 
-def test_a_plan_is_refused_for_another_dispatch_dtype_than_it_was_made_for():
+def test_a_plan_is_refused_for_another_dispatch_dtype_or_activation_dtype_than_it_was_made_for():
     # On a per-process group the ranks agree on dispatch_dtype in plan_step; a step with a
     # prebuilt plan must use that one, so that no rank sends rows the others do not expect.
     cfg = config(False)
@@ -120,6 +120,12 @@ def test_a_plan_is_refused_for_another_dispatch_dtype_than_it_was_made_for():
                               dispatch_dtype=torch.bfloat16), expected)
     out = ep_moe(x, ids, weights, w13, w2, config=cfg, group=group, plan=fp8_plan, dispatch_dtype=FP8)
     assert torch.equal(out, ep_moe(x, ids, weights, w13, w2, config=cfg, group=group, dispatch_dtype=FP8))
+    # Likewise the activation dtype, where plan_step was given one.
+    fp32_plan = plan_step(ids, cfg, group, dtype=torch.float32)
+    with pytest.raises(ValueError, match="plan was made for activations in torch.float32"):
+        ep_moe(x, ids, weights, w13, w2, config=cfg, group=group, plan=fp32_plan)
+    assert torch.equal(ep_moe(x.float(), ids, weights, w13.float(), w2.float(), config=cfg, group=group, plan=fp32_plan),
+                       ep_moe(x.float(), ids, weights, w13.float(), w2.float(), config=cfg, group=group))
 
 
 def test_auto_prices_an_entry_at_a_packed_row_out_and_a_bf16_row_back():

@@ -50,6 +50,8 @@ class MadeFor:
             their device (``n`` = ranks this process drives).
         packed_rows: whether its step dispatches packed fp8 rows (``dispatch_dtype``); the
             ranks of a per-process group agreed on it while planning.
+        dtype: the activation dtype it was planned for (``None``: not given to the planner);
+            the ranks of a per-process group agreed on it while planning.
     """
 
     config: EPConfig
@@ -58,6 +60,7 @@ class MadeFor:
     counts: tuple[int, ...] | int | None
     fingerprint: torch.Tensor
     packed_rows: bool = False
+    dtype: torch.dtype | None = None
 
 
 @dataclass(repr=False)
