@@ -29,7 +29,7 @@ from flatep.kernels.decode_gemm import DECODE_ROWS_PER_GROUP, decode_launches, d
 from flatep.kernels.fp8_rows import Fp8Rows
 from flatep.kernels.grouped_fp32 import grouped_rows_mm
 from flatep.kernels.quant_gemm import default_config, fp8_grouped_mm_triton, mxfp4_grouped_mm_triton
-from flatep.quant.fp8 import dequantize_fp8_activations, quantize_fp8_activations
+from flatep.quant.fp8 import FP8_BLOCK, dequantize_fp8_activations, quantize_fp8_activations
 from flatep.quant.tensor import QuantizedTensor
 
 Activation = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -263,7 +263,16 @@ def grouped_swiglu(
         copy_rows_triton(out, result, offsets[-1:])
         return out
     hidden_states = _grouped_matmul(shard, w13, offsets, backend, rows_per_group, activations)
-    if fused:
+    if fused and isinstance(w2, QuantizedTensor) and w2.format == "fp8" and shard.dtype == torch.bfloat16:
+        # The fp8 down projection quantizes its input per token per 128 columns: done in the SwiGLU
+        # pass itself (bit-equal to quantizing its bf16 output), one launch and one read fewer.
+        values = torch.empty(shard.shape[0], intermediate, dtype=torch.float8_e4m3fn, device=shard.device)
+        scales = torch.empty(shard.shape[0], intermediate // FP8_BLOCK, dtype=torch.float32, device=shard.device)
+        swiglu_weighted_triton(hidden_states, route_weights, offsets[-1:], values, scales=scales)
+        # The GEMM takes the rows' shape from a bf16 tensor it does not read: one broadcast row.
+        unread = hidden_states.new_empty(1, intermediate).expand(shard.shape[0], intermediate)
+        result = _grouped_matmul(unread, w2, offsets, backend, rows_per_group, Fp8Rows(values, scales))
+    elif fused:
         # Same function, but the elementwise steps skip rows past offsets[-1] (several times the
         # real rows at small batch); those rows of the result stay undefined, as the GEMMs leave them.
         activated = torch.empty(shard.shape[0], intermediate, dtype=shard.dtype, device=shard.device)

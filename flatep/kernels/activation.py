@@ -10,7 +10,9 @@ that borrows nothing) is one short wave instead of one program per block of the 
 past ``end`` are neither read nor written.
 
 - :func:`swiglu_weighted_triton`: ``silu(gate) * up * route_weight`` in fp32, rounded once to the
-  output dtype (the ``fp32`` precision of :func:`flatep.experts.grouped.grouped_swiglu`).
+  output dtype (the ``fp32`` precision of :func:`flatep.experts.grouped.grouped_swiglu`); for fp8
+  down projections, those bf16 values quantized to e4m3 per 128 columns in the same pass (what
+  the fp8 GEMM would otherwise do in a launch of its own, re-reading them).
 - :func:`copy_rows_triton`: copy (and convert) the real rows of the experts' output into the
   symmetric buffer that combine reads.
 """
@@ -23,13 +25,17 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from flatep.kernels.backend import column_block
+from flatep.kernels.backend import column_block, interpreting
+from flatep.kernels.quant_gemm import _FP8_BLOCK as _FP8_GROUP
+from flatep.kernels.quant_gemm import _e4m3_rows
 
 @triton.jit
 def _swiglu_weighted_kernel(
-    hidden_ptr, weight_ptr, end_ptr, out_ptr, hidden_stride, out_stride,
-    I: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr,
+    hidden_ptr, weight_ptr, end_ptr, out_ptr, scale_ptr, hidden_stride, out_stride, scale_stride,
+    I: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, ROUND_FIRST: tl.constexpr,
 ):
+    # scale_ptr None: out holds the values in its dtype. Else out is e4m3 and scale_ptr takes one
+    # fp32 scale per row per 128 columns (BLOCK_I and I multiples of 128).
     end = tl.load(end_ptr)
     column = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
     # A while loop, not range(..., end, ...): Triton 3.6's interpreter cannot take a loaded value as
@@ -49,7 +55,18 @@ def _swiglu_weighted_kernel(
         # torch's order: (silu(gate) * up) * weight, silu(g) = g / (1 + exp(-g)).
         activated = gate / (1.0 + tl.exp(-gate)) * up * weight[:, None]
         out_rows = out_ptr + row.to(tl.int64)[:, None] * out_stride + column[None, :]
-        tl.store(out_rows, activated.to(out_ptr.dtype.element_ty), mask=mask)
+        if scale_ptr is None:
+            tl.store(out_rows, activated.to(out_ptr.dtype.element_ty), mask=mask)
+        else:
+            # The bf16 rows the unquantized path stores, then the fp8 GEMM's own quantization of them.
+            GROUPS: tl.constexpr = BLOCK_I // _FP8_GROUP
+            rounded = tl.reshape(activated.to(tl.bfloat16).to(tl.float32), [BLOCK_M * GROUPS, _FP8_GROUP])
+            values, scales = _e4m3_rows(rounded, ROUND_FIRST)
+            tl.store(out_rows, tl.reshape(values, [BLOCK_M, BLOCK_I]).to(out_ptr.dtype.element_ty), mask=mask)
+            group = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
+            scale_rows = scale_ptr + row.to(tl.int64)[:, None] * scale_stride + group[None, :]
+            tl.store(scale_rows, tl.reshape(scales, [BLOCK_M, GROUPS]),
+                     mask=row_mask[:, None] & (group < I // _FP8_GROUP)[None, :])
         first += tl.num_programs(0) * BLOCK_M
 
 
@@ -102,6 +119,7 @@ def swiglu_weighted_triton(
     block_i: int | None = None,
     num_warps: int = 4,
     programs: int | None = None,
+    scales: torch.Tensor | None = None,
 ) -> None:
     """``out[i] = silu(gate[i]) * up[i] * route_weights[i]`` for rows ``i < end[0]``.
 
@@ -109,15 +127,22 @@ def swiglu_weighted_triton(
     (the row is not finite, as a dense MoE's would be). Rows at and past ``end[0]`` are neither
     read nor written.
 
+    With ``scales``, ``out`` is float8_e4m3fn: each row's values are rounded to bf16, then
+    quantized per 128 columns into ``out`` and ``scales`` exactly as
+    :func:`flatep.kernels.quant_gemm.quantize_fp8_activations_triton` quantizes bf16 rows (the
+    input of an fp8 down projection, in one pass instead of two).
+
     Args:
         hidden: ``[M, 2I]`` bf16 or fp32 output of the gate/up GEMM: gate columns ``[0, I)``, up
             columns ``[I, 2I)`` (unit column stride).
         route_weights: ``[M]`` fp32 (contiguous).
         end: ``[1]`` int32 on the device: the number of real rows (e.g. ``offsets[-1:]``, a view).
-        out: ``[M, I]`` bf16 or fp32 (unit column stride); written.
+        out: ``[M, I]`` bf16 or fp32, or float8_e4m3fn with ``scales`` (unit column stride); written.
         block_m, block_i, num_warps: rows and columns per program, warps per program (tuning; the
-            defaults are untuned: 4 rows of 2 KiB column chunks, like dispatch's tiles).
+            defaults are untuned: 4 rows of 2 KiB column chunks, like dispatch's tiles). With
+            ``scales``, ``block_i`` must be a multiple of 128.
         programs: programs along the rows (default: 8 per SM in all, see :func:`_row_programs`).
+        scales: optional ``[M, I/128]`` float32 (unit column stride), ``I`` a multiple of 128; written.
     """
     rows, intermediate = out.shape
     _check_rows("hidden", hidden, rows)
@@ -128,10 +153,20 @@ def swiglu_weighted_triton(
     if route_weights.shape != (rows,) or route_weights.dtype != torch.float32 or not route_weights.is_contiguous():
         raise ValueError(f"route_weights must be a contiguous [{rows}] float32 tensor")
     block_i = block_i or column_block(intermediate, hidden.element_size())
+    if scales is not None:
+        if out.dtype != torch.float8_e4m3fn or intermediate % _FP8_GROUP:
+            raise ValueError(f"with scales, out must be float8_e4m3fn with I a multiple of {_FP8_GROUP}, got "
+                             f"{out.dtype} and I={intermediate}")
+        _check_rows("scales", scales, rows)
+        if scales.shape[1] != intermediate // _FP8_GROUP or scales.dtype != torch.float32:
+            raise ValueError(f"scales must be [{rows}, {intermediate // _FP8_GROUP}] float32, got {scales.dtype} "
+                             f"{list(scales.shape)}")
+        if block_i % _FP8_GROUP:  # the default is: a power of two, at least 128 when I is a multiple of 128
+            raise ValueError(f"block_i must be a multiple of {_FP8_GROUP} with scales, got {block_i}")
     columns = triton.cdiv(intermediate, block_i)
     _swiglu_weighted_kernel[(_row_programs(rows, block_m, columns, out.device, programs), columns)](
-        hidden, route_weights, end, out, hidden.stride(0), out.stride(0),
-        I=intermediate, BLOCK_M=block_m, BLOCK_I=block_i, num_warps=num_warps,
+        hidden, route_weights, end, out, scales, hidden.stride(0), out.stride(0), 0 if scales is None else scales.stride(0),
+        I=intermediate, BLOCK_M=block_m, BLOCK_I=block_i, ROUND_FIRST=interpreting(), num_warps=num_warps,
     )
 
 

@@ -197,6 +197,19 @@ def _round_to_bf16(x):
 
 
 @triton.jit
+def _e4m3_rows(x, ROUND_FIRST: tl.constexpr):
+    """DeepSeek-V3's activation quantization of fp32 ``x [N, GROUP]`` (one column group per row):
+    ``(values [N, GROUP] fp32 on the e4m3 grid, scales [N] fp32)``, ``scale = max(amax, 1e-10) / 448``.
+    ``ROUND_FIRST`` rounds the values to the grid here (the interpreter's fp32 -> e4m3 cast drops
+    carries: 127.2 -> 64); the hardware's cast rounds them itself."""
+    scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-10) / _E4M3_MAX
+    q = tl.minimum(tl.maximum(x / scale[:, None], -_E4M3_MAX), _E4M3_MAX)
+    if ROUND_FIRST:
+        q = _round_to_e4m3(q)
+    return q, scale
+
+
+@triton.jit
 def _act_quant_kernel(
     x_ptr, q_ptr, s_ptr, end_ptr, rows, stride_x, stride_q, stride_s, K,
     BLOCK_M: tl.constexpr, GROUP: tl.constexpr, ROUND_FIRST: tl.constexpr,
@@ -216,10 +229,7 @@ def _act_quant_kernel(
     column = tl.program_id(1) * GROUP + tl.arange(0, GROUP)
     mask = row_mask[:, None] & (column < K)[None, :]
     x = tl.load(x_ptr + row[:, None] * stride_x + column[None, :], mask=mask, other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-10) / _E4M3_MAX
-    q = tl.minimum(tl.maximum(x / scale[:, None], -_E4M3_MAX), _E4M3_MAX)
-    if ROUND_FIRST:  # the interpreter's fp32 -> e4m3 cast drops carries (127.2 -> 64): round first
-        q = _round_to_e4m3(q)
+    q, scale = _e4m3_rows(x, ROUND_FIRST)
     tl.store(q_ptr + row[:, None] * stride_q + column[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(s_ptr + row * stride_s + tl.program_id(1), scale, mask=row_mask)
 

@@ -144,3 +144,37 @@ def test_programs_must_be_positive():
     hidden, weights = random_inputs(8, 8, torch.float32, seed=9)
     with pytest.raises(ValueError, match="programs must be a positive integer"):
         swiglu_weighted_triton(hidden, weights, end_tensor(8), torch.empty(8, 8, device=DEVICE), programs=0)
+
+
+@pytest.mark.parametrize("rows, intermediate, end, block_i", [
+    (13, 256, 9, None), (40, 384, 40, 128), (33, 128, 0, None), (17, 640, 1, 256), (9, 256, 5, 128),
+])
+def test_swiglu_quantized_for_an_fp8_down_projection_equals_the_two_launches(rows, intermediate, end, block_i):
+    """The fused pass (swiglu, bf16 rounding, per-128-column e4m3 quantization) is bit-equal to the
+    swiglu kernel followed by the fp8 GEMM's own activation quantization; rows past end untouched."""
+    from flatep.kernels.quant_gemm import quantize_fp8_activations_triton
+
+    hidden, weights = random_inputs(rows, intermediate, torch.bfloat16, seed=rows + intermediate)
+    hidden[end:] = float("nan")  # padding rows: never read
+    activated = torch.full((rows, intermediate), POISON, dtype=torch.bfloat16, device=DEVICE)
+    swiglu_weighted_triton(hidden, weights, end_tensor(end), activated)
+    expected_values, expected_scales = quantize_fp8_activations_triton(activated, end_tensor(end))
+    values = torch.full((rows, intermediate), 0x7F, dtype=torch.uint8, device=DEVICE).view(torch.float8_e4m3fn)
+    scales = torch.full((rows, intermediate // 128), POISON, device=DEVICE)
+    swiglu_weighted_triton(hidden, weights, end_tensor(end), values, block_i=block_i, scales=scales)
+    assert torch.equal(values[:end].view(torch.uint8), expected_values[:end].view(torch.uint8))
+    assert torch.equal(scales[:end], expected_scales[:end])
+    assert bool((values[end:].view(torch.uint8) == 0x7F).all()) and bool((scales[end:] == POISON).all())
+
+
+def test_swiglu_quantized_refuses_bad_shapes():
+    hidden, weights = random_inputs(4, 192, torch.bfloat16, seed=1)
+    values = torch.empty(4, 192, dtype=torch.float8_e4m3fn, device=DEVICE)
+    with pytest.raises(ValueError, match="I a multiple of 128"):
+        swiglu_weighted_triton(hidden, weights, end_tensor(4), values, scales=torch.empty(4, 1, device=DEVICE))
+    hidden, weights = random_inputs(4, 256, torch.bfloat16, seed=1)
+    values = torch.empty(4, 256, dtype=torch.float8_e4m3fn, device=DEVICE)
+    with pytest.raises(ValueError, match=r"scales must be \[4, 2\] float32"):
+        swiglu_weighted_triton(hidden, weights, end_tensor(4), values, scales=torch.empty(4, 1, device=DEVICE))
+    with pytest.raises(ValueError, match="block_i must be a multiple of 128"):
+        swiglu_weighted_triton(hidden, weights, end_tensor(4), values, block_i=64, scales=torch.empty(4, 2, device=DEVICE))

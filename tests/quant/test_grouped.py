@@ -310,3 +310,26 @@ def test_fp8_gemm_on_packed_rows_equals_quantizing_the_rows_itself(config):
     with pytest.raises(ValueError, match="activations must be"):
         fp8_grouped_mm_triton(rows, packed.values, packed.scales, offsets,
                               activations=(activations.values[:, :256], activations.scales))
+
+
+@needs_triton
+def test_fp8_experts_quantize_the_down_input_in_the_swiglu_pass_bit_equal_to_two_launches():
+    """grouped_swiglu with fp8 weights: the SwiGLU pass writes the down projection's fp8 rows itself;
+    the result equals the gate/up GEMM, the bf16 SwiGLU and the down GEMM quantizing its own input."""
+    from flatep.experts.grouped import grouped_swiglu
+    from flatep.kernels.activation import swiglu_weighted_triton
+
+    sizes, hidden, intermediate = [5, 0, 19, 2], 256, 256
+    generator = torch.Generator().manual_seed(31)
+    shard = torch.randn(sum(sizes) + 3, hidden, generator=generator).bfloat16().to(DEVICE)
+    route_weights = (torch.rand(shard.shape[0], generator=generator) + 0.1).to(DEVICE)
+    w13 = QuantizedTensor.quantize(torch.randn(4, 2 * intermediate, hidden, generator=generator) * hidden**-0.5, "fp8").to(DEVICE)
+    w2 = QuantizedTensor.quantize(torch.randn(4, hidden, intermediate, generator=generator) * intermediate**-0.5, "fp8").to(DEVICE)
+    offsets = torch.tensor(sizes, dtype=torch.int32).cumsum(0).to(torch.int32).to(DEVICE)
+    out = grouped_swiglu(shard, route_weights, w13, w2, offsets, backend="triton")
+    gate_up = fp8_grouped_mm_triton(shard, w13.values, w13.scales, offsets)
+    activated = torch.empty(shard.shape[0], intermediate, dtype=torch.bfloat16, device=DEVICE)
+    swiglu_weighted_triton(gate_up, route_weights, offsets[-1:], activated)
+    expected = fp8_grouped_mm_triton(activated, w2.values, w2.scales, offsets)
+    end = int(offsets[-1])
+    assert torch.equal(out[:end], expected[:end])
