@@ -26,8 +26,10 @@ import triton
 import triton.language as tl
 
 from flatep.kernels.backend import column_block, interpreting
-from flatep.kernels.quant_gemm import _FP8_BLOCK as _FP8_GROUP
 from flatep.kernels.quant_gemm import _e4m3_rows
+from flatep.quant.fp8 import FP8_BLOCK
+
+_FP8_GROUP = tl.constexpr(FP8_BLOCK)  # columns per fp8 scale, inside the kernel
 
 @triton.jit
 def _swiglu_weighted_kernel(
@@ -154,15 +156,15 @@ def swiglu_weighted_triton(
         raise ValueError(f"route_weights must be a contiguous [{rows}] float32 tensor")
     block_i = block_i or column_block(intermediate, hidden.element_size())
     if scales is not None:
-        if out.dtype != torch.float8_e4m3fn or intermediate % _FP8_GROUP:
-            raise ValueError(f"with scales, out must be float8_e4m3fn with I a multiple of {_FP8_GROUP}, got "
+        if out.dtype != torch.float8_e4m3fn or intermediate % FP8_BLOCK:
+            raise ValueError(f"with scales, out must be float8_e4m3fn with I a multiple of {FP8_BLOCK}, got "
                              f"{out.dtype} and I={intermediate}")
         _check_rows("scales", scales, rows)
-        if scales.shape[1] != intermediate // _FP8_GROUP or scales.dtype != torch.float32:
-            raise ValueError(f"scales must be [{rows}, {intermediate // _FP8_GROUP}] float32, got {scales.dtype} "
+        if scales.shape[1] != intermediate // FP8_BLOCK or scales.dtype != torch.float32:
+            raise ValueError(f"scales must be [{rows}, {intermediate // FP8_BLOCK}] float32, got {scales.dtype} "
                              f"{list(scales.shape)}")
-        if block_i % _FP8_GROUP:  # the default is: a power of two, at least 128 when I is a multiple of 128
-            raise ValueError(f"block_i must be a multiple of {_FP8_GROUP} with scales, got {block_i}")
+        if block_i % FP8_BLOCK:  # the default is: a power of two, at least 128 when I is a multiple of 128
+            raise ValueError(f"block_i must be a multiple of {FP8_BLOCK} with scales, got {block_i}")
     columns = triton.cdiv(intermediate, block_i)
     _swiglu_weighted_kernel[(_row_programs(rows, block_m, columns, out.device, programs), columns)](
         hidden, route_weights, end, out, scales, hidden.stride(0), out.stride(0), 0 if scales is None else scales.stride(0),
