@@ -26,21 +26,24 @@ each weight tile is read by the band's row tiles back to back.
   is one scalar per step and folds into the row scales: one FMA per output element and step (a
   local sm_90 compile of the 128 x 128 tile: 203 instructions per K step against 314 with a weight
   scale per column, most of the difference per-column scale loads and their predicates).
-- mxfp4 (:func:`mxfp4_grouped_mm_triton`): reads the packed values as int32 words (8 nibbles,
-  nibble ``i`` of word ``j`` = column ``8j + i``) and their e8m0 scales, and decodes them in
-  registers into bf16, exactly (e2m1 times a power of two), for bf16 tensor-core dots. The decode
-  works on whole words, two weights per instruction: ``(word << 6) & 0x01C001C0 | (word << 12) &
-  0x80008000`` places nibbles 0 and 4 bit for bit into the two halves of a bf16 pair (sign to bit
-  15, exponent and mantissa to bits 8-6), which is ``e2m1 * 2**-126`` for every code (codes 0 and 1
-  become bf16 subnormals); nibbles 1 and 5, 2 and 6, 3 and 7 take other shifts. Two packed bf16x2
-  multiplies, by ``2**126`` and by the block's ``2**(e - 127)``, finish each pair (PTX inline
-  assembly; both exact, the first needs the subnormal inputs that bf16 arithmetic keeps). So a
-  word yields columns in the order 0 4 1 5 2 6 3 7: the dot runs over K in that order, and the
-  activations are permuted alike as they are loaded (in registers). An e8m0 byte 0 (``2**-127``)
-  decodes to 0 (its values are below ``6 * 2**-127`` anyway). The interpreter runs the same bit
-  placement and multiplies in fp32. ``tl.dot_scaled`` (bf16 times e2m1) would be the alternative; on
-  Hopper Triton 3.6 upcasts its e2m1 operand itself and measured no faster, and its interpreter
-  has no ``dot_scaled``.
+- mxfp4 (:func:`mxfp4_grouped_mm_triton`): reads the packed values as int32 words (8 columns
+  each, in FlatEP's word layout, :data:`flatep.quant.mxfp4.WORD_PAIRS`) and their e8m0 scales,
+  and decodes them in registers into bf16, exactly (e2m1 times a power of two), for bf16
+  tensor-core dots. The decode works on whole words, two weights per instruction: pair ``p`` of a
+  word (columns ``p`` and ``p + 4``) is the word rotated by a constant and masked (two such terms
+  ORed for the last pair), which places both codes bit for bit into the two halves of a bf16 pair
+  (sign to bit 15, exponent and mantissa to bits 8-6): ``e2m1 * 2**-126`` for every code (codes 0
+  and 1 become bf16 subnormals). The layout is chosen for that: in the checkpoint's nibble order a
+  code's sign and magnitude need different shifts, two shifts and two masks per pair (a local
+  sm_90 compile of the 16-row tile's K step: 243 instructions against 289, and 497 against 592
+  for the 32-row tile). Two packed bf16x2 multiplies, by ``2**126`` and by the block's
+  ``2**(e - 127)``, finish each pair (PTX inline assembly; both exact, the first needs the
+  subnormal inputs that bf16 arithmetic keeps). A word yields columns in the order 0 4 1 5 2 6 3
+  7: the dot runs over K in that order, and the activations are permuted alike as they are
+  loaded (in registers). An e8m0 byte 0 (``2**-127``) decodes to 0 (its values are below
+  ``6 * 2**-127`` anyway). The interpreter runs the same bit placement and multiplies in fp32.
+  ``tl.dot_scaled`` (bf16 times e2m1) would be the alternative; on Hopper Triton 3.6 upcasts its
+  e2m1 operand itself and measured no faster, and its interpreter has no ``dot_scaled``.
 
 ``K`` is a compile-time constant of the GEMM kernels (one compilation per layer shape): the K loop
 stays a ``for`` loop over constant bounds, which Triton software-pipelines (``num_stages``; it does
@@ -60,6 +63,7 @@ import triton
 import triton.language as tl
 
 from flatep.kernels.backend import interpreting, resident_programs
+from flatep.quant.mxfp4 import WORD_PAIRS
 
 _FP8_BLOCK = 128
 _E4M3_MAX = tl.constexpr(448.0)
@@ -310,32 +314,68 @@ def _mxfp4_grouped_kernel(
         tile += tl.num_programs(0)
 
 
-_SIGNS = tl.constexpr(-0x7FFF8000)  # 0x80008000 as an int32: the sign bits of two bf16 halves
-_MAGNITUDES = tl.constexpr(0x01C001C0)  # exponent bits 0-1 and the top mantissa bit of two bf16 halves
+def _signed(mask: int) -> int:
+    return mask - (1 << 32) if mask >= 1 << 31 else mask
+
+
+_PAIR0_ROTATION, _PAIR0_MASK = tl.constexpr(WORD_PAIRS[0][0][0]), tl.constexpr(_signed(WORD_PAIRS[0][0][1]))
+_PAIR1_ROTATION, _PAIR1_MASK = tl.constexpr(WORD_PAIRS[1][0][0]), tl.constexpr(_signed(WORD_PAIRS[1][0][1]))
+_PAIR2_ROTATION, _PAIR2_MASK = tl.constexpr(WORD_PAIRS[2][0][0]), tl.constexpr(_signed(WORD_PAIRS[2][0][1]))
+_PAIR3_ROTATION, _PAIR3_MASK = tl.constexpr(WORD_PAIRS[3][0][0]), tl.constexpr(_signed(WORD_PAIRS[3][0][1]))
+_PAIR3B_ROTATION, _PAIR3B_MASK = tl.constexpr(WORD_PAIRS[3][1][0]), tl.constexpr(_signed(WORD_PAIRS[3][1][1]))
+
+
+@triton.jit
+def _rotate_left(words, rotation: tl.constexpr):
+    """``words`` (int32) rotated left by ``rotation`` bits (0..31)."""
+    if rotation == 0:
+        return words
+    bits = words.to(tl.uint32, bitcast=True)
+    return ((bits << rotation) | (bits >> (32 - rotation))).to(tl.int32, bitcast=True)
 
 
 @triton.jit
 def _e2m1_bf16_pairs(words):
-    """The four bf16 pairs of int32 ``words``, 8 nibbles each (nibble ``i`` = column ``8j + i``):
-    pair ``i`` holds nibble ``i`` in its low half and nibble ``i + 4`` in its high half, each placed
-    bit for bit into a bf16 (sign to bit 15, exponent and mantissa bits to bits 8-6), which makes it
-    ``e2m1 * 2**-126`` exactly (codes 0 and 1 become bf16 subnormals). Two shifts and two masks
-    per pair, for both halves at once."""
-    p0 = ((words << 6) & _MAGNITUDES) | ((words << 12) & _SIGNS)
-    p1 = ((words << 2) & _MAGNITUDES) | ((words << 8) & _SIGNS)
-    p2 = ((words >> 2) & _MAGNITUDES) | ((words << 4) & _SIGNS)
-    p3 = ((words >> 6) & _MAGNITUDES) | (words & _SIGNS)
+    """The four bf16 pairs of int32 ``words`` in FlatEP's word layout (:data:`flatep.quant.mxfp4.WORD_PAIRS`):
+    pair ``p`` holds column ``8j + p`` of word ``j`` in its low half and ``8j + p + 4`` in its high
+    half, each e2m1 code's bits placed into a bf16 (sign to bit 15, exponent and mantissa to bits
+    8-6), which makes it ``e2m1 * 2**-126`` exactly (codes 0 and 1 become bf16 subnormals): one
+    shift and one mask per pair (two of each for the last)."""
+    p0 = _rotate_left(words, _PAIR0_ROTATION) & _PAIR0_MASK
+    p1 = _rotate_left(words, _PAIR1_ROTATION) & _PAIR1_MASK
+    p2 = _rotate_left(words, _PAIR2_ROTATION) & _PAIR2_MASK
+    p3 = (_rotate_left(words, _PAIR3_ROTATION) & _PAIR3_MASK) | (_rotate_left(words, _PAIR3B_ROTATION) & _PAIR3B_MASK)
     return p0, p1, p2, p3
+
+
+def _placement_ptx(pair: int) -> list[str]:
+    """PTX placing pair ``pair`` of word ``$4`` into ``t`` (see :data:`flatep.quant.mxfp4.WORD_PAIRS`):
+    per term a shift (a plain left shift where no kept bit wraps around, which ptxas may issue on
+    the multiply pipe; else a rotation) and a mask; terms ORed."""
+    lines = []
+    for term, (rotation, mask) in enumerate(WORD_PAIRS[pair]):
+        register = "t" if term == 0 else "u"
+        kept = [bit for bit in range(32) if mask >> bit & 1]
+        if rotation == 0:
+            lines.append(f"and.b32 {register}, $4, {mask:#010x};")
+            continue
+        if all(bit >= rotation for bit in kept):
+            lines.append(f"shl.b32 {register}, $4, {rotation};")
+        else:
+            lines.append(f"shf.l.wrap.b32 {register}, $4, $4, {rotation};")
+        lines.append(f"and.b32 {register}, {register}, {mask:#010x};")
+        if term:
+            lines.append("or.b32 t, t, u;")
+    return lines
 
 
 def _scaled_pairs_ptx() -> str:
     """PTX of :func:`_scaled_pairs_asm`: per pair, the placement of :func:`_e2m1_bf16_pairs`, then
     two bf16x2 FMAs with a -0 addend (plain products, signs of zeros kept)."""
     lines = [".reg .b32 t, u, big, nzero;", "mov.b32 big, 0x7E807E80;", "mov.b32 nzero, 0x80008000;"]
-    for pair, (magnitude, sign) in enumerate((("shl.b32 t, $4, 6", "shl.b32 u, $4, 12"), ("shl.b32 t, $4, 2", "shl.b32 u, $4, 8"),
-                                              ("shr.b32 t, $4, 2", "shl.b32 u, $4, 4"), ("shr.b32 t, $4, 6", "mov.b32 u, $4"))):
-        lines += [f"{magnitude};", "and.b32 t, t, 0x01C001C0;", f"{sign};", "and.b32 u, u, 0x80008000;", "or.b32 t, t, u;",
-                  "fma.rn.bf16x2 t, t, big, nzero;", f"fma.rn.bf16x2 ${pair}, t, $5, nzero;"]
+    for pair in range(4):
+        lines += _placement_ptx(pair)
+        lines += ["fma.rn.bf16x2 t, t, big, nzero;", f"fma.rn.bf16x2 ${pair}, t, $5, nzero;"]
     return "{\n" + "\n".join(lines) + "\n}"
 
 
@@ -355,7 +395,7 @@ def _scaled_pairs_asm(words, scale_pairs):
 @triton.jit
 def _pairs_to_values(p0, p1, p2, p3, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """int32 pairs ``[BLOCK_N, BLOCK_K/8]`` each -> ``[BLOCK_N, BLOCK_K/2]`` int32 in logical order
-    (pair ``i`` of word ``j`` at ``4j + i``)."""
+    (pair ``p`` of word ``j`` at ``4j + p``)."""
     return tl.reshape(tl.join(tl.join(p0, p2), tl.join(p1, p3)), [BLOCK_N, BLOCK_K // 2])
 
 
@@ -389,7 +429,8 @@ def _mxfp4_tile(
         # K is a multiple of 32, not necessarily of BLOCK_K: the last step may be partial.
         a = tl.load(a_tile + k, mask=row_mask[:, None] & (k + inner < K)[None, :], other=0.0)
         # The dot runs over K in the decoded pairs' order, within each 8 columns 0 4 1 5 2 6 3 7:
-        # the activations are permuted alike (in registers, as they are loaded).
+        # the activations are permuted alike (in registers, as they are loaded; the permutation
+        # builds the MMA's operand registers, which an unpermuted load copies into place instead).
         a = tl.reshape(tl.permute(tl.reshape(a, [BLOCK_M, WORDS, 2, 4]), (0, 1, 3, 2)), [BLOCK_M, BLOCK_K])
         words = tl.load(w_tile + k // 8, mask=column_mask[:, None] & (k // 8 + word < words_k)[None, :], other=0)
         exponent = tl.load(s_tile + k // 32, mask=column_mask[:, None] & (k // 32 + block < scales_k)[None, :], other=0)
@@ -547,7 +588,8 @@ def mxfp4_grouped_mm_triton(
 
     Args:
         rows: ``[M, K]`` bf16 (unit column stride), ``K`` a multiple of 32.
-        values: ``[G, N, K/2]`` uint8 (low nibble = even column), contiguous.
+        values: ``[G, N, K/2]`` uint8 in FlatEP's word layout (``QuantizedTensor.values``;
+            :func:`flatep.quant.mxfp4.to_word_layout` of checkpoint-order values), contiguous.
         scales: ``[G, N, K/32]`` uint8 e8m0, contiguous.
         offsets: ``[G]`` int32 inclusive end row of each group.
         config: tiles (default :func:`default_config`); ``block_k`` a power of two, at least 32.

@@ -13,12 +13,15 @@ from flatep.quant.loaders import deinterleave_gate_up, fp8_experts_from_checkpoi
 from flatep.quant.mxfp4 import (
     E2M1_VALUES,
     MX_BLOCK,
+    WORD_PAIRS,
     check_mxfp4,
     dequantize_mxfp4,
     e2m1_decode,
     e2m1_encode,
+    from_word_layout,
     mxfp4_from_checkpoint,
     quantize_mxfp4,
+    to_word_layout,
 )
 from flatep.quant.tensor import (
     QUANTIZED_FORMATS,
@@ -38,6 +41,7 @@ __all__ = [
     "QUANTIZED_FORMATS",
     "QuantizedTensor",
     "WEIGHT_FORMATS",
+    "WORD_PAIRS",
     "check_format",
     "check_fp8_block",
     "check_mxfp4",
@@ -50,6 +54,7 @@ __all__ = [
     "e2m1_encode",
     "expert_weight_nbytes",
     "fp8_experts_from_checkpoint",
+    "from_word_layout",
     "mxfp4_experts_from_checkpoint",
     "mxfp4_from_checkpoint",
     "packed_layout",
@@ -57,4 +62,5 @@ __all__ = [
     "quantize_fp8_block",
     "quantize_mxfp4",
     "to_e4m3",
+    "to_word_layout",
 ]

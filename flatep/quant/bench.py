@@ -56,14 +56,25 @@ CANDIDATES = {
     ),
     "mxfp4": (
         GemmConfig(16, 128, 64, num_warps=4, num_stages=4, programs_per_sm=4),
+        # Wider and deeper 16-row tiles share the activations' permutation and a step's fixed cost
+        # over more weights (local sm_90 compile, instructions per weight in the K loop: 3.80 for
+        # 16 x 128 x 64, 3.41 for 16 x 256 x 64, 3.60 for 16 x 128 x 128; 150 and 131 registers a
+        # thread, so three programs fit an SM).
+        GemmConfig(16, 256, 64, num_warps=4, num_stages=4, programs_per_sm=3),
+        GemmConfig(16, 128, 128, num_warps=4, num_stages=3, programs_per_sm=3),
         GemmConfig(16, 64, 128, num_warps=2, num_stages=3, programs_per_sm=6),
         GemmConfig(16, 128, 128, num_warps=4, num_stages=3, swap_ab=True),
         GemmConfig(32, 256, 64, num_warps=4, num_stages=3),
         GemmConfig(32, 128, 64, num_warps=2, num_stages=3, programs_per_sm=3),
-        # 159 registers a thread in a local sm_90 compile (the 32 x 256 tile takes 212): three fit an SM.
+        # 156 registers a thread in a local sm_90 compile (the 32 x 256 tile takes 210): three fit an SM.
         GemmConfig(32, 128, 64, num_warps=4, num_stages=3, programs_per_sm=3),
         GemmConfig(64, 128, 64, num_warps=4, num_stages=3),
         GemmConfig(128, 128, 64, num_warps=8, num_stages=3),
+        # Tall tiles transposed: the decoded weights take the warp-group MMA's 64-row side (local
+        # sm_90 compile, K step of the 128-row tile: 183 instructions against 246 unswapped; the
+        # 64-row tile 270 against 352, in 167 registers, so three programs fit an SM).
+        GemmConfig(64, 128, 64, num_warps=4, num_stages=4, swap_ab=True, programs_per_sm=3),
+        GemmConfig(128, 128, 64, num_warps=8, num_stages=3, swap_ab=True),
         GemmConfig(128, 128, 128, num_warps=8, num_stages=3),
     ),
 }

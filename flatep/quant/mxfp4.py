@@ -13,6 +13,11 @@ Byte layout (one weight matrix ``[N, K]``, output rows by input columns, any lea
   values ``[32 b, 32 b + 32)`` of the row; byte 255 is NaN in the OCP spec (never written here).
 - Dequantization: ``w[n, k] = E2M1_VALUES[nibble(n, k)] * 2**(scales[n, k // 32] - 127)``.
 
+The functions here take and return that checkpoint order. FlatEP's pools
+(:class:`flatep.quant.QuantizedTensor`) hold the same bytes with the bits of each 4 bytes permuted
+(:data:`WORD_PAIRS`, :func:`to_word_layout`, :func:`from_word_layout`): the GPU kernel decodes that
+layout with half the integer instructions. Sizes, scales, and so every byte count, are the same.
+
 Quantization (:func:`quantize_mxfp4`) follows the OCP MX v1.0 recipe: the shared exponent is
 ``floor(log2(amax)) - 2`` (2 = e2m1's largest exponent), clamped to the e8m0 range; each value
 divided by its scale rounds to the nearest e2m1 value (ties to even mantissa) and saturates at +-6.
@@ -99,6 +104,76 @@ def dequantize_mxfp4(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
     scaled = torch.ldexp(decoded, exponents.unsqueeze(-1).float())
     scaled = torch.where((scales == 255).unsqueeze(-1), torch.full_like(scaled, float("nan")), scaled)
     return scaled.flatten(-2).to(dtype)
+
+
+WORD_PAIRS = (
+    ((0, 0x81C081C0),),
+    ((6, 0x81C081C0),),
+    ((12, 0x81C081C0),),
+    ((2, 0x80C080C0), (10, 0x01000100)),
+)
+"""FlatEP's word layout of packed MXFP4 values, as the GPU decoder reads it: for each pair ``p`` of
+columns ``(p, p + 4)`` of a word (8 consecutive columns in 4 bytes, a little-endian uint32), the
+``(rotation, mask)`` terms whose results ORed, ``rotate_left(word, rotation) & mask``, put column
+``p``'s e2m1 bits at bits 15 (sign), 8-7 (exponent) and 6 (mantissa) and column ``p + 4``'s 16
+bits higher: a bf16 pair worth ``e2m1 * 2**-126`` each. The layout is chosen so that a pair costs
+one shift and one mask (two of each for the fourth), where the checkpoint's nibble order needs two
+shifts and two masks for every pair (measured as a local sm_90 compile of the decode K step)."""
+
+
+def _word_bit_sources() -> tuple[tuple[int, ...], ...]:
+    """Bit of the word (0..31) holding bit ``b`` (0 mantissa, 1-2 exponent, 3 sign) of column ``c``, as ``[c][b]``."""
+    sources = []
+    for column in range(8):
+        high, pair = divmod(column, 4)
+        row = []
+        for target in (6, 7, 8, 15):
+            target += 16 * high
+            (rotation,) = [rotation for rotation, mask in WORD_PAIRS[pair] if mask >> target & 1]
+            row.append((target - rotation) % 32)
+        sources.append(tuple(row))
+    if sorted(bit for row in sources for bit in row) != list(range(32)):
+        raise AssertionError("WORD_PAIRS must place every bit of a word exactly once")
+    return tuple(sources)
+
+
+_WORD_BIT_SOURCES = _word_bit_sources()
+
+
+_CHUNK_WORDS = 1 << 24  # words permuted at a time: bounds the int64 temporaries (128 MB each)
+
+
+def _move_word_bits(values: torch.Tensor, moves: list[tuple[int, int]]) -> torch.Tensor:
+    """``values [..., K/2]`` uint8 read as 32-bit words, bit ``source`` of each moved to bit ``target``
+    for every ``(source, target)`` of ``moves`` (a permutation of 0..31); same shape and dtype."""
+    if values.dtype != torch.uint8 or values.dim() < 1 or values.shape[-1] % 4:
+        raise ValueError(f"values must be [..., N, K/2] uint8 with K/2 a multiple of 4, got {values.dtype} {list(values.shape)}")
+    masks: dict[int, int] = {}  # shift -> the source bits that move by it
+    for source, target in moves:
+        masks[target - source] = masks.get(target - source, 0) | 1 << source
+    words = values.contiguous().view(torch.int32).reshape(-1)
+    moved = torch.empty_like(words)
+    for start in range(0, words.numel(), _CHUNK_WORDS):
+        chunk = words[start:start + _CHUNK_WORDS].long() & 0xFFFFFFFF
+        result = torch.zeros_like(chunk)
+        for shift, mask in masks.items():
+            part = chunk & mask
+            result |= part << shift if shift >= 0 else part >> -shift
+        moved[start:start + _CHUNK_WORDS] = result.to(torch.int32)  # wraps: bit 31 becomes the sign
+    return moved.view(torch.uint8).reshape(values.shape)
+
+
+def to_word_layout(values: torch.Tensor) -> torch.Tensor:
+    """Checkpoint-order packed values ``[..., N, K/2]`` uint8 (low nibble first) to FlatEP's word
+    layout (:data:`WORD_PAIRS`), same shape; ``K/2`` must be a multiple of 4 (``K`` of 8)."""
+    return _move_word_bits(values, [(4 * column + bit, target) for column, row in enumerate(_WORD_BIT_SOURCES)
+                                    for bit, target in enumerate(row)])
+
+
+def from_word_layout(values: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`to_word_layout`: FlatEP's word layout back to checkpoint order (low nibble first)."""
+    return _move_word_bits(values, [(source, 4 * column + bit) for column, row in enumerate(_WORD_BIT_SOURCES)
+                                    for bit, source in enumerate(row)])
 
 
 def mxfp4_from_checkpoint(blocks: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from flatep.quant.fp8 import FP8_BLOCK, check_fp8_block, dequantize_fp8_block, fp8_scale_shape, quantize_fp8_block
-from flatep.quant.mxfp4 import MX_BLOCK, check_mxfp4, dequantize_mxfp4, quantize_mxfp4
+from flatep.quant.mxfp4 import MX_BLOCK, check_mxfp4, dequantize_mxfp4, from_word_layout, quantize_mxfp4, to_word_layout
 
 WEIGHT_FORMATS = ("bf16", "fp8", "mxfp4")
 """``bf16``: plain weights in the pool's dtype (bfloat16, or float32 for checks); ``fp8``: e4m3 with
@@ -70,7 +70,10 @@ class QuantizedTensor:
 
     Attributes:
         format: ``fp8`` or ``mxfp4``.
-        values: fp8: ``[..., N, K]`` float8_e4m3fn; mxfp4: ``[..., N, K/2]`` uint8 (two nibbles per byte).
+        values: fp8: ``[..., N, K]`` float8_e4m3fn; mxfp4: ``[..., N, K/2]`` uint8, two e2m1 codes per
+            byte in FlatEP's word layout (:data:`flatep.quant.mxfp4.WORD_PAIRS`: the checkpoint's
+            bytes with each 4 bytes' bits permuted for the GPU decoder; :meth:`from_mxfp4_checkpoint`
+            takes checkpoint-order values).
         scales: fp8: ``[..., ceil(N/128), ceil(K/128)]`` float32; mxfp4: ``[..., N, K/32]`` uint8 e8m0.
     """
 
@@ -94,8 +97,21 @@ class QuantizedTensor:
         if format == "fp8":
             return cls("fp8", *quantize_fp8_block(weight))
         if format == "mxfp4":
-            return cls("mxfp4", *quantize_mxfp4(weight))
+            return cls.from_mxfp4_checkpoint(*quantize_mxfp4(weight))
         raise ValueError(f"format must be one of {QUANTIZED_FORMATS}, got {format!r}")
+
+    @classmethod
+    def from_mxfp4_checkpoint(cls, values: torch.Tensor, scales: torch.Tensor) -> "QuantizedTensor":
+        """MXFP4 weights from checkpoint-order ``values [..., N, K/2]`` (low nibble first, as gpt-oss
+        stores its ``*_blocks``) and e8m0 ``scales [..., N, K/32]``."""
+        check_mxfp4(values, scales)
+        return cls("mxfp4", to_word_layout(values), scales)
+
+    def mxfp4_checkpoint_values(self) -> torch.Tensor:
+        """mxfp4: the values in checkpoint order (low nibble first), ``[..., N, K/2]`` uint8."""
+        if self.format != "mxfp4":
+            raise ValueError(f"checkpoint-order values exist for mxfp4 only, this tensor is {self.format}")
+        return from_word_layout(self.values)
 
     @property
     def shape(self) -> torch.Size:
@@ -122,7 +138,7 @@ class QuantizedTensor:
         """``[..., N, K]`` in ``dtype``."""
         if self.format == "fp8":
             return dequantize_fp8_block(self.values, self.scales, dtype)
-        return dequantize_mxfp4(self.values, self.scales, dtype)
+        return dequantize_mxfp4(from_word_layout(self.values), self.scales, dtype)
 
     def __getitem__(self, index: int | slice) -> "QuantizedTensor":
         """Index the leading (expert) dimensions only."""

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from flatep.quant import (
     E2M1_VALUES,
+    WORD_PAIRS,
     QuantizedTensor,
     deinterleave_gate_up,
     dequantize_fp8_activations,
@@ -18,11 +19,13 @@ from flatep.quant import (
     e2m1_decode,
     e2m1_encode,
     fp8_experts_from_checkpoint,
+    from_word_layout,
     mxfp4_experts_from_checkpoint,
     quantize_fp8_activations,
     quantize_fp8_block,
     quantize_mxfp4,
     to_e4m3,
+    to_word_layout,
 )
 
 
@@ -202,3 +205,47 @@ def test_gpt_oss_loader_deinterleaves_gate_and_up():
     assert w13.shape == (2, 32, 64) and torch.equal(w13.dequantize(), expected)
     assert w2.shape == (2, 64, 32) and torch.equal(w2.dequantize(), dequantize_mxfp4(*quantize_mxfp4(down)))
     assert torch.equal(deinterleave_gate_up(torch.arange(6).view(1, 6)), torch.tensor([[0, 2, 4, 1, 3, 5]]))
+
+
+def test_word_layout_round_trips_checkpoint_bytes():
+    values = torch.randint(0, 256, (3, 5, 48), generator=torch.Generator().manual_seed(4), dtype=torch.uint8)
+    words = to_word_layout(values)
+    assert words.shape == values.shape and words.dtype == torch.uint8
+    assert not torch.equal(words, values)
+    assert torch.equal(from_word_layout(words), values)
+    for bad in (values[..., :6], values.to(torch.int16)):
+        with pytest.raises(ValueError, match=r"K/2 a multiple of 4"):
+            to_word_layout(bad)
+        with pytest.raises(ValueError, match=r"K/2 a multiple of 4"):
+            from_word_layout(bad)
+
+
+@pytest.mark.parametrize("column", range(8))
+def test_word_pairs_place_every_code_of_every_column_as_a_bf16(column):
+    """The layout's definition: rotating a word by each term's rotation and masking (terms ORed)
+    gives pair ``column % 4`` with the code of ``column`` in half ``column // 4``, worth
+    ``e2m1 * 2**-126`` as a bf16, whatever the other columns hold."""
+    generator = torch.Generator().manual_seed(column)
+    nibbles = torch.randint(0, 16, (16, 8), generator=generator, dtype=torch.uint8)
+    nibbles[:, column] = torch.arange(16, dtype=torch.uint8)
+    words = to_word_layout(nibbles[:, 0::2] | (nibbles[:, 1::2] << 4)).view(torch.int32).long().squeeze(1) & 0xFFFFFFFF
+    placed = torch.zeros_like(words)
+    for rotation, mask in WORD_PAIRS[column % 4]:
+        rotated = ((words << rotation) | (words >> (32 - rotation))) & 0xFFFFFFFF
+        placed |= rotated & mask
+    half = ((placed >> (16 * (column // 4))) & 0xFFFF).to(torch.int32) << 16
+    decoded = half.view(torch.float32) * 2.0**126
+    assert decoded.tolist() == list(E2M1_VALUES)
+    assert torch.equal(torch.signbit(decoded), torch.arange(16) >= 8)
+
+
+def test_quantized_mxfp4_holds_the_word_layout_of_the_checkpoint_bytes():
+    weight = random_weight((6, 64), 9)
+    values, scales = quantize_mxfp4(weight)
+    packed = QuantizedTensor.quantize(weight, "mxfp4")
+    assert torch.equal(packed.values, to_word_layout(values)) and torch.equal(packed.scales, scales)
+    assert torch.equal(packed.mxfp4_checkpoint_values(), values)
+    assert torch.equal(QuantizedTensor.from_mxfp4_checkpoint(values, scales).values, packed.values)
+    assert torch.equal(packed.dequantize(), dequantize_mxfp4(values, scales))
+    with pytest.raises(ValueError, match="mxfp4 only"):
+        QuantizedTensor.quantize(torch.randn(128, 128), "fp8").mxfp4_checkpoint_values()

@@ -15,13 +15,14 @@ from flatep.kernels.backend import resident_programs
 from flatep.kernels.quant_gemm import (
     GemmConfig,
     _grid,
+    _SCALED_PAIRS_PTX,
     _locate_tile,
     _tile_table,
     fp8_grouped_mm_triton,
     mxfp4_grouped_mm_triton,
     quantize_fp8_activations_triton,
 )
-from flatep.quant import QuantizedTensor, dequantize_fp8_activations, quantize_fp8_activations
+from flatep.quant import E2M1_VALUES, QuantizedTensor, dequantize_fp8_activations, quantize_fp8_activations, to_word_layout
 from tests.helpers import DEVICE, relative_error
 
 triton_available = DEVICE.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
@@ -140,6 +141,67 @@ def test_mxfp4_kernel_decodes_every_code_at_any_scale_exactly(config):
     offsets = torch.tensor([in_features], dtype=torch.int32, device=DEVICE)
     out = mxfp4_grouped_mm_triton(rows, packed.values, packed.scales, offsets, config)
     assert torch.equal(out.float(), packed.dequantize()[0].T)
+
+
+def run_decode_ptx(word: int, scale_pair: int) -> list[int]:
+    """The GPU decode's PTX (``_SCALED_PAIRS_PTX``) run instruction by instruction on one word:
+    its integer ops on 32-bit registers, its bf16x2 FMAs in fp32 rounded to bf16 (exact here: the
+    factors are powers of two and the addend -0). Returns the four output registers."""
+    registers = {"$4": word, "$5": scale_pair}
+
+    def value(operand):
+        return registers[operand] if operand in registers else int(operand, 0) & 0xFFFFFFFF
+
+    def halves(bits):
+        return [torch.tensor([(bits >> shift & 0xFFFF) << 16]).to(torch.int32).view(torch.float32).item()
+                for shift in (0, 16)]
+
+    def bf16_bits(number):
+        return torch.tensor([number], dtype=torch.float32).bfloat16().view(torch.int16).item() & 0xFFFF
+
+    for line in lines_of(_SCALED_PAIRS_PTX.value):
+        opcode, operands = line.split(None, 1)
+        destination, *sources = [operand.strip() for operand in operands.rstrip(";").split(",")]
+        inputs = [value(operand) for operand in sources]
+        if opcode == "mov.b32":
+            result = inputs[0]
+        elif opcode == "and.b32":
+            result = inputs[0] & inputs[1]
+        elif opcode == "or.b32":
+            result = inputs[0] | inputs[1]
+        elif opcode == "shl.b32":
+            result = inputs[0] << inputs[1]
+        elif opcode == "shf.l.wrap.b32":
+            assert inputs[0] == inputs[1]  # a rotation
+            result = inputs[0] << inputs[2] | inputs[0] >> (32 - inputs[2])
+        elif opcode == "fma.rn.bf16x2":
+            products = [x * y + z for x, y, z in zip(*(halves(bits) for bits in inputs))]
+            result = bf16_bits(products[0]) | bf16_bits(products[1]) << 16
+        else:
+            raise AssertionError(f"unexpected PTX {line!r}")
+        registers[destination] = result & 0xFFFFFFFF
+    return [registers[f"${pair}"] for pair in range(4)]
+
+
+def lines_of(ptx: str) -> list[str]:
+    return [line.strip() for line in ptx.splitlines() if line.strip() and line.strip() not in "{}" and not line.strip().startswith(".reg")]
+
+
+@pytest.mark.parametrize("scale", [1, 100, 127, 130, 200])
+def test_gpu_decode_ptx_yields_each_pair_of_the_word_layout(scale):
+    """The inline PTX (which only a GPU runs) against the layout's definition, on the CPU: pair ``p``
+    of a word is columns ``p`` (low half) and ``p + 4`` (high half), decoded and scaled exactly."""
+    generator = torch.Generator().manual_seed(scale)
+    nibbles = torch.randint(0, 16, (64, 8), generator=generator, dtype=torch.uint8)
+    nibbles[:16, 0] = nibbles[16:32, 3] = nibbles[32:48, 5] = nibbles[48:, 7] = torch.arange(16, dtype=torch.uint8)
+    words = to_word_layout(nibbles[:, 0::2] | (nibbles[:, 1::2] << 4)).view(torch.int32).squeeze(1)
+    scale_pair = scale << 7 | scale << 23
+    for word, codes in zip(words.tolist(), nibbles.tolist()):
+        pairs = run_decode_ptx(word & 0xFFFFFFFF, scale_pair)
+        got = [((pairs[column % 4] >> 16 * (column // 4)) & 0xFFFF) << 16 for column in range(8)]
+        got = torch.tensor(got, dtype=torch.int64).to(torch.int32).view(torch.float32)
+        expected = torch.tensor([E2M1_VALUES[code] for code in codes]) * 2.0 ** (scale - 127)
+        assert torch.equal(got, expected) and torch.equal(torch.signbit(got), torch.signbit(expected))
 
 
 @needs_triton
