@@ -10,7 +10,8 @@
 # then runs `flatep bench bench/scripts/h200-<model>.yaml --cost` that profile for each and writes
 # $OUT/kimi-<model>/{results.jsonl,summary.md,*.png} and $OUT/kimi-<model>.log (OUT defaults to
 # ./bench-out). SWEEP_TIMEOUT (seconds, default 1800) bounds each sweep; `--resume` continues
-# a sweep that was cut: run the same command again.
+# a sweep that was cut: run the same command again. WEIGHTS=fp8 or WEIGHTS=mxfp4 runs the sweep with
+# packed experts and calibrates the profile on them (`--weights`; the files then end in -<weights>).
 cd "$(dirname "$0")/../.."
 source bench/scripts/gpu_env.sh
 models=("$@")
@@ -20,8 +21,11 @@ for model in "${models[@]}"; do
   # The profile auto decides with: measured here first (grouped GEMMs at the model's shapes, HBM
   # read, a copy within the GPU as the virtual ranks' link), kept across a resumed sweep so that its
   # rows agree. A profile already in $OUT is used as it is.
-  profile="$OUT/profile-kimi-$model.json"
-  [ -f "$profile" ] || timeout 240 python3 -m flatep calibrate --model "kimi-$model" --link local --out "$profile" > "$OUT/calibrate-kimi-$model.log" 2>&1
-  bench_sweep "kimi-$model" "bench/scripts/h200-$model.yaml" "${SWEEP_TIMEOUT:-1800}" --cost "$profile" || status=1
+  weights=${WEIGHTS:-bf16}
+  name="kimi-$model"
+  [ "$weights" = bf16 ] || name="$name-$weights"
+  profile="$OUT/profile-$name.json"
+  [ -f "$profile" ] || timeout 240 python3 -m flatep calibrate --model "kimi-$model" --link local --weights "$weights" --out "$profile" > "$OUT/calibrate-$name.log" 2>&1
+  bench_sweep "$name" "bench/scripts/h200-$model.yaml" "${SWEEP_TIMEOUT:-1800}" --cost "$profile" --weights "$weights" || status=1
 done
 exit $status

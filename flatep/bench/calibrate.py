@@ -3,7 +3,8 @@
 Measured, at the model's shapes:
 
 * every rank's experts of planned steps, as the layer runs them (:func:`flatep.layer.experts_step`
-  over a rank's home groups and borrowed slots, bf16, timed as CUDA-graph replays): steps of
+  over a rank's home groups and borrowed slots, timed as CUDA-graph replays; bf16 experts, or
+  the pool's packed format with ``--weights fp8`` / ``mxfp4``, whose GEMMs also decode): steps of
   ``s`` in :data:`STEP_TOKENS` tokens per rank, routed uniformly and with skew
   (:func:`flatep.routing.skewed_topk` with ``sigma`` in :data:`STEP_SIGMAS`: maxvio about 10 and
   30 at Kimi-K2, s = 128), planned under classic EP and exact balance. A rank's groups are of
@@ -43,6 +44,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from flatep.config import MODEL_SHAPES, EPConfig, preset, rows_per_expert
+from flatep.quant.tensor import WEIGHT_FORMATS, check_format, expert_weight_nbytes
 
 # Planned steps whose experts are timed: tokens per rank (few rows per expert to many) x router
 # imbalance x policy (classic: home groups only; exact: home groups and borrowed slots).
@@ -88,7 +90,9 @@ def _event_timer(device) -> Timer:
 class _Steps:
     """The planned steps whose ranks' experts are timed, and the inputs their timings share."""
 
-    def __init__(self, config: EPConfig, device, tokens: Sequence[int] = STEP_TOKENS, seed: int = 1234) -> None:
+    def __init__(
+        self, config: EPConfig, device, tokens: Sequence[int] = STEP_TOKENS, seed: int = 1234, weights: str = "bf16",
+    ) -> None:
         import torch
 
         from flatep.bench.sweep import SharedWeightsGroup, sized_to_step
@@ -96,7 +100,7 @@ class _Steps:
         from flatep.plan.split import split_slot_rows
         from flatep.routing import skewed_topk
 
-        self.config, self.device = config, torch.device(device)
+        self.config, self.device, self.weights = config, torch.device(device), weights
         self.group = SharedWeightsGroup(config.ranks, self.device)
         self.plans = []
         for step_tokens in tokens:
@@ -112,16 +116,16 @@ class _Steps:
         self._inputs: tuple | None = None
 
     def pool(self):
-        """One rank's home experts and slots (shared by the virtual ranks), random bf16 values."""
+        """One rank's home experts and slots (shared by the virtual ranks), random values in the steps' weight format."""
         import torch
 
         from flatep.bench.sweep import fill_random
         from flatep.experts.pool import ExpertPool
 
         if self._pool is None:
-            self._pool = ExpertPool(self.config, self.group, torch.bfloat16)
-            fill_random({name: self._pool.home(name)[0] for name in self._pool.names}, self.config, "bf16")
-            fill_random({name: self._pool.slots(name)[0] for name in self._pool.names}, self.config, "bf16")
+            self._pool = ExpertPool(self.config, self.group, torch.bfloat16, weights=self.weights)
+            fill_random({name: self._pool.home(name)[0] for name in self._pool.names}, self.config, self.weights)
+            fill_random({name: self._pool.slots(name)[0] for name in self._pool.names}, self.config, self.weights)
         return self._pool
 
     def inputs(self, index: int):
@@ -273,6 +277,7 @@ def fit_profile(
     link_gbps: float | None,
     base,
     name: str,
+    weight_bytes: int | None = None,
 ):
     """The profile that the measurements imply.
 
@@ -284,6 +289,10 @@ def fit_profile(
         link_gbps: measured link bandwidth, or None to keep ``base``'s.
         base: the :class:`flatep.CostProfile` whose unmeasured fields are kept.
         name: the new profile's label.
+        weight_bytes: bytes of one expert as the timed pool stored it (packed fp8 / mxfp4 values and
+            scales), or None for bf16; the profile keeps it as its ``expert_bytes``. A packed
+            expert's GEMM also decodes its weights: what that costs beyond reading the bytes goes
+            into the fitted per-group time.
 
     Raises:
         ValueError: unless both regimes (few and many rows per expert) were measured.
@@ -291,7 +300,7 @@ def fit_profile(
     from flatep.plan.cost import CostProfile, few_rows_per_expert
 
     flops_per_row = 2 * 3 * config.hidden * config.intermediate
-    weight_us = config.expert_bytes() / (read_gbps * 1e3)
+    weight_us = (config.expert_bytes() if weight_bytes is None else weight_bytes) / (read_gbps * 1e3)
     decode = [(params["groups"], us) for params, us in experts_us if few_rows_per_expert(config, params["total_tokens"])]
     grouped = [(params["groups"], us) for params, us in experts_us if not few_rows_per_expert(config, params["total_tokens"])]
     if not decode or not grouped:
@@ -311,6 +320,7 @@ def fit_profile(
         decode_group_us=few.group_us,
         decode_tile_rows=few.tile_rows,
         margins=fit_margins(config, experts_us, weight_us, many),
+        expert_bytes=weight_bytes,
     )
 
 
@@ -319,7 +329,7 @@ LINKS = ("peer", "local")
 
 def calibrate(
     config: EPConfig, device, timer: Timer | None = None, base=None, log: Callable[[str], None] = print,
-    link: str = "peer", tokens: Sequence[int] = STEP_TOKENS,
+    link: str = "peer", tokens: Sequence[int] = STEP_TOKENS, weights: str = "bf16",
 ):
     """Measure a :class:`flatep.CostProfile` on ``device`` at ``config``'s shapes.
 
@@ -334,6 +344,9 @@ def calibrate(
             or ``local`` (a copy within ``device``: virtual ranks sharing one GPU).
         tokens: tokens per rank of the planned steps whose experts are timed; they must include
             steps of at most 64 rows per expert (``ceil(R*s*K/E)``) and steps of more.
+        weights: the experts' format (``bf16``, ``fp8``, ``mxfp4``): the steps run a pool in it, and
+            the profile records its bytes per expert (``expert_bytes``). A profile fitted on one
+            format is for layers in that format: packed GEMMs also decode their weights.
 
     Raises:
         ValueError: on a CPU device with the default timer (nothing meaningful to measure there),
@@ -345,6 +358,7 @@ def calibrate(
 
     if link not in LINKS:
         raise ValueError(f"link must be one of {list(LINKS)}, got {link!r}")
+    check_format(weights)
     device = torch.device(device)
     if timer is None:
         if device.type != "cuda":
@@ -355,7 +369,7 @@ def calibrate(
     if base is None:
         base = CostProfile.preset("h200") if "H200" in name else CostProfile.default()
     experts_us = []
-    for measurement in _Steps(config, device, tokens).measurements():
+    for measurement in _Steps(config, device, tokens, weights=weights).measurements():
         us = timer(measurement)
         experts_us.append((measurement.params, us))
         params = measurement.params
@@ -375,7 +389,9 @@ def calibrate(
         log(f"link to cuda:{peer}: {link_gbps:.0f} GB/s")
     else:
         log(f"no peer GPU: link_gbps kept from the {base.name} profile ({base.link_gbps} GB/s)")
-    return fit_profile(config, experts_us, read_gbps, link_gbps, base, name)
+    weight_bytes = None if weights == "bf16" else expert_weight_nbytes(weights, config.hidden, config.intermediate)
+    return fit_profile(config, experts_us, read_gbps, link_gbps, base, name if weights == "bf16" else f"{name} ({weights})",
+                       weight_bytes)
 
 
 def add_calibrate_command(commands) -> None:
@@ -388,6 +404,8 @@ def add_calibrate_command(commands) -> None:
     parser.add_argument("--link", choices=LINKS, default="peer",
                         help="peer: time a copy to a peer GPU (kept from the preset without one); local: a copy within "
                              "this GPU, the link of virtual ranks sharing it (profiles for one-GPU sweeps)")
+    parser.add_argument("--weights", choices=WEIGHT_FORMATS, default="bf16",
+                        help="the experts' format: a profile for layers whose pools hold fp8 or mxfp4 is fitted on them")
     parser.add_argument("--tokens", type=int, nargs="+", default=list(STEP_TOKENS),
                         help="tokens per rank of the planned steps timed (some with at most 64 rows per expert, some more)")
     parser.set_defaults(run=_run)
@@ -396,7 +414,8 @@ def add_calibrate_command(commands) -> None:
 def _run(args: argparse.Namespace) -> int:
     import json
 
-    profile = calibrate(preset(args.model, ranks=args.ranks), args.device, link=args.link, tokens=args.tokens)
+    profile = calibrate(preset(args.model, ranks=args.ranks), args.device, link=args.link, tokens=args.tokens,
+                        weights=args.weights)
     if args.out:
         profile.save(args.out)
         print(f"wrote {args.out}")

@@ -28,7 +28,12 @@ from flatep.kernels.backend import use_triton
 from flatep.kernels.decode_gemm import DECODE_ROWS_PER_GROUP, decode_launches, decode_swiglu
 from flatep.kernels.fp8_rows import Fp8Rows
 from flatep.kernels.grouped_fp32 import grouped_rows_mm
-from flatep.kernels.quant_gemm import default_config, fp8_grouped_mm_triton, mxfp4_grouped_mm_triton
+from flatep.kernels.quant_gemm import (
+    fp8_grouped_mm_triton,
+    mxfp4_grouped_mm_triton,
+    packed_launches,
+    quantize_fp8_activations_triton,
+)
 from flatep.quant.fp8 import FP8_BLOCK, dequantize_fp8_activations, quantize_fp8_activations
 from flatep.quant.tensor import QuantizedTensor
 
@@ -104,7 +109,8 @@ def quantized_grouped_mm(
         weights: ``[G, N, K]`` fp8 or mxfp4.
         offsets: ``[G]`` int32 inclusive end row of each group.
         rows_per_group: the real rows a group holds on average (a host int; default ``M / G``): the
-            Triton kernels' tiles follow it (:func:`flatep.kernels.quant_gemm.default_config`).
+            Triton kernels' tiles follow it, and where that is a few rows the groups of many rows
+            run in a launch of their own with tall tiles (:func:`flatep.kernels.quant_gemm.packed_launches`).
         activations: ``fp8`` only: the rows already quantized (:class:`flatep.kernels.fp8_rows.Fp8Rows`
             ``[M, K]``, as fp8 dispatch delivers them), used instead of quantizing ``rows``, which
             are then not read.
@@ -117,11 +123,20 @@ def quantized_grouped_mm(
         raise ValueError(f"pre-quantized fp8 activations need fp8 weights, got {weights.format}")
     if use_triton(rows.device, backend) and rows.dtype == torch.bfloat16:
         groups = weights.shape[0]
-        config = None if rows_per_group is None else default_config(rows_per_group * groups, groups, weights.format)
+        launches = [(None, None)] if rows_per_group is None else packed_launches(rows_per_group * groups, groups,
+                                                                                 weights.format)
+        out = None
         if weights.format == "fp8":
-            given = None if activations is None else (activations.values, activations.scales)
-            return fp8_grouped_mm_triton(rows, weights.values, weights.scales, offsets, config=config, activations=given)
-        return mxfp4_grouped_mm_triton(rows, weights.values, weights.scales, offsets, config=config)
+            given = (quantize_fp8_activations_triton(rows, offsets[-1:]) if activations is None
+                     else (activations.values, activations.scales))
+            for config, group_rows in launches:
+                out = fp8_grouped_mm_triton(rows, weights.values, weights.scales, offsets, config=config, out=out,
+                                            activations=given, group_rows=group_rows)
+            return out
+        for config, group_rows in launches:
+            out = mxfp4_grouped_mm_triton(rows, weights.values, weights.scales, offsets, config=config, out=out,
+                                          group_rows=group_rows)
+        return out
     if activations is not None:
         products = dequantize_fp8_activations(activations.values, activations.scales)
     elif weights.format == "fp8":

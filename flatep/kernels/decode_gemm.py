@@ -36,17 +36,24 @@ import triton
 import triton.language as tl
 
 from flatep.kernels.backend import interpreting
-from flatep.kernels.quant_gemm import GemmConfig, _check_rows, _grid, _locate_tile, _output, _round_to_bf16, _tile_dot, _tile_table
+from flatep.kernels.quant_gemm import (
+    _ALL_ROWS,
+    HOT_ROWS,
+    GemmConfig,
+    _check_group_rows,
+    _check_rows,
+    _grid,
+    _locate_tile,
+    _output,
+    _round_to_bf16,
+    _tile_dot,
+    _tile_table,
+)
 
 DECODE_ROWS_PER_GROUP = 64
 """Largest average rows per group for which :func:`flatep.experts.grouped.grouped_swiglu` takes
 these kernels over ``torch._grouped_mm`` (bf16 weights on CUDA)."""
 
-
-HOT_ROWS = 64
-"""Groups holding more rows than this run in a launch of their own with :data:`HOT_TILES`
-(:func:`decode_launches`): a hot expert's rows fill tall tiles, and its many row tiles would
-otherwise each stream the same weight tile."""
 
 HOT_TILES = GemmConfig(128, 64, 64, num_warps=8, num_stages=4, swap_ab=False)
 """Tiles of the hot groups' launch (:data:`HOT_ROWS`): the best of three measured on the H200
@@ -54,9 +61,6 @@ HOT_TILES = GemmConfig(128, 64, 64, num_warps=8, num_stages=4, swap_ab=False)
 the busiest rank of a routed s = 128 step read its weights at 91 / 79% of the read ceiling at
 Kimi-K2 maxvio 10 / 20 (87 / 69% in one launch) and 95 / 91% at Kimi-K3 (95 / 84%); uniform
 groups are unchanged (97-102%)."""
-
-_ALL_ROWS = 2**31 - 1
-
 
 def decode_launches(rows: int, groups: int, hot: GemmConfig | None = HOT_TILES) -> list[tuple[GemmConfig, tuple[int, int]]]:
     """The decode GEMM launches of a step: ``(tiles, (rows_above, rows_at_most))`` each, run one
@@ -89,11 +93,8 @@ def _decode_kernel(
 ):
     """Groups ``[0, split)`` read ``w``, groups ``[split, groups)`` read ``slot`` from row ``split_start``;
     only groups of more than ``rows_above`` and at most ``rows_at_most`` rows get tiles."""
-    starts, ends, tiles, passed, total = _tile_table(offsets_ptr, groups, split, split_start, N, BLOCK_M, BLOCK_N, GROUPS)
-    group_rows = ends - starts
-    tiles = tl.where((group_rows > rows_above) & (group_rows <= rows_at_most), tiles, 0)
-    passed = tl.cumsum(tiles, axis=0)
-    total = tl.sum(tiles, axis=0) * tl.cdiv(N, BLOCK_N)
+    starts, ends, tiles, passed, total = _tile_table(offsets_ptr, groups, split, split_start, N, rows_above, rows_at_most,
+                                                     BLOCK_M, BLOCK_N, GROUPS)
     tile = tl.program_id(0)
     while tile < total:
         group, first, last, first_column = _locate_tile(tile, starts, ends, tiles, passed, N, BLOCK_M, BLOCK_N, GROUP_M, GROUPS)
@@ -170,17 +171,6 @@ def _check(rows: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor, slo
     if offsets.dtype != torch.int32 or offsets.shape != (groups,) or not offsets.is_contiguous():
         raise ValueError(f"offsets must be a contiguous [{groups}] int32 tensor, got {offsets.dtype} "
                          f"{list(offsets.shape)}")
-
-
-def _check_group_rows(group_rows) -> tuple[int, int]:
-    if group_rows is None:
-        return 0, _ALL_ROWS
-    if (not isinstance(group_rows, tuple) or len(group_rows) != 2
-            or any(isinstance(v, bool) or not isinstance(v, int) for v in group_rows)
-            or not 0 <= group_rows[0] <= group_rows[1] <= _ALL_ROWS):
-        raise ValueError(f"group_rows must be None or (rows_above, rows_at_most) ints with 0 <= rows_above <= "
-                         f"rows_at_most <= {_ALL_ROWS}, got {group_rows!r}")
-    return group_rows
 
 
 def _launch(rows, weights, slots, slot_base, route_weights, out, offsets, columns, config, gated, group_rows) -> torch.Tensor:

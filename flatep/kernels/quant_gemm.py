@@ -126,20 +126,64 @@ def default_config(rows: int, groups: int, format: str) -> GemmConfig:
     return GemmConfig(block_m, 128, 64, num_warps=4 if block_m == 64 else 8, num_stages=3)
 
 
+HOT_ROWS = 64
+"""Groups holding more rows than this run in a launch of their own with tall tiles
+(:func:`packed_launches`, and :func:`flatep.kernels.decode_gemm.decode_launches` for bf16): a hot
+expert's rows fill tall tiles, and its many short row tiles would otherwise each stream the same
+weight tile (and, packed, decode it again)."""
+
+_ALL_ROWS = 2**31 - 1
+
+
+def packed_launches(rows: int, groups: int, format: str) -> list[tuple[GemmConfig, tuple[int, int] | None]]:
+    """The launches of a packed (``fp8``, ``mxfp4``) grouped GEMM over ``rows`` real rows in
+    ``groups`` groups: ``(tiles, group_rows)`` each (see :func:`fp8_grouped_mm_triton`), run one
+    after another into the same output.
+
+    Where a group's average fits short tiles (:func:`default_config`'s, at most 32 rows), the
+    groups of more than :data:`HOT_ROWS` rows run in a second launch with the tall tiles
+    :func:`default_config` gives 128 rows per group, as the bf16 decode kernels do: a skewed
+    step's busiest experts then decode each weight tile once per 128 rows instead of once per
+    16 or 32. Otherwise one launch of every group.
+    """
+    tiles = default_config(rows, groups, format)
+    if tiles.block_m > 32:
+        return [(tiles, None)]
+    hot = default_config(2 * HOT_ROWS * max(groups, 1), groups, format)
+    return [(tiles, (0, HOT_ROWS)), (hot, (HOT_ROWS, _ALL_ROWS))]
+
+
+def _check_group_rows(group_rows) -> tuple[int, int]:
+    """``(rows_above, rows_at_most)`` of a launch (None: every group), validated."""
+    if group_rows is None:
+        return 0, _ALL_ROWS
+    if (not isinstance(group_rows, tuple) or len(group_rows) != 2
+            or any(isinstance(v, bool) or not isinstance(v, int) for v in group_rows)
+            or not 0 <= group_rows[0] <= group_rows[1] <= _ALL_ROWS):
+        raise ValueError(f"group_rows must be None or (rows_above, rows_at_most) ints with 0 <= rows_above <= "
+                         f"rows_at_most <= {_ALL_ROWS}, got {group_rows!r}")
+    return group_rows
+
+
 @triton.jit
 def _tile_table(
-    offsets_ptr, groups, split, split_start, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
+    offsets_ptr, groups, split, split_start, N, rows_above, rows_at_most,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
 ):
     """Per group (vectors over ``GROUPS`` = ``groups`` rounded up to a power of two): first row,
     end row, row tiles and their running sum; and the launch's tiles in all (row tiles times
     column blocks), read from the offsets on the device. Group ``split`` (if ``< groups``) starts
-    at row ``split_start`` instead of the previous group's end (a second run of groups)."""
+    at row ``split_start`` instead of the previous group's end (a second run of groups). Only
+    groups of more than ``rows_above`` and at most ``rows_at_most`` rows get tiles (a launch of
+    a step's hot groups, or of the others: :func:`packed_launches`)."""
     g = tl.arange(0, GROUPS)
     real = g < groups
     ends = tl.load(offsets_ptr + g, mask=real, other=0)
     starts = tl.load(offsets_ptr + g - 1, mask=real & (g > 0), other=0)
     starts = tl.where(g == split, split_start, starts)
-    tiles = tl.where(real, (tl.maximum(ends - starts, 0) + BLOCK_M - 1) // BLOCK_M, 0)
+    group_rows = tl.maximum(ends - starts, 0)
+    taken = real & (group_rows > rows_above) & (group_rows <= rows_at_most)
+    tiles = tl.where(taken, (group_rows + BLOCK_M - 1) // BLOCK_M, 0)
     return starts, ends, tiles, tl.cumsum(tiles, axis=0), tl.sum(tiles, axis=0) * tl.cdiv(N, BLOCK_N)
 
 
@@ -241,10 +285,12 @@ def _act_quant_kernel(
 @triton.jit
 def _fp8_grouped_kernel(
     a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, offsets_ptr, groups, N, stride_om, stride_am, stride_as,
+    rows_above, rows_at_most,
     K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     GROUPS: tl.constexpr, SWAP_AB: tl.constexpr, INTERPRET: tl.constexpr,
 ):
-    starts, ends, tiles, passed, total = _tile_table(offsets_ptr, groups, groups, 0, N, BLOCK_M, BLOCK_N, GROUPS)
+    starts, ends, tiles, passed, total = _tile_table(offsets_ptr, groups, groups, 0, N, rows_above, rows_at_most,
+                                                     BLOCK_M, BLOCK_N, GROUPS)
     tile = tl.program_id(0)
     while tile < total:
         group, first, last, first_column = _locate_tile(tile, starts, ends, tiles, passed, N, BLOCK_M, BLOCK_N, GROUP_M, GROUPS)
@@ -301,11 +347,12 @@ def _fp8_tile(
 
 @triton.jit
 def _mxfp4_grouped_kernel(
-    a_ptr, w_ptr, s_ptr, out_ptr, offsets_ptr, groups, N, stride_am, stride_om, K: tl.constexpr,
+    a_ptr, w_ptr, s_ptr, out_ptr, offsets_ptr, groups, N, stride_am, stride_om, rows_above, rows_at_most, K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, GROUPS: tl.constexpr,
     SWAP_AB: tl.constexpr, INTERPRET: tl.constexpr,
 ):
-    starts, ends, tiles, passed, total = _tile_table(offsets_ptr, groups, groups, 0, N, BLOCK_M, BLOCK_N, GROUPS)
+    starts, ends, tiles, passed, total = _tile_table(offsets_ptr, groups, groups, 0, N, rows_above, rows_at_most,
+                                                     BLOCK_M, BLOCK_N, GROUPS)
     tile = tl.program_id(0)
     while tile < total:
         group, first, last, first_column = _locate_tile(tile, starts, ends, tiles, passed, N, BLOCK_M, BLOCK_N, GROUP_M, GROUPS)
@@ -525,6 +572,7 @@ def fp8_grouped_mm_triton(
     config: GemmConfig | None = None,
     out: torch.Tensor | None = None,
     activations: tuple[torch.Tensor, torch.Tensor] | None = None,
+    group_rows: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """``out[i] = q(rows[i]) @ W[g(i)].T`` with fp8 block-scaled ``W`` and per-token-group quantized rows.
 
@@ -538,9 +586,13 @@ def fp8_grouped_mm_triton(
         activations: optional ``q(rows)`` already made: ``(values [M, K] float8_e4m3fn, scales
             [M, K/128] float32)``, each with unit column stride (any row stride: e.g. the views of
             packed fp8 dispatch rows, :mod:`flatep.kernels.fp8_rows`); ``rows`` is then not read.
+        group_rows: ``(rows_above, rows_at_most)``: compute only the groups holding more than
+            ``rows_above`` and at most ``rows_at_most`` rows (None: every group; see
+            :func:`packed_launches`).
 
     Returns:
-        ``out`` or a new ``[M, N]`` bf16 tensor; rows at and past ``offsets[-1]`` are not written.
+        ``out`` or a new ``[M, N]`` bf16 tensor; rows at and past ``offsets[-1]``, and the rows of
+        groups outside ``group_rows``, are not written.
     """
     _check_common(rows, values, offsets)
     groups, columns, inner = values.shape
@@ -555,6 +607,7 @@ def fp8_grouped_mm_triton(
         raise ValueError(f"fp8 block_k must be {_FP8_BLOCK} (one scale block), got {config.block_k}")
     if config.block_n > _FP8_BLOCK or _FP8_BLOCK % config.block_n:
         raise ValueError(f"fp8 block_n must divide {_FP8_BLOCK} (one weight scale block per tile), got {config.block_n}")
+    rows_above, rows_at_most = _check_group_rows(group_rows)
     if activations is None:
         quantized, row_scales = quantize_fp8_activations_triton(rows, offsets[-1:])
     else:
@@ -568,7 +621,7 @@ def fp8_grouped_mm_triton(
     out = _output(rows, columns, out)
     _fp8_grouped_kernel[_grid(rows.shape[0], groups, columns, config, rows.device)](
         quantized, row_scales, values, scales, out, offsets, groups, columns, out.stride(0), quantized.stride(0),
-        row_scales.stride(0), inner,
+        row_scales.stride(0), rows_above, rows_at_most, inner,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=_FP8_BLOCK, GROUP_M=config.group_m,
         GROUPS=triton.next_power_of_2(groups), SWAP_AB=config.swap_ab, INTERPRET=interpreting(),
         num_warps=config.num_warps, num_stages=config.num_stages,
@@ -583,6 +636,7 @@ def mxfp4_grouped_mm_triton(
     offsets: torch.Tensor,
     config: GemmConfig | None = None,
     out: torch.Tensor | None = None,
+    group_rows: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """``out[i] = rows[i] @ W[g(i)].T`` with mxfp4 ``W`` decoded in registers.
 
@@ -594,9 +648,12 @@ def mxfp4_grouped_mm_triton(
         offsets: ``[G]`` int32 inclusive end row of each group.
         config: tiles (default :func:`default_config`); ``block_k`` a power of two, at least 32.
         out: optional ``[M, N]`` bf16 (unit column stride) to write into; default a new tensor.
+        group_rows: compute only the groups of more than ``group_rows[0]`` and at most
+            ``group_rows[1]`` rows (see :func:`fp8_grouped_mm_triton`).
 
     Returns:
-        ``out`` or a new ``[M, N]`` bf16 tensor; rows at and past ``offsets[-1]`` are not written.
+        ``out`` or a new ``[M, N]`` bf16 tensor; rows at and past ``offsets[-1]``, and the rows of
+        groups outside ``group_rows``, are not written.
     """
     _check_common(rows, values, offsets)
     groups, columns, half = values.shape
@@ -610,10 +667,11 @@ def mxfp4_grouped_mm_triton(
     config = config or default_config(rows.shape[0], groups, "mxfp4")
     if config.block_k < 32 or config.block_k & (config.block_k - 1):
         raise ValueError(f"mxfp4 block_k must be a power of two, at least 32, got {config.block_k}")
+    rows_above, rows_at_most = _check_group_rows(group_rows)
     out = _output(rows, columns, out)
     words = values.view(torch.int32)  # K/2 is a multiple of 16 bytes
     _mxfp4_grouped_kernel[_grid(rows.shape[0], groups, columns, config, rows.device)](
-        rows, words, scales, out, offsets, groups, columns, rows.stride(0), out.stride(0), inner,
+        rows, words, scales, out, offsets, groups, columns, rows.stride(0), out.stride(0), rows_above, rows_at_most, inner,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
         GROUPS=triton.next_power_of_2(groups), SWAP_AB=config.swap_ab, INTERPRET=interpreting(),
         num_warps=config.num_warps, num_stages=config.num_stages,

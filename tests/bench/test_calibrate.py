@@ -31,7 +31,7 @@ def model_us(profile: CostProfile, config: EPConfig, groups: list[int], total_to
     group = profile.decode_group_us if few else profile.group_us
     tile = profile.decode_tile_rows if few else profile.tile_rows
     tflops = profile.decode_gemm_tflops if few else profile.gemm_tflops
-    weight = config.expert_bytes() / (profile.hbm_gbps * 1e3)
+    weight = (config.expert_bytes() if profile.expert_bytes is None else profile.expert_bytes) / (profile.hbm_gbps * 1e3)
     row = 6 * config.hidden * config.intermediate / (tflops * 1e6)
     return sum(group + max(weight, math.ceil(rows / tile) * tile * row) for rows in groups)
 
@@ -188,3 +188,27 @@ def test_every_planned_step_runs_its_ranks_experts_on_their_own_shards():
         shard, weights = steps.inputs(index // config.ranks)
         assert shard.shape == (config.ranks, plan.shard_rows, config.hidden) and weights.shape == shard.shape[:2]
         assert sum(measurement.params["groups"]) == int(plan.alloc[:, measurement.params["rank"]].sum())
+
+
+@pytest.mark.parametrize("weights", ["fp8", "mxfp4"])
+def test_packed_steps_run_a_packed_pool_and_the_profile_records_its_bytes(weights):
+    """calibrate --weights: the timed steps run the experts of a pool in that format, and the
+    fitted profile reads packed bytes per expert (its weight term) and keeps them."""
+    from flatep.bench.calibrate import _Steps
+    from flatep.quant import expert_weight_nbytes
+
+    config = EPConfig(ranks=4, experts=16, top_k=2, hidden=128, intermediate=128, capacity=16)
+    steps = _Steps(config, "cpu", tokens=(8,), weights=weights)
+    assert steps.pool().weights == weights and "w13_scale" in steps.pool().names
+    steps.measurements()[0].make()()
+    packed = expert_weight_nbytes(weights, config.hidden, config.intermediate)
+    samples = [({"groups": [rows] * 8, "total_tokens": tokens, "sigma": 0.0, "policy": "none"},
+                model_us(TRUE.with_expert_bytes(packed), CONFIG, [rows] * 8, tokens))
+               for rows, tokens in ((1, 8), (32, 256), (4096, 32768))]
+    profile = fit_profile(CONFIG, samples, TRUE.hbm_gbps, None, CostProfile.default(), "m", packed)
+    assert profile.expert_bytes == packed
+    for params, us in samples:
+        assert model_us(profile, CONFIG, params["groups"], params["total_tokens"]) == pytest.approx(us, rel=0.05)
+    assert fit_profile(CONFIG, samples, TRUE.hbm_gbps, None, CostProfile.default(), "m").expert_bytes is None
+    with pytest.raises(ValueError, match="weights"):
+        calibrate(CONFIG, "cpu", timer=lambda measurement: 1.0, weights="int4")

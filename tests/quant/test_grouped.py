@@ -13,13 +13,16 @@ import triton.language as tl
 from flatep.experts.grouped import quantized_grouped_mm
 from flatep.kernels.backend import resident_programs
 from flatep.kernels.quant_gemm import (
+    HOT_ROWS,
     GemmConfig,
     _grid,
     _SCALED_PAIRS_PTX,
     _locate_tile,
     _tile_table,
+    default_config,
     fp8_grouped_mm_triton,
     mxfp4_grouped_mm_triton,
+    packed_launches,
     quantize_fp8_activations_triton,
 )
 from flatep.quant import E2M1_VALUES, QuantizedTensor, dequantize_fp8_activations, quantize_fp8_activations, to_word_layout
@@ -233,7 +236,8 @@ def test_many_groups_with_empty_ones(format):
 def _tile_order_kernel(offsets_ptr, out_ptr, total_ptr, groups, split, split_start, N, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, GROUPS: tl.constexpr):
     """The grouped GEMM kernels' loop: each program writes where each of its tiles lies."""
-    starts, ends, tiles, passed, total = _tile_table(offsets_ptr, groups, split, split_start, N, BLOCK_M, BLOCK_N, GROUPS)
+    starts, ends, tiles, passed, total = _tile_table(offsets_ptr, groups, split, split_start, N, 0, 2**31 - 1, BLOCK_M, BLOCK_N,
+                                                     GROUPS)
     tl.store(total_ptr + tl.program_id(0), total)
     tile = tl.program_id(0)
     while tile < total:
@@ -336,17 +340,21 @@ def test_packed_tiles_follow_the_rows_per_group_hint(format, monkeypatch):
     """A shard sized for a full step holds few rows per group at decode: the kernels take the tiles
     of the hint (``rows_per_group``), not of the buffer's size, and compute the same rows."""
     import flatep.experts.grouped as grouped
-    from flatep.kernels.quant_gemm import default_config
 
     rows, packed, offsets = grouped_inputs(format, [5, 0, 9, 2], 256, 256, seed=4, padding=400)
     end = int(offsets[-1])
     name = "fp8_grouped_mm_triton" if format == "fp8" else "mxfp4_grouped_mm_triton"
     launch, seen = getattr(grouped, name), []
-    monkeypatch.setattr(grouped, name,
-                        lambda *args, config=None, **given: seen.append(config) or launch(*args, config=config, **given))
+
+    def recorded(*args, config=None, group_rows=None, **given):
+        seen.append((config, group_rows))
+        return launch(*args, config=config, group_rows=group_rows, **given)
+
+    monkeypatch.setattr(grouped, name, recorded)
     hinted = quantized_grouped_mm(rows, packed, offsets, rows_per_group=4)
     plain = quantized_grouped_mm(rows, packed, offsets)
-    assert seen == [default_config(16, 4, format), None]
+    assert seen == [*packed_launches(16, 4, format), (None, None)]
+    assert seen[0][0] == default_config(16, 4, format)
     assert default_config(16, 4, format) != default_config(rows.shape[0], 4, format)  # the buffer's would differ
     assert torch.equal(hinted[:end].isnan(), plain[:end].isnan())
     torch.testing.assert_close(hinted[:end].float(), plain[:end].float(), rtol=2e-2, atol=2e-2)
@@ -395,3 +403,45 @@ def test_fp8_experts_quantize_the_down_input_in_the_swiglu_pass_bit_equal_to_two
     expected = fp8_grouped_mm_triton(activated, w2.values, w2.scales, offsets)
     end = int(offsets[-1])
     assert torch.equal(out[:end], expected[:end])
+
+
+def test_packed_launches_give_hot_groups_tall_tiles_at_decode_sizes():
+    for format in ("fp8", "mxfp4"):
+        (short, cool), (tall, hot) = packed_launches(16 * 112, 112, format)
+        assert short.block_m == 16 and cool == (0, HOT_ROWS)
+        assert tall.block_m == 128 and hot == (HOT_ROWS, 2**31 - 1)
+        assert packed_launches(128 * 112, 112, format) == [(default_config(128 * 112, 112, format), None)]
+
+
+@needs_triton
+@pytest.mark.parametrize("format", ["fp8", "mxfp4"])
+def test_group_rows_launches_write_their_groups_only_and_together_all(format):
+    """Each launch computes the groups of its row range and leaves every other row as it was
+    (poisoned here); the two launches of a split step together equal one launch of all groups."""
+    sizes = [1, 5, 0, 3, 9, 2]
+    rows, packed, offsets = grouped_inputs(format, sizes, 32, 256, seed=8)
+    kernel = fp8_grouped_mm_triton if format == "fp8" else mxfp4_grouped_mm_triton
+    config = GemmConfig(16, 32, 128 if format == "fp8" else 64)
+    whole = kernel(rows, packed.values, packed.scales, offsets, config)
+    out = torch.full_like(whole, float("nan"))
+    kernel(rows, packed.values, packed.scales, offsets, config, out=out, group_rows=(0, 3))
+    ends = offsets.tolist()
+    for group, size in enumerate(sizes):
+        block = out[ends[group] - size:ends[group]]
+        assert block.isnan().all() if size > 3 else torch.equal(block, whole[ends[group] - size:ends[group]])
+    kernel(rows, packed.values, packed.scales, offsets, config, out=out, group_rows=(3, 2**31 - 1))
+    assert torch.equal(out[:ends[-1]], whole[:ends[-1]])
+    with pytest.raises(ValueError, match="group_rows"):
+        kernel(rows, packed.values, packed.scales, offsets, config, group_rows=(4, 3))
+
+
+@needs_triton
+@pytest.mark.parametrize("format", ["fp8", "mxfp4"])
+def test_a_hot_group_at_decode_sizes_runs_in_tall_tiles_and_equals_torch(format):
+    """A decode step (about 4 rows per group) with one expert of more than HOT_ROWS rows: the
+    short-tile launch and the hot launch together compute every group, as the torch path does."""
+    sizes = [3, HOT_ROWS + 7, 0, 2]
+    rows, packed, offsets = grouped_inputs(format, sizes, 64, 128 if format == "fp8" else 64, seed=6)
+    got = quantized_grouped_mm(rows, packed, offsets, rows_per_group=4)
+    end = sum(sizes)
+    assert relative_error(got[:end], quantized_grouped_mm(rows, packed, offsets, backend="torch")[:end]) < 4e-3
