@@ -56,12 +56,13 @@ CANDIDATES = {
     ),
     "mxfp4": (
         GemmConfig(16, 128, 64, num_warps=4, num_stages=4, programs_per_sm=4),
-        # Wider and deeper 16-row tiles share the activations' permutation and a step's fixed cost
-        # over more weights (local sm_90 compile, instructions per weight in the K loop: 3.80 for
-        # 16 x 128 x 64, 3.41 for 16 x 256 x 64, 3.60 for 16 x 128 x 128; 150 and 131 registers a
-        # thread, so three programs fit an SM).
+        # Wider, deeper or two-warp 16-row tiles share the activations' permutation and a step's
+        # fixed cost over more weights a warp (local sm_90 compile, instructions per weight in the
+        # K loop: 3.80 for 16 x 128 x 64 on 4 warps; 3.41 for 16 x 256 x 64, 3.60 for
+        # 16 x 128 x 128, 3.45 for 16 x 128 x 64 on 2 warps; 150, 131 and 147 registers a thread).
         GemmConfig(16, 256, 64, num_warps=4, num_stages=4, programs_per_sm=3),
         GemmConfig(16, 128, 128, num_warps=4, num_stages=3, programs_per_sm=3),
+        GemmConfig(16, 128, 64, num_warps=2, num_stages=4, programs_per_sm=6),
         GemmConfig(16, 64, 128, num_warps=2, num_stages=3, programs_per_sm=6),
         GemmConfig(16, 128, 128, num_warps=4, num_stages=3, swap_ab=True),
         GemmConfig(32, 256, 64, num_warps=4, num_stages=3),
