@@ -66,6 +66,10 @@ CANDIDATES = {
         GemmConfig(16, 64, 128, num_warps=2, num_stages=3, programs_per_sm=6),
         GemmConfig(16, 128, 128, num_warps=4, num_stages=3, swap_ab=True),
         GemmConfig(32, 256, 64, num_warps=4, num_stages=3),
+        # 128-wide K steps load each column's four scale bytes of a step as one cp.async, which
+        # Triton pipelines; at 64 it loads two bytes a column synchronously each step and converts
+        # their layout through shared memory behind a barrier (local sm_90 compile).
+        GemmConfig(32, 128, 128, num_warps=4, num_stages=3),
         GemmConfig(32, 128, 64, num_warps=2, num_stages=3, programs_per_sm=3),
         # 156 registers a thread in a local sm_90 compile (the 32 x 256 tile takes 210): three fit an SM.
         GemmConfig(32, 128, 64, num_warps=4, num_stages=3, programs_per_sm=3),
