@@ -21,7 +21,7 @@ import torch
 from flatep.bench.timing import read_ceiling_gbps, time_us
 from flatep.kernels.decode_gemm import DECODE_ROWS_PER_GROUP, gate_up_swiglu_triton, grouped_mm_triton
 from flatep.kernels.quant_gemm import fp8_grouped_mm_triton, mxfp4_grouped_mm_triton
-from flatep.quant.tensor import QuantizedTensor
+from flatep.quant.tensor import QuantizedTensor, pool_layout
 
 CASES = (
     ("kimi-k3", "mxfp4", 112, 3584, 3072, (16, 32, 64, 128)),
@@ -45,7 +45,7 @@ def main() -> None:
         torch.manual_seed(0)
         w13 = (torch.randn(groups, 2 * intermediate, hidden, device=device) / hidden**0.5).to(torch.bfloat16)
         w2 = (torch.randn(groups, hidden, intermediate, device=device) / intermediate**0.5).to(torch.bfloat16)
-        packed13, packed2 = QuantizedTensor.quantize(w13, fmt), QuantizedTensor.quantize(w2, fmt)
+        packed13, packed2 = (QuantizedTensor.quantize(w, fmt).in_layout(pool_layout(fmt)) for w in (w13, w2))
         # The bf16 arm computes with the very values the packed arm stores.
         w13, w2 = packed13.dequantize(torch.bfloat16), packed2.dequantize(torch.bfloat16)
         packed_bytes = sum(t.values.nbytes + t.scales.nbytes for t in (packed13, packed2))

@@ -46,7 +46,7 @@ from flatep.plan.reference import make_plan
 from flatep.plan.split import split_slot_rows
 from flatep.plan.triton import make_plan_triton, supports_triton_planner
 from flatep.plan.types import Plan
-from flatep.quant import WEIGHT_FORMATS, QuantizedTensor, check_pool_dims, expert_weight_nbytes, packed_layout
+from flatep.quant import WEIGHT_FORMATS, QuantizedTensor, check_pool_dims, expert_weight_nbytes, packed_layout, pool_layout
 from flatep.routing import sigma_for_maxvio, skewed_topk
 from flatep.transport.local import LocalGroup
 
@@ -691,7 +691,7 @@ def fill_random(tensors: dict[str, torch.Tensor], config: EPConfig, weights: str
             if weights == "bf16":
                 target[index].copy_(weight)
                 continue
-            packed = QuantizedTensor.quantize(weight, weights)
+            packed = QuantizedTensor.quantize(weight, weights).in_layout(pool_layout(weights))
             target[index].copy_(packed.values)
             tensors[f"{name}_scale"][index].copy_(packed.scales)
 
@@ -700,7 +700,8 @@ def _as_weights(tensors: dict[str, torch.Tensor], weights: str) -> DenseWeights:
     """``(w13, w2)`` from the named tensors: plain, or :class:`QuantizedTensor` with their scales."""
     if weights == "bf16":
         return tensors["w13"], tensors["w2"]
-    return tuple(QuantizedTensor(weights, tensors[name], tensors[f"{name}_scale"]) for name in ("w13", "w2"))
+    return tuple(QuantizedTensor(weights, tensors[name], tensors[f"{name}_scale"], pool_layout(weights))
+                 for name in ("w13", "w2"))
 
 
 def _pool_fits(config: EPConfig, device: torch.device, weights: str) -> bool:

@@ -35,7 +35,7 @@ from flatep.kernels.quant_gemm import (
     quantize_fp8_activations_triton,
 )
 from flatep.quant.fp8 import FP8_BLOCK, dequantize_fp8_activations, quantize_fp8_activations
-from flatep.quant.tensor import QuantizedTensor
+from flatep.quant.tensor import QuantizedTensor, pool_layout
 
 Activation = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 """``act(gate [rows, I], up [rows, I]) -> [rows, I]`` in their dtype (fp32, or the shard's under ``native``)."""
@@ -101,7 +101,9 @@ def quantized_grouped_mm(
     - ``mxfp4``: the rows as they are (bf16) times the dequantized weights (exact in bf16).
 
     Triton (bf16 rows, ``backend`` allowing it) reads the packed weights and dequantizes in
-    registers, over rows before ``offsets[-1]`` only; the torch path dequantizes to fp32 and is the
+    registers, over rows before ``offsets[-1]`` only (mxfp4 weights in the checkpoint layout are
+    converted to the pools' word layout first, on every call: pass a pool's views, or
+    ``weights.in_layout("words")`` made once); the torch path dequantizes to fp32 and is the
     exact reference of the same function (rows past ``offsets[-1]`` undefined on both).
 
     Args:
@@ -122,6 +124,7 @@ def quantized_grouped_mm(
     if activations is not None and weights.format != "fp8":
         raise ValueError(f"pre-quantized fp8 activations need fp8 weights, got {weights.format}")
     if use_triton(rows.device, backend) and rows.dtype == torch.bfloat16:
+        weights = weights.in_layout(pool_layout(weights.format))  # converted per call unless a pool's already
         groups = weights.shape[0]
         launches = [(None, None)] if rows_per_group is None else packed_launches(rows_per_group * groups, groups,
                                                                                  weights.format)

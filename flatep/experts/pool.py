@@ -27,7 +27,7 @@ import math
 import torch
 
 from flatep.config import EPConfig
-from flatep.quant.tensor import QuantizedTensor, check_pool_dims, packed_layout
+from flatep.quant.tensor import QuantizedTensor, check_pool_dims, packed_layout, pool_layout
 from flatep.transport.base import Group
 
 Weights = torch.Tensor | QuantizedTensor
@@ -185,6 +185,7 @@ class ExpertPool:
                 weights = QuantizedTensor.quantize(weights, self.weights)
             if weights.format != self.weights:
                 raise ValueError(f"{name} is {weights.format}, but this pool holds {self.weights}")
+            weights = weights.in_layout(pool_layout(self.weights))  # mxfp4: the GPU decoder's word layout
             tensors[name], tensors[f"{name}_scale"] = weights.values, weights.scales
         for name in self.names:
             weights = tensors[name]
@@ -234,8 +235,8 @@ class ExpertPool:
             views[name] = tensor[local_index] if self.group.stacked else tensor
         w13, w2 = views["w13"], views["w2"]
         if self.weights != "bf16":
-            w13 = QuantizedTensor(self.weights, w13, views["w13_scale"])
-            w2 = QuantizedTensor(self.weights, w2, views["w2_scale"])
+            w13 = QuantizedTensor(self.weights, w13, views["w13_scale"], pool_layout(self.weights))
+            w2 = QuantizedTensor(self.weights, w2, views["w2_scale"], pool_layout(self.weights))
         return w13, w2, views["b13"], views["b2"]
 
 

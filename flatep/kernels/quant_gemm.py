@@ -652,7 +652,8 @@ def mxfp4_grouped_mm_triton(
 
     Args:
         rows: ``[M, K]`` bf16 (unit column stride), ``K`` a multiple of 32.
-        values: ``[G, N, K/2]`` uint8 in FlatEP's word layout (``QuantizedTensor.values``;
+        values: ``[G, N, K/2]`` uint8 in FlatEP's word layout (the values of a
+            ``QuantizedTensor`` with ``layout="words"``, as pools hold them;
             :func:`flatep.quant.mxfp4.to_word_layout` of checkpoint-order values), contiguous.
         scales: ``[G, N, K/32]`` uint8 e8m0, contiguous.
         offsets: ``[G]`` int32 inclusive end row of each group.

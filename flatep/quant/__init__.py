@@ -24,6 +24,7 @@ from flatep.quant.mxfp4 import (
     to_word_layout,
 )
 from flatep.quant.tensor import (
+    LAYOUTS,
     QUANTIZED_FORMATS,
     WEIGHT_FORMATS,
     QuantizedTensor,
@@ -31,12 +32,14 @@ from flatep.quant.tensor import (
     check_pool_dims,
     expert_weight_nbytes,
     packed_layout,
+    pool_layout,
 )
 
 __all__ = [
     "E2M1_VALUES",
     "E4M3_MAX",
     "FP8_BLOCK",
+    "LAYOUTS",
     "MX_BLOCK",
     "QUANTIZED_FORMATS",
     "QuantizedTensor",
@@ -58,6 +61,7 @@ __all__ = [
     "mxfp4_experts_from_checkpoint",
     "mxfp4_from_checkpoint",
     "packed_layout",
+    "pool_layout",
     "quantize_fp8_activations",
     "quantize_fp8_block",
     "quantize_mxfp4",

@@ -35,7 +35,7 @@ from flatep.config import EPConfig, preset
 from flatep.experts.grouped import grouped_swiglu, quantized_grouped_mm
 from flatep.experts.pool import ExpertPool
 from flatep.kernels.quant_gemm import GemmConfig, default_config, fp8_grouped_mm_triton, mxfp4_grouped_mm_triton
-from flatep.quant.tensor import QuantizedTensor
+from flatep.quant.tensor import QuantizedTensor, pool_layout
 from flatep.transport import init_group
 
 ROWS_PER_EXPERT = (16, 128, 1024)
@@ -96,8 +96,11 @@ def _random_bf16(shape: tuple[int, ...], scale: float, device: torch.device) -> 
 
 def _quantize_by_expert(weights: torch.Tensor, format: str) -> QuantizedTensor:
     """Quantize ``[G, N, K]`` one expert at a time (bounded temporaries at real sizes)."""
-    parts = [QuantizedTensor.quantize(weights[expert], format) for expert in range(weights.shape[0])]
-    return QuantizedTensor(format, torch.stack([part.values for part in parts]), torch.stack([part.scales for part in parts]))
+    # In the layout a pool holds them in, which the kernels read.
+    parts = [QuantizedTensor.quantize(weights[expert], format).in_layout(pool_layout(format))
+             for expert in range(weights.shape[0])]
+    return QuantizedTensor(format, torch.stack([part.values for part in parts]), torch.stack([part.scales for part in parts]),
+                           pool_layout(format))
 
 
 def _interleaved(arms: dict[str, Callable[[], object]], device: torch.device, rounds: int) -> dict[str, dict[str, float]]:

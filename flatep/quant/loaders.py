@@ -71,5 +71,4 @@ def mxfp4_experts_from_checkpoint(
         raise ValueError(f"gate_up_blocks must be stacked over experts, [E, 2I, H/32, 16], got {list(gate_up_blocks.shape)}")
     if interleaved:
         values13, scales13 = deinterleave_gate_up(values13), deinterleave_gate_up(scales13)
-    return (QuantizedTensor.from_mxfp4_checkpoint(values13, scales13),
-            QuantizedTensor.from_mxfp4_checkpoint(*mxfp4_from_checkpoint(down_blocks, down_scales)))
+    return QuantizedTensor("mxfp4", values13, scales13), QuantizedTensor("mxfp4", *mxfp4_from_checkpoint(down_blocks, down_scales))

@@ -13,10 +13,11 @@ Byte layout (one weight matrix ``[N, K]``, output rows by input columns, any lea
   values ``[32 b, 32 b + 32)`` of the row; byte 255 is NaN in the OCP spec (never written here).
 - Dequantization: ``w[n, k] = E2M1_VALUES[nibble(n, k)] * 2**(scales[n, k // 32] - 127)``.
 
-The functions here take and return that checkpoint order. FlatEP's pools
-(:class:`flatep.quant.QuantizedTensor`) hold the same bytes with the bits of each 4 bytes permuted
-(:data:`WORD_PAIRS`, :func:`to_word_layout`, :func:`from_word_layout`): the GPU kernel decodes that
-layout with half the integer instructions. Sizes, scales, and so every byte count, are the same.
+The functions here take and return that checkpoint order. FlatEP's expert pools hold the same
+bytes with the bits of each 4 bytes permuted (:data:`WORD_PAIRS`, :func:`to_word_layout`,
+:func:`from_word_layout`; a :class:`flatep.quant.QuantizedTensor` with ``layout="words"``): the GPU
+kernel decodes that layout with half the integer instructions. Sizes, scales, and so every byte
+count, are the same.
 
 Quantization (:func:`quantize_mxfp4`) follows the OCP MX v1.0 recipe: the shared exponent is
 ``floor(log2(amax)) - 2`` (2 = e2m1's largest exponent), clamped to the e8m0 range; each value

@@ -14,6 +14,15 @@ WEIGHT_FORMATS = ("bf16", "fp8", "mxfp4")
 128x128 fp32 block scales (:mod:`flatep.quant.fp8`); ``mxfp4``: e2m1 with e8m0 scales per 32
 (:mod:`flatep.quant.mxfp4`)."""
 QUANTIZED_FORMATS = ("fp8", "mxfp4")
+LAYOUTS = ("checkpoint", "words")
+"""Byte layouts of packed values: ``checkpoint`` (as the format's checkpoints store them; the only
+one of fp8) and, for mxfp4, ``words``: FlatEP's word layout (:data:`flatep.quant.mxfp4.WORD_PAIRS`),
+which pools hold and the GPU kernel decodes."""
+
+
+def pool_layout(format: str) -> str:
+    """The layout expert pools hold ``format``'s values in: ``words`` for mxfp4, else ``checkpoint``."""
+    return "words" if format == "mxfp4" else "checkpoint"
 
 
 def check_format(weights: str) -> None:
@@ -71,15 +80,18 @@ class QuantizedTensor:
     Attributes:
         format: ``fp8`` or ``mxfp4``.
         values: fp8: ``[..., N, K]`` float8_e4m3fn; mxfp4: ``[..., N, K/2]`` uint8, two e2m1 codes per
-            byte in FlatEP's word layout (:data:`flatep.quant.mxfp4.WORD_PAIRS`: the checkpoint's
-            bytes with each 4 bytes' bits permuted for the GPU decoder; :meth:`from_mxfp4_checkpoint`
-            takes checkpoint-order values).
+            byte, in ``layout``.
         scales: fp8: ``[..., ceil(N/128), ceil(K/128)]`` float32; mxfp4: ``[..., N, K/32]`` uint8 e8m0.
+        layout: how ``values`` lie (:data:`LAYOUTS`): ``checkpoint`` (the default: as checkpoints,
+            :func:`~flatep.quant.quantize_mxfp4` and the loaders give them) or, mxfp4 only,
+            ``words``: the same bytes with each 4 bytes' bits permuted for the GPU decoder, as
+            expert pools hold them (:meth:`in_layout` converts; pools convert what they load).
     """
 
     format: str
     values: torch.Tensor
     scales: torch.Tensor
+    layout: str = "checkpoint"
 
     def __post_init__(self) -> None:
         if self.format == "fp8":
@@ -88,6 +100,8 @@ class QuantizedTensor:
             check_mxfp4(self.values, self.scales)
         else:
             raise ValueError(f"format must be one of {QUANTIZED_FORMATS}, got {self.format!r}")
+        if self.layout not in LAYOUTS or (self.layout == "words" and self.format != "mxfp4"):
+            raise ValueError(f"layout must be 'checkpoint', or 'words' for mxfp4, got {self.layout!r} for {self.format}")
         if self.values.shape[:-2] != self.scales.shape[:-2]:
             raise ValueError(f"values {list(self.values.shape)} and scales {list(self.scales.shape)} must share leading dims")
 
@@ -97,21 +111,17 @@ class QuantizedTensor:
         if format == "fp8":
             return cls("fp8", *quantize_fp8_block(weight))
         if format == "mxfp4":
-            return cls.from_mxfp4_checkpoint(*quantize_mxfp4(weight))
+            return cls("mxfp4", *quantize_mxfp4(weight))
         raise ValueError(f"format must be one of {QUANTIZED_FORMATS}, got {format!r}")
 
-    @classmethod
-    def from_mxfp4_checkpoint(cls, values: torch.Tensor, scales: torch.Tensor) -> "QuantizedTensor":
-        """MXFP4 weights from checkpoint-order ``values [..., N, K/2]`` (low nibble first, as gpt-oss
-        stores its ``*_blocks``) and e8m0 ``scales [..., N, K/32]``."""
-        check_mxfp4(values, scales)
-        return cls("mxfp4", to_word_layout(values), scales)
-
-    def mxfp4_checkpoint_values(self) -> torch.Tensor:
-        """mxfp4: the values in checkpoint order (low nibble first), ``[..., N, K/2]`` uint8."""
-        if self.format != "mxfp4":
-            raise ValueError(f"checkpoint-order values exist for mxfp4 only, this tensor is {self.format}")
-        return from_word_layout(self.values)
+    def in_layout(self, layout: str) -> "QuantizedTensor":
+        """This tensor with its values in ``layout`` (itself if they are already)."""
+        if layout == self.layout:
+            return self
+        if layout not in LAYOUTS or self.format != "mxfp4":
+            raise ValueError(f"layout must be 'checkpoint', or 'words' for mxfp4, got {layout!r} for {self.format}")
+        convert = to_word_layout if layout == "words" else from_word_layout
+        return QuantizedTensor(self.format, convert(self.values), self.scales, layout)
 
     @property
     def shape(self) -> torch.Size:
@@ -138,16 +148,16 @@ class QuantizedTensor:
         """``[..., N, K]`` in ``dtype``."""
         if self.format == "fp8":
             return dequantize_fp8_block(self.values, self.scales, dtype)
-        return dequantize_mxfp4(from_word_layout(self.values), self.scales, dtype)
+        return dequantize_mxfp4(self.in_layout("checkpoint").values, self.scales, dtype)
 
     def __getitem__(self, index: int | slice) -> "QuantizedTensor":
         """Index the leading (expert) dimensions only."""
         if len(self.shape) < 3:
             raise IndexError("only the leading dimensions of a QuantizedTensor [..., N, K] can be indexed")
-        return QuantizedTensor(self.format, self.values[index], self.scales[index])
+        return QuantizedTensor(self.format, self.values[index], self.scales[index], self.layout)
 
     def to(self, device: torch.device | str) -> "QuantizedTensor":
-        return QuantizedTensor(self.format, self.values.to(device), self.scales.to(device))
+        return QuantizedTensor(self.format, self.values.to(device), self.scales.to(device), self.layout)
 
     def cat(self, other: "QuantizedTensor") -> "QuantizedTensor":
         """Rows of ``self`` then rows of ``other`` (``[..., N1 + N2, K]``): fuses gate and up projections.
@@ -158,5 +168,6 @@ class QuantizedTensor:
             raise ValueError(f"cannot stack {self.format} {list(self.shape)} and {other.format} {list(other.shape)} by rows")
         if self.format == "fp8" and self.shape[-2] % FP8_BLOCK:
             raise ValueError(f"fp8 rows can be stacked only at a block boundary: N={self.shape[-2]} is not a multiple of 128")
+        other = other.in_layout(self.layout)
         return QuantizedTensor(self.format, torch.cat([self.values, other.values], -2),
-                               torch.cat([self.scales, other.scales], -2))
+                               torch.cat([self.scales, other.scales], -2), self.layout)

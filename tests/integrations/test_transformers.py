@@ -229,8 +229,8 @@ def test_gpt_oss_loaded_dequantized_keeps_its_experts_in_mxfp4_exactly():
     for (_, experts), (gate_up, down) in zip(layers, originals):
         pool = experts.pool
         assert pool.weights == "mxfp4" and pool.w13.dtype == torch.uint8
-        w13 = QuantizedTensor("mxfp4", pool.w13.flatten(0, 1), pool.w13_scale.flatten(0, 1)).dequantize()
-        w2 = QuantizedTensor("mxfp4", pool.w2.flatten(0, 1), pool.w2_scale.flatten(0, 1)).dequantize()
+        w13 = QuantizedTensor("mxfp4", pool.w13.flatten(0, 1), pool.w13_scale.flatten(0, 1), "words").dequantize()
+        w2 = QuantizedTensor("mxfp4", pool.w2.flatten(0, 1), pool.w2_scale.flatten(0, 1), "words").dequantize()
         gate_up = gate_up.transpose(1, 2)  # [E, 2I, H], gate and up rows interleaved
         assert torch.equal(w13, torch.cat([gate_up[:, 0::2], gate_up[:, 1::2]], dim=1))
         assert torch.equal(w2, down.transpose(1, 2))

@@ -239,13 +239,24 @@ def test_word_pairs_place_every_code_of_every_column_as_a_bf16(column):
     assert torch.equal(torch.signbit(decoded), torch.arange(16) >= 8)
 
 
-def test_quantized_mxfp4_holds_the_word_layout_of_the_checkpoint_bytes():
+def test_quantized_mxfp4_values_in_either_layout_mean_the_same_weights():
+    """Checkpoint order by default (as loaders and quantize_mxfp4 give them); ``words`` as pools
+    hold them. Each layout dequantizes to the same weights, and rows stack in either."""
     weight = random_weight((6, 64), 9)
     values, scales = quantize_mxfp4(weight)
     packed = QuantizedTensor.quantize(weight, "mxfp4")
-    assert torch.equal(packed.values, to_word_layout(values)) and torch.equal(packed.scales, scales)
-    assert torch.equal(packed.mxfp4_checkpoint_values(), values)
-    assert torch.equal(QuantizedTensor.from_mxfp4_checkpoint(values, scales).values, packed.values)
-    assert torch.equal(packed.dequantize(), dequantize_mxfp4(values, scales))
-    with pytest.raises(ValueError, match="mxfp4 only"):
-        QuantizedTensor.quantize(torch.randn(128, 128), "fp8").mxfp4_checkpoint_values()
+    assert packed.layout == "checkpoint" and torch.equal(packed.values, values) and torch.equal(packed.scales, scales)
+    words = packed.in_layout("words")
+    assert words.layout == "words" and torch.equal(words.values, to_word_layout(values))
+    assert words.in_layout("words") is words and torch.equal(words.in_layout("checkpoint").values, values)
+    assert torch.equal(words.dequantize(), dequantize_mxfp4(values, scales))
+    assert torch.equal(packed.dequantize(), words.dequantize())
+    stacked = words.cat(packed)  # the second converted to the first's layout
+    assert stacked.layout == "words" and torch.equal(stacked.dequantize(), torch.cat([packed.dequantize()] * 2))
+    experts = QuantizedTensor("mxfp4", words.values[None], words.scales[None], "words")
+    assert experts[0].layout == "words" and words.to("cpu").layout == "words"
+    fp8 = QuantizedTensor.quantize(torch.randn(128, 128), "fp8")
+    for bad in (lambda: fp8.in_layout("words"), lambda: QuantizedTensor("fp8", fp8.values, fp8.scales, "words"),
+                lambda: packed.in_layout("nibbles")):
+        with pytest.raises(ValueError, match="layout must be"):
+            bad()

@@ -25,7 +25,14 @@ from flatep.kernels.quant_gemm import (
     packed_launches,
     quantize_fp8_activations_triton,
 )
-from flatep.quant import E2M1_VALUES, QuantizedTensor, dequantize_fp8_activations, quantize_fp8_activations, to_word_layout
+from flatep.quant import (
+    E2M1_VALUES,
+    QuantizedTensor,
+    dequantize_fp8_activations,
+    pool_layout,
+    quantize_fp8_activations,
+    to_word_layout,
+)
 from tests.helpers import DEVICE, relative_error
 
 triton_available = DEVICE.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
@@ -39,7 +46,7 @@ def grouped_inputs(format, sizes, out_features, in_features, seed, padding=3):
     rows[sum(sizes):] = float("nan")  # past offsets[-1]: must never be read into a real row
     weight = torch.randn(len(sizes), out_features, in_features, generator=generator) * in_features**-0.5
     offsets = torch.tensor(sizes, dtype=torch.int32).cumsum(0).to(torch.int32)
-    packed = QuantizedTensor.quantize(weight, format)
+    packed = QuantizedTensor.quantize(weight, format).in_layout(pool_layout(format))  # as pools hold them
     return rows.bfloat16().to(DEVICE), packed.to(DEVICE), offsets.to(DEVICE)
 
 
@@ -139,7 +146,7 @@ def test_mxfp4_kernel_decodes_every_code_at_any_scale_exactly(config):
     values = torch.randint(0, 256, (1, out_features, in_features // 2), generator=generator, dtype=torch.uint8)
     choices = torch.tensor([3, 60, 120, 126, 127, 128, 129, 140, 200], dtype=torch.uint8)
     scales = choices[torch.randint(0, len(choices), (1, out_features, in_features // 32), generator=generator)]
-    packed = QuantizedTensor("mxfp4", values, scales).to(DEVICE)
+    packed = QuantizedTensor("mxfp4", values, scales, "words").to(DEVICE)
     rows = torch.eye(in_features).bfloat16().to(DEVICE)
     offsets = torch.tensor([in_features], dtype=torch.int32, device=DEVICE)
     out = mxfp4_grouped_mm_triton(rows, packed.values, packed.scales, offsets, config)
@@ -445,3 +452,15 @@ def test_a_hot_group_at_decode_sizes_runs_in_tall_tiles_and_equals_torch(format)
     got = quantized_grouped_mm(rows, packed, offsets, rows_per_group=4)
     end = sum(sizes)
     assert relative_error(got[:end], quantized_grouped_mm(rows, packed, offsets, backend="torch")[:end]) < 4e-3
+
+
+@needs_triton
+def test_mxfp4_in_checkpoint_layout_runs_the_kernel_after_converting():
+    """Weights built from checkpoint bytes (the default layout) give the kernel path the same result
+    as the same weights in the pools' word layout, and both equal the torch path."""
+    rows, words, offsets = grouped_inputs("mxfp4", [3, 6, 1], 32, 64, seed=12)
+    checkpoint = words.in_layout("checkpoint")
+    assert checkpoint.layout == "checkpoint" and not torch.equal(checkpoint.values, words.values)
+    got = quantized_grouped_mm(rows, checkpoint, offsets, rows_per_group=4)
+    assert torch.equal(got[:10], quantized_grouped_mm(rows, words, offsets, rows_per_group=4)[:10])
+    assert relative_error(got[:10], quantized_grouped_mm(rows, checkpoint, offsets, backend="torch")[:10]) < 4e-3

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from flatep import EPConfig, ExpertPool, dense_moe, ep_moe, init_group, make_plan, plan_step
-from flatep.quant import QuantizedTensor, dequantize_fp8_activations, expert_weight_nbytes, quantize_fp8_activations
+from flatep.quant import QuantizedTensor, dequantize_fp8_activations, expert_weight_nbytes, pool_layout, quantize_fp8_activations
 from flatep.routing import skewed_topk
 from tests.helpers import DEVICE, TRITON_BACKENDS, relative_error
 
@@ -109,6 +109,7 @@ def test_push_moves_packed_values_and_scales(format, backend):
     _, _, _, w13, w2 = quantized_inputs(config, 4, 1.0, seed=3)
     q13, q2 = QuantizedTensor.quantize(w13, format), QuantizedTensor.quantize(w2, format)
     pool = ExpertPool.from_weights(q13, q2, config, group)
+    q13, q2 = q13.in_layout(pool_layout(format)), q2.in_layout(pool_layout(format))  # what the pool holds
     for name in pool.names:
         pool.slots(name).view(torch.uint8).fill_(0xFF)  # poison: NaN in fp8, 255 (NaN scale) in mxfp4
     slots = torch.tensor([[2, -1], [0, 1]], dtype=torch.int32, device=DEVICE)
