@@ -43,8 +43,9 @@ each weight tile is read by the band's row tiles back to back.
   loaded (in registers); tall unswapped tiles (a warp-group MMA, whose weight operand goes
   through shared memory anyway) put the decoded weights back in column order and take the
   activations as they are (local sm_90 compile of the 128-row tile's K step: 196 instructions in
-  153 registers a thread, against 246 in 211 with permuted activations). An e8m0 byte 0 (``2**-127``) decodes to 0 (its values are below
-  ``6 * 2**-127`` anyway). The interpreter runs the same bit placement and multiplies in fp32.
+  153 registers a thread, against 246 in 211 with permuted activations). An e8m0 byte 0
+  (``2**-127``) decodes to 0 (its values are below ``6 * 2**-127`` anyway). The interpreter runs
+  the same bit placement and multiplies in fp32.
   ``tl.dot_scaled`` (bf16 times e2m1) would be the alternative; on Hopper Triton 3.6 upcasts its
   e2m1 operand itself and measured no faster, and its interpreter has no ``dot_scaled``.
 
@@ -405,15 +406,12 @@ def _placement_ptx(pair: int) -> list[str]:
     lines = []
     for term, (rotation, mask) in enumerate(WORD_PAIRS[pair]):
         register = "t" if term == 0 else "u"
-        kept = [bit for bit in range(32) if mask >> bit & 1]
         if rotation == 0:
             lines.append(f"and.b32 {register}, $4, {mask:#010x};")
-            continue
-        if all(bit >= rotation for bit in kept):
-            lines.append(f"shl.b32 {register}, $4, {rotation};")
         else:
-            lines.append(f"shf.l.wrap.b32 {register}, $4, $4, {rotation};")
-        lines.append(f"and.b32 {register}, {register}, {mask:#010x};")
+            kept = [bit for bit in range(32) if mask >> bit & 1]
+            shift = f"shl.b32 {register}, $4," if min(kept) >= rotation else f"shf.l.wrap.b32 {register}, $4, $4,"
+            lines += [f"{shift} {rotation};", f"and.b32 {register}, {register}, {mask:#010x};"]
         if term:
             lines.append("or.b32 t, t, u;")
     return lines
