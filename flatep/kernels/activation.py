@@ -155,6 +155,9 @@ def swiglu_weighted_triton(
     if route_weights.shape != (rows,) or route_weights.dtype != torch.float32 or not route_weights.is_contiguous():
         raise ValueError(f"route_weights must be a contiguous [{rows}] float32 tensor")
     block_i = block_i or column_block(intermediate, hidden.element_size())
+    if scales is None and out.dtype not in (torch.bfloat16, torch.float32):
+        # An fp8 output without its scales would hold the values cast unscaled: refuse it.
+        raise ValueError(f"out must be bfloat16 or float32 (float8_e4m3fn with scales), got {out.dtype}")
     if scales is not None:
         if out.dtype != torch.float8_e4m3fn or intermediate % FP8_BLOCK:
             raise ValueError(f"with scales, out must be float8_e4m3fn with I a multiple of {FP8_BLOCK}, got "

@@ -67,7 +67,7 @@ import triton
 import triton.language as tl
 
 from flatep.kernels.backend import interpreting, resident_programs
-from flatep.quant.mxfp4 import WORD_PAIRS
+from flatep.quant.mxfp4 import WORD_PAIRS, _as_int32
 
 _FP8_BLOCK = 128
 _E4M3_MAX = tl.constexpr(448.0)
@@ -365,15 +365,11 @@ def _mxfp4_grouped_kernel(
         tile += tl.num_programs(0)
 
 
-def _signed(mask: int) -> int:
-    return mask - (1 << 32) if mask >= 1 << 31 else mask
-
-
-_PAIR0_ROTATION, _PAIR0_MASK = tl.constexpr(WORD_PAIRS[0][0][0]), tl.constexpr(_signed(WORD_PAIRS[0][0][1]))
-_PAIR1_ROTATION, _PAIR1_MASK = tl.constexpr(WORD_PAIRS[1][0][0]), tl.constexpr(_signed(WORD_PAIRS[1][0][1]))
-_PAIR2_ROTATION, _PAIR2_MASK = tl.constexpr(WORD_PAIRS[2][0][0]), tl.constexpr(_signed(WORD_PAIRS[2][0][1]))
-_PAIR3_ROTATION, _PAIR3_MASK = tl.constexpr(WORD_PAIRS[3][0][0]), tl.constexpr(_signed(WORD_PAIRS[3][0][1]))
-_PAIR3B_ROTATION, _PAIR3B_MASK = tl.constexpr(WORD_PAIRS[3][1][0]), tl.constexpr(_signed(WORD_PAIRS[3][1][1]))
+_PAIR0_ROTATION, _PAIR0_MASK = tl.constexpr(WORD_PAIRS[0][0][0]), tl.constexpr(_as_int32(WORD_PAIRS[0][0][1]))
+_PAIR1_ROTATION, _PAIR1_MASK = tl.constexpr(WORD_PAIRS[1][0][0]), tl.constexpr(_as_int32(WORD_PAIRS[1][0][1]))
+_PAIR2_ROTATION, _PAIR2_MASK = tl.constexpr(WORD_PAIRS[2][0][0]), tl.constexpr(_as_int32(WORD_PAIRS[2][0][1]))
+_PAIR3_ROTATION, _PAIR3_MASK = tl.constexpr(WORD_PAIRS[3][0][0]), tl.constexpr(_as_int32(WORD_PAIRS[3][0][1]))
+_PAIR3B_ROTATION, _PAIR3B_MASK = tl.constexpr(WORD_PAIRS[3][1][0]), tl.constexpr(_as_int32(WORD_PAIRS[3][1][1]))
 
 
 @triton.jit

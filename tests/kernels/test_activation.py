@@ -178,3 +178,5 @@ def test_swiglu_quantized_refuses_bad_shapes():
         swiglu_weighted_triton(hidden, weights, end_tensor(4), values, scales=torch.empty(4, 1, device=DEVICE))
     with pytest.raises(ValueError, match="block_i must be a multiple of 128"):
         swiglu_weighted_triton(hidden, weights, end_tensor(4), values, block_i=64, scales=torch.empty(4, 2, device=DEVICE))
+    with pytest.raises(ValueError, match=r"out must be bfloat16 or float32 \(float8_e4m3fn with scales\)"):
+        swiglu_weighted_triton(hidden, weights, end_tensor(4), values)  # fp8 values without their scales
