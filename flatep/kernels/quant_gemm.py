@@ -101,33 +101,37 @@ class GemmConfig:
 def default_config(rows: int, groups: int, format: str) -> GemmConfig:
     """Tiles for ``rows`` shard rows over ``groups`` groups of ``format`` (``fp8`` or ``mxfp4``) weights.
 
-    Row tiles are no taller than a group's average (decode shards hold a few rows per expert).
-    Measured on the H200 (Triton 3.6; one rank's experts, gate/up plus down):
+    Row tiles are no taller than a group's average (decode shards hold a few rows per expert), except
+    that fp8 takes 64-row tiles from 17 rows per group on. Measured on the H200 (Triton 3.6; one
+    rank's experts, gate/up plus down; ``python -m flatep.quant.bench --quick``, every candidate
+    of :data:`flatep.quant.bench.CANDIDATES`; bench/results/2026-12-05-h200):
 
-    - fp8 (``python -m flatep.quant.bench --quick``): short tiles stream the weights with the
-      product transposed (``swap_ab``: the weight's columns on the tensor core's 64-row side),
-      tall ones are compute-bound (8 warps). Against bf16 ``torch._grouped_mm``: 0.39x at 16 rows
-      per expert, 0.76x at 128, 1.11x at 1024.
-    - mxfp4 (``bench/scripts/quant_decode.py`` and its tile sweep): short tiles are not swapped. A
-      16- or 32-row tile then runs on ``mma.sync`` (16 rows tall), and Triton decodes the weight
-      words straight into the MMA's operand registers, with no round trip through shared memory.
-      The swapped tile (a 64-row warp-group MMA) needed one, and took 1.5x longer. Four programs
-      per SM of 16-row tiles hide more of the decode's latency than two.
+    - fp8: 16-row tiles stream the weights with the product transposed (``swap_ab``: the weight's
+      columns on the tensor core's 64-row side). From 17 rows per group on, 64-row tiles on 4 warps
+      were fastest or within 3% at every size (32, 128 and 1024 rows per expert; the 8-warp
+      128-row tile was 1-5% slower, the 32-row swapped tile 3% at 32 rows and 1.7x at 1024).
+      Against bf16 ``torch._grouped_mm``: 0.39x at 16 rows per expert, 0.38x at 32, 0.66x at
+      128, 0.91x at 1024.
+    - mxfp4: short tiles are not swapped. A 16- or 32-row tile then runs on ``mma.sync`` (16 rows
+      tall), and Triton decodes the weight words straight into the MMA's operand registers, with
+      no round trip through shared memory (the swapped tile took 1.6x longer). At 16 rows two
+      warps and six programs per SM were fastest (0.375x bf16; 0.394x for four warps and four
+      programs); at 32 rows the 256-column tile (0.52x). Past 32 rows, 64-row tiles with three
+      programs per SM beat the 8-warp 128-row tiles by 14-16% (1.18x bf16 at 128 rows, 1.89x at
+      1024: Hopper has no FP4 MMA, and the decode bounds it there).
     """
     if format not in ("fp8", "mxfp4"):
         raise ValueError(f"format must be fp8 or mxfp4, got {format!r}")
     per_group = max(1, rows // max(groups, 1))
-    block_m = 16 if per_group <= 16 else 32 if per_group <= 32 else 64 if per_group <= 64 else 128
     if format == "fp8":
-        if block_m <= 32:
-            return GemmConfig(block_m, 128, 128, num_warps=4, num_stages=5, swap_ab=True)
-        return GemmConfig(block_m, 128, 128, num_warps=4 if block_m == 64 else 8, num_stages=4,
-                          group_m=16 if per_group >= 1024 else 8)
-    if block_m == 16:
-        return GemmConfig(16, 128, 64, num_warps=4, num_stages=4, programs_per_sm=4)
-    if block_m == 32:
+        if per_group <= 16:
+            return GemmConfig(16, 128, 128, num_warps=4, num_stages=5, swap_ab=True)
+        return GemmConfig(64, 128, 128, num_warps=4, num_stages=4)
+    if per_group <= 16:
+        return GemmConfig(16, 128, 64, num_warps=2, num_stages=4, programs_per_sm=6)
+    if per_group <= 32:
         return GemmConfig(32, 256, 64, num_warps=4, num_stages=3)
-    return GemmConfig(block_m, 128, 64, num_warps=4 if block_m == 64 else 8, num_stages=3)
+    return GemmConfig(64, 128, 64, num_warps=4, num_stages=3, programs_per_sm=3)
 
 
 HOT_ROWS = 64
@@ -146,9 +150,9 @@ def packed_launches(rows: int, groups: int, format: str) -> list[tuple[GemmConfi
 
     Where a group's average fits short tiles (:func:`default_config`'s, at most 32 rows), the
     groups of more than :data:`HOT_ROWS` rows run in a second launch with the tall tiles
-    :func:`default_config` gives 128 rows per group, as the bf16 decode kernels do: a skewed
-    step's busiest experts then decode each weight tile once per 128 rows instead of once per
-    16 or 32. Otherwise one launch of every group.
+    :func:`default_config` gives 128 rows per group (64 rows each), as the bf16 decode kernels do:
+    a skewed step's busiest experts then decode each weight tile once per 64 rows instead of once
+    per 16 or 32. Otherwise one launch of every group.
     """
     tiles = default_config(rows, groups, format)
     if tiles.block_m > 32:
@@ -254,8 +258,10 @@ def _e4m3_rows(x, ROUND_FIRST: tl.constexpr):
     ``(values [N, GROUP] fp32 on the e4m3 grid, scales [N] fp32)``, ``scale = max(amax, 1e-10) / 448``.
     ``ROUND_FIRST`` rounds the values to the grid here (the interpreter's fp32 -> e4m3 cast drops
     carries: 127.2 -> 64); the hardware's cast rounds them itself."""
-    scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-10) / _E4M3_MAX
-    q = tl.minimum(tl.maximum(x / scale[:, None], -_E4M3_MAX), _E4M3_MAX)
+    # Correctly rounded divisions, as torch's: Triton's ``/`` on fp32 is the GPU's approximate
+    # division (up to 2 ulp off), which moved a few values in a million to the next e4m3 code.
+    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), 1e-10), _E4M3_MAX)
+    q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale[:, None]), -_E4M3_MAX), _E4M3_MAX)
     if ROUND_FIRST:
         q = _round_to_e4m3(q)
     return q, scale

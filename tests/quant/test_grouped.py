@@ -416,7 +416,7 @@ def test_packed_launches_give_hot_groups_tall_tiles_at_decode_sizes():
     for format in ("fp8", "mxfp4"):
         (short, cool), (tall, hot) = packed_launches(16 * 112, 112, format)
         assert short.block_m == 16 and cool == (0, HOT_ROWS)
-        assert tall.block_m == 128 and hot == (HOT_ROWS, 2**31 - 1)
+        assert tall.block_m == 64 and hot == (HOT_ROWS, 2**31 - 1)
         assert packed_launches(128 * 112, 112, format) == [(default_config(128 * 112, 112, format), None)]
 
 
