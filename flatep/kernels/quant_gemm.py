@@ -67,10 +67,12 @@ import triton
 import triton.language as tl
 
 from flatep.kernels.backend import interpreting, resident_programs
+from flatep.quant.fp8 import E4M3_MAX, E4M3_RECIPROCAL
 from flatep.quant.mxfp4 import WORD_PAIRS, _as_int32
 
 _FP8_BLOCK = 128
-_E4M3_MAX = tl.constexpr(448.0)
+_E4M3_MAX = tl.constexpr(E4M3_MAX)
+_E4M3_RECIPROCAL = tl.constexpr(E4M3_RECIPROCAL)
 
 
 @dataclass(frozen=True)
@@ -255,12 +257,16 @@ def _round_to_bf16(x):
 @triton.jit
 def _e4m3_rows(x, ROUND_FIRST: tl.constexpr):
     """DeepSeek-V3's activation quantization of fp32 ``x [N, GROUP]`` (one column group per row):
-    ``(values [N, GROUP] fp32 on the e4m3 grid, scales [N] fp32)``, ``scale = max(amax, 1e-10) / 448``.
+    ``(values [N, GROUP] fp32 on the e4m3 grid, scales [N] fp32)``, ``scale = max(amax, 1e-10) / 448``
+    (a product with the fp32 reciprocal, as :func:`flatep.quant.quantize_fp8_activations` defines it).
     ``ROUND_FIRST`` rounds the values to the grid here (the interpreter's fp32 -> e4m3 cast drops
     carries: 127.2 -> 64); the hardware's cast rounds them itself."""
-    # Correctly rounded divisions, as torch's: Triton's ``/`` on fp32 is the GPU's approximate
-    # division (up to 2 ulp off), which moved a few values in a million to the next e4m3 code.
-    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), 1e-10), _E4M3_MAX)
+    # Exact IEEE operations, as flatep.quant.fp8 defines them: the scale is a product with the fp32
+    # reciprocal of 448, the values a correctly rounded division. Triton's fp32 ``/`` is the GPU's
+    # approximate division (up to 2 ulp off), which put a few values in a million on the next e4m3
+    # code; a correctly rounded ``amax / 448`` differed from torch's (a product with the reciprocal
+    # on the GPU) in the scale's last bit.
+    scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-10) * _E4M3_RECIPROCAL
     q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale[:, None]), -_E4M3_MAX), _E4M3_MAX)
     if ROUND_FIRST:
         q = _round_to_e4m3(q)

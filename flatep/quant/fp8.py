@@ -17,6 +17,9 @@ block), so every block uses the whole e4m3 range; the cast rounds to nearest eve
 Activations (:func:`quantize_fp8_activations`) are quantized as DeepSeek-V3's inference does: per
 token, per 128-wide group of the input dimension, ``scale = max(amax, 1e-10) / 448``, giving
 ``q [M, K]`` e4m3 and ``scales [M, ceil(K/128)]`` float32 with ``x ~ q * scales[:, k // 128]``.
+The division by 448 is a multiplication by the fp32 reciprocal of 448 (:data:`E4M3_RECIPROCAL`),
+which is what torch computes for ``tensor / 448`` on a GPU; the values are ``x / scale`` correctly
+rounded. Both are exact IEEE operations, so the Triton kernels give the same bits on every device.
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ import torch
 FP8_BLOCK = 128
 """Rows and columns of one weight scale block (and columns of one activation group)."""
 E4M3_MAX = 448.0
+E4M3_RECIPROCAL = 1.0 / E4M3_MAX  # rounded to fp32 where it multiplies fp32
 """Largest finite e4m3fn magnitude."""
 _ACTIVATION_EPS = 1e-10  # keeps an all-zero row's scale finite (and its values 0, not NaN)
 
@@ -100,7 +104,7 @@ def quantize_fp8_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     rows, columns = x.shape
     groups = -(-columns // FP8_BLOCK)
     padded = torch.nn.functional.pad(x.float(), (0, groups * FP8_BLOCK - columns)).view(rows, groups, FP8_BLOCK)
-    scales = padded.abs().amax(dim=-1).clamp_min(_ACTIVATION_EPS) / E4M3_MAX
+    scales = padded.abs().amax(dim=-1).clamp_min(_ACTIVATION_EPS) * E4M3_RECIPROCAL
     values = to_e4m3(padded / scales.unsqueeze(-1)).view(rows, groups * FP8_BLOCK)[:, :columns]
     return values.contiguous(), scales
 

@@ -110,6 +110,20 @@ def test_fp8_activations_per_token_per_128_group():
     assert ((restored - x.bfloat16().float()).abs() <= x.abs() * 2.0**-4 + scales.repeat_interleave(128, 1)[:, :300] * 2.0**-9).all()
 
 
+def test_fp8_activation_scales_and_values_are_exact_ieee_operations():
+    """The scale is ``amax`` times the fp32 reciprocal of 448 (what torch computes for ``/ 448`` on a
+    GPU, and the kernels compute on every device), the values ``x / scale`` correctly rounded: bit
+    for bit, where a division by 448 differs in the last bit for some amax."""
+    generator = torch.Generator().manual_seed(5)
+    x = torch.randn(4096, 128, generator=generator) * torch.exp(3 * torch.randn(4096, 1, generator=generator))
+    values, scales = quantize_fp8_activations(x)
+    amax = x.abs().amax(-1).clamp_min(1e-10)
+    reciprocal = torch.tensor(1 / 448, dtype=torch.float32)
+    assert torch.equal(scales[:, 0], amax * reciprocal)
+    assert not torch.equal(amax * reciprocal, amax / 448)  # the test tells the two apart
+    assert torch.equal(values.float(), (x / scales).clamp(-448, 448).to(torch.float8_e4m3fn).float())
+
+
 def test_e2m1_values_and_signs():
     assert [float(v) for v in e2m1_decode(torch.arange(16, dtype=torch.uint8))] == list(E2M1_VALUES)
     assert torch.signbit(e2m1_decode(torch.tensor([8], dtype=torch.uint8))).all()  # -0
