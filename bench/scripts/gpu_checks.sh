@@ -25,9 +25,9 @@ part() {  # part NAME LOG COMMAND...: run, keep the log, report the exit status
 HEAVY=(tests/test_layer_gpu.py tests/quant/test_quant_gpu.py tests/transport/test_nvlink_gpu.py)
 suite() {
   if [ "${JOBS:-8}" -eq 0 ]; then python3 -m pytest -o addopts="" -q -p no:cacheprovider tests; return; fi
-  python3 -m pytest -o addopts="" -q -p no:cacheprovider "${HEAVY[@]}"
+  python3 -m pytest -o addopts="" -q -p no:cacheprovider --durations=10 "${HEAVY[@]}"
   local heavy=$?
-  python3 -m pytest -o addopts="" -q -p no:cacheprovider -n "${JOBS:-8}" tests $(printf -- "--ignore=%s " "${HEAVY[@]}")
+  python3 -m pytest -o addopts="" -q -p no:cacheprovider --durations=10 -n "${JOBS:-8}" tests $(printf -- "--ignore=%s " "${HEAVY[@]}")
   local rest=$?
   return $(( heavy || rest ))
 }
