@@ -111,7 +111,7 @@ def default_config(rows: int, groups: int, format: str) -> GemmConfig:
     - fp8: 16-row tiles stream the weights with the product transposed (``swap_ab``: the weight's
       columns on the tensor core's 64-row side). From 17 rows per group on, 64-row tiles on 4 warps
       were fastest or within 3% at every size (32, 128 and 1024 rows per expert; the 8-warp
-      128-row tile was 1-5% slower, the 32-row swapped tile 3% at 32 rows and 1.7x at 1024).
+      128-row tile was 2% slower, the 32-row swapped tile 3% at 32 rows and 1.9x at 1024).
       Against bf16 ``torch._grouped_mm``: 0.39x at 16 rows per expert, 0.38x at 32, 0.66x at
       128, 0.91x at 1024.
     - mxfp4: short tiles are not swapped. A 16- or 32-row tile then runs on ``mma.sync`` (16 rows
@@ -119,7 +119,7 @@ def default_config(rows: int, groups: int, format: str) -> GemmConfig:
       no round trip through shared memory (the swapped tile took 1.6x longer). At 16 rows two
       warps and six programs per SM were fastest (0.375x bf16; 0.394x for four warps and four
       programs); at 32 rows the 256-column tile (0.52x). Past 32 rows, 64-row tiles with three
-      programs per SM beat the 8-warp 128-row tiles by 14-16% (1.18x bf16 at 128 rows, 1.89x at
+      programs per SM beat the 8-warp 128-row tiles by 11-18% (1.18x bf16 at 128 rows, 1.89x at
       1024: Hopper has no FP4 MMA, and the decode bounds it there).
     """
     if format not in ("fp8", "mxfp4"):
