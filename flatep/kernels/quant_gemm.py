@@ -143,6 +143,7 @@ expert's rows fill tall tiles, and its many short row tiles would otherwise each
 weight tile (and, packed, decode it again)."""
 
 _ALL_ROWS = 2**31 - 1
+_SHORT_ROWS = 16  # the shortest row tile
 
 
 def packed_launches(rows: int, groups: int, format: str) -> list[tuple[GemmConfig, tuple[int, int] | None]]:
@@ -154,12 +155,19 @@ def packed_launches(rows: int, groups: int, format: str) -> list[tuple[GemmConfi
     groups of more than :data:`HOT_ROWS` rows run in a second launch with the tall tiles
     :func:`default_config` gives 128 rows per group (64 rows each), as the bf16 decode kernels do:
     a skewed step's busiest experts then decode each weight tile once per 64 rows instead of once
-    per 16 or 32. Otherwise one launch of every group.
+    per 16 or 32. Where the average takes mxfp4's 32-row tiles, the groups of at most 16 rows get
+    a launch of their own with its 16-row tiles: on the H200 those took 0.72x of the 32-row
+    tiles' time at 16 rows per expert (0.375x against 0.522x bf16, ``python -m flatep.quant.bench
+    --quick``), and at Kimi-K3, s = 128, a rank's experts hold about 18 rows each, so about a
+    third of them hold 16 or fewer. Otherwise one launch of every group.
     """
     tiles = default_config(rows, groups, format)
     if tiles.block_m > 32:
         return [(tiles, None)]
     hot = default_config(2 * HOT_ROWS * max(groups, 1), groups, format)
+    if format == "mxfp4" and tiles.block_m == 32:
+        short = default_config(_SHORT_ROWS * max(groups, 1), groups, format)
+        return [(short, (0, _SHORT_ROWS)), (tiles, (_SHORT_ROWS, HOT_ROWS)), (hot, (HOT_ROWS, _ALL_ROWS))]
     return [(tiles, (0, HOT_ROWS)), (hot, (HOT_ROWS, _ALL_ROWS))]
 
 

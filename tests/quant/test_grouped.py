@@ -418,6 +418,11 @@ def test_packed_launches_give_hot_groups_tall_tiles_at_decode_sizes():
         assert short.block_m == 16 and cool == (0, HOT_ROWS)
         assert tall.block_m == 64 and hot == (HOT_ROWS, 2**31 - 1)
         assert packed_launches(128 * 112, 112, format) == [(default_config(128 * 112, 112, format), None)]
+    # mxfp4 steps whose average takes 32-row tiles run their groups of at most 16 rows in 16-row tiles.
+    (short, few), (middle, some), (tall, hot) = packed_launches(24 * 112, 112, "mxfp4")
+    assert (short.block_m, middle.block_m, tall.block_m) == (16, 32, 64)
+    assert (few, some, hot) == ((0, 16), (16, HOT_ROWS), (HOT_ROWS, 2**31 - 1))
+    assert len(packed_launches(24 * 112, 112, "fp8")) == 1  # fp8 takes 64-row tiles there
 
 
 @needs_triton
@@ -452,6 +457,20 @@ def test_a_hot_group_at_decode_sizes_runs_in_tall_tiles_and_equals_torch(format)
     got = quantized_grouped_mm(rows, packed, offsets, rows_per_group=4)
     end = sum(sizes)
     assert relative_error(got[:end], quantized_grouped_mm(rows, packed, offsets, backend="torch")[:end]) < 4e-3
+
+
+@needs_triton
+def test_mxfp4_step_of_three_launches_equals_torch():
+    """An mxfp4 step averaging 24 rows per group: groups of at most 16 rows (16-row tiles), 17 to
+    HOT_ROWS rows (32-row tiles) and more (64-row tiles), each computed once, as the torch path does."""
+    sizes = [3, 16, 17, 0, HOT_ROWS, HOT_ROWS + 1, 1]
+    assert len(packed_launches(24 * len(sizes), len(sizes), "mxfp4")) == 3
+    rows, packed, offsets = grouped_inputs("mxfp4", sizes, 64, 64, seed=14)
+    got = quantized_grouped_mm(rows, packed, offsets, rows_per_group=24)
+    expected = quantized_grouped_mm(rows, packed, offsets, backend="torch")
+    for group, end in enumerate(offsets.tolist()):  # every group, so that a launch that skips one fails
+        if sizes[group]:
+            assert relative_error(got[end - sizes[group]:end], expected[end - sizes[group]:end]) < 4e-3
 
 
 @needs_triton
