@@ -269,11 +269,8 @@ def _e4m3_rows(x, ROUND_FIRST: tl.constexpr):
     (a product with the fp32 reciprocal, as :func:`flatep.quant.quantize_fp8_activations` defines it).
     ``ROUND_FIRST`` rounds the values to the grid here (the interpreter's fp32 -> e4m3 cast drops
     carries: 127.2 -> 64); the hardware's cast rounds them itself."""
-    # Exact IEEE operations, as flatep.quant.fp8 defines them: the scale is a product with the fp32
-    # reciprocal of 448, the values a correctly rounded division. Triton's fp32 ``/`` is the GPU's
-    # approximate division (up to 2 ulp off), which put a few values in a million on the next e4m3
-    # code; a correctly rounded ``amax / 448`` differed from torch's (a product with the reciprocal
-    # on the GPU) in the scale's last bit.
+    # div_rn, not ``/``: Triton's fp32 ``/`` is the GPU's approximate division (up to 2 ulp off),
+    # which put a few values in a million on the next e4m3 code.
     scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-10) * _E4M3_RECIPROCAL
     q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale[:, None]), -_E4M3_MAX), _E4M3_MAX)
     if ROUND_FIRST:
