@@ -29,9 +29,7 @@ from flatep.kernels.decode_gemm import DECODE_ROWS_PER_GROUP, decode_launches, d
 from flatep.kernels.fp8_rows import Fp8Rows
 from flatep.kernels.grouped_fp32 import grouped_rows_mm
 from flatep.kernels.quant_gemm import (
-    fp8_gate_up_swiglu_triton,
     fp8_grouped_mm_triton,
-    gated_config,
     mxfp4_grouped_mm_triton,
     packed_launches,
     quantize_fp8_activations_triton,
@@ -282,32 +280,23 @@ def grouped_swiglu(
         out = out if out is not None else torch.empty(result.shape, dtype=out_dtype, device=result.device)
         copy_rows_triton(out, result, offsets[-1:])
         return out
-    fp8 = fused and shard.dtype == torch.bfloat16 and all(
-        isinstance(w, QuantizedTensor) and w.format == "fp8" for w in (w13, w2))
-    if fp8:
-        # The fp8 down projection quantizes its input per token per 128 columns: done where the
-        # activation is computed (bit-equal to quantizing its bf16 output), one launch and one read
-        # fewer; at decode sizes in the gate/up GEMM's epilogue, where two launches more and the
-        # [rows, 2I] intermediate's write and read are a few percent of the experts' time.
+    hidden_states = _grouped_matmul(shard, w13, offsets, backend, rows_per_group, activations)
+    if fused and isinstance(w2, QuantizedTensor) and w2.format == "fp8" and shard.dtype == torch.bfloat16:
+        # The fp8 down projection quantizes its input per token per 128 columns: done in the SwiGLU
+        # pass itself (bit-equal to quantizing its bf16 output), one launch and one read fewer.
         values = torch.empty(shard.shape[0], intermediate, dtype=torch.float8_e4m3fn, device=shard.device)
         scales = torch.empty(shard.shape[0], intermediate // FP8_BLOCK, dtype=torch.float32, device=shard.device)
-        if per_group <= DECODE_ROWS_PER_GROUP and intermediate % FP8_BLOCK == 0:
-            _fp8_gate_up_swiglu(shard, w13, route_weights, offsets, per_group, activations, values, scales)
-        else:
-            hidden_states = _grouped_matmul(shard, w13, offsets, backend, rows_per_group, activations)
-            swiglu_weighted_triton(hidden_states, route_weights, offsets[-1:], values, scales=scales)
+        swiglu_weighted_triton(hidden_states, route_weights, offsets[-1:], values, scales=scales)
         # The GEMM takes the rows' shape from a bf16 tensor it does not read: one broadcast row.
-        unread = shard.new_empty(1, intermediate).expand(shard.shape[0], intermediate)
+        unread = hidden_states.new_empty(1, intermediate).expand(shard.shape[0], intermediate)
         result = _grouped_matmul(unread, w2, offsets, backend, rows_per_group, Fp8Rows(values, scales))
     elif fused:
-        hidden_states = _grouped_matmul(shard, w13, offsets, backend, rows_per_group, activations)
         # Same function, but the elementwise steps skip rows past offsets[-1] (several times the
         # real rows at small batch); those rows of the result stay undefined, as the GEMMs leave them.
         activated = torch.empty(shard.shape[0], intermediate, dtype=shard.dtype, device=shard.device)
         swiglu_weighted_triton(hidden_states, route_weights, offsets[-1:], activated)
         result = _grouped_matmul(activated, w2, offsets, backend, rows_per_group)  # converted (real rows only) on delivery
     else:
-        hidden_states = _grouped_matmul(shard, w13, offsets, backend, rows_per_group, activations)
         result = _torch_experts(hidden_states, route_weights, w2, offsets, b13, b2, activation, precision, out_dtype, backend,
                                 rows_per_group)
     if out is None and result.dtype == out_dtype:
@@ -319,21 +308,6 @@ def grouped_swiglu(
     else:
         out.copy_(result)
     return out
-
-
-def _fp8_gate_up_swiglu(
-    shard: torch.Tensor, w13: QuantizedTensor, route_weights: torch.Tensor, offsets: torch.Tensor, rows_per_group: int,
-    activations: Fp8Rows | None, values: torch.Tensor, scales: torch.Tensor,
-) -> None:
-    """:func:`flatep.kernels.quant_gemm.fp8_gate_up_swiglu_triton` in the launches of
-    :func:`flatep.kernels.quant_gemm.packed_launches` into ``values [rows, I]`` e4m3 and ``scales
-    [rows, I/128]`` fp32, the shard's rows quantized once for all of them (unless given)."""
-    groups = w13.shape[0]
-    given = (quantize_fp8_activations_triton(shard, offsets[-1:]) if activations is None
-             else (activations.values, activations.scales))
-    for config, group_rows in packed_launches(rows_per_group * groups, groups, "fp8"):
-        fp8_gate_up_swiglu_triton(shard, w13.values, w13.scales, route_weights, offsets, values, scales,
-                                  config=gated_config(config), activations=given, group_rows=group_rows)
 
 
 def _torch_experts(

@@ -6,7 +6,6 @@ from flatep.kernels.dispatch import dispatch_torch, dispatch_triton
 from flatep.kernels.push import push_torch, push_triton
 from flatep.kernels.quant_gemm import (
     GemmConfig,
-    fp8_gate_up_swiglu_triton,
     fp8_grouped_mm_triton,
     mxfp4_grouped_mm_triton,
     quantize_fp8_activations_triton,
@@ -20,7 +19,6 @@ __all__ = [
     "copy_rows_triton",
     "dispatch_torch",
     "dispatch_triton",
-    "fp8_gate_up_swiglu_triton",
     "fp8_grouped_mm_triton",
     "mxfp4_grouped_mm_triton",
     "push_torch",

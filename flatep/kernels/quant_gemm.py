@@ -60,7 +60,6 @@ not the hardware's: it truncates); the products are exact either way. The output
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -135,13 +134,6 @@ def default_config(rows: int, groups: int, format: str) -> GemmConfig:
     if per_group <= 32:
         return GemmConfig(32, 256, 64, num_warps=4, num_stages=3)
     return GemmConfig(64, 128, 64, num_warps=4, num_stages=3, programs_per_sm=3)
-
-
-def gated_config(config: GemmConfig) -> GemmConfig:
-    """The tiles of :func:`fp8_gate_up_swiglu_triton` for a launch whose plain fp8 GEMM takes
-    ``config``: the same tiles, with a pipeline short enough that two programs' stages (a gate and
-    an up weight tile each, twice the plain GEMM's weight bytes) fit an SM's shared memory."""
-    return dataclasses.replace(config, num_stages=min(config.num_stages, 3))
 
 
 HOT_ROWS = 64
@@ -313,33 +305,30 @@ def _act_quant_kernel(
 
 @triton.jit
 def _fp8_grouped_kernel(
-    a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, out_scale_ptr, route_ptr, offsets_ptr, groups, N, W_ROWS,
-    stride_om, stride_os, stride_am, stride_as, rows_above, rows_at_most,
+    a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, offsets_ptr, groups, N, stride_om, stride_am, stride_as,
+    rows_above, rows_at_most,
     K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    GROUPS: tl.constexpr, SWAP_AB: tl.constexpr, GATED: tl.constexpr, INTERPRET: tl.constexpr,
+    GROUPS: tl.constexpr, SWAP_AB: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     starts, ends, tiles, passed, total = _tile_table(offsets_ptr, groups, groups, 0, N, rows_above, rows_at_most,
                                                      BLOCK_M, BLOCK_N, GROUPS)
     tile = tl.program_id(0)
     while tile < total:
         group, first, last, first_column = _locate_tile(tile, starts, ends, tiles, passed, N, BLOCK_M, BLOCK_N, GROUP_M, GROUPS)
-        _fp8_tile(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, out_scale_ptr, route_ptr, group, first, last,
-                  first_column, N, W_ROWS, stride_om, stride_os, stride_am, stride_as, K, BLOCK_M, BLOCK_N, BLOCK_K,
-                  SWAP_AB, GATED, INTERPRET)
+        _fp8_tile(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, group, first, last, first_column, N, stride_om,
+                  stride_am, stride_as, K, BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, INTERPRET)
         tile += tl.num_programs(0)
 
 
 @triton.jit
 def _fp8_tile(
-    a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, out_scale_ptr, route_ptr, group, first, last, first_column, N,
-    W_ROWS, stride_om, stride_os, stride_am, stride_as,
+    a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, group, first, last, first_column, N, stride_om, stride_am, stride_as,
     K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr,
-    GATED: tl.constexpr, INTERPRET: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):
-    """Rows ``[first, min(first + BLOCK_M, last))`` times columns ``[first_column, + BLOCK_N)`` of
-    ``group``, whose weights hold ``W_ROWS`` rows (``N``; ``2N`` with ``GATED``: the gate rows, then
-    the up rows, whose columns ``N + first_column ...`` the tile computes too)."""
+    """Rows ``[first, min(first + BLOCK_M, last))`` times columns ``[first_column, + BLOCK_N)`` of ``group``."""
     k_blocks: tl.constexpr = K // BLOCK_K
+    n_blocks = tl.cdiv(N, BLOCK_K)
     row = first + tl.arange(0, BLOCK_M)
     row_mask = row < last
     column = first_column + tl.arange(0, BLOCK_N)
@@ -349,55 +338,29 @@ def _fp8_tile(
     # Both operands K-contiguous (the fp8 tensor-core MMA takes them K-major). A group's weights
     # exceed 2**31 bytes at real sizes: offsets in int64.
     a_tile = a_ptr + row.to(tl.int64)[:, None] * stride_am + inner[None, :]
-    w_tile = w_ptr + expert * W_ROWS * K + column.to(tl.int64)[:, None] * K + inner[None, :]
+    w_tile = w_ptr + expert * N * K + column.to(tl.int64)[:, None] * K + inner[None, :]
     a_scales = a_scale_ptr + row.to(tl.int64) * stride_as
     # BLOCK_N divides 128 and first_column is a multiple of it: the tile's columns share one
     # weight scale block, so each K step takes one scalar weight scale (one uniform load, and one
     # FMA per output element with the row scales folded in).
-    w_scales = w_scale_ptr + expert * tl.cdiv(W_ROWS, BLOCK_K) * k_blocks + (first_column // BLOCK_K) * k_blocks
-    # GATED: N is a multiple of 128, so the up rows' scale blocks start N / 128 blocks further.
-    up_tile = w_tile + N * K
-    up_scales = w_scales + (N // BLOCK_K) * k_blocks
+    w_scales = w_scale_ptr + expert * n_blocks * k_blocks + (first_column // BLOCK_K) * k_blocks
     if SWAP_AB:
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_up = tl.zeros_like(acc)
     for step in range(0, k_blocks):
         a = tl.load(a_tile + step * BLOCK_K, mask=row_mask[:, None], other=0.0)
         w = tl.load(w_tile + step * BLOCK_K, mask=column_mask[:, None], other=0.0)
         # One K step is one scale block of both operands: scale the block's partial product.
-        row_scale = tl.load(a_scales + step, mask=row_mask, other=0.0)
-        scale = row_scale * tl.load(w_scales + step)
+        scale = tl.load(a_scales + step, mask=row_mask, other=0.0) * tl.load(w_scales + step)
         product = _tile_dot(a, w, SWAP_AB, INTERPRET)
         if SWAP_AB:
             acc += product * scale[None, :]
         else:
             acc += product * scale[:, None]
-        if GATED:
-            u = tl.load(up_tile + step * BLOCK_K, mask=column_mask[:, None], other=0.0)
-            up_scale = row_scale * tl.load(up_scales + step)
-            product = _tile_dot(a, u, SWAP_AB, INTERPRET)
-            if SWAP_AB:
-                acc_up += product * up_scale[None, :]
-            else:
-                acc_up += product * up_scale[:, None]
     if SWAP_AB:
         acc = tl.trans(acc)
-        acc_up = tl.trans(acc_up)
-    if GATED:
-        # What the two-launch path computes from the gate/up GEMM's bf16 output: the activation in
-        # fp32 (:func:`flatep.kernels.activation.swiglu_weighted_triton`'s expression, so the same
-        # bits), its bf16 rounding, then the down projection's per-128-column quantization of it.
-        gate = _round_to_bf16(acc)
-        up = _round_to_bf16(acc_up)
-        # NaN and +-inf route weights propagate into the row, as in a dense MoE.
-        route_weight = tl.load(route_ptr + row, mask=row_mask, other=0.0).to(tl.float32)
-        activated = gate / (1.0 + tl.exp(-gate)) * up * route_weight[:, None]
-        activated = activated.to(tl.bfloat16).to(tl.float32)  # as the SwiGLU pass rounds it
-        acc, row_scales = _e4m3_rows(activated, INTERPRET)
-        tl.store(out_scale_ptr + row.to(tl.int64) * stride_os + first_column // BLOCK_K, row_scales, mask=row_mask)
-    elif INTERPRET:
+    if INTERPRET:
         acc = _round_to_bf16(acc)
     out = out_ptr + row.to(tl.int64)[:, None] * stride_om + column[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & column_mask[None, :])
@@ -622,54 +585,6 @@ def quantize_fp8_activations_triton(rows: torch.Tensor, end: torch.Tensor) -> tu
     return values, scales
 
 
-def _check_fp8(
-    rows: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, config: GemmConfig | None,
-    activations: tuple[torch.Tensor, torch.Tensor] | None,
-) -> GemmConfig:
-    """Checks of an fp8 GEMM's arguments; the tiles to run."""
-    _check_common(rows, values, offsets)
-    groups, columns, inner = values.shape
-    if values.dtype != torch.float8_e4m3fn or inner != rows.shape[1] or inner % _FP8_BLOCK:
-        raise ValueError(f"values must be [G, N, K={rows.shape[1]}] float8_e4m3fn with K a multiple of 128, got "
-                         f"{values.dtype} {list(values.shape)}")
-    expected = (groups, triton.cdiv(columns, _FP8_BLOCK), inner // _FP8_BLOCK)
-    if scales.dtype != torch.float32 or tuple(scales.shape) != expected or not scales.is_contiguous():
-        raise ValueError(f"scales must be a contiguous {list(expected)} float32 tensor, got {scales.dtype} {list(scales.shape)}")
-    config = config or default_config(rows.shape[0], groups, "fp8")
-    if config.block_k != _FP8_BLOCK:
-        raise ValueError(f"fp8 block_k must be {_FP8_BLOCK} (one scale block), got {config.block_k}")
-    if config.block_n > _FP8_BLOCK or _FP8_BLOCK % config.block_n:
-        raise ValueError(f"fp8 block_n must divide {_FP8_BLOCK} (one weight scale block per tile), got {config.block_n}")
-    if activations is None:
-        return config
-    quantized, row_scales = activations
-    if (quantized.dtype != torch.float8_e4m3fn or tuple(quantized.shape) != tuple(rows.shape)
-            or row_scales.dtype != torch.float32 or tuple(row_scales.shape) != (rows.shape[0], inner // _FP8_BLOCK)
-            or quantized.stride(1) != 1 or row_scales.stride(1) != 1):
-        raise ValueError(f"activations must be [M, K] float8_e4m3fn and [M, K/128] float32 with unit column "
-                         f"strides for rows {list(rows.shape)}, got {quantized.dtype} {list(quantized.shape)} and "
-                         f"{row_scales.dtype} {list(row_scales.shape)}")
-    return config
-
-
-def _fp8_launch(
-    rows: torch.Tensor, activations: tuple[torch.Tensor, torch.Tensor] | None, values: torch.Tensor,
-    scales: torch.Tensor, offsets: torch.Tensor, config: GemmConfig, rows_above: int, rows_at_most: int, columns: int,
-    out: torch.Tensor, out_scales: torch.Tensor | None = None, route_weights: torch.Tensor | None = None,
-) -> None:
-    """The fp8 kernel over checked arguments, quantizing ``rows`` first unless ``activations`` are given."""
-    quantized, row_scales = activations or quantize_fp8_activations_triton(rows, offsets[-1:])
-    groups, weight_rows, inner = values.shape
-    _fp8_grouped_kernel[_grid(quantized.shape[0], groups, columns, config, quantized.device)](
-        quantized, row_scales, values, scales, out, out_scales, route_weights, offsets, groups, columns, weight_rows,
-        out.stride(0), 0 if out_scales is None else out_scales.stride(0), quantized.stride(0), row_scales.stride(0),
-        rows_above, rows_at_most, inner,
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=_FP8_BLOCK, GROUP_M=config.group_m,
-        GROUPS=triton.next_power_of_2(groups), SWAP_AB=config.swap_ab, GATED=out_scales is not None,
-        INTERPRET=interpreting(), num_warps=config.num_warps, num_stages=config.num_stages,
-    )
-
-
 def fp8_grouped_mm_triton(
     rows: torch.Tensor,
     values: torch.Tensor,
@@ -700,71 +615,39 @@ def fp8_grouped_mm_triton(
         ``out`` or a new ``[M, N]`` bf16 tensor; rows at and past ``offsets[-1]``, and the rows of
         groups outside ``group_rows``, are not written.
     """
-    config = _check_fp8(rows, values, scales, offsets, config, activations)
+    _check_common(rows, values, offsets)
+    groups, columns, inner = values.shape
+    if values.dtype != torch.float8_e4m3fn or inner != rows.shape[1] or inner % _FP8_BLOCK:
+        raise ValueError(f"values must be [G, N, K={rows.shape[1]}] float8_e4m3fn with K a multiple of 128, got "
+                         f"{values.dtype} {list(values.shape)}")
+    expected = (groups, triton.cdiv(columns, _FP8_BLOCK), inner // _FP8_BLOCK)
+    if scales.dtype != torch.float32 or tuple(scales.shape) != expected or not scales.is_contiguous():
+        raise ValueError(f"scales must be a contiguous {list(expected)} float32 tensor, got {scales.dtype} {list(scales.shape)}")
+    config = config or default_config(rows.shape[0], groups, "fp8")
+    if config.block_k != _FP8_BLOCK:
+        raise ValueError(f"fp8 block_k must be {_FP8_BLOCK} (one scale block), got {config.block_k}")
+    if config.block_n > _FP8_BLOCK or _FP8_BLOCK % config.block_n:
+        raise ValueError(f"fp8 block_n must divide {_FP8_BLOCK} (one weight scale block per tile), got {config.block_n}")
     rows_above, rows_at_most = _check_group_rows(group_rows)
-    columns = values.shape[1]
+    if activations is None:
+        quantized, row_scales = quantize_fp8_activations_triton(rows, offsets[-1:])
+    else:
+        quantized, row_scales = activations
+        if (quantized.dtype != torch.float8_e4m3fn or tuple(quantized.shape) != tuple(rows.shape)
+                or row_scales.dtype != torch.float32 or tuple(row_scales.shape) != (rows.shape[0], inner // _FP8_BLOCK)
+                or quantized.stride(1) != 1 or row_scales.stride(1) != 1):
+            raise ValueError(f"activations must be [M, K] float8_e4m3fn and [M, K/128] float32 with unit column "
+                             f"strides for rows {list(rows.shape)}, got {quantized.dtype} {list(quantized.shape)} and "
+                             f"{row_scales.dtype} {list(row_scales.shape)}")
     out = _output(rows, columns, out)
-    _fp8_launch(rows, activations, values, scales, offsets, config, rows_above, rows_at_most, columns, out)
+    _fp8_grouped_kernel[_grid(rows.shape[0], groups, columns, config, rows.device)](
+        quantized, row_scales, values, scales, out, offsets, groups, columns, out.stride(0), quantized.stride(0),
+        row_scales.stride(0), rows_above, rows_at_most, inner,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=_FP8_BLOCK, GROUP_M=config.group_m,
+        GROUPS=triton.next_power_of_2(groups), SWAP_AB=config.swap_ab, INTERPRET=interpreting(),
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
     return out
-
-
-def fp8_gate_up_swiglu_triton(
-    rows: torch.Tensor,
-    values: torch.Tensor,
-    scales: torch.Tensor,
-    route_weights: torch.Tensor,
-    offsets: torch.Tensor,
-    out: torch.Tensor,
-    out_scales: torch.Tensor,
-    config: GemmConfig | None = None,
-    activations: tuple[torch.Tensor, torch.Tensor] | None = None,
-    group_rows: tuple[int, int] | None = None,
-) -> None:
-    """The fp8 gate/up GEMM with the SwiGLU, the route weight and the down projection's input
-    quantization in its epilogue: ``q(bf16(silu(gate_i) * up_i * route_weights[i])))`` with
-    ``[gate_i, up_i] = bf16(q(rows[i]) @ W[g(i)].T)``, written as e4m3 values and a scale per 128
-    columns.
-
-    Bit-equal to :func:`fp8_grouped_mm_triton` into ``[M, 2I]`` bf16, then
-    :func:`flatep.kernels.activation.swiglu_weighted_triton` with ``scales`` (same tiles): a
-    program computes the gate columns ``[j, j + 128)`` and the up columns ``[I + j, I + j + 128)``
-    of its rows, so the ``[M, 2I]`` intermediate is neither written nor read again and one
-    launch less runs.
-
-    Args:
-        rows, offsets, activations, group_rows: as for :func:`fp8_grouped_mm_triton`.
-        values: ``[G, 2I, K]`` float8_e4m3fn, contiguous: each expert's ``I`` gate rows, then its
-            ``I`` up rows, ``I`` a multiple of 128.
-        scales: ``[G, 2I/128, K/128]`` float32, contiguous.
-        route_weights: ``[M]`` float32 (contiguous) route weight of each row.
-        out: ``[M, I]`` float8_e4m3fn (unit column stride); written.
-        out_scales: ``[M, I/128]`` float32 (unit column stride); written.
-        config: tiles (default :func:`default_config`); ``block_n`` must be 128 (one quantization
-            group of the output per tile).
-
-    Rows at and past ``offsets[-1]``, and the rows of groups outside ``group_rows``, are not written.
-    """
-    config = _check_fp8(rows, values, scales, offsets, config, activations)
-    rows_above, rows_at_most = _check_group_rows(group_rows)
-    count, intermediate = rows.shape[0], values.shape[1] // 2
-    if values.shape[1] % (2 * _FP8_BLOCK):
-        raise ValueError(f"values must hold 2I rows per expert (gate then up) with I a multiple of {_FP8_BLOCK}, got "
-                         f"{values.shape[1]}")
-    if config.block_n != _FP8_BLOCK:
-        raise ValueError(f"block_n must be {_FP8_BLOCK} (one quantization group of the output per tile), got "
-                         f"{config.block_n}")
-    if route_weights.shape != (count,) or route_weights.dtype != torch.float32 or not route_weights.is_contiguous():
-        raise ValueError(f"route_weights must be a contiguous [{count}] float32 tensor, got {route_weights.dtype} "
-                         f"{list(route_weights.shape)}")
-    if out.shape != (count, intermediate) or out.dtype != torch.float8_e4m3fn or out.stride(1) != 1:
-        raise ValueError(f"out must be [{count}, {intermediate}] float8_e4m3fn with unit column stride, got {out.dtype} "
-                         f"{list(out.shape)}")
-    expected = (count, intermediate // _FP8_BLOCK)
-    if tuple(out_scales.shape) != expected or out_scales.dtype != torch.float32 or out_scales.stride(1) != 1:
-        raise ValueError(f"out_scales must be {list(expected)} float32 with unit column stride, got {out_scales.dtype} "
-                         f"{list(out_scales.shape)}")
-    _fp8_launch(rows, activations, values, scales, offsets, config, rows_above, rows_at_most, intermediate, out,
-                out_scales=out_scales, route_weights=route_weights)
 
 
 def mxfp4_grouped_mm_triton(

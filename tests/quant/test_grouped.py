@@ -12,7 +12,6 @@ import triton.language as tl
 
 from flatep.experts.grouped import quantized_grouped_mm
 from flatep.kernels.backend import resident_programs
-from flatep.kernels.activation import swiglu_weighted_triton
 from flatep.kernels.quant_gemm import (
     HOT_ROWS,
     GemmConfig,
@@ -21,9 +20,7 @@ from flatep.kernels.quant_gemm import (
     _locate_tile,
     _tile_table,
     default_config,
-    fp8_gate_up_swiglu_triton,
     fp8_grouped_mm_triton,
-    gated_config,
     mxfp4_grouped_mm_triton,
     packed_launches,
     quantize_fp8_activations_triton,
@@ -413,102 +410,6 @@ def test_fp8_experts_quantize_the_down_input_in_the_swiglu_pass_bit_equal_to_two
     expected = fp8_grouped_mm_triton(activated, w2.values, w2.scales, offsets)
     end = int(offsets[-1])
     assert torch.equal(out[:end], expected[:end])
-
-
-def gated_inputs(sizes, hidden, intermediate, seed):
-    """Shard rows ``[sum(sizes) + 3, hidden]`` bf16 (padding rows NaN), fp32 route weights, fp8 ``w13 [G, 2I, hidden]``, offsets."""
-    rows, w13, offsets = grouped_inputs("fp8", sizes, 2 * intermediate, hidden, seed=seed)
-    generator = torch.Generator().manual_seed(seed + 1)
-    route_weights = (torch.rand(rows.shape[0], generator=generator) + 0.1).to(DEVICE)
-    return rows, route_weights, w13, offsets
-
-
-def two_launch_gate_up(rows, route_weights, w13, offsets, config, intermediate):
-    """The fp8 gate/up GEMM into bf16, then the SwiGLU pass quantizing for the down projection."""
-    gate_up = fp8_grouped_mm_triton(rows, w13.values, w13.scales, offsets, config)
-    values = torch.empty(rows.shape[0], intermediate, dtype=torch.float8_e4m3fn, device=DEVICE)
-    scales = torch.empty(rows.shape[0], intermediate // 128, device=DEVICE)
-    swiglu_weighted_triton(gate_up, route_weights, offsets[-1:], values, scales=scales)
-    return values, scales
-
-
-def poisoned_fp8(rows, intermediate):
-    values = torch.full((rows, intermediate), 0x7F, dtype=torch.uint8, device=DEVICE).view(torch.float8_e4m3fn)
-    return values, torch.full((rows, intermediate // 128), -7.0, device=DEVICE)
-
-
-@needs_triton
-@pytest.mark.parametrize("sizes, config", [
-    ([5, 0, 19, 2], GemmConfig(16, 128, 128, num_stages=2, swap_ab=True)),
-    ([5, 0, 19, 2], GemmConfig(32, 128, 128, num_stages=2)),
-    ([1, 40, 0, 70], GemmConfig(64, 128, 128, num_stages=2)),
-])
-def test_fp8_gate_up_swiglu_is_bit_equal_to_the_gemm_then_the_swiglu_pass(sizes, config):
-    """The fused epilogue (gate and up columns of one tile, SwiGLU, route weight, bf16 rounding,
-    e4m3 per 128 columns) writes the very bits of the two-launch path, for each tile shape, and
-    leaves the rows past the last offset as they were (poisoned)."""
-    hidden, intermediate = 256, 256
-    rows, route_weights, w13, offsets = gated_inputs(sizes, hidden, intermediate, seed=len(sizes) + config.block_m)
-    expected_values, expected_scales = two_launch_gate_up(rows, route_weights, w13, offsets, config, intermediate)
-    values, scales = poisoned_fp8(rows.shape[0], intermediate)
-    fp8_gate_up_swiglu_triton(rows, w13.values, w13.scales, route_weights, offsets, values, scales, config)
-    end = sum(sizes)
-    assert torch.equal(values[:end].view(torch.uint8), expected_values[:end].view(torch.uint8))
-    assert torch.equal(scales[:end], expected_scales[:end])
-    assert bool((values[end:].view(torch.uint8) == 0x7F).all()) and bool((scales[end:] == -7.0).all())
-
-
-@needs_triton
-def test_fp8_gate_up_swiglu_launches_split_by_group_rows_and_on_given_rows():
-    """Two launches split by group rows write each group once and together the whole; rows given
-    as fp8 (as fp8 dispatch delivers them) give the same bits without reading the bf16 rows."""
-    sizes, hidden, intermediate = [1, 5, 0, 3, 9, 2], 128, 128
-    rows, route_weights, w13, offsets = gated_inputs(sizes, hidden, intermediate, seed=21)
-    config = GemmConfig(16, 128, 128, num_stages=2, swap_ab=True)
-    expected_values, expected_scales = two_launch_gate_up(rows, route_weights, w13, offsets, config, intermediate)
-    values, scales = poisoned_fp8(rows.shape[0], intermediate)
-    given = quantize_fp8_activations_triton(rows, offsets[-1:])
-    poisoned_rows = torch.full_like(rows, float("nan"))
-    ends = offsets.tolist()
-    fp8_gate_up_swiglu_triton(poisoned_rows, w13.values, w13.scales, route_weights, offsets, values, scales, config,
-                              activations=given, group_rows=(0, 3))
-    for group, size in enumerate(sizes):
-        block = values[ends[group] - size:ends[group]].view(torch.uint8)
-        assert bool((block == 0x7F).all()) if size > 3 else torch.equal(
-            block, expected_values[ends[group] - size:ends[group]].view(torch.uint8))
-    fp8_gate_up_swiglu_triton(poisoned_rows, w13.values, w13.scales, route_weights, offsets, values, scales, config,
-                              activations=given, group_rows=(3, 2**31 - 1))
-    end = sum(sizes)
-    assert torch.equal(values[:end].view(torch.uint8), expected_values[:end].view(torch.uint8))
-    assert torch.equal(scales[:end], expected_scales[:end])
-
-
-@pytest.mark.parametrize("change, message", [
-    (dict(config=GemmConfig(16, 64, 128)), "block_n must be 128"),
-    (dict(route_weights=torch.ones(4, dtype=torch.float64)), "route_weights must be"),
-    (dict(out=torch.empty(4, 128, dtype=torch.bfloat16)), "out must be"),
-    (dict(out_scales=torch.empty(4, 2)), "out_scales must be"),
-    (dict(w13=QuantizedTensor.quantize(torch.randn(2, 128, 128), "fp8")), "2I rows per expert"),
-])
-def test_fp8_gate_up_swiglu_refuses_bad_input_before_running(change, message):
-    arguments = dict(
-        rows=torch.randn(4, 128).bfloat16(), w13=QuantizedTensor.quantize(torch.randn(2, 256, 128), "fp8"),
-        route_weights=torch.ones(4), out=torch.empty(4, 128, dtype=torch.float8_e4m3fn), out_scales=torch.empty(4, 1),
-        config=None,
-    )
-    arguments.update(change)
-    w13 = arguments.pop("w13")
-    offsets = torch.tensor([2, 4], dtype=torch.int32)
-    with pytest.raises(ValueError, match=message):
-        fp8_gate_up_swiglu_triton(arguments["rows"], w13.values, w13.scales, arguments["route_weights"], offsets,
-                                  arguments["out"], arguments["out_scales"], arguments["config"])
-
-
-def test_gated_tiles_keep_the_plain_tiles_and_fit_two_programs_an_sm():
-    for rows in (16, 32, 128):
-        plain = default_config(rows * 48, 48, "fp8")
-        gated = gated_config(plain)
-        assert (gated.block_m, gated.block_n, gated.swap_ab) == (plain.block_m, plain.block_n, plain.swap_ab)
 
 
 def test_packed_launches_give_hot_groups_tall_tiles_at_decode_sizes():
