@@ -13,11 +13,19 @@ import torch.nn.functional as F
 
 from flatep.backward import differentiable_step
 from flatep.config import POLICIES, EPConfig, check_policy
-from flatep.experts.grouped import PRECISIONS, Activation, grouped_swiglu, swiglu, takes_decode_kernels
+from flatep.experts.grouped import (
+    PRECISIONS,
+    Activation,
+    grouped_swiglu,
+    swiglu,
+    takes_decode_kernels,
+    takes_packed_kernels,
+)
 from flatep.experts.pool import ExpertPool, check_expert_weights, check_slot_sets
 from flatep.kernels.backend import check_programs, interpreting, use_triton
 from flatep.exchange import combine_rows, dispatch_rows, pack_rows, unpack_rows
 from flatep.kernels.combine import combine_grid
+from flatep.kernels.decode_gemm import DECODE_ROWS_PER_GROUP
 from flatep.kernels.dispatch import dispatch_grid
 from flatep.kernels.fp8_rows import FP8_DISPATCH, Fp8Rows, check_dispatch_dtype, entry_link_bytes, packed_words, packs_rows
 from flatep.plan.auto import candidates_for, slot_rows
@@ -580,8 +588,9 @@ def experts_step(
     Two grouped GEMMs per projection: the layer's home experts over rows ``[0, slot_base)``, then
     the process's shared slots over rows ``[slot_base, shard_rows)`` (the split layout of
     :func:`flatep.plan.split.split_slot_rows`; a plan without borrowed experts runs only the
-    first). Where the decode kernels run (:func:`flatep.experts.grouped.takes_decode_kernels`)
-    both parts share each launch. ``out`` is a symmetric buffer shaped like the shard, possibly of another dtype (fp32
+    first). Where the decode kernels run (:func:`flatep.experts.grouped.takes_decode_kernels`), or
+    the packed kernels (:func:`flatep.experts.grouped.takes_packed_kernels`), both parts share each
+    launch. ``out`` is a symmetric buffer shaped like the shard, possibly of another dtype (fp32
     rows keep the route-weighted products unrounded until combine). With Triton (``backend``), only
     each part's real rows (before its ``offsets[-1]``) are written; combine never reads the others.
     ``parts`` selects which of the two run (``("home",)`` needs no slots, so it may run before
@@ -607,22 +616,27 @@ def experts_step(
     # tiles) follow the rows an expert holds on average in this step, T*K/E.
     rows_per_group = plan.rows_per_expert(pool.config.top_k)
     if plan.slot_base and "home" in parts and "slots" in parts:
-        # Where the decode kernels run both parts, one launch per projection covers them: at decode
-        # sizes each part alone leaves SMs idle, and a step that borrows nothing pays no launch
-        # for its empty slot half.
+        # Where the decode kernels or the packed kernels run both parts, one launch per projection
+        # covers them: at decode sizes each part alone leaves SMs idle, and a step that borrows
+        # nothing pays no launch for its empty slot half.
         (w13, w2, *home_biases), (slot_w13, slot_w2, *slot_biases) = (
             pool.compute_view(local_index, part) for part in ("home", "slots")
         )
-        if all(
-            takes_decode_kernels(rows, weights, gate_up, down, rows_per_group, precision=precision,
-                                 biased=any(b is not None for b in biases), activation=activation, backend=backend)
-            for gate_up, down, biases in ((w13, w2, home_biases), (slot_w13, slot_w2, slot_biases))
-        ):
+        options = dict(precision=precision, activation=activation, backend=backend)
+        sets = ((w13, w2, any(b is not None for b in home_biases)),
+                (slot_w13, slot_w2, any(b is not None for b in slot_biases)))
+        if (all(takes_decode_kernels(rows, weights, gate_up, down, rows_per_group, biased=biased, **options)
+                for gate_up, down, biased in sets)
+                # Packed: at decode sizes only, where launches are a visible share of the experts'
+                # time; the shared elementwise passes also cover the rows between the two parts.
+                or rows_per_group <= DECODE_ROWS_PER_GROUP
+                and all(takes_packed_kernels(rows, weights, gate_up, down, biased=biased, **options)
+                        for gate_up, down, biased in sets)):
             end = plan.shard_rows
             grouped_swiglu(
                 rows[:end], weights[:end], w13, w2, offsets, activation=activation, precision=precision,
                 backend=backend, out=target[:end], rows_per_group=rows_per_group, slots=(slot_w13, slot_w2),
-                slot_base=plan.slot_base,
+                slot_base=plan.slot_base, activations=None if activations is None else activations[:end],
             )
             return
     runs = [("home", 0, plan.slot_base or plan.shard_rows, offsets[:epn])]

@@ -92,7 +92,8 @@ def _grouped_matmul(
 
 def quantized_grouped_mm(
     rows: torch.Tensor, weights: QuantizedTensor, offsets: torch.Tensor, backend: str = "auto",
-    rows_per_group: int | None = None, activations: Fp8Rows | None = None,
+    rows_per_group: int | None = None, activations: Fp8Rows | None = None, *,
+    slots: QuantizedTensor | None = None, slot_base: int = 0, out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``out[i] = rows[i] @ W[g(i)].T`` with packed ``W``: ``[M, out]`` in ``rows``' dtype.
 
@@ -116,30 +117,43 @@ def quantized_grouped_mm(
         activations: ``fp8`` only: the rows already quantized (:class:`flatep.kernels.fp8_rows.Fp8Rows`
             ``[M, K]``, as fp8 dispatch delivers them), used instead of quantizing ``rows``, which
             are then not read.
+        slots: Triton only: a second set of experts ``[G2, N, K]`` in the same format (a layer's
+            borrow slots) for groups ``G .. G+G2-1`` (``offsets`` then holds ``G+G2`` ends), whose
+            rows start at row ``slot_base``; both sets run in the same launches.
+        slot_base: first row of the ``slots`` groups.
+        out: Triton only: an ``[M, N]`` bf16 tensor (unit column stride) to write into.
     """
     if rows.dim() != 2 or weights.shape[-1] != rows.shape[1] or len(weights.shape) != 3:
         raise ValueError(f"rows [M, K] and weights [G, N, K] must agree on K, got {list(rows.shape)} and {list(weights.shape)}")
-    if offsets.dtype != torch.int32 or offsets.shape != (weights.shape[0],):
-        raise ValueError(f"offsets must be [{weights.shape[0]}] int32, got {list(offsets.shape)} {offsets.dtype}")
+    if slots is not None and (not isinstance(slots, QuantizedTensor) or slots.format != weights.format):
+        raise ValueError(f"slots must be {weights.format} weights like the experts', got {slots!r}")
+    groups = weights.shape[0] + (0 if slots is None else slots.shape[0])
+    if offsets.dtype != torch.int32 or offsets.shape != (groups,):
+        raise ValueError(f"offsets must be [{groups}] int32, got {list(offsets.shape)} {offsets.dtype}")
     if activations is not None and weights.format != "fp8":
         raise ValueError(f"pre-quantized fp8 activations need fp8 weights, got {weights.format}")
     if use_triton(rows.device, backend) and rows.dtype == torch.bfloat16:
         weights = weights.in_layout(pool_layout(weights.format))  # converted per call unless a pool's already
-        groups = weights.shape[0]
+        second = None
+        if slots is not None:
+            slots = slots.in_layout(pool_layout(weights.format))
+            second = (slots.values, slots.scales)
+        groups = offsets.shape[0]
         launches = [(None, None)] if rows_per_group is None else packed_launches(rows_per_group * groups, groups,
                                                                                  weights.format)
-        out = None
         if weights.format == "fp8":
             given = (quantize_fp8_activations_triton(rows, offsets[-1:]) if activations is None
                      else (activations.values, activations.scales))
             for config, group_rows in launches:
                 out = fp8_grouped_mm_triton(rows, weights.values, weights.scales, offsets, config=config, out=out,
-                                            activations=given, group_rows=group_rows)
+                                            activations=given, group_rows=group_rows, slots=second, slot_base=slot_base)
             return out
         for config, group_rows in launches:
             out = mxfp4_grouped_mm_triton(rows, weights.values, weights.scales, offsets, config=config, out=out,
-                                          group_rows=group_rows)
+                                          group_rows=group_rows, slots=second, slot_base=slot_base)
         return out
+    if slots is not None or out is not None:
+        raise ValueError("slots and out need the Triton kernels (bf16 rows, a backend allowing Triton)")
     if activations is not None:
         products = dequantize_fp8_activations(activations.values, activations.scales)
     elif weights.format == "fp8":
@@ -176,6 +190,23 @@ def takes_decode_kernels(
         and shard.stride(1) == 1 and w13.stride(2) == 1 and w2.stride(2) == 1
         and route_weights.dtype == torch.float32 and route_weights.is_contiguous()
         and rows_per_group <= DECODE_ROWS_PER_GROUP
+    )
+
+
+def takes_packed_kernels(
+    shard: torch.Tensor, route_weights: torch.Tensor, w13, w2, *, precision: str = "fp32", biased: bool = False,
+    activation: Activation = swiglu, backend: str = "auto",
+) -> bool:
+    """Whether :func:`grouped_swiglu` runs these packed experts with the Triton kernels of
+    :mod:`flatep.kernels.quant_gemm` (which a second set of experts in the same format may share):
+    Triton allowed, ``fp32`` precision, :func:`swiglu`, no biases, bf16 rows, fp32 route weights,
+    ``w13`` and ``w2`` packed in one format (host values alone decide)."""
+    if precision != "fp32" or biased or activation is not swiglu or not use_triton(shard.device, backend):
+        return False
+    return (
+        shard.dtype == torch.bfloat16 and shard.stride(1) == 1
+        and isinstance(w13, QuantizedTensor) and isinstance(w2, QuantizedTensor) and w13.format == w2.format
+        and route_weights.dtype == torch.float32 and route_weights.is_contiguous()
     )
 
 
@@ -238,7 +269,9 @@ def grouped_swiglu(
         slots: optional ``(w13 [G2, 2I, H], w2 [G2, H, I])``, a second set of experts (the
             process's borrow slots) for groups ``G .. G+G2-1`` (``offsets`` then holds ``G+G2``
             ends), whose rows start at row ``slot_base``: both sets run in the same launches. Only
-            where the decode kernels run (:func:`takes_decode_kernels`); otherwise ``ValueError``.
+            where the decode kernels run (:func:`takes_decode_kernels`), or the packed kernels
+            (:func:`takes_packed_kernels`, the slots packed in the experts' format); otherwise
+            ``ValueError``.
         slot_base: first row of the ``slots`` groups.
         activations: with fp8 ``w13`` only: the shard's rows as fp8 dispatch delivered them
             (:class:`flatep.kernels.fp8_rows.Fp8Rows`, ``[rows, H]``); the gate/up GEMM reads them
@@ -262,9 +295,15 @@ def grouped_swiglu(
     per_group = -(-shard.shape[0] // groups) if rows_per_group is None else rows_per_group
     decode = takes_decode_kernels(shard, route_weights, w13, w2, per_group, precision=precision, biased=biased,
                                   activation=activation, backend=backend)
-    if slots is not None and not (decode and takes_decode_kernels(shard, route_weights, *slots, per_group, backend=backend)):
-        raise ValueError("slots run in the decode kernels' launches only (see takes_decode_kernels): run the "
-                         "second set of experts in its own grouped_swiglu call")
+    packed = not decode and takes_packed_kernels(shard, route_weights, w13, w2, precision=precision, biased=biased,
+                                                 activation=activation, backend=backend)
+    if slots is not None and not (
+            (decode and takes_decode_kernels(shard, route_weights, *slots, per_group, backend=backend))
+            or (packed and takes_packed_kernels(shard, route_weights, *slots, backend=backend)
+                and slots[0].format == w13.format)):
+        raise ValueError("slots run in the launches of the decode kernels or of the packed kernels only (see "
+                         "takes_decode_kernels, takes_packed_kernels): run the second set of experts in its own "
+                         "grouped_swiglu call")
     if decode:
         # Tiles follow the rows a group holds in this step, never the size of the buffer the shard
         # lives in (sized for the step's worst case, or for another policy's: on the H200 at
@@ -280,26 +319,20 @@ def grouped_swiglu(
         out = out if out is not None else torch.empty(result.shape, dtype=out_dtype, device=result.device)
         copy_rows_triton(out, result, offsets[-1:])
         return out
-    hidden_states = _grouped_matmul(shard, w13, offsets, backend, rows_per_group, activations)
-    if fused and isinstance(w2, QuantizedTensor) and w2.format == "fp8" and shard.dtype == torch.bfloat16:
-        # The fp8 down projection quantizes its input per token per 128 columns: done in the SwiGLU
-        # pass itself (bit-equal to quantizing its bf16 output), one launch and one read fewer.
-        values = torch.empty(shard.shape[0], intermediate, dtype=torch.float8_e4m3fn, device=shard.device)
-        scales = torch.empty(shard.shape[0], intermediate // FP8_BLOCK, dtype=torch.float32, device=shard.device)
-        swiglu_weighted_triton(hidden_states, route_weights, offsets[-1:], values, scales=scales)
-        # The GEMM takes the rows' shape from a bf16 tensor it does not read: one broadcast row.
-        unread = hidden_states.new_empty(1, intermediate).expand(shard.shape[0], intermediate)
-        result = _grouped_matmul(unread, w2, offsets, backend, rows_per_group, Fp8Rows(values, scales))
+    if packed:
+        result = _packed_experts(shard, route_weights, w13, w2, offsets, per_group, activations, slots, slot_base, out)
     elif fused:
         # Same function, but the elementwise steps skip rows past offsets[-1] (several times the
         # real rows at small batch); those rows of the result stay undefined, as the GEMMs leave them.
+        hidden_states = _grouped_matmul(shard, w13, offsets, backend, rows_per_group, activations)
         activated = torch.empty(shard.shape[0], intermediate, dtype=shard.dtype, device=shard.device)
         swiglu_weighted_triton(hidden_states, route_weights, offsets[-1:], activated)
         result = _grouped_matmul(activated, w2, offsets, backend, rows_per_group)  # converted (real rows only) on delivery
     else:
+        hidden_states = _grouped_matmul(shard, w13, offsets, backend, rows_per_group, activations)
         result = _torch_experts(hidden_states, route_weights, w2, offsets, b13, b2, activation, precision, out_dtype, backend,
                                 rows_per_group)
-    if out is None and result.dtype == out_dtype:
+    if result is out or (out is None and result.dtype == out_dtype):
         return result
     if out is None:
         out = torch.empty(result.shape, dtype=out_dtype, device=result.device)
@@ -308,6 +341,35 @@ def grouped_swiglu(
     else:
         out.copy_(result)
     return out
+
+
+def _packed_experts(
+    shard: torch.Tensor, route_weights: torch.Tensor, w13: QuantizedTensor, w2: QuantizedTensor, offsets: torch.Tensor,
+    rows_per_group: int, activations: Fp8Rows | None, slots: tuple[QuantizedTensor, QuantizedTensor] | None,
+    slot_base: int, out: torch.Tensor | None,
+) -> torch.Tensor:
+    """:func:`grouped_swiglu` on packed experts with the Triton kernels (:func:`takes_packed_kernels`):
+    the gate/up GEMM, the SwiGLU pass over the real rows, the down GEMM, a second set of experts
+    (``slots``) in the same launches. Returns ``out`` itself where it is bf16 with unit column
+    stride (the down GEMM writes into it), else a new ``[rows, H]`` bf16 tensor."""
+    intermediate = w2.shape[-1]
+    slot_w13, slot_w2 = (None, None) if slots is None else slots
+    hidden_states = quantized_grouped_mm(shard, w13, offsets, rows_per_group=rows_per_group, activations=activations,
+                                         slots=slot_w13, slot_base=slot_base, backend="triton")
+    direct = out if out is not None and out.dtype == torch.bfloat16 and out.stride(1) == 1 else None
+    down = dict(rows_per_group=rows_per_group, slots=slot_w2, slot_base=slot_base, out=direct, backend="triton")
+    if w2.format != "fp8":
+        activated = torch.empty(shard.shape[0], intermediate, dtype=shard.dtype, device=shard.device)
+        swiglu_weighted_triton(hidden_states, route_weights, offsets[-1:], activated)
+        return quantized_grouped_mm(activated, w2, offsets, **down)
+    # The fp8 down projection quantizes its input per token per 128 columns: done in the SwiGLU
+    # pass itself (bit-equal to quantizing its bf16 output), one launch and one read fewer.
+    values = torch.empty(shard.shape[0], intermediate, dtype=torch.float8_e4m3fn, device=shard.device)
+    scales = torch.empty(shard.shape[0], intermediate // FP8_BLOCK, dtype=torch.float32, device=shard.device)
+    swiglu_weighted_triton(hidden_states, route_weights, offsets[-1:], values, scales=scales)
+    # The GEMM takes the rows' shape from a bf16 tensor it does not read: one broadcast row.
+    unread = hidden_states.new_empty(1, intermediate).expand(shard.shape[0], intermediate)
+    return quantized_grouped_mm(unread, w2, offsets, activations=Fp8Rows(values, scales), **down)
 
 
 def _torch_experts(

@@ -305,17 +305,23 @@ def _act_quant_kernel(
 
 @triton.jit
 def _fp8_grouped_kernel(
-    a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, offsets_ptr, groups, N, stride_om, stride_am, stride_as,
-    rows_above, rows_at_most,
+    a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, slot_w_ptr, slot_w_scale_ptr, out_ptr, offsets_ptr, groups, split,
+    split_start, N, stride_om, stride_am, stride_as, rows_above, rows_at_most,
     K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     GROUPS: tl.constexpr, SWAP_AB: tl.constexpr, INTERPRET: tl.constexpr,
 ):
-    starts, ends, tiles, passed, total = _tile_table(offsets_ptr, groups, groups, 0, N, rows_above, rows_at_most,
-                                                     BLOCK_M, BLOCK_N, GROUPS)
+    """Groups ``[0, split)`` read ``w``, groups ``[split, groups)`` read ``slot_w`` from row ``split_start``."""
+    starts, ends, tiles, passed, total = _tile_table(offsets_ptr, groups, split, split_start, N, rows_above,
+                                                     rows_at_most, BLOCK_M, BLOCK_N, GROUPS)
     tile = tl.program_id(0)
     while tile < total:
         group, first, last, first_column = _locate_tile(tile, starts, ends, tiles, passed, N, BLOCK_M, BLOCK_N, GROUP_M, GROUPS)
-        _fp8_tile(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, group, first, last, first_column, N, stride_om,
+        # One call of the tile with the group's weights chosen (not one call per branch: the tile's
+        # code inlined once).
+        expert, weights, weight_scales = group, w_ptr, w_scale_ptr
+        if group >= split:
+            expert, weights, weight_scales = group - split, slot_w_ptr, slot_w_scale_ptr
+        _fp8_tile(a_ptr, a_scale_ptr, weights, weight_scales, out_ptr, expert, first, last, first_column, N, stride_om,
                   stride_am, stride_as, K, BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, INTERPRET)
         tile += tl.num_programs(0)
 
@@ -326,7 +332,8 @@ def _fp8_tile(
     K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
-    """Rows ``[first, min(first + BLOCK_M, last))`` times columns ``[first_column, + BLOCK_N)`` of ``group``."""
+    """Rows ``[first, min(first + BLOCK_M, last))`` times columns ``[first_column, + BLOCK_N)`` of
+    expert ``group`` of the weights at ``w_ptr`` (scales at ``w_scale_ptr``)."""
     k_blocks: tl.constexpr = K // BLOCK_K
     n_blocks = tl.cdiv(N, BLOCK_K)
     row = first + tl.arange(0, BLOCK_M)
@@ -368,16 +375,21 @@ def _fp8_tile(
 
 @triton.jit
 def _mxfp4_grouped_kernel(
-    a_ptr, w_ptr, s_ptr, out_ptr, offsets_ptr, groups, N, stride_am, stride_om, rows_above, rows_at_most, K: tl.constexpr,
+    a_ptr, w_ptr, s_ptr, slot_w_ptr, slot_s_ptr, out_ptr, offsets_ptr, groups, split, split_start, N, stride_am,
+    stride_om, rows_above, rows_at_most, K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, GROUPS: tl.constexpr,
     SWAP_AB: tl.constexpr, NATURAL_K: tl.constexpr, INTERPRET: tl.constexpr,
 ):
-    starts, ends, tiles, passed, total = _tile_table(offsets_ptr, groups, groups, 0, N, rows_above, rows_at_most,
-                                                     BLOCK_M, BLOCK_N, GROUPS)
+    """Groups ``[0, split)`` read ``w``, groups ``[split, groups)`` read ``slot_w`` from row ``split_start``."""
+    starts, ends, tiles, passed, total = _tile_table(offsets_ptr, groups, split, split_start, N, rows_above,
+                                                     rows_at_most, BLOCK_M, BLOCK_N, GROUPS)
     tile = tl.program_id(0)
     while tile < total:
         group, first, last, first_column = _locate_tile(tile, starts, ends, tiles, passed, N, BLOCK_M, BLOCK_N, GROUP_M, GROUPS)
-        _mxfp4_tile(a_ptr, w_ptr, s_ptr, out_ptr, group, first, last, first_column, N, stride_am, stride_om, K,
+        expert, words, exponents = group, w_ptr, s_ptr  # the group's weights, as in _fp8_grouped_kernel
+        if group >= split:
+            expert, words, exponents = group - split, slot_w_ptr, slot_s_ptr
+        _mxfp4_tile(a_ptr, words, exponents, out_ptr, expert, first, last, first_column, N, stride_am, stride_om, K,
                     BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, NATURAL_K, INTERPRET)
         tile += tl.num_programs(0)
 
@@ -534,13 +546,37 @@ def _check_rows(rows: torch.Tensor) -> None:
         raise ValueError(f"rows must be [M, K] bfloat16 with unit column stride, got {rows.dtype} {list(rows.shape)}")
 
 
-def _check_common(rows: torch.Tensor, values: torch.Tensor, offsets: torch.Tensor) -> None:
+def _check_common(rows: torch.Tensor, values: torch.Tensor) -> None:
     _check_rows(rows)
     if values.dim() != 3 or not values.is_contiguous():
         raise ValueError(f"weight values must be a contiguous [G, N, ...] tensor, got {list(values.shape)}")
-    if offsets.dtype != torch.int32 or offsets.shape != (values.shape[0],) or not offsets.is_contiguous():
-        raise ValueError(f"offsets must be a contiguous [{values.shape[0]}] int32 tensor, got {offsets.dtype} "
+
+
+def _check_groups(
+    rows: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
+    slots: tuple[torch.Tensor, torch.Tensor] | None, slot_base: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Checks of the offsets and of the slots against the (checked) weights of a packed GEMM; the
+    slots' ``(values, scales)``, or the weights' own without slots (the kernels then never reach them)."""
+    groups = values.shape[0]
+    if slots is not None:
+        slot_values, slot_scales = slots
+        if (slot_values.dtype != values.dtype or slot_values.dim() != 3 or slot_values.shape[1:] != values.shape[1:]
+                or not slot_values.is_contiguous() or slot_values.device != values.device):
+            raise ValueError(f"slot values must be a contiguous [G2, {', '.join(map(str, values.shape[1:]))}] {values.dtype} "
+                             f"tensor on {values.device}, got {slot_values.dtype} {list(slot_values.shape)}")
+        if (slot_scales.dtype != scales.dtype or slot_scales.shape != (slot_values.shape[0], *scales.shape[1:])
+                or not slot_scales.is_contiguous() or slot_scales.device != scales.device):
+            raise ValueError(f"slot scales must be a contiguous [{slot_values.shape[0]}, "
+                             f"{', '.join(map(str, scales.shape[1:]))}] {scales.dtype} tensor on {scales.device}, got "
+                             f"{slot_scales.dtype} {list(slot_scales.shape)}")
+        if isinstance(slot_base, bool) or not isinstance(slot_base, int) or not 0 <= slot_base <= rows.shape[0]:
+            raise ValueError(f"slot_base must be an int row in [0, {rows.shape[0]}], got {slot_base!r}")
+        groups += slot_values.shape[0]
+    if offsets.dtype != torch.int32 or offsets.shape != (groups,) or not offsets.is_contiguous():
+        raise ValueError(f"offsets must be a contiguous [{groups}] int32 tensor, got {offsets.dtype} "
                          f"{list(offsets.shape)}")
+    return (values, scales) if slots is None else slots
 
 
 def _grid(rows: int, groups: int, columns: int, config: GemmConfig, device: torch.device) -> tuple[int]:
@@ -594,6 +630,9 @@ def fp8_grouped_mm_triton(
     out: torch.Tensor | None = None,
     activations: tuple[torch.Tensor, torch.Tensor] | None = None,
     group_rows: tuple[int, int] | None = None,
+    *,
+    slots: tuple[torch.Tensor, torch.Tensor] | None = None,
+    slot_base: int = 0,
 ) -> torch.Tensor:
     """``out[i] = q(rows[i]) @ W[g(i)].T`` with fp8 block-scaled ``W`` and per-token-group quantized rows.
 
@@ -610,12 +649,16 @@ def fp8_grouped_mm_triton(
         group_rows: ``(rows_above, rows_at_most)``: compute only the groups holding more than
             ``rows_above`` and at most ``rows_at_most`` rows (None: every group; see
             :func:`packed_launches`).
+        slots: optional ``(values [G2, N, K], scales [G2, ceil(N/128), K/128])``, a second set of
+            experts (a layer's borrow slots) for groups ``G .. G+G2-1`` (``offsets`` then holds
+            ``G+G2`` ends), whose rows start at row ``slot_base``: both sets in one launch.
+        slot_base: first row of group ``G`` (with ``slots``).
 
     Returns:
         ``out`` or a new ``[M, N]`` bf16 tensor; rows at and past ``offsets[-1]``, and the rows of
         groups outside ``group_rows``, are not written.
     """
-    _check_common(rows, values, offsets)
+    _check_common(rows, values)
     groups, columns, inner = values.shape
     if values.dtype != torch.float8_e4m3fn or inner != rows.shape[1] or inner % _FP8_BLOCK:
         raise ValueError(f"values must be [G, N, K={rows.shape[1]}] float8_e4m3fn with K a multiple of 128, got "
@@ -623,12 +666,15 @@ def fp8_grouped_mm_triton(
     expected = (groups, triton.cdiv(columns, _FP8_BLOCK), inner // _FP8_BLOCK)
     if scales.dtype != torch.float32 or tuple(scales.shape) != expected or not scales.is_contiguous():
         raise ValueError(f"scales must be a contiguous {list(expected)} float32 tensor, got {scales.dtype} {list(scales.shape)}")
+    slot_values, slot_scales = _check_groups(rows, values, scales, offsets, slots, slot_base)
+    groups = offsets.shape[0]
     config = config or default_config(rows.shape[0], groups, "fp8")
     if config.block_k != _FP8_BLOCK:
         raise ValueError(f"fp8 block_k must be {_FP8_BLOCK} (one scale block), got {config.block_k}")
     if config.block_n > _FP8_BLOCK or _FP8_BLOCK % config.block_n:
         raise ValueError(f"fp8 block_n must divide {_FP8_BLOCK} (one weight scale block per tile), got {config.block_n}")
     rows_above, rows_at_most = _check_group_rows(group_rows)
+    out = _output(rows, columns, out)
     if activations is None:
         quantized, row_scales = quantize_fp8_activations_triton(rows, offsets[-1:])
     else:
@@ -639,10 +685,9 @@ def fp8_grouped_mm_triton(
             raise ValueError(f"activations must be [M, K] float8_e4m3fn and [M, K/128] float32 with unit column "
                              f"strides for rows {list(rows.shape)}, got {quantized.dtype} {list(quantized.shape)} and "
                              f"{row_scales.dtype} {list(row_scales.shape)}")
-    out = _output(rows, columns, out)
     _fp8_grouped_kernel[_grid(rows.shape[0], groups, columns, config, rows.device)](
-        quantized, row_scales, values, scales, out, offsets, groups, columns, out.stride(0), quantized.stride(0),
-        row_scales.stride(0), rows_above, rows_at_most, inner,
+        quantized, row_scales, values, scales, slot_values, slot_scales, out, offsets, groups, values.shape[0],
+        slot_base, columns, out.stride(0), quantized.stride(0), row_scales.stride(0), rows_above, rows_at_most, inner,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=_FP8_BLOCK, GROUP_M=config.group_m,
         GROUPS=triton.next_power_of_2(groups), SWAP_AB=config.swap_ab, INTERPRET=interpreting(),
         num_warps=config.num_warps, num_stages=config.num_stages,
@@ -658,6 +703,9 @@ def mxfp4_grouped_mm_triton(
     config: GemmConfig | None = None,
     out: torch.Tensor | None = None,
     group_rows: tuple[int, int] | None = None,
+    *,
+    slots: tuple[torch.Tensor, torch.Tensor] | None = None,
+    slot_base: int = 0,
 ) -> torch.Tensor:
     """``out[i] = rows[i] @ W[g(i)].T`` with mxfp4 ``W`` decoded in registers.
 
@@ -672,12 +720,15 @@ def mxfp4_grouped_mm_triton(
         out: optional ``[M, N]`` bf16 (unit column stride) to write into; default a new tensor.
         group_rows: compute only the groups of more than ``group_rows[0]`` and at most
             ``group_rows[1]`` rows (see :func:`fp8_grouped_mm_triton`).
+        slots, slot_base: a second set of experts, ``(values [G2, N, K/2], scales [G2, N, K/32])``
+            in the same layout, whose groups start at row ``slot_base`` (see
+            :func:`fp8_grouped_mm_triton`).
 
     Returns:
         ``out`` or a new ``[M, N]`` bf16 tensor; rows at and past ``offsets[-1]``, and the rows of
         groups outside ``group_rows``, are not written.
     """
-    _check_common(rows, values, offsets)
+    _check_common(rows, values)
     groups, columns, half = values.shape
     inner = rows.shape[1]
     if values.dtype != torch.uint8 or 2 * half != inner or inner % 32:
@@ -686,14 +737,17 @@ def mxfp4_grouped_mm_triton(
     if scales.dtype != torch.uint8 or tuple(scales.shape) != (groups, columns, inner // 32) or not scales.is_contiguous():
         raise ValueError(f"scales must be a contiguous [{groups}, {columns}, {inner // 32}] uint8 tensor, got "
                          f"{scales.dtype} {list(scales.shape)}")
+    slot_values, slot_scales = _check_groups(rows, values, scales, offsets, slots, slot_base)
+    groups = offsets.shape[0]
     config = config or default_config(rows.shape[0], groups, "mxfp4")
     if config.block_k < 32 or config.block_k & (config.block_k - 1):
         raise ValueError(f"mxfp4 block_k must be a power of two, at least 32, got {config.block_k}")
     rows_above, rows_at_most = _check_group_rows(group_rows)
     out = _output(rows, columns, out)
-    words = values.view(torch.int32)  # K/2 is a multiple of 16 bytes
+    # K/2 is a multiple of 16 bytes: int32 words.
     _mxfp4_grouped_kernel[_grid(rows.shape[0], groups, columns, config, rows.device)](
-        rows, words, scales, out, offsets, groups, columns, rows.stride(0), out.stride(0), rows_above, rows_at_most, inner,
+        rows, values.view(torch.int32), scales, slot_values.view(torch.int32), slot_scales, out, offsets, groups,
+        values.shape[0], slot_base, columns, rows.stride(0), out.stride(0), rows_above, rows_at_most, inner,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
         GROUPS=triton.next_power_of_2(groups), SWAP_AB=config.swap_ab, NATURAL_K=not config.swap_ab and config.block_m >= 64,
         INTERPRET=interpreting(),

@@ -129,7 +129,7 @@ def test_two_weight_sets_are_checked():
         grouped_mm_triton(x, w13, offsets, slots=slot_w13, slot_base=x.shape[0] + 1)
     with pytest.raises(ValueError, match=r"offsets must be a contiguous \[4\]"):
         grouped_mm_triton(x, w13, offsets[:2].contiguous(), slots=slot_w13, slot_base=8)
-    with pytest.raises(ValueError, match="slots run in the decode kernels"):
+    with pytest.raises(ValueError, match="slots run in the launches of the decode kernels"):
         grouped_swiglu(x, route_weights, w13, w2, offsets, backend="torch", slots=(slot_w13, slot_w2), slot_base=8)
 
 

@@ -483,3 +483,83 @@ def test_mxfp4_in_checkpoint_layout_runs_the_kernel_after_converting():
     got = quantized_grouped_mm(rows, checkpoint, offsets, rows_per_group=4)
     assert torch.equal(got[:10], quantized_grouped_mm(rows, words, offsets, rows_per_group=4)[:10])
     assert relative_error(got[:10], quantized_grouped_mm(rows, checkpoint, offsets, backend="torch")[:10]) < 4e-3
+
+
+@needs_triton
+@pytest.mark.parametrize("format", ["fp8", "mxfp4"])
+@pytest.mark.parametrize("given", [False, True])
+def test_packed_experts_and_slots_in_shared_launches_equal_two_calls(format, given):
+    """grouped_swiglu over home experts and a second set (a layer's borrow slots, from row
+    slot_base) in the same launches gives, bit for bit, what one call per set gives; the rows
+    between the sets (poisoned) reach no real row, and a bf16 ``out`` is written in place (fp8: also
+    with the rows given quantized, as fp8 dispatch delivers them)."""
+    from flatep.experts.grouped import grouped_swiglu
+    from flatep.kernels.fp8_rows import Fp8Rows
+
+    if given and format != "fp8":
+        pytest.skip("pre-quantized rows are fp8 only")
+    home_sizes, slot_sizes, slot_base, hidden, intermediate = [3, 0, 7], [2, 5], 16, 128, 128
+    generator = torch.Generator().manual_seed(41)
+    rows = slot_base + sum(slot_sizes) + 2
+    shard = torch.randn(rows, hidden, generator=generator).bfloat16()
+    shard[sum(home_sizes):slot_base] = float("nan")
+    shard[slot_base + sum(slot_sizes):] = float("nan")
+    shard = shard.to(DEVICE)
+    route_weights = (torch.rand(rows, generator=generator) + 0.1).to(DEVICE)
+
+    def experts(count):
+        w13 = torch.randn(count, 2 * intermediate, hidden, generator=generator) * hidden**-0.5
+        w2 = torch.randn(count, hidden, intermediate, generator=generator) * intermediate**-0.5
+        return tuple(QuantizedTensor.quantize(w, format).in_layout(pool_layout(format)).to(DEVICE) for w in (w13, w2))
+
+    home, slots = experts(3), experts(2)
+    home_offsets = torch.tensor(home_sizes).cumsum(0)
+    slot_offsets = slot_base + torch.tensor(slot_sizes).cumsum(0)
+    offsets = torch.cat([home_offsets, slot_offsets]).to(torch.int32).to(DEVICE)
+    activations = None
+    if given:
+        activations = Fp8Rows(*quantize_fp8_activations_triton(shard, torch.tensor([rows], dtype=torch.int32, device=DEVICE)))
+    out = torch.full((rows, hidden), float("inf"), dtype=torch.bfloat16, device=DEVICE)
+    result = grouped_swiglu(shard, route_weights, *home, offsets, backend="triton", out=out, rows_per_group=3,
+                            slots=slots, slot_base=slot_base, activations=activations)
+    assert result is out
+    first = grouped_swiglu(shard[:slot_base], route_weights[:slot_base], *home, offsets[:3], backend="triton",
+                           rows_per_group=3, activations=None if activations is None else activations[:slot_base])
+    second = grouped_swiglu(shard[slot_base:], route_weights[slot_base:], *slots, offsets[3:] - slot_base,
+                            backend="triton", rows_per_group=3,
+                            activations=None if activations is None else activations[slot_base:])
+    home_end, slot_end = sum(home_sizes), slot_base + sum(slot_sizes)
+    assert torch.equal(out[:home_end], first[:home_end])
+    assert torch.equal(out[slot_base:slot_end], second[:slot_end - slot_base])
+    assert out[:home_end].isfinite().all() and out[slot_base:slot_end].isfinite().all()
+    assert (out[slot_end:] == float("inf")).all()  # past the last offset: not written
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda r, p, s, o: fp8_grouped_mm_triton(r, p.values, p.scales, o, slots=(s.values.float(), s.scales)),
+     "slot values must be"),
+    (lambda r, p, s, o: fp8_grouped_mm_triton(r, p.values, p.scales, o, slots=(s.values, s.scales.double())),
+     "slot scales must be"),
+    (lambda r, p, s, o: fp8_grouped_mm_triton(r, p.values, p.scales, o[:2], slots=(s.values, s.scales)),
+     r"offsets must be a contiguous \[3\]"),
+    (lambda r, p, s, o: fp8_grouped_mm_triton(r, p.values, p.scales, o, slots=(s.values, s.scales), slot_base=99),
+     "slot_base must be"),
+])
+def test_slots_of_a_packed_gemm_are_checked_before_running(make, message):
+    rows = torch.randn(8, 128).bfloat16()
+    home = QuantizedTensor.quantize(torch.randn(2, 128, 128), "fp8")
+    slots = QuantizedTensor.quantize(torch.randn(1, 128, 128), "fp8")
+    offsets = torch.tensor([2, 4, 8], dtype=torch.int32)
+    with pytest.raises(ValueError, match=message):
+        make(rows, home, slots, offsets)
+
+
+def test_grouped_swiglu_refuses_slots_in_another_format():
+    from flatep.experts.grouped import grouped_swiglu
+
+    shard, route_weights = torch.randn(8, 128).bfloat16(), torch.rand(8)
+    home = [QuantizedTensor.quantize(torch.randn(2, *shape), "fp8") for shape in ((256, 128), (128, 128))]
+    slots = [QuantizedTensor.quantize(torch.randn(1, *shape), "mxfp4") for shape in ((256, 128), (128, 128))]
+    offsets = torch.tensor([2, 4, 8], dtype=torch.int32)
+    with pytest.raises(ValueError, match="slots run in the launches"):
+        grouped_swiglu(shard, route_weights, *home, offsets, backend="triton", slots=tuple(slots), slot_base=4)
