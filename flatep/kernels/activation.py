@@ -25,7 +25,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from flatep.kernels.backend import column_block, interpreting
+from flatep.kernels.backend import column_block, interpreting, row_programs
 from flatep.kernels.quant_gemm import _e4m3_rows
 from flatep.quant.fp8 import FP8_BLOCK
 
@@ -88,19 +88,6 @@ def _copy_rows_kernel(
         first += tl.num_programs(0) * BLOCK_M
 
 
-def _row_programs(rows: int, block_m: int, columns: int, device: torch.device, programs: int | None) -> int:
-    """Programs along the rows: ``programs``, else enough for 8 per SM over all column blocks on
-    CUDA (every block when the interpreter runs them), never more than there are row blocks."""
-    blocks = triton.cdiv(rows, block_m)
-    if programs is None:
-        if device.type != "cuda":
-            return max(blocks, 1)
-        programs = triton.cdiv(8 * torch.cuda.get_device_properties(device).multi_processor_count, columns)
-    if isinstance(programs, bool) or not isinstance(programs, int) or programs < 1:
-        raise ValueError(f"programs must be a positive integer, got {programs!r}")
-    return max(min(programs, blocks), 1)
-
-
 def _check_rows(name: str, tensor: torch.Tensor, rows: int) -> None:
     if tensor.dim() != 2 or tensor.shape[0] != rows or tensor.stride(1) != 1:
         raise ValueError(f"{name} must be [{rows}, N] with unit column stride, got shape {tuple(tensor.shape)} "
@@ -143,7 +130,7 @@ def swiglu_weighted_triton(
         block_m, block_i, num_warps: rows and columns per program, warps per program (tuning; the
             defaults are untuned: 4 rows of 2 KiB column chunks, like dispatch's tiles). With
             ``scales``, ``block_i`` must be a multiple of 128.
-        programs: programs along the rows (default: 8 per SM in all, see :func:`_row_programs`).
+        programs: programs along the rows (default: 8 per SM in all, see :func:`flatep.kernels.backend.row_programs`).
         scales: optional ``[M, I/128]`` float32 (unit column stride), ``I`` a multiple of 128; written.
     """
     rows, intermediate = out.shape
@@ -169,7 +156,7 @@ def swiglu_weighted_triton(
         if block_i % FP8_BLOCK:  # the default is: a power of two, at least 128 when I is a multiple of 128
             raise ValueError(f"block_i must be a multiple of {FP8_BLOCK} with scales, got {block_i}")
     columns = triton.cdiv(intermediate, block_i)
-    _swiglu_weighted_kernel[(_row_programs(rows, block_m, columns, out.device, programs), columns)](
+    _swiglu_weighted_kernel[(row_programs(rows, block_m, columns, out.device, programs), columns)](
         hidden, route_weights, end, out, scales, hidden.stride(0), out.stride(0), 0 if scales is None else scales.stride(0),
         I=intermediate, BLOCK_M=block_m, BLOCK_I=block_i, ROUND_FIRST=interpreting(), num_warps=num_warps,
     )
@@ -200,7 +187,7 @@ def copy_rows_triton(
         raise ValueError(f"source must be shaped like target {tuple(target.shape)}, got {tuple(source.shape)}")
     block_n = block_n or column_block(columns, max(source.element_size(), target.element_size()))
     column_blocks = triton.cdiv(columns, block_n)
-    _copy_rows_kernel[(_row_programs(rows, block_m, column_blocks, target.device, programs), column_blocks)](
+    _copy_rows_kernel[(row_programs(rows, block_m, column_blocks, target.device, programs), column_blocks)](
         target, source, end, target.stride(0), source.stride(0),
         N=columns, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
     )

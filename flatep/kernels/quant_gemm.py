@@ -66,7 +66,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flatep.kernels.backend import interpreting, resident_programs
+from flatep.kernels.backend import interpreting, resident_programs, row_programs
 from flatep.quant.fp8 import E4M3_MAX, E4M3_RECIPROCAL
 from flatep.quant.mxfp4 import WORD_PAIRS, _as_int32
 
@@ -283,24 +283,25 @@ def _act_quant_kernel(
     x_ptr, q_ptr, s_ptr, end_ptr, rows, stride_x, stride_q, stride_s, K,
     BLOCK_M: tl.constexpr, GROUP: tl.constexpr, ROUND_FIRST: tl.constexpr,
 ):
-    # Program (row block, column group): the group's e4m3 values and its one fp32 scale per row.
-    # The last group of a K that is not a multiple of GROUP is partial (its absent columns count as 0).
-    # The rows end at end_ptr[0] (read on the device), or at ``rows`` when end_ptr is None.
+    # Program (row blocks program_id(0), program_id(0) + P, ... before the end; column group
+    # program_id(1)): each group's e4m3 values and its one fp32 scale per row. The last group of a
+    # K that is not a multiple of GROUP is partial (its absent columns count as 0). The rows end
+    # at end_ptr[0] (read on the device), or at ``rows`` when end_ptr is None.
     if end_ptr is None:
         end = rows
     else:
         end = tl.load(end_ptr)
-    first = tl.program_id(0) * BLOCK_M
-    if first >= end:
-        return
-    row = (first + tl.arange(0, BLOCK_M)).to(tl.int64)
-    row_mask = row < end
     column = tl.program_id(1) * GROUP + tl.arange(0, GROUP)
-    mask = row_mask[:, None] & (column < K)[None, :]
-    x = tl.load(x_ptr + row[:, None] * stride_x + column[None, :], mask=mask, other=0.0).to(tl.float32)
-    q, scale = _e4m3_rows(x, ROUND_FIRST)
-    tl.store(q_ptr + row[:, None] * stride_q + column[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
-    tl.store(s_ptr + row * stride_s + tl.program_id(1), scale, mask=row_mask)
+    first = tl.program_id(0) * BLOCK_M
+    while first < end:  # a while loop: Triton 3.6's interpreter takes no loaded value as a range bound
+        row = (first + tl.arange(0, BLOCK_M)).to(tl.int64)
+        row_mask = row < end
+        mask = row_mask[:, None] & (column < K)[None, :]
+        x = tl.load(x_ptr + row[:, None] * stride_x + column[None, :], mask=mask, other=0.0).to(tl.float32)
+        q, scale = _e4m3_rows(x, ROUND_FIRST)
+        tl.store(q_ptr + row[:, None] * stride_q + column[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(s_ptr + row * stride_s + tl.program_id(1), scale, mask=row_mask)
+        first += tl.num_programs(0) * BLOCK_M
 
 
 @triton.jit
@@ -613,9 +614,11 @@ def quantize_fp8_activations_triton(rows: torch.Tensor, end: torch.Tensor) -> tu
         raise ValueError(f"rows must be [M, K] with unit column stride and K a multiple of 128, got {list(rows.shape)}")
     values = torch.empty(count, columns, dtype=torch.float8_e4m3fn, device=rows.device)
     scales = torch.empty(count, columns // _FP8_BLOCK, dtype=torch.float32, device=rows.device)
-    block_m = 16
-    _act_quant_kernel[(triton.cdiv(count, block_m), columns // _FP8_BLOCK)](
-        rows, values, scales, end, count, rows.stride(0), columns, columns // _FP8_BLOCK, columns,
+    block_m, groups = 16, columns // _FP8_BLOCK
+    # Grid-strided over the rows before end[0]: a shard sized for the step's worst case (tens of
+    # thousands of row blocks at decode) launches no program per unused block.
+    _act_quant_kernel[(row_programs(count, block_m, groups, rows.device), groups)](
+        rows, values, scales, end, count, rows.stride(0), columns, groups, columns,
         BLOCK_M=block_m, GROUP=_FP8_BLOCK, ROUND_FIRST=interpreting(),
     )
     return values, scales

@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from flatep.experts.grouped import quantized_grouped_mm
-from flatep.kernels.backend import resident_programs
+from flatep.kernels.backend import interpreting, resident_programs
 from flatep.kernels.quant_gemm import (
     HOT_ROWS,
     GemmConfig,
@@ -224,6 +224,27 @@ def test_fp8_activation_quantization_kernel_equals_torch():
     expected_values, expected_scales = quantize_fp8_activations(x[:10])
     assert torch.equal(scales[:10], expected_scales)
     assert torch.equal(values[:10].float(), expected_values.float())
+
+
+@needs_triton
+@pytest.mark.parametrize("programs", [1, 2, 3])
+def test_fp8_activation_quantization_strides_over_the_row_blocks_before_the_end(programs):
+    """Fewer programs than row blocks (as on a GPU, where a worst-case-sized shard has far more
+    blocks than programs): each program walks every P-th block up to end[0], every real row is
+    quantized, and rows past the end are left as they were (poisoned)."""
+    from flatep.kernels.quant_gemm import _act_quant_kernel
+
+    generator = torch.Generator().manual_seed(programs)
+    x = (torch.randn(100, 256, generator=generator) * 3).bfloat16().to(DEVICE)
+    end = torch.tensor([71], dtype=torch.int32, device=DEVICE)
+    values = torch.full((100, 256), 0x7F, dtype=torch.uint8, device=DEVICE).view(torch.float8_e4m3fn)
+    scales = torch.full((100, 2), -1.0, device=DEVICE)
+    _act_quant_kernel[(programs, 2)](x, values, scales, end, 100, x.stride(0), 256, 2, 256, BLOCK_M=16, GROUP=128,
+                                     ROUND_FIRST=interpreting())
+    expected_values, expected_scales = quantize_fp8_activations(x[:71])
+    assert torch.equal(scales[:71], expected_scales)
+    assert torch.equal(values[:71].view(torch.uint8), expected_values.view(torch.uint8))
+    assert bool((values[71:].view(torch.uint8) == 0x7F).all()) and bool((scales[71:] == -1.0).all())
 
 
 @needs_triton
