@@ -134,15 +134,16 @@ def quantized_grouped_mm(
         raise ValueError(f"pre-quantized fp8 activations need fp8 weights, got {weights.format}")
     if use_triton(rows.device, backend) and rows.dtype == torch.bfloat16:
         weights = weights.in_layout(pool_layout(weights.format))  # converted per call unless a pool's already
-        second = None
+        second = skip = None
         if slots is not None:
             slots = slots.in_layout(pool_layout(weights.format))
             second = (slots.values, slots.scales)
+            skip = _between_sets(offsets, weights.shape[0], slot_base)
         groups = offsets.shape[0]
         launches = [(None, None)] if rows_per_group is None else packed_launches(rows_per_group * groups, groups,
                                                                                  weights.format)
         if weights.format == "fp8":
-            given = (quantize_fp8_activations_triton(rows, offsets[-1:]) if activations is None
+            given = (quantize_fp8_activations_triton(rows, offsets[-1:], skip) if activations is None
                      else (activations.values, activations.scales))
             for config, group_rows in launches:
                 out = fp8_grouped_mm_triton(rows, weights.values, weights.scales, offsets, config=config, out=out,
@@ -161,6 +162,13 @@ def quantized_grouped_mm(
     else:
         products = rows.float()
     return _grouped_matmul(products, weights.dequantize(torch.float32), offsets).to(rows.dtype)
+
+
+def _between_sets(offsets: torch.Tensor, groups: int, slot_base: int) -> tuple[torch.Tensor, int] | None:
+    """The rows between a first set of ``groups`` groups and a second set starting at row
+    ``slot_base``, as the row kernels' ``skip``: no row of either set, often several times the
+    real rows (a layer's slot rows start at a row sized for the step's worst case)."""
+    return (offsets[groups - 1:groups], slot_base) if groups else None
 
 
 def row_groups(offsets: torch.Tensor, rows: int) -> torch.Tensor:
@@ -317,7 +325,8 @@ def grouped_swiglu(
         if direct:
             return out
         out = out if out is not None else torch.empty(result.shape, dtype=out_dtype, device=result.device)
-        copy_rows_triton(out, result, offsets[-1:])
+        skip = None if slots is None else _between_sets(offsets, w13.shape[0], slot_base)
+        copy_rows_triton(out, result, offsets[-1:], skip=skip)
         return out
     if packed:
         result = _packed_experts(shard, route_weights, w13, w2, offsets, per_group, activations, slots, slot_base, out)
@@ -337,7 +346,8 @@ def grouped_swiglu(
     if out is None:
         out = torch.empty(result.shape, dtype=out_dtype, device=result.device)
     if bounded:
-        copy_rows_triton(out, result, offsets[-1:])
+        skip = None if slots is None else _between_sets(offsets, w13.shape[0], slot_base)
+        copy_rows_triton(out, result, offsets[-1:], skip=skip)
     else:
         out.copy_(result)
     return out
@@ -354,19 +364,20 @@ def _packed_experts(
     stride (the down GEMM writes into it), else a new ``[rows, H]`` bf16 tensor."""
     intermediate = w2.shape[-1]
     slot_w13, slot_w2 = (None, None) if slots is None else slots
+    skip = None if slots is None else _between_sets(offsets, w13.shape[0], slot_base)
     hidden_states = quantized_grouped_mm(shard, w13, offsets, rows_per_group=rows_per_group, activations=activations,
                                          slots=slot_w13, slot_base=slot_base, backend="triton")
     direct = out if out is not None and out.dtype == torch.bfloat16 and out.stride(1) == 1 else None
     down = dict(rows_per_group=rows_per_group, slots=slot_w2, slot_base=slot_base, out=direct, backend="triton")
     if w2.format != "fp8":
         activated = torch.empty(shard.shape[0], intermediate, dtype=shard.dtype, device=shard.device)
-        swiglu_weighted_triton(hidden_states, route_weights, offsets[-1:], activated)
+        swiglu_weighted_triton(hidden_states, route_weights, offsets[-1:], activated, skip=skip)
         return quantized_grouped_mm(activated, w2, offsets, **down)
     # The fp8 down projection quantizes its input per token per 128 columns: done in the SwiGLU
     # pass itself (bit-equal to quantizing its bf16 output), one launch and one read fewer.
     values = torch.empty(shard.shape[0], intermediate, dtype=torch.float8_e4m3fn, device=shard.device)
     scales = torch.empty(shard.shape[0], intermediate // FP8_BLOCK, dtype=torch.float32, device=shard.device)
-    swiglu_weighted_triton(hidden_states, route_weights, offsets[-1:], values, scales=scales)
+    swiglu_weighted_triton(hidden_states, route_weights, offsets[-1:], values, scales=scales, skip=skip)
     # The GEMM takes the rows' shape from a bf16 tensor it does not read: one broadcast row.
     unread = hidden_states.new_empty(1, intermediate).expand(shard.shape[0], intermediate)
     return quantized_grouped_mm(unread, w2, offsets, activations=Fp8Rows(values, scales), **down)

@@ -25,7 +25,15 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from flatep.kernels.backend import column_block, interpreting, row_programs
+from flatep.kernels.backend import (
+    check_skip,
+    column_block,
+    interpreting,
+    row_programs,
+    row_runs,
+    run_block,
+    run_block_count,
+)
 from flatep.kernels.quant_gemm import _e4m3_rows
 from flatep.quant.fp8 import FP8_BLOCK
 
@@ -33,19 +41,21 @@ _FP8_GROUP = tl.constexpr(FP8_BLOCK)  # columns per fp8 scale, inside the kernel
 
 @triton.jit
 def _swiglu_weighted_kernel(
-    hidden_ptr, weight_ptr, end_ptr, out_ptr, scale_ptr, hidden_stride, out_stride, scale_stride,
+    hidden_ptr, weight_ptr, end_ptr, skip_ptr, skip_stop, out_ptr, scale_ptr, hidden_stride, out_stride, scale_stride,
     I: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, ROUND_FIRST: tl.constexpr,
 ):
     # scale_ptr None: out holds the values in its dtype. Else out is e4m3 and scale_ptr takes one
     # fp32 scale per row per 128 columns (BLOCK_I and I multiples of 128).
-    end = tl.load(end_ptr)
+    first_end, second_start, end = row_runs(end_ptr, 0, skip_ptr, skip_stop)
+    blocks = run_block_count(first_end, second_start, end, BLOCK_M)
     column = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
-    # A while loop, not range(..., end, ...): Triton 3.6's interpreter cannot take a loaded value as
-    # a range bound.
-    first = tl.program_id(0) * BLOCK_M
-    while first < end:
+    # A while loop, not range(..., blocks, ...): Triton 3.6's interpreter cannot take a loaded value
+    # as a range bound.
+    block = tl.program_id(0)
+    while block < blocks:
+        first, stop = run_block(block, first_end, second_start, end, BLOCK_M)
         row = first + tl.arange(0, BLOCK_M)
-        row_mask = row < end
+        row_mask = row < stop
         # NaN and +-inf weights propagate into the row, as in a dense MoE.
         weight = tl.load(weight_ptr + row, mask=row_mask, other=0.0).to(tl.float32)
         mask = row_mask[:, None] & (column < I)[None, :]
@@ -69,23 +79,25 @@ def _swiglu_weighted_kernel(
             scale_rows = scale_ptr + row.to(tl.int64)[:, None] * scale_stride + group[None, :]
             tl.store(scale_rows, tl.reshape(scales, [BLOCK_M, GROUPS]),
                      mask=row_mask[:, None] & (group < I // _FP8_GROUP)[None, :])
-        first += tl.num_programs(0) * BLOCK_M
+        block += tl.num_programs(0)
 
 
 @triton.jit
 def _copy_rows_kernel(
-    target_ptr, source_ptr, end_ptr, target_stride, source_stride,
+    target_ptr, source_ptr, end_ptr, skip_ptr, skip_stop, target_stride, source_stride,
     N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    end = tl.load(end_ptr)
+    first_end, second_start, end = row_runs(end_ptr, 0, skip_ptr, skip_stop)
+    blocks = run_block_count(first_end, second_start, end, BLOCK_M)
     column = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    first = tl.program_id(0) * BLOCK_M
-    while first < end:  # a while loop for Triton 3.6's interpreter, as above
+    block = tl.program_id(0)
+    while block < blocks:  # a while loop for Triton 3.6's interpreter, as above
+        first, stop = run_block(block, first_end, second_start, end, BLOCK_M)
         row = (first + tl.arange(0, BLOCK_M)).to(tl.int64)
-        mask = (row < end)[:, None] & (column < N)[None, :]
+        mask = (row < stop)[:, None] & (column < N)[None, :]
         values = tl.load(source_ptr + row[:, None] * source_stride + column[None, :], mask=mask)
         tl.store(target_ptr + row[:, None] * target_stride + column[None, :], values.to(target_ptr.dtype.element_ty), mask=mask)
-        first += tl.num_programs(0) * BLOCK_M
+        block += tl.num_programs(0)
 
 
 def _check_rows(name: str, tensor: torch.Tensor, rows: int) -> None:
@@ -109,6 +121,7 @@ def swiglu_weighted_triton(
     num_warps: int = 4,
     programs: int | None = None,
     scales: torch.Tensor | None = None,
+    skip: tuple[torch.Tensor, int] | None = None,
 ) -> None:
     """``out[i] = silu(gate[i]) * up[i] * route_weights[i]`` for rows ``i < end[0]``.
 
@@ -132,6 +145,9 @@ def swiglu_weighted_triton(
             ``scales``, ``block_i`` must be a multiple of 128.
         programs: programs along the rows (default: 8 per SM in all, see :func:`flatep.kernels.backend.row_programs`).
         scales: optional ``[M, I/128]`` float32 (unit column stride), ``I`` a multiple of 128; written.
+        skip: optional ``(start [1] int32 on the device, stop: int)``: rows ``[start[0], stop)``
+            are skipped too (neither read nor written), e.g. the unused rows between a shard's
+            home rows and its slot rows.
     """
     rows, intermediate = out.shape
     _check_rows("hidden", hidden, rows)
@@ -155,9 +171,11 @@ def swiglu_weighted_triton(
                              f"{list(scales.shape)}")
         if block_i % FP8_BLOCK:  # the default is: a power of two, at least 128 when I is a multiple of 128
             raise ValueError(f"block_i must be a multiple of {FP8_BLOCK} with scales, got {block_i}")
+    check_skip(skip, rows)
+    skip_start, skip_stop = (None, 0) if skip is None else skip
     columns = triton.cdiv(intermediate, block_i)
     _swiglu_weighted_kernel[(row_programs(rows, block_m, columns, out.device, programs), columns)](
-        hidden, route_weights, end, out, scales, hidden.stride(0), out.stride(0), 0 if scales is None else scales.stride(0),
+        hidden, route_weights, end, skip_start, skip_stop, out, scales, hidden.stride(0), out.stride(0), 0 if scales is None else scales.stride(0),
         I=intermediate, BLOCK_M=block_m, BLOCK_I=block_i, ROUND_FIRST=interpreting(), num_warps=num_warps,
     )
 
@@ -170,6 +188,7 @@ def copy_rows_triton(
     block_n: int | None = None,
     num_warps: int = 4,
     programs: int | None = None,
+    skip: tuple[torch.Tensor, int] | None = None,
 ) -> None:
     """``target[:end[0]] = source[:end[0]]`` converted to ``target``'s dtype; later rows untouched.
 
@@ -179,16 +198,20 @@ def copy_rows_triton(
         end: ``[1]`` int32 on the device: rows to copy.
         block_m, block_n, num_warps: rows and columns per program, warps per program (tuning; untuned).
         programs: programs along the rows (default: 8 per SM in all).
+        skip: optional ``(start [1] int32 on the device, stop: int)``: rows ``[start[0], stop)``
+            are not copied either (see :func:`swiglu_weighted_triton`).
     """
     rows, columns = target.shape
     _check_rows("source", source, rows)
     _check_end(end)
     if source.shape[1] != columns:
         raise ValueError(f"source must be shaped like target {tuple(target.shape)}, got {tuple(source.shape)}")
+    check_skip(skip, rows)
+    skip_start, skip_stop = (None, 0) if skip is None else skip
     block_n = block_n or column_block(columns, max(source.element_size(), target.element_size()))
     column_blocks = triton.cdiv(columns, block_n)
     _copy_rows_kernel[(row_programs(rows, block_m, column_blocks, target.device, programs), column_blocks)](
-        target, source, end, target.stride(0), source.stride(0),
+        target, source, end, skip_start, skip_stop, target.stride(0), source.stride(0),
         N=columns, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
     )
 

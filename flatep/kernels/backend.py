@@ -143,3 +143,53 @@ def token_block(step, blocks, tokens, entry_rank_stride, K: tl.constexpr, BLOCK_
     local = item // blocks
     token = (item - local * blocks) * BLOCK_T + tl.arange(0, BLOCK_T)
     return local, token, token < tokens, local * entry_rank_stride + token * K
+
+
+@triton.jit
+def row_runs(end_ptr, rows, skip_ptr, skip_stop):
+    """The rows a row kernel covers: ``(first_end, second_start, end)``, two runs ``[0, first_end)``
+    and ``[second_start, end)``. ``end`` is ``end_ptr[0]`` (read on the device), or ``rows`` when
+    ``end_ptr`` is None; ``skip_ptr`` None: one run (the second empty), else rows
+    ``[skip_ptr[0], skip_stop)`` are skipped (a layer's shard holds its home rows, then unused
+    rows, then the borrow slots' rows from a fixed row)."""
+    if end_ptr is None:
+        end = rows
+    else:
+        end = tl.load(end_ptr)
+    if skip_ptr is None:
+        first_end = end
+        second_start = end
+    else:
+        first_end = tl.minimum(tl.load(skip_ptr), end)
+        second_start = tl.maximum(skip_stop, first_end)
+    return first_end, second_start, tl.maximum(end, second_start)
+
+
+@triton.jit
+def run_block_count(first_end, second_start, end, BLOCK_M: tl.constexpr):
+    """Row blocks of ``BLOCK_M`` rows over the two runs of :func:`row_runs` (each run's last block may be partial)."""
+    return tl.cdiv(first_end, BLOCK_M) + tl.cdiv(end - second_start, BLOCK_M)
+
+
+@triton.jit
+def run_block(block, first_end, second_start, end, BLOCK_M: tl.constexpr):
+    """``(first row, end row of its run)`` of row block ``block`` (see :func:`run_block_count`)."""
+    first_blocks = tl.cdiv(first_end, BLOCK_M)
+    if block < first_blocks:
+        first = block * BLOCK_M
+        stop = first_end
+    else:
+        first = second_start + (block - first_blocks) * BLOCK_M
+        stop = end
+    return first, stop
+
+
+def check_skip(skip, rows: int) -> None:
+    """Raise ``ValueError`` unless ``skip`` is None or ``(start [1] int32 tensor, stop int in [0, rows])``."""
+    if skip is None:
+        return
+    if (not isinstance(skip, tuple) or len(skip) != 2 or not isinstance(skip[0], torch.Tensor)
+            or skip[0].numel() != 1 or skip[0].dtype != torch.int32
+            or isinstance(skip[1], bool) or not isinstance(skip[1], int) or not 0 <= skip[1] <= rows):
+        raise ValueError(f"skip must be None or (start: a one-element int32 tensor, stop: an int in [0, {rows}]), "
+                         f"got {skip!r}")

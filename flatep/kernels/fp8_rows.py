@@ -142,7 +142,7 @@ def pack_rows_triton(x: torch.Tensor) -> torch.Tensor:
     # Every row is a token (no end to read on the device). The values' row stride is in bytes
     # (4 W), the scales' in words (W): both views share the rows.
     _act_quant_kernel[(triton.cdiv(rows, block_m), scale_groups(hidden))](
-        x.view(rows, hidden), values, scales, None, rows, hidden, 4 * words, words, hidden,
+        x.view(rows, hidden), values, scales, None, None, rows, 0, hidden, 4 * words, words, hidden,
         BLOCK_M=block_m, GROUP=FP8_BLOCK, ROUND_FIRST=interpreting(),
     )
     return packed

@@ -66,7 +66,15 @@ import torch
 import triton
 import triton.language as tl
 
-from flatep.kernels.backend import interpreting, resident_programs, row_programs
+from flatep.kernels.backend import (
+    check_skip,
+    interpreting,
+    resident_programs,
+    row_programs,
+    row_runs,
+    run_block,
+    run_block_count,
+)
 from flatep.quant.fp8 import E4M3_MAX, E4M3_RECIPROCAL
 from flatep.quant.mxfp4 import WORD_PAIRS, _as_int32
 
@@ -280,28 +288,26 @@ def _e4m3_rows(x, ROUND_FIRST: tl.constexpr):
 
 @triton.jit
 def _act_quant_kernel(
-    x_ptr, q_ptr, s_ptr, end_ptr, rows, stride_x, stride_q, stride_s, K,
+    x_ptr, q_ptr, s_ptr, end_ptr, skip_ptr, rows, skip_stop, stride_x, stride_q, stride_s, K,
     BLOCK_M: tl.constexpr, GROUP: tl.constexpr, ROUND_FIRST: tl.constexpr,
 ):
-    # Program (row blocks program_id(0), program_id(0) + P, ... before the end; column group
-    # program_id(1)): each group's e4m3 values and its one fp32 scale per row. The last group of a
-    # K that is not a multiple of GROUP is partial (its absent columns count as 0). The rows end
-    # at end_ptr[0] (read on the device), or at ``rows`` when end_ptr is None.
-    if end_ptr is None:
-        end = rows
-    else:
-        end = tl.load(end_ptr)
+    # Program (row blocks program_id(0), program_id(0) + P, ... of the rows row_runs gives;
+    # column group program_id(1)): each group's e4m3 values and its one fp32 scale per row. The
+    # last group of a K that is not a multiple of GROUP is partial (its absent columns count as 0).
+    first_end, second_start, end = row_runs(end_ptr, rows, skip_ptr, skip_stop)
+    blocks = run_block_count(first_end, second_start, end, BLOCK_M)
     column = tl.program_id(1) * GROUP + tl.arange(0, GROUP)
-    first = tl.program_id(0) * BLOCK_M
-    while first < end:  # a while loop: Triton 3.6's interpreter takes no loaded value as a range bound
+    block = tl.program_id(0)
+    while block < blocks:  # a while loop: Triton 3.6's interpreter takes no loaded value as a range bound
+        first, stop = run_block(block, first_end, second_start, end, BLOCK_M)
         row = (first + tl.arange(0, BLOCK_M)).to(tl.int64)
-        row_mask = row < end
+        row_mask = row < stop
         mask = row_mask[:, None] & (column < K)[None, :]
         x = tl.load(x_ptr + row[:, None] * stride_x + column[None, :], mask=mask, other=0.0).to(tl.float32)
         q, scale = _e4m3_rows(x, ROUND_FIRST)
         tl.store(q_ptr + row[:, None] * stride_q + column[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
         tl.store(s_ptr + row * stride_s + tl.program_id(1), scale, mask=row_mask)
-        first += tl.num_programs(0) * BLOCK_M
+        block += tl.num_programs(0)
 
 
 @triton.jit
@@ -601,9 +607,14 @@ def _output(rows: torch.Tensor, columns: int, out: torch.Tensor | None) -> torch
     return out
 
 
-def quantize_fp8_activations_triton(rows: torch.Tensor, end: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_fp8_activations_triton(
+    rows: torch.Tensor, end: torch.Tensor, skip: tuple[torch.Tensor, int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token, per-128-column fp8 quantization of ``rows [M, K]`` (bf16, ``K`` a multiple of 128)
     over rows before ``end[0]`` (``[1]`` int32 on the device); later rows of the results undefined.
+    ``skip=(start, stop)``: rows ``[start[0], stop)`` are skipped too (``start`` a ``[1]`` int32
+    tensor on the device, ``stop`` an int), e.g. the unused rows between a shard's home rows and
+    its slot rows.
 
     Returns:
         ``(values [M, K] float8_e4m3fn, scales [M, K/128] float32)``, as
@@ -612,13 +623,15 @@ def quantize_fp8_activations_triton(rows: torch.Tensor, end: torch.Tensor) -> tu
     count, columns = rows.shape
     if columns % _FP8_BLOCK or rows.stride(1) != 1:
         raise ValueError(f"rows must be [M, K] with unit column stride and K a multiple of 128, got {list(rows.shape)}")
+    check_skip(skip, count)
     values = torch.empty(count, columns, dtype=torch.float8_e4m3fn, device=rows.device)
     scales = torch.empty(count, columns // _FP8_BLOCK, dtype=torch.float32, device=rows.device)
     block_m, groups = 16, columns // _FP8_BLOCK
     # Grid-strided over the rows before end[0]: a shard sized for the step's worst case (tens of
     # thousands of row blocks at decode) launches no program per unused block.
+    skip_start, skip_stop = (None, 0) if skip is None else skip
     _act_quant_kernel[(row_programs(count, block_m, groups, rows.device), groups)](
-        rows, values, scales, end, count, rows.stride(0), columns, groups, columns,
+        rows, values, scales, end, skip_start, count, skip_stop, rows.stride(0), columns, groups, columns,
         BLOCK_M=block_m, GROUP=_FP8_BLOCK, ROUND_FIRST=interpreting(),
     )
     return values, scales

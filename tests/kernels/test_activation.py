@@ -140,6 +140,39 @@ def test_few_programs_stride_over_every_real_row_block(programs, end):
     check_rows(target, source, end)
 
 
+@pytest.mark.parametrize("programs", [1, 2, None])
+@pytest.mark.parametrize("end, start, stop", [(40, 9, 30), (40, 8, 32), (25, 0, 20), (40, 12, 40), (20, 25, 30), (40, 5, 5)])
+def test_skipped_rows_are_neither_read_nor_written(programs, end, start, stop):
+    """skip=(start, stop): two runs of rows, [0, start) and [stop, end), each computed as without a
+    skip (block boundaries of the second run start at stop); the skipped rows (NaN in the input)
+    and the rows past the end keep their poison, whatever the number of programs."""
+    hidden, weights = random_inputs(40, 8, torch.float32, seed=start + stop)
+    hidden[start:stop] = float("nan")
+    hidden[end:] = float("nan")
+    skip = (end_tensor(start), stop)
+    out = torch.full((40, 8), POISON, dtype=torch.float32, device=DEVICE)
+    swiglu_weighted_triton(hidden, weights, end_tensor(end), out, block_m=4, block_i=8, programs=programs, skip=skip)
+    expected = swiglu_weighted_torch(hidden, weights, torch.float32)
+    computed = torch.zeros(40, dtype=torch.bool, device=DEVICE)
+    computed[:min(start, end)] = True
+    computed[stop:end] = True
+    torch.testing.assert_close(out[computed], expected[computed], rtol=1e-6, atol=1e-6)
+    assert bool((out[~computed] == POISON).all())
+    target = torch.full((40, 16), POISON, dtype=torch.float32, device=DEVICE)
+    source = hidden.float()[:, :16].contiguous()
+    copy_rows_triton(target, source, end_tensor(end), block_m=4, block_n=8, programs=programs, skip=skip)
+    assert torch.equal(target[computed], source[computed]) and bool((target[~computed] == POISON).all())
+
+
+@pytest.mark.parametrize("skip", [(5, 3), (torch.tensor([1.0]), 3), (torch.tensor([1], dtype=torch.int32), 99)])
+def test_skip_is_checked(skip):
+    hidden, weights = random_inputs(8, 8, torch.float32, seed=9)
+    if isinstance(skip[0], torch.Tensor):
+        skip = (skip[0].to(DEVICE), skip[1])
+    with pytest.raises(ValueError, match="skip must be"):
+        swiglu_weighted_triton(hidden, weights, end_tensor(8), torch.empty(8, 8, device=DEVICE), skip=skip)
+
+
 def test_programs_must_be_positive():
     hidden, weights = random_inputs(8, 8, torch.float32, seed=9)
     with pytest.raises(ValueError, match="programs must be a positive integer"):

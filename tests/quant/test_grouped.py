@@ -228,10 +228,12 @@ def test_fp8_activation_quantization_kernel_equals_torch():
 
 @needs_triton
 @pytest.mark.parametrize("programs", [1, 2, 3])
-def test_fp8_activation_quantization_strides_over_the_row_blocks_before_the_end(programs):
+@pytest.mark.parametrize("skip", [None, (9, 40)])
+def test_fp8_activation_quantization_strides_over_the_row_blocks_before_the_end(programs, skip):
     """Fewer programs than row blocks (as on a GPU, where a worst-case-sized shard has far more
     blocks than programs): each program walks every P-th block up to end[0], every real row is
-    quantized, and rows past the end are left as they were (poisoned)."""
+    quantized, and rows past the end, or skipped (the rows between a shard's home and slot
+    rows), are left as they were (poisoned)."""
     from flatep.kernels.quant_gemm import _act_quant_kernel
 
     generator = torch.Generator().manual_seed(programs)
@@ -239,12 +241,17 @@ def test_fp8_activation_quantization_strides_over_the_row_blocks_before_the_end(
     end = torch.tensor([71], dtype=torch.int32, device=DEVICE)
     values = torch.full((100, 256), 0x7F, dtype=torch.uint8, device=DEVICE).view(torch.float8_e4m3fn)
     scales = torch.full((100, 2), -1.0, device=DEVICE)
-    _act_quant_kernel[(programs, 2)](x, values, scales, end, 100, x.stride(0), 256, 2, 256, BLOCK_M=16, GROUP=128,
-                                     ROUND_FIRST=interpreting())
-    expected_values, expected_scales = quantize_fp8_activations(x[:71])
-    assert torch.equal(scales[:71], expected_scales)
-    assert torch.equal(values[:71].view(torch.uint8), expected_values.view(torch.uint8))
-    assert bool((values[71:].view(torch.uint8) == 0x7F).all()) and bool((scales[71:] == -1.0).all())
+    start, stop = (None, 0) if skip is None else (torch.tensor([skip[0]], dtype=torch.int32, device=DEVICE), skip[1])
+    _act_quant_kernel[(programs, 2)](x, values, scales, end, start, 100, stop, x.stride(0), 256, 2, 256, BLOCK_M=16,
+                                     GROUP=128, ROUND_FIRST=interpreting())
+    computed = torch.zeros(100, dtype=torch.bool, device=DEVICE)
+    computed[:71] = True
+    if skip is not None:
+        computed[skip[0]:skip[1]] = False
+    expected_values, expected_scales = quantize_fp8_activations(x[computed])
+    assert torch.equal(scales[computed], expected_scales)
+    assert torch.equal(values[computed].view(torch.uint8), expected_values.view(torch.uint8))
+    assert bool((values[~computed].view(torch.uint8) == 0x7F).all()) and bool((scales[~computed] == -1.0).all())
 
 
 @needs_triton
@@ -540,16 +547,23 @@ def test_packed_experts_and_slots_in_shared_launches_equal_two_calls(format, giv
     activations = None
     if given:
         activations = Fp8Rows(*quantize_fp8_activations_triton(shard, torch.tensor([rows], dtype=torch.int32, device=DEVICE)))
+    home_end = sum(home_sizes)
     out = torch.full((rows, hidden), float("inf"), dtype=torch.bfloat16, device=DEVICE)
     result = grouped_swiglu(shard, route_weights, *home, offsets, backend="triton", out=out, rows_per_group=3,
                             slots=slots, slot_base=slot_base, activations=activations)
     assert result is out
+    # An fp32 out takes a copy of the real rows: the rows between the sets stay as they were.
+    wide = torch.full((rows, hidden), float("inf"), device=DEVICE)
+    grouped_swiglu(shard, route_weights, *home, offsets, backend="triton", out=wide, rows_per_group=3, slots=slots,
+                   slot_base=slot_base, activations=activations)
+    assert torch.equal(wide.bfloat16()[:home_end], out[:home_end]) and torch.equal(wide[slot_base:], out[slot_base:].float())
+    assert (wide[home_end:slot_base] == float("inf")).all()
     first = grouped_swiglu(shard[:slot_base], route_weights[:slot_base], *home, offsets[:3], backend="triton",
                            rows_per_group=3, activations=None if activations is None else activations[:slot_base])
     second = grouped_swiglu(shard[slot_base:], route_weights[slot_base:], *slots, offsets[3:] - slot_base,
                             backend="triton", rows_per_group=3,
                             activations=None if activations is None else activations[slot_base:])
-    home_end, slot_end = sum(home_sizes), slot_base + sum(slot_sizes)
+    slot_end = slot_base + sum(slot_sizes)
     assert torch.equal(out[:home_end], first[:home_end])
     assert torch.equal(out[slot_base:slot_end], second[:slot_end - slot_base])
     assert out[:home_end].isfinite().all() and out[slot_base:slot_end].isfinite().all()
