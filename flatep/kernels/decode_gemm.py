@@ -42,6 +42,7 @@ from flatep.kernels.quant_gemm import (
     GemmConfig,
     _check_group_rows,
     _check_rows,
+    _check_split,
     _grid,
     _locate_tile,
     _output,
@@ -165,12 +166,8 @@ def _check(rows: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor, slo
             raise ValueError(f"slots must be [G2, {weights.shape[1]}, {weights.shape[2]}] bfloat16 on {weights.device} "
                              f"with the weights' strides {weights.stride()[1:]} along N and K, got {slots.dtype} "
                              f"{list(slots.shape)} strides {slots.stride()} on {slots.device}")
-        if isinstance(slot_base, bool) or not isinstance(slot_base, int) or not 0 <= slot_base <= rows.shape[0]:
-            raise ValueError(f"slot_base must be an int row in [0, {rows.shape[0]}], got {slot_base!r}")
         groups += slots.shape[0]
-    if offsets.dtype != torch.int32 or offsets.shape != (groups,) or not offsets.is_contiguous():
-        raise ValueError(f"offsets must be a contiguous [{groups}] int32 tensor, got {offsets.dtype} "
-                         f"{list(offsets.shape)}")
+    _check_split(rows, offsets, groups, slot_base if slots is not None else None)
 
 
 def _launch(rows, weights, slots, slot_base, route_weights, out, offsets, columns, config, gated, group_rows) -> torch.Tensor:

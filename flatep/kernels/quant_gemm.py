@@ -577,13 +577,20 @@ def _check_groups(
             raise ValueError(f"slot scales must be a contiguous [{slot_values.shape[0]}, "
                              f"{', '.join(map(str, scales.shape[1:]))}] {scales.dtype} tensor on {scales.device}, got "
                              f"{slot_scales.dtype} {list(slot_scales.shape)}")
-        if isinstance(slot_base, bool) or not isinstance(slot_base, int) or not 0 <= slot_base <= rows.shape[0]:
-            raise ValueError(f"slot_base must be an int row in [0, {rows.shape[0]}], got {slot_base!r}")
         groups += slot_values.shape[0]
+    _check_split(rows, offsets, groups, slot_base if slots is not None else None)
+    return (values, scales) if slots is None else slots
+
+
+def _check_split(rows: torch.Tensor, offsets: torch.Tensor, groups: int, slot_base: int | None) -> None:
+    """Checks of a grouped launch's ``offsets`` (``[groups]`` int32) and, with a second weight set,
+    of its first row ``slot_base``; shared with :mod:`flatep.kernels.decode_gemm`."""
+    if slot_base is not None and (isinstance(slot_base, bool) or not isinstance(slot_base, int)
+                                  or not 0 <= slot_base <= rows.shape[0]):
+        raise ValueError(f"slot_base must be an int row in [0, {rows.shape[0]}], got {slot_base!r}")
     if offsets.dtype != torch.int32 or offsets.shape != (groups,) or not offsets.is_contiguous():
         raise ValueError(f"offsets must be a contiguous [{groups}] int32 tensor, got {offsets.dtype} "
                          f"{list(offsets.shape)}")
-    return (values, scales) if slots is None else slots
 
 
 def _grid(rows: int, groups: int, columns: int, config: GemmConfig, device: torch.device) -> tuple[int]:

@@ -2,6 +2,8 @@
 every policy, including steps that borrow (push) experts; pushes move packed values and scales."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -193,3 +195,35 @@ def test_auto_charges_the_packed_bytes_of_the_weights_it_plans_for():
     assert _cost_of_this_step(None, None, w13, config, torch.bfloat16, None).expert_bytes is None  # bf16: from the config
     given = CostProfile.preset("h200").with_expert_bytes(123)
     assert _cost_of_this_step(given, pool, None, config, torch.bfloat16, None) is given
+
+
+@pytest.mark.parametrize("format", ["fp8", "mxfp4"])
+def test_packed_experts_of_both_parts_share_launches_and_equal_the_parts_apart(format, monkeypatch):
+    """experts_step asked for both parts of a borrowing decode step runs the home experts and the
+    slots in one grouped_swiglu call (shared launches), bit for bit what the parts give apart, and
+    writes no row outside the groups (the NaN rows stay NaN)."""
+    if DEVICE.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs CUDA or TRITON_INTERPRET=1")
+    from flatep import layer
+    from flatep.plan.split import split_slot_rows
+
+    group = init_group("local", ranks=CONFIG.ranks, device=DEVICE)
+    x, ids, route_weights, w13, w2 = quantized_inputs(CONFIG, 12, skew=4.0, seed=17)
+    pool = ExpertPool.from_weights(packed(w13, format), packed(w2, format), CONFIG, group, dtype=torch.bfloat16)
+    plan = make_plan(ids, CONFIG, "exact")
+    pool.push(plan.slot_experts, backend="triton")
+    plan = split_slot_rows(plan)
+    assert int((plan.slot_experts >= 0).sum()) >= 2 and plan.rows_per_expert(CONFIG.top_k) <= 64
+    shard, shard_weights = layer.dispatch_step(x, route_weights, plan, group, backend="triton")
+    calls = []
+    original = layer.grouped_swiglu
+    monkeypatch.setattr(layer, "grouped_swiglu", lambda *a, **k: calls.append(k.get("slots")) or original(*a, **k))
+    for rank in range(CONFIG.ranks):
+        together, apart = (torch.full_like(shard, float("nan")) for _ in range(2))
+        calls.clear()
+        layer.experts_step(shard, shard_weights, pool, plan, group, rank, out=together, backend="triton")
+        assert len(calls) == 1 and calls[0] is not None, "one call, with the slots"
+        for part in ("home", "slots"):
+            layer.experts_step(shard, shard_weights, pool, plan, group, rank, out=apart, parts=(part,), backend="triton")
+        assert torch.equal(together[rank].isnan(), apart[rank].isnan())
+        assert torch.equal(together[rank].nan_to_num(), apart[rank].nan_to_num())
