@@ -589,8 +589,8 @@ def experts_step(
     the process's shared slots over rows ``[slot_base, shard_rows)`` (the split layout of
     :func:`flatep.plan.split.split_slot_rows`; a plan without borrowed experts runs only the
     first). Where the decode kernels run (:func:`flatep.experts.grouped.takes_decode_kernels`), or
-    the packed kernels (:func:`flatep.experts.grouped.takes_packed_kernels`), both parts share each
-    launch. ``out`` is a symmetric buffer shaped like the shard, possibly of another dtype (fp32
+    the packed kernels at decode sizes (:func:`flatep.experts.grouped.takes_packed_kernels`), both
+    parts share each launch. ``out`` is a symmetric buffer shaped like the shard, possibly of another dtype (fp32
     rows keep the route-weighted products unrounded until combine). With Triton (``backend``), only
     each part's real rows (before its ``offsets[-1]``) are written; combine never reads the others.
     ``parts`` selects which of the two run (``("home",)`` needs no slots, so it may run before
@@ -627,8 +627,8 @@ def experts_step(
                 (slot_w13, slot_w2, any(b is not None for b in slot_biases)))
         if (all(takes_decode_kernels(rows, weights, gate_up, down, rows_per_group, biased=biased, **options)
                 for gate_up, down, biased in sets)
-                # Packed: at decode sizes only, where launches are a visible share of the experts'
-                # time; the shared elementwise passes also cover the rows between the two parts.
+                # Packed: at decode sizes, where the launches are a visible share of the experts'
+                # time (past them each part fills the GPU alone).
                 or rows_per_group <= DECODE_ROWS_PER_GROUP
                 and all(takes_packed_kernels(rows, weights, gate_up, down, biased=biased, **options)
                         for gate_up, down, biased in sets)):

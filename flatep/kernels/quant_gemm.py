@@ -11,6 +11,10 @@ every entry of the group on one rank), and a grid sized from it launched mostly 
 found no tile and returned (on the H200 at Kimi-K2, s = 128, about 90 us of a rank's experts for
 the tens of thousands of such programs of an auto shard).
 
+A launch may cover a second set of weights of the same shape and format (a layer's borrow slots,
+``slots=`` with ``slot_base=``): groups ``G ..`` read it and start at row ``slot_base`` rather than
+where the previous group ends, so a rank's home experts and its slots share each launch.
+
 Tiles are numbered group by group: all of group 0's (row tile, column block) tiles, then group
 1's, and so on, so that the programs running together share one group's activations and weights
 in L2 (with the row tiles of every group in the fastest dimension, each column block streamed all
