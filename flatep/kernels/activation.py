@@ -7,7 +7,10 @@ captured in a CUDA graph): a fixed number of programs (a few per SM, never more 
 blocks) walk the row blocks before ``end`` with a grid stride and stop there, so their cost scales
 with the real rows, and a launch over an empty part (``end = 0``, e.g. the slot half of a step
 that borrows nothing) is one short wave instead of one program per block of the whole part. Rows
-past ``end`` are neither read nor written.
+past ``end`` are neither read nor written. Where a rank's home experts and its borrow slots share
+the launches, the shard holds home rows, then unused rows up to the slots' fixed first row, then
+slot rows: ``skip=(start, stop)`` leaves the unused ones out too (the row blocks are numbered over
+the two runs, :func:`flatep.kernels.backend.row_runs`).
 
 - :func:`swiglu_weighted_triton`: ``silu(gate) * up * route_weight`` in fp32, rounded once to the
   output dtype (the ``fp32`` precision of :func:`flatep.experts.grouped.grouped_swiglu`); for fp8
