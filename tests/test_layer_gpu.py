@@ -103,11 +103,13 @@ def test_kimi_k2_layer_with_fp8_dispatch_equals_dense_of_the_quantized_tokens(ki
     group.close()
 
 
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("tokens, policy", [(1, "exact"), (32, "exact"), (128, "auto")])
-def test_decode_experts_of_both_parts_in_one_launch_equal_the_parts_apart(kimi_k2, tokens, policy):
+def test_decode_experts_of_both_parts_in_one_launch_equal_the_parts_apart(kimi_k2, tokens, policy, out_dtype):
     """Where the decode kernels run, experts_step covers the home experts and the borrowed slots
     in one launch per projection: bit for bit what the two parts give when run apart, and no row
-    outside the groups is written (an auto step that chose classic writes its home rows only)."""
+    outside the groups is written (an auto step that chose classic writes its home rows only). An
+    fp32 output (fp32 combine) takes a copy of both parts' rows, skipping the rows between them."""
     config, _, _, pool = kimi_k2
     config = config.replace(capacity=tokens)
     sigma, _ = sigma_for_maxvio(10.0, 8, config.experts, config.top_k, tokens)
@@ -119,7 +121,7 @@ def test_decode_experts_of_both_parts_in_one_launch_equal_the_parts_apart(kimi_k
     assert plan.slot_base and plan.rows_per_expert(config.top_k) <= 64
     shard, shard_weights = dispatch_step(x, weights, plan, pool.group)
     for rank in range(8):
-        together, apart = (torch.full_like(shard, float("nan")) for _ in range(2))
+        together, apart = (torch.full_like(shard, float("nan"), dtype=out_dtype) for _ in range(2))
         experts_step(shard, shard_weights, pool, plan, pool.group, rank, out=together)
         for part in ("home", "slots"):
             experts_step(shard, shard_weights, pool, plan, pool.group, rank, out=apart, parts=(part,))
