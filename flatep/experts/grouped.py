@@ -312,6 +312,7 @@ def grouped_swiglu(
         raise ValueError("slots run in the launches of the decode kernels or of the packed kernels only (see "
                          "takes_decode_kernels, takes_packed_kernels): run the second set of experts in its own "
                          "grouped_swiglu call")
+    skip = None if slots is None else _between_sets(offsets, w13.shape[0], slot_base)
     if decode:
         # Tiles follow the rows a group holds in this step, never the size of the buffer the shard
         # lives in (sized for the step's worst case, or for another policy's: on the H200 at
@@ -325,11 +326,11 @@ def grouped_swiglu(
         if direct:
             return out
         out = out if out is not None else torch.empty(result.shape, dtype=out_dtype, device=result.device)
-        skip = None if slots is None else _between_sets(offsets, w13.shape[0], slot_base)
         copy_rows_triton(out, result, offsets[-1:], skip=skip)
         return out
     if packed:
-        result = _packed_experts(shard, route_weights, w13, w2, offsets, per_group, activations, slots, slot_base, out)
+        result = _packed_experts(shard, route_weights, w13, w2, offsets, per_group, activations, slots, slot_base, skip,
+                                 out)
     elif fused:
         # Same function, but the elementwise steps skip rows past offsets[-1] (several times the
         # real rows at small batch); those rows of the result stay undefined, as the GEMMs leave them.
@@ -346,7 +347,6 @@ def grouped_swiglu(
     if out is None:
         out = torch.empty(result.shape, dtype=out_dtype, device=result.device)
     if bounded:
-        skip = None if slots is None else _between_sets(offsets, w13.shape[0], slot_base)
         copy_rows_triton(out, result, offsets[-1:], skip=skip)
     else:
         out.copy_(result)
@@ -356,15 +356,15 @@ def grouped_swiglu(
 def _packed_experts(
     shard: torch.Tensor, route_weights: torch.Tensor, w13: QuantizedTensor, w2: QuantizedTensor, offsets: torch.Tensor,
     rows_per_group: int, activations: Fp8Rows | None, slots: tuple[QuantizedTensor, QuantizedTensor] | None,
-    slot_base: int, out: torch.Tensor | None,
+    slot_base: int, skip: tuple[torch.Tensor, int] | None, out: torch.Tensor | None,
 ) -> torch.Tensor:
     """:func:`grouped_swiglu` on packed experts with the Triton kernels (:func:`takes_packed_kernels`):
     the gate/up GEMM, the SwiGLU pass over the real rows, the down GEMM, a second set of experts
-    (``slots``) in the same launches. Returns ``out`` itself where it is bf16 with unit column
+    (``slots``) in the same launches, the SwiGLU pass leaving out the rows ``skip`` names (those
+    between the two sets). Returns ``out`` itself where it is bf16 with unit column
     stride (the down GEMM writes into it), else a new ``[rows, H]`` bf16 tensor."""
     intermediate = w2.shape[-1]
     slot_w13, slot_w2 = (None, None) if slots is None else slots
-    skip = None if slots is None else _between_sets(offsets, w13.shape[0], slot_base)
     hidden_states = quantized_grouped_mm(shard, w13, offsets, rows_per_group=rows_per_group, activations=activations,
                                          slots=slot_w13, slot_base=slot_base, backend="triton")
     direct = out if out is not None and out.dtype == torch.bfloat16 and out.stride(1) == 1 else None

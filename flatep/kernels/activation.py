@@ -29,13 +29,13 @@ import triton
 import triton.language as tl
 
 from flatep.kernels.backend import (
-    check_skip,
     column_block,
     interpreting,
     row_programs,
     row_runs,
     run_block,
     run_block_count,
+    skip_arguments,
 )
 from flatep.kernels.quant_gemm import _e4m3_rows
 from flatep.quant.fp8 import FP8_BLOCK
@@ -174,8 +174,7 @@ def swiglu_weighted_triton(
                              f"{list(scales.shape)}")
         if block_i % FP8_BLOCK:  # the default is: a power of two, at least 128 when I is a multiple of 128
             raise ValueError(f"block_i must be a multiple of {FP8_BLOCK} with scales, got {block_i}")
-    check_skip(skip, rows)
-    skip_start, skip_stop = (None, 0) if skip is None else skip
+    skip_start, skip_stop = skip_arguments(skip, rows)
     columns = triton.cdiv(intermediate, block_i)
     _swiglu_weighted_kernel[(row_programs(rows, block_m, columns, out.device, programs), columns)](
         hidden, route_weights, end, skip_start, skip_stop, out, scales, hidden.stride(0), out.stride(0), 0 if scales is None else scales.stride(0),
@@ -209,8 +208,7 @@ def copy_rows_triton(
     _check_end(end)
     if source.shape[1] != columns:
         raise ValueError(f"source must be shaped like target {tuple(target.shape)}, got {tuple(source.shape)}")
-    check_skip(skip, rows)
-    skip_start, skip_stop = (None, 0) if skip is None else skip
+    skip_start, skip_stop = skip_arguments(skip, rows)
     block_n = block_n or column_block(columns, max(source.element_size(), target.element_size()))
     column_blocks = triton.cdiv(columns, block_n)
     _copy_rows_kernel[(row_programs(rows, block_m, column_blocks, target.device, programs), column_blocks)](

@@ -184,12 +184,15 @@ def run_block(block, first_end, second_start, end, BLOCK_M: tl.constexpr):
     return first, stop
 
 
-def check_skip(skip, rows: int) -> None:
-    """Raise ``ValueError`` unless ``skip`` is None or ``(start [1] int32 tensor, stop int in [0, rows])``."""
+def skip_arguments(skip, rows: int) -> tuple[torch.Tensor | None, int]:
+    """The row kernels' ``(skip_ptr, skip_stop)`` for ``skip``: ``(None, 0)`` for None, else
+    ``skip`` itself once checked to be ``(start [1] int32 tensor, stop int in [0, rows])``
+    (``ValueError`` otherwise)."""
     if skip is None:
-        return
+        return None, 0
     if (not isinstance(skip, tuple) or len(skip) != 2 or not isinstance(skip[0], torch.Tensor)
             or skip[0].numel() != 1 or skip[0].dtype != torch.int32
             or isinstance(skip[1], bool) or not isinstance(skip[1], int) or not 0 <= skip[1] <= rows):
         raise ValueError(f"skip must be None or (start: a one-element int32 tensor, stop: an int in [0, {rows}]), "
                          f"got {skip!r}")
+    return skip

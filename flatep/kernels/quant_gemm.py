@@ -71,13 +71,13 @@ import triton
 import triton.language as tl
 
 from flatep.kernels.backend import (
-    check_skip,
     interpreting,
     resident_programs,
     row_programs,
     row_runs,
     run_block,
     run_block_count,
+    skip_arguments,
 )
 from flatep.quant.fp8 import E4M3_MAX, E4M3_RECIPROCAL
 from flatep.quant.mxfp4 import WORD_PAIRS, _as_int32
@@ -634,13 +634,12 @@ def quantize_fp8_activations_triton(
     count, columns = rows.shape
     if columns % _FP8_BLOCK or rows.stride(1) != 1:
         raise ValueError(f"rows must be [M, K] with unit column stride and K a multiple of 128, got {list(rows.shape)}")
-    check_skip(skip, count)
+    skip_start, skip_stop = skip_arguments(skip, count)
     values = torch.empty(count, columns, dtype=torch.float8_e4m3fn, device=rows.device)
     scales = torch.empty(count, columns // _FP8_BLOCK, dtype=torch.float32, device=rows.device)
     block_m, groups = 16, columns // _FP8_BLOCK
     # Grid-strided over the rows before end[0]: a shard sized for the step's worst case (tens of
     # thousands of row blocks at decode) launches no program per unused block.
-    skip_start, skip_stop = (None, 0) if skip is None else skip
     _act_quant_kernel[(row_programs(count, block_m, groups, rows.device), groups)](
         rows, values, scales, end, skip_start, count, skip_stop, rows.stride(0), columns, groups, columns,
         BLOCK_M=block_m, GROUP=_FP8_BLOCK, ROUND_FIRST=interpreting(),

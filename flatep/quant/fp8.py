@@ -28,8 +28,10 @@ import torch
 FP8_BLOCK = 128
 """Rows and columns of one weight scale block (and columns of one activation group)."""
 E4M3_MAX = 448.0
-E4M3_RECIPROCAL = 1.0 / E4M3_MAX  # rounded to fp32 where it multiplies fp32
 """Largest finite e4m3fn magnitude."""
+E4M3_RECIPROCAL = 1.0 / E4M3_MAX
+"""The activation scale's factor: ``scale = max(amax, 1e-10) * E4M3_RECIPROCAL``, rounded to fp32
+where it multiplies fp32 (what torch computes for ``tensor / 448`` on a GPU)."""
 _ACTIVATION_EPS = 1e-10  # keeps an all-zero row's scale finite (and its values 0, not NaN)
 
 
