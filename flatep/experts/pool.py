@@ -43,7 +43,10 @@ class ExpertPool:
         b13, b2: with ``biases=True``, the gate/up bias ``[n, epn, 2I]`` and the down bias
             ``[n, epn, H]`` of the home experts (pushed with the weights); otherwise None.
         w13_scale, w2_scale: the scales of ``w13`` and ``w2`` in the ``fp8`` and ``mxfp4`` formats
-            (:func:`flatep.quant.packed_layout`), otherwise None.
+            (:func:`flatep.quant.packed_layout`), otherwise None. mxfp4 scales are stored
+            column-fastest (:func:`flatep.quant.columns_fastest`: each expert's ``[K/32, N]`` bytes
+            contiguous, the attribute a transposed view of them), which lets the GPU kernel
+            pipeline their loads; a push moves the stored bytes.
         names: the pool tensors that exist (``w13``, ``w2``, then ``w13_scale``, ``w2_scale`` when
             quantized, then ``b13``, ``b2`` with biases).
         dtype: the activations' dtype (and the plain weights' and biases').
@@ -67,7 +70,8 @@ class ExpertPool:
         scales = ("w13_scale", "w2_scale") if weights != "bf16" else ()
         self.names: tuple[str, ...] = ("w13", "w2", *scales, *(("b13", "b2") if biases else ()))
         for name in ("w13", "w2", "w13_scale", "w2_scale", "b13", "b2"):
-            setattr(self, name, group.symmetric_empty(*self._layout(name)) if name in self.names else None)
+            setattr(self, name, self._from_storage(name, group.symmetric_empty(*self._storage_layout(name)))
+                    if name in self.names else None)
         for name in self.names:  # allocated with the pool, where every rank of the group takes part
             self.slots(name)
 
@@ -82,6 +86,19 @@ class ExpertPool:
             return (epn, *matrix[projection]), self.dtype
         shape, dtype = packed_layout(self.weights, *matrix[projection])[1 if name.endswith("_scale") else 0]
         return (epn, *shape), dtype
+
+    def _columns_fastest(self, name: str) -> bool:
+        """Whether pool tensor ``name`` is stored with its last two dimensions swapped (mxfp4 scales)."""
+        return self.weights == "mxfp4" and name.endswith("_scale")
+
+    def _storage_layout(self, name: str) -> tuple[tuple[int, ...], torch.dtype]:
+        """:meth:`_layout` as stored: the last two dimensions swapped where :meth:`_columns_fastest`."""
+        shape, dtype = self._layout(name)
+        return ((*shape[:-2], shape[-1], shape[-2]) if self._columns_fastest(name) else shape), dtype
+
+    def _from_storage(self, name: str, stored: torch.Tensor) -> torch.Tensor:
+        """The logical view of pool tensor ``name``'s storage ``stored`` (and back: the swap is its own inverse)."""
+        return stored.transpose(-1, -2) if self._columns_fastest(name) else stored
 
     def expert_shape(self, name: str) -> tuple[int, ...]:
         """``(epn, *one expert's shape)`` of the pool tensor ``name`` per rank (packed shapes when quantized)."""
@@ -109,7 +126,8 @@ class ExpertPool:
         between a step's push and the end of that step's experts.
         """
         home = self.home(name)
-        return self.group.buffer(f"slots{self.slot_set}.{name}", self.expert_shape(name), home.dtype)
+        shape, _ = self._storage_layout(name)
+        return self._from_storage(name, self.group.buffer(f"slots{self.slot_set}.{name}", shape, home.dtype))
 
     @classmethod
     def from_weights(
@@ -213,8 +231,8 @@ class ExpertPool:
             programs: cap on the push kernel's programs (``None``: its default).
         """
         pools = []
-        for name in self.names:
-            home, slots = self.home(name), self.slots(name)
+        for name in self.names:  # as stored: each expert's bytes contiguous
+            home, slots = self._from_storage(name, self.home(name)), self._from_storage(name, self.slots(name))
             if home.dtype == torch.float8_e4m3fn:  # moved as bytes: no collective needs to know fp8
                 home, slots = home.view(torch.uint8), slots.view(torch.uint8)
             pools.append((home, slots))

@@ -49,7 +49,14 @@ each weight tile is read by the band's row tiles back to back.
   activations as they are (local sm_90 compile of the 128-row tile's K step: 196 instructions in
   153 registers a thread, against 246 in 211 with permuted activations). An e8m0 byte 0
   (``2**-127``) decodes to 0 (its values are below ``6 * 2**-127`` anyway). The interpreter runs
-  the same bit placement and multiplies in fp32.
+  the same bit placement and multiplies in fp32. The scales may lie in any strides. Pools hold
+  them column-fastest (:func:`flatep.quant.columns_fastest`): a K step's scales of a tile's
+  columns are then contiguous bytes, which Triton copies asynchronously in the software pipeline
+  with the words. In the checkpoint's order a step takes a few bytes per column, too few for an
+  asynchronous copy (4 bytes at least), and the decode, which needs them before the step's dot,
+  waits on a synchronous global load and a shared-memory exchange each step (local sm_90
+  compile, Triton 3.6 and 3.9: the 16- and 32-row tiles of :func:`default_config` then hold no
+  synchronous load in their K loop; the 64-row tile, with 2 scale bytes a thread, keeps one).
   ``tl.dot_scaled`` (bf16 times e2m1) would be the alternative; on Hopper Triton 3.6 upcasts its
   e2m1 operand itself and measured no faster, and its interpreter has no ``dot_scaled``.
 
@@ -132,7 +139,9 @@ def default_config(rows: int, groups: int, format: str) -> GemmConfig:
       warps and six programs per SM were fastest (0.375x bf16; 0.394x for four warps and four
       programs); at 32 rows the 256-column tile (0.52x). Past 32 rows, 64-row tiles with three
       programs per SM beat the 8-warp 128-row tiles by 11-18% (1.18x bf16 at 128 rows, 1.89x at
-      1024: Hopper has no FP4 MMA, and the decode bounds it there).
+      1024: Hopper has no FP4 MMA, and the decode bounds it there). These mxfp4 timings predate
+      the pools' column-fastest scales (every K step then waited on a synchronous load of its
+      scales); the tiles have not been timed since.
     """
     if format not in ("fp8", "mxfp4"):
         raise ValueError(f"format must be fp8 or mxfp4, got {format!r}")
@@ -387,7 +396,7 @@ def _fp8_tile(
 @triton.jit
 def _mxfp4_grouped_kernel(
     a_ptr, w_ptr, s_ptr, slot_w_ptr, slot_s_ptr, out_ptr, offsets_ptr, groups, split, split_start, N, stride_am,
-    stride_om, rows_above, rows_at_most, K: tl.constexpr,
+    stride_om, stride_se, stride_sn, stride_sk, rows_above, rows_at_most, K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, GROUPS: tl.constexpr,
     SWAP_AB: tl.constexpr, NATURAL_K: tl.constexpr, INTERPRET: tl.constexpr,
 ):
@@ -400,7 +409,8 @@ def _mxfp4_grouped_kernel(
         expert, words, exponents = group, w_ptr, s_ptr  # the group's weights, as in _fp8_grouped_kernel
         if group >= split:
             expert, words, exponents = group - split, slot_w_ptr, slot_s_ptr
-        _mxfp4_tile(a_ptr, words, exponents, out_ptr, expert, first, last, first_column, N, stride_am, stride_om, K,
+        _mxfp4_tile(a_ptr, words, exponents, out_ptr, expert, first, last, first_column, N, stride_am, stride_om,
+                    stride_se, stride_sn, stride_sk, K,
                     BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, NATURAL_K, INTERPRET)
         tile += tl.num_programs(0)
 
@@ -485,7 +495,8 @@ def _pairs_to_values(p0, p1, p2, p3, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexp
 
 @triton.jit
 def _mxfp4_tile(
-    a_ptr, w_ptr, s_ptr, out_ptr, group, first, last, first_column, N, stride_am, stride_om, K: tl.constexpr,
+    a_ptr, w_ptr, s_ptr, out_ptr, group, first, last, first_column, N, stride_am, stride_om, stride_se, stride_sn,
+    stride_sk, K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr, NATURAL_K: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
@@ -505,7 +516,11 @@ def _mxfp4_tile(
     expert = group.to(tl.int64)
     a_tile = a_ptr + row.to(tl.int64)[:, None] * stride_am + inner[None, :]
     w_tile = w_ptr + expert * N * words_k + column.to(tl.int64)[:, None] * words_k + word[None, :]
-    s_tile = s_ptr + expert * N * scales_k + column.to(tl.int64)[:, None] * scales_k + block[None, :]
+    # Scales in any strides; with the columns' stride 1 (pools hold them so) a step's scales of the
+    # tile's columns are contiguous bytes, which Triton loads asynchronously in the pipeline with the
+    # words. With the checkpoint's order (a column's blocks contiguous) a step takes a few bytes per
+    # column, too few for an asynchronous copy: a synchronous load that the step's decode waits for.
+    s_tile = s_ptr + expert * stride_se + column.to(tl.int64)[:, None] * stride_sn + block[None, :] * stride_sk
     if SWAP_AB:
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     else:
@@ -522,7 +537,7 @@ def _mxfp4_tile(
         if not NATURAL_K:
             a = tl.reshape(tl.permute(tl.reshape(a, [BLOCK_M, WORDS, 2, 4]), (0, 1, 3, 2)), [BLOCK_M, BLOCK_K])
         words = tl.load(w_tile + k // 8, mask=column_mask[:, None] & (k // 8 + word < words_k)[None, :], other=0)
-        exponent = tl.load(s_tile + k // 32, mask=column_mask[:, None] & (k // 32 + block < scales_k)[None, :], other=0)
+        exponent = tl.load(s_tile + (k // 32) * stride_sk, mask=column_mask[:, None] & (k // 32 + block < scales_k)[None, :], other=0)
         exponent = exponent.to(tl.int32)
         if INTERPRET:
             p0, p1, p2, p3 = _e2m1_bf16_pairs(words)
@@ -577,10 +592,10 @@ def _check_groups(
             raise ValueError(f"slot values must be a contiguous [G2, {', '.join(map(str, values.shape[1:]))}] {values.dtype} "
                              f"tensor on {values.device}, got {slot_values.dtype} {list(slot_values.shape)}")
         if (slot_scales.dtype != scales.dtype or slot_scales.shape != (slot_values.shape[0], *scales.shape[1:])
-                or not slot_scales.is_contiguous() or slot_scales.device != scales.device):
-            raise ValueError(f"slot scales must be a contiguous [{slot_values.shape[0]}, "
-                             f"{', '.join(map(str, scales.shape[1:]))}] {scales.dtype} tensor on {scales.device}, got "
-                             f"{slot_scales.dtype} {list(slot_scales.shape)}")
+                or slot_scales.stride() != scales.stride() or slot_scales.device != scales.device):
+            raise ValueError(f"slot scales must be a [{slot_values.shape[0]}, {', '.join(map(str, scales.shape[1:]))}] "
+                             f"{scales.dtype} tensor on {scales.device} in the weights' scales' strides {scales.stride()}, "
+                             f"got {slot_scales.dtype} {list(slot_scales.shape)} with strides {slot_scales.stride()}")
         groups += slot_values.shape[0]
     _check_split(rows, offsets, groups, slot_base if slots is not None else None)
     return (values, scales) if slots is None else slots
@@ -740,15 +755,18 @@ def mxfp4_grouped_mm_triton(
         values: ``[G, N, K/2]`` uint8 in FlatEP's word layout (the values of a
             ``QuantizedTensor`` with ``layout="words"``, as pools hold them;
             :func:`flatep.quant.mxfp4.to_word_layout` of checkpoint-order values), contiguous.
-        scales: ``[G, N, K/32]`` uint8 e8m0, contiguous.
+        scales: ``[G, N, K/32]`` uint8 e8m0, in any strides. Stored column-fastest (``stride(1) ==
+            1``, as pools and ``QuantizedTensor.in_layout("words")`` hold them) they load
+            asynchronously in the kernel's pipeline; in the checkpoint's order each K step waits
+            for a synchronous load of a few bytes per column.
         offsets: ``[G]`` int32 inclusive end row of each group.
         config: tiles (default :func:`default_config`); ``block_k`` a power of two, at least 32.
         out: optional ``[M, N]`` bf16 (unit column stride) to write into; default a new tensor.
         group_rows: compute only the groups of more than ``group_rows[0]`` and at most
             ``group_rows[1]`` rows (see :func:`fp8_grouped_mm_triton`).
         slots, slot_base: a second set of experts, ``(values [G2, N, K/2], scales [G2, N, K/32])``
-            in the same layout, whose groups start at row ``slot_base`` (see
-            :func:`fp8_grouped_mm_triton`).
+            in the same layout (scales in the same strides), whose groups start at row
+            ``slot_base`` (see :func:`fp8_grouped_mm_triton`).
 
     Returns:
         ``out`` or a new ``[M, N]`` bf16 tensor; rows at and past ``offsets[-1]``, and the rows of
@@ -760,8 +778,8 @@ def mxfp4_grouped_mm_triton(
     if values.dtype != torch.uint8 or 2 * half != inner or inner % 32:
         raise ValueError(f"values must be [G, N, K/2={inner // 2}] uint8 with K a multiple of 32, got {values.dtype} "
                          f"{list(values.shape)}")
-    if scales.dtype != torch.uint8 or tuple(scales.shape) != (groups, columns, inner // 32) or not scales.is_contiguous():
-        raise ValueError(f"scales must be a contiguous [{groups}, {columns}, {inner // 32}] uint8 tensor, got "
+    if scales.dtype != torch.uint8 or tuple(scales.shape) != (groups, columns, inner // 32):
+        raise ValueError(f"scales must be a [{groups}, {columns}, {inner // 32}] uint8 tensor, got "
                          f"{scales.dtype} {list(scales.shape)}")
     slot_values, slot_scales = _check_groups(rows, values, scales, offsets, slots, slot_base)
     groups = offsets.shape[0]
@@ -773,7 +791,8 @@ def mxfp4_grouped_mm_triton(
     # K/2 is a multiple of 16 bytes: int32 words.
     _mxfp4_grouped_kernel[_grid(rows.shape[0], groups, columns, config, rows.device)](
         rows, values.view(torch.int32), scales, slot_values.view(torch.int32), slot_scales, out, offsets, groups,
-        values.shape[0], slot_base, columns, rows.stride(0), out.stride(0), rows_above, rows_at_most, inner,
+        values.shape[0], slot_base, columns, rows.stride(0), out.stride(0), *scales.stride(), rows_above, rows_at_most,
+        inner,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
         GROUPS=triton.next_power_of_2(groups), SWAP_AB=config.swap_ab, NATURAL_K=not config.swap_ab and config.block_m >= 64,
         INTERPRET=interpreting(),

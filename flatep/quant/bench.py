@@ -35,7 +35,7 @@ from flatep.config import EPConfig, preset
 from flatep.experts.grouped import grouped_swiglu, quantized_grouped_mm
 from flatep.experts.pool import ExpertPool
 from flatep.kernels.quant_gemm import GemmConfig, default_config, fp8_grouped_mm_triton, mxfp4_grouped_mm_triton
-from flatep.quant.tensor import QuantizedTensor, pool_layout
+from flatep.quant.tensor import QuantizedTensor, columns_fastest, pool_layout
 from flatep.transport import init_group
 
 ROWS_PER_EXPERT = (16, 128, 1024)
@@ -76,6 +76,10 @@ CANDIDATES = {
         GemmConfig(64, 128, 64, num_warps=4, num_stages=3),
         # 159 registers a thread since tall tiles keep the activations in column order: three fit an SM.
         GemmConfig(64, 128, 64, num_warps=4, num_stages=3, programs_per_sm=3),
+        # A 64 x 128 tile's K step of 64 takes 2 scale bytes a thread, too few for Triton to
+        # pipeline their load (each step waits for it); 128-wide steps take 4, which Triton loads
+        # ahead into registers (local sm_90 compile: 227 registers a thread at two stages).
+        GemmConfig(64, 128, 128, num_warps=4, num_stages=2),
         GemmConfig(128, 128, 64, num_warps=8, num_stages=3),
         # 4.9 instructions per weight and thread in its K loop against 6.1 for 128 x 128 (local sm_90 compile).
         GemmConfig(128, 256, 64, num_warps=8, num_stages=3),
@@ -99,8 +103,9 @@ def _quantize_by_expert(weights: torch.Tensor, format: str) -> QuantizedTensor:
     # In the layout a pool holds them in, which the kernels read.
     parts = [QuantizedTensor.quantize(weights[expert], format).in_layout(pool_layout(format))
              for expert in range(weights.shape[0])]
-    return QuantizedTensor(format, torch.stack([part.values for part in parts]), torch.stack([part.scales for part in parts]),
-                           pool_layout(format))
+    scales = torch.stack([part.scales for part in parts])  # a stack is contiguous: mxfp4's stored columns-fastest again
+    return QuantizedTensor(format, torch.stack([part.values for part in parts]),
+                           columns_fastest(scales) if format == "mxfp4" else scales, pool_layout(format))
 
 
 def _interleaved(arms: dict[str, Callable[[], object]], device: torch.device, rounds: int) -> dict[str, dict[str, float]]:

@@ -17,7 +17,16 @@ QUANTIZED_FORMATS = ("fp8", "mxfp4")
 LAYOUTS = ("checkpoint", "words")
 """Byte layouts of packed values: ``checkpoint`` (as the format's checkpoints store them; the only
 one of fp8) and, for mxfp4, ``words``: FlatEP's word layout (:data:`flatep.quant.mxfp4.WORD_PAIRS`),
-which pools hold and the GPU kernel decodes."""
+which pools hold and the GPU kernel decodes. :meth:`QuantizedTensor.in_layout` also stores the
+scales of ``words`` columns fastest (see :func:`columns_fastest`)."""
+
+
+def columns_fastest(scales: torch.Tensor) -> torch.Tensor:
+    """``scales [..., N, K/32]`` with the same values, stored column-fastest (strides ``[..., 1, N]``:
+    each matrix's ``[K/32, N]`` bytes contiguous). The mxfp4 GEMM reads a K step's scales of a tile's
+    columns, a few bytes per column: stored so, they are contiguous, and the kernel's pipeline loads
+    them asynchronously with the weights (in the checkpoint's order each step waits for them)."""
+    return scales.transpose(-1, -2).contiguous().transpose(-1, -2)
 
 
 def pool_layout(format: str) -> str:
@@ -85,7 +94,8 @@ class QuantizedTensor:
         layout: how ``values`` lie (:data:`LAYOUTS`): ``checkpoint`` (the default: as checkpoints,
             :func:`~flatep.quant.quantize_mxfp4` and the loaders give them) or, mxfp4 only,
             ``words``: the same bytes with each 4 bytes' bits permuted for the GPU decoder, as
-            expert pools hold them (:meth:`in_layout` converts; pools convert what they load).
+            expert pools hold them (:meth:`in_layout` converts, and stores the scales
+            column-fastest; pools convert what they load). The scales may be in any strides.
     """
 
     format: str
@@ -115,13 +125,17 @@ class QuantizedTensor:
         raise ValueError(f"format must be one of {QUANTIZED_FORMATS}, got {format!r}")
 
     def in_layout(self, layout: str) -> "QuantizedTensor":
-        """This tensor with its values in ``layout`` (itself if they are already)."""
-        if layout == self.layout:
+        """This tensor with its values in ``layout`` (itself if they are already, and, in ``words``,
+        its scales stored column-fastest): to ``words``, its scales stored column-fastest
+        (:func:`columns_fastest`), back to ``checkpoint`` contiguous."""
+        if layout == self.layout and (layout != "words" or self.scales.stride(-2) == 1 or self.scales.shape[-2] == 1):
             return self
         if layout not in LAYOUTS or self.format != "mxfp4":
             raise ValueError(f"layout must be 'checkpoint', or 'words' for mxfp4, got {layout!r} for {self.format}")
-        convert = to_word_layout if layout == "words" else from_word_layout
-        return QuantizedTensor(self.format, convert(self.values), self.scales, layout)
+        if layout == "words":
+            values = self.values if self.layout == "words" else to_word_layout(self.values)
+            return QuantizedTensor(self.format, values, columns_fastest(self.scales), layout)
+        return QuantizedTensor(self.format, from_word_layout(self.values), self.scales.contiguous(), layout)
 
     @property
     def shape(self) -> torch.Size:
@@ -169,5 +183,6 @@ class QuantizedTensor:
         if self.format == "fp8" and self.shape[-2] % FP8_BLOCK:
             raise ValueError(f"fp8 rows can be stacked only at a block boundary: N={self.shape[-2]} is not a multiple of 128")
         other = other.in_layout(self.layout)
+        scales = torch.cat([self.scales, other.scales], -2)
         return QuantizedTensor(self.format, torch.cat([self.values, other.values], -2),
-                               torch.cat([self.scales, other.scales], -2), self.layout)
+                               columns_fastest(scales) if self.layout == "words" else scales, self.layout)

@@ -267,6 +267,12 @@ def test_quantized_mxfp4_values_in_either_layout_mean_the_same_weights():
     assert torch.equal(packed.dequantize(), words.dequantize())
     stacked = words.cat(packed)  # the second converted to the first's layout
     assert stacked.layout == "words" and torch.equal(stacked.dequantize(), torch.cat([packed.dequantize()] * 2))
+    # words store their scales column-fastest (the GPU kernel then pipelines their loads), same values
+    assert words.scales.stride() == (1, 6) and stacked.scales.stride() == (1, 12) and torch.equal(words.scales, scales)
+    assert words.in_layout("checkpoint").scales.is_contiguous()
+    given = QuantizedTensor("mxfp4", words.values, scales, "words")  # words whose scales lie in checkpoint order
+    restored = given.in_layout("words")
+    assert restored.scales.stride() == (1, 6) and restored.values is words.values and torch.equal(restored.scales, scales)
     experts = QuantizedTensor("mxfp4", words.values[None], words.scales[None], "words")
     assert experts[0].layout == "words" and words.to("cpu").layout == "words"
     fp8 = QuantizedTensor.quantize(torch.randn(128, 128), "fp8")

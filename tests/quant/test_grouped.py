@@ -502,6 +502,25 @@ def test_mxfp4_step_of_three_launches_equals_torch():
 
 
 @needs_triton
+def test_mxfp4_kernel_takes_scales_in_either_order_bit_for_bit():
+    """Scales stored column-fastest (as pools hold them) or in the checkpoint's order (each column's
+    blocks contiguous) give the same output, bit for bit, for home experts and slots; slot scales
+    in other strides than the experts' are refused before any kernel runs."""
+    rows, packed, offsets = grouped_inputs("mxfp4", [3, 6, 1, 4], 64, 128, seed=21)
+    home, slots = packed[:2], packed[2:]
+    assert home.scales.stride(1) == 1  # columns fastest
+    by_column = mxfp4_grouped_mm_triton(rows, home.values, home.scales, offsets, GemmConfig(16, 32, 64),
+                                        slots=(slots.values, slots.scales), slot_base=9)
+    contiguous = home.scales.contiguous(), slots.scales.contiguous()
+    by_block = mxfp4_grouped_mm_triton(rows, home.values, contiguous[0], offsets, GemmConfig(16, 32, 64),
+                                       slots=(slots.values, contiguous[1]), slot_base=9)
+    assert torch.equal(by_column[:14], by_block[:14]) and by_column[:14].isfinite().all()
+    with pytest.raises(ValueError, match="slot scales must be .* in the weights' scales' strides"):
+        mxfp4_grouped_mm_triton(rows, home.values, home.scales, offsets, slots=(slots.values, contiguous[1]),
+                                slot_base=9)
+
+
+@needs_triton
 def test_mxfp4_in_checkpoint_layout_runs_the_kernel_after_converting():
     """Weights built from checkpoint bytes (the default layout) give the kernel path the same result
     as the same weights in the pools' word layout, and both equal the torch path."""

@@ -134,6 +134,10 @@ def test_bias_pools_stay_in_the_activation_dtype():
     pool = ExpertPool(config, group, torch.bfloat16, biases=True, weights="mxfp4")
     assert pool.names == ("w13", "w2", "w13_scale", "w2_scale", "b13", "b2")
     assert pool.b13.dtype == torch.bfloat16 and pool.w13.dtype == torch.uint8 and pool.w13.shape == (2, 2, 64, 32)
+    # mxfp4 scales stored column-fastest, home experts and slots alike (the GPU kernel pipelines their loads)
+    for scales in (pool.w13_scale, pool.slots("w13_scale")):
+        assert scales.shape == (2, 2, 64, 2) and scales.stride()[-2:] == (1, 64)
+        assert scales.transpose(-1, -2).is_contiguous()
     assert pool.expert_nbytes() == 64 * 64 // 2 + 64 * 2 + 64 * 32 // 2 + 64 + 2 * (64 + 64)
 
 

@@ -66,3 +66,26 @@ def test_fp8_gemm_on_packed_dispatch_rows_equals_quantizing_the_rows_itself(size
     poisoned = torch.full_like(x, float("nan"))  # not read
     got = quantized_grouped_mm(poisoned, q13, offsets, backend="triton", activations=activations)
     assert torch.equal(got[:end], expected[:end])
+
+
+@pytest.mark.parametrize("rows_per_group", [16, 32, 128])
+def test_mxfp4_scales_in_either_order_give_the_same_bits(rows_per_group):
+    """Kimi-K3's gate/up shape: the kernel compiled for column-fastest scales (pools', pipelined)
+    and for the checkpoint's order gives the same output bit for bit, home experts and slots."""
+    from flatep.kernels.quant_gemm import default_config, mxfp4_grouped_mm_triton
+
+    hidden, columns, groups = 3584, 6144, 4
+    generator = torch.Generator(device="cuda").manual_seed(rows_per_group)
+    weights = QuantizedTensor.quantize(torch.randn(groups, columns, hidden, device="cuda", generator=generator)
+                                       * hidden**-0.5, "mxfp4").in_layout("words")
+    assert weights.scales.stride(1) == 1
+    rows = groups * rows_per_group
+    x = torch.randn(rows, hidden, device="cuda", generator=generator).bfloat16()
+    offsets = torch.arange(1, groups + 1, device="cuda", dtype=torch.int32) * rows_per_group
+    config = default_config(rows, groups, "mxfp4")
+    home, slots = weights[:2], weights[2:]
+    by_column = mxfp4_grouped_mm_triton(x, home.values, home.scales, offsets, config,
+                                        slots=(slots.values, slots.scales), slot_base=2 * rows_per_group)
+    by_block = mxfp4_grouped_mm_triton(x, home.values, home.scales.contiguous(), offsets, config,
+                                       slots=(slots.values, slots.scales.contiguous()), slot_base=2 * rows_per_group)
+    assert torch.equal(by_column, by_block) and by_column.isfinite().all()
