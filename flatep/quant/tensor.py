@@ -125,10 +125,11 @@ class QuantizedTensor:
         raise ValueError(f"format must be one of {QUANTIZED_FORMATS}, got {format!r}")
 
     def in_layout(self, layout: str) -> "QuantizedTensor":
-        """This tensor with its values in ``layout`` (itself if they are already, and, in ``words``,
-        its scales stored column-fastest): to ``words``, its scales stored column-fastest
-        (:func:`columns_fastest`), back to ``checkpoint`` contiguous."""
-        if layout == self.layout and (layout != "words" or self.scales.stride(-2) == 1 or self.scales.shape[-2] == 1):
+        """This tensor with its values in ``layout``, its scales stored column-fastest in ``words``
+        (:func:`columns_fastest`) and contiguous in ``checkpoint``; itself where it is so already
+        (a ``checkpoint`` tensor in any strides)."""
+        scales_in_place = layout != "words" or self.scales.stride(-2) == 1 or self.scales.shape[-2] == 1
+        if layout == self.layout and scales_in_place:
             return self
         if layout not in LAYOUTS or self.format != "mxfp4":
             raise ValueError(f"layout must be 'checkpoint', or 'words' for mxfp4, got {layout!r} for {self.format}")
