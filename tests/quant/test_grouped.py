@@ -16,6 +16,7 @@ from flatep.kernels.quant_gemm import (
     HOT_ROWS,
     GemmConfig,
     _grid,
+    _SCALE_PAIR,
     _SCALED_PAIRS_PTX,
     _locate_tile,
     _tile_table,
@@ -205,7 +206,7 @@ def test_gpu_decode_ptx_yields_each_pair_of_the_word_layout(scale):
     nibbles = torch.randint(0, 16, (64, 8), generator=generator, dtype=torch.uint8)
     nibbles[:16, 0] = nibbles[16:32, 3] = nibbles[32:48, 5] = nibbles[48:, 7] = torch.arange(16, dtype=torch.uint8)
     words = to_word_layout(nibbles[:, 0::2] | (nibbles[:, 1::2] << 4)).view(torch.int32).squeeze(1)
-    scale_pair = scale << 7 | scale << 23
+    scale_pair = scale * _SCALE_PAIR.value  # as the kernel forms it
     for word, codes in zip(words.tolist(), nibbles.tolist()):
         pairs = run_decode_ptx(word & 0xFFFFFFFF, scale_pair)
         got = [((pairs[column % 4] >> 16 * (column // 4)) & 0xFFFF) << 16 for column in range(8)]
