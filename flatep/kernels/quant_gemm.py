@@ -30,6 +30,12 @@ each weight tile is read by the band's row tiles back to back.
   is one scalar per step and folds into the row scales: one FMA per output element and step (a
   local sm_90 compile of the 128 x 128 tile: 203 instructions per K step against 314 with a weight
   scale per column, most of the difference per-column scale loads and their predicates).
+  Each step's product waits for its warp-group MMA before it is scaled, and it takes registers
+  of its own beside the accumulator: tiles taller than 64 x 128 on 4 warps (252 registers a
+  thread in a local sm_90 compile) or 128 x 128 on 8 (243) do not fit. ``GemmConfig.rescale``
+  instead scales the accumulator into the step's units and lets the MMA add in place (one
+  accumulator: 256 x 128 on 8 warps in 252 registers), for tiles that load fewer bytes per
+  product at prefill sizes; a tile-sweep candidate, not yet timed.
 - mxfp4 (:func:`mxfp4_grouped_mm_triton`): reads the packed values as int32 words (8 columns
   each, in FlatEP's word layout, :data:`flatep.quant.mxfp4.WORD_PAIRS`) and their e8m0 scales,
   and decodes them in registers into bf16, exactly (e2m1 times a power of two), for bf16
@@ -106,7 +112,12 @@ class GemmConfig:
     of decode shards are 16 or 32 rows); ``num_warps``, ``num_stages``: Triton's launch options;
     ``programs_per_sm``: the persistent grid's programs per SM (more hide more latency, if their
     registers and shared memory fit). fp8 tiles need ``block_n`` to divide 128 (one weight scale
-    block per tile).
+    block per tile). ``rescale`` (fp8 only): keep the accumulator in units of the current K step's
+    scales, ``acc = dot(a, w, acc * s_previous / s)`` then ``acc * s_last``, rather than adding
+    each step's separate product times its scales: one accumulator in registers instead of two
+    (the tensor-core MMA accumulates in place), which tall tiles need to fit. Exact in the same
+    way up to fp32 rounding of the ratios; weight block scales must be nonzero (a zero one makes
+    its rows NaN; pools never hold one, :meth:`flatep.experts.ExpertPool.load_home`).
     """
 
     block_m: int
@@ -117,6 +128,7 @@ class GemmConfig:
     group_m: int = 8
     swap_ab: bool = False
     programs_per_sm: int = 2
+    rescale: bool = False
 
 
 def default_config(rows: int, groups: int, format: str) -> GemmConfig:
@@ -252,17 +264,17 @@ def _locate_tile(
 
 
 @triton.jit
-def _tile_dot(a, w, SWAP_AB: tl.constexpr, INTERPRET: tl.constexpr):
+def _tile_dot(a, w, SWAP_AB: tl.constexpr, INTERPRET: tl.constexpr, acc=None):
     """One K step of a row tile ``a [BLOCK_M, BLOCK_K]`` and a weight tile ``w [BLOCK_N, BLOCK_K]``:
-    ``w @ a.T`` (``[BLOCK_N, BLOCK_M]``) with ``SWAP_AB``, else ``a @ w.T``, in fp32; the operands
-    are upcast to fp32 first under the interpreter."""
+    ``w @ a.T`` (``[BLOCK_N, BLOCK_M]``) with ``SWAP_AB``, else ``a @ w.T``, in fp32, added to
+    ``acc`` if given (by the MMA itself); the operands are upcast to fp32 first under the interpreter."""
     if INTERPRET:
         a = a.to(tl.float32)
         w = w.to(tl.float32)
     if SWAP_AB:
-        product = tl.dot(w, tl.trans(a))
+        product = tl.dot(w, tl.trans(a), acc)
     else:
-        product = tl.dot(a, tl.trans(w))
+        product = tl.dot(a, tl.trans(w), acc)
     return product
 
 
@@ -328,7 +340,7 @@ def _fp8_grouped_kernel(
     a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, slot_w_ptr, slot_w_scale_ptr, out_ptr, offsets_ptr, groups, split,
     split_start, N, stride_om, stride_am, stride_as, rows_above, rows_at_most,
     K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    GROUPS: tl.constexpr, SWAP_AB: tl.constexpr, INTERPRET: tl.constexpr,
+    GROUPS: tl.constexpr, SWAP_AB: tl.constexpr, RESCALE: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """Groups ``[0, split)`` read ``w``, groups ``[split, groups)`` read ``slot_w`` from row ``split_start``."""
     starts, ends, tiles, passed, total = _tile_table(offsets_ptr, groups, split, split_start, N, rows_above,
@@ -342,7 +354,7 @@ def _fp8_grouped_kernel(
         if group >= split:
             expert, weights, weight_scales = group - split, slot_w_ptr, slot_w_scale_ptr
         _fp8_tile(a_ptr, a_scale_ptr, weights, weight_scales, out_ptr, expert, first, last, first_column, N, stride_om,
-                  stride_am, stride_as, K, BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, INTERPRET)
+                  stride_am, stride_as, K, BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, RESCALE, INTERPRET)
         tile += tl.num_programs(0)
 
 
@@ -350,7 +362,7 @@ def _fp8_grouped_kernel(
 def _fp8_tile(
     a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, group, first, last, first_column, N, stride_om, stride_am, stride_as,
     K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    RESCALE: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """Rows ``[first, min(first + BLOCK_M, last))`` times columns ``[first_column, + BLOCK_N)`` of
     expert ``group`` of the weights at ``w_ptr`` (scales at ``w_scale_ptr``)."""
@@ -375,16 +387,32 @@ def _fp8_tile(
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    previous = tl.full([BLOCK_M], 1.0, tl.float32)  # RESCALE: the scales acc is in units of
     for step in range(0, k_blocks):
         a = tl.load(a_tile + step * BLOCK_K, mask=row_mask[:, None], other=0.0)
         w = tl.load(w_tile + step * BLOCK_K, mask=column_mask[:, None], other=0.0)
         # One K step is one scale block of both operands: scale the block's partial product.
-        scale = tl.load(a_scales + step, mask=row_mask, other=0.0) * tl.load(w_scales + step)
-        product = _tile_dot(a, w, SWAP_AB, INTERPRET)
-        if SWAP_AB:
-            acc += product * scale[None, :]
+        scale = tl.load(a_scales + step, mask=row_mask, other=1.0) * tl.load(w_scales + step)
+        if RESCALE:
+            # acc * previous is the sum so far: in units of this step's scales it is acc * ratio,
+            # and the MMA adds the step's product to it in place.
+            ratio = previous / scale
+            previous = scale
+            if SWAP_AB:
+                acc = _tile_dot(a, w, SWAP_AB, INTERPRET, acc * ratio[None, :])
+            else:
+                acc = _tile_dot(a, w, SWAP_AB, INTERPRET, acc * ratio[:, None])
         else:
-            acc += product * scale[:, None]
+            product = _tile_dot(a, w, SWAP_AB, INTERPRET)
+            if SWAP_AB:
+                acc += product * scale[None, :]
+            else:
+                acc += product * scale[:, None]
+    if RESCALE:
+        if SWAP_AB:
+            acc = acc * previous[None, :]
+        else:
+            acc = acc * previous[:, None]
     if SWAP_AB:
         acc = tl.trans(acc)
     if INTERPRET:
@@ -732,7 +760,7 @@ def fp8_grouped_mm_triton(
         quantized, row_scales, values, scales, slot_values, slot_scales, out, offsets, groups, values.shape[0],
         slot_base, columns, out.stride(0), quantized.stride(0), row_scales.stride(0), rows_above, rows_at_most, inner,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=_FP8_BLOCK, GROUP_M=config.group_m,
-        GROUPS=triton.next_power_of_2(groups), SWAP_AB=config.swap_ab, INTERPRET=interpreting(),
+        GROUPS=triton.next_power_of_2(groups), SWAP_AB=config.swap_ab, RESCALE=config.rescale, INTERPRET=interpreting(),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out
@@ -788,6 +816,8 @@ def mxfp4_grouped_mm_triton(
     config = config or default_config(rows.shape[0], groups, "mxfp4")
     if config.block_k < 32 or config.block_k & (config.block_k - 1):
         raise ValueError(f"mxfp4 block_k must be a power of two, at least 32, got {config.block_k}")
+    if config.rescale:
+        raise ValueError("rescale is an fp8 tile option (mxfp4 has no per-step scales of the product), got rescale=True")
     rows_above, rows_at_most = _check_group_rows(group_rows)
     out = _output(rows, columns, out)
     # K/2 is a multiple of 16 bytes: int32 words.

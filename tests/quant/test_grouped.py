@@ -83,6 +83,9 @@ CASES = [
     ([5, 0, 19, 2], 256, 256, GemmConfig(block_m=16, block_n=128, swap_ab=True)),
     # Four column tiles per weight scale block, the last block partial (N = 160).
     ([4, 11, 0, 6], 160, 256, GemmConfig(block_m=16, block_n=32, swap_ab=True)),
+    # The accumulator rescaled per K step, both orientations.
+    ([5, 0, 19, 2], 256, 384, GemmConfig(block_m=16, block_n=64, rescale=True)),
+    ([4, 11, 0, 6], 160, 384, GemmConfig(block_m=16, block_n=32, swap_ab=True, rescale=True)),
 ]
 
 
@@ -500,6 +503,33 @@ def test_mxfp4_step_of_three_launches_equals_torch():
     for group, end in enumerate(offsets.tolist()):  # every group, so that a launch that skips one fails
         if sizes[group]:
             assert relative_error(got[end - sizes[group]:end], expected[end - sizes[group]:end]) < 4e-3
+
+
+@needs_triton
+@pytest.mark.parametrize("swap_ab", [False, True])
+def test_fp8_rescaled_accumulator_holds_scales_far_apart_across_k(swap_ab):
+    """Weight blocks and activation groups whose scales differ by up to 2**40 from one K step to
+    the next: the rescaled accumulator (acc * s_previous / s, then the MMA adds in place) gives the
+    torch path's result as closely as the product-per-step form does."""
+    sizes, out_features, in_features = [3, 9, 0, 5], 128, 640
+    rows, packed, offsets = grouped_inputs("fp8", sizes, out_features, in_features, seed=31)
+    steps = in_features // 128
+    factors = 2.0 ** torch.tensor([-20, 12, 0, 20, -8], dtype=torch.float32)
+    packed = QuantizedTensor("fp8", packed.values, packed.scales * factors.to(DEVICE)[:steps], "checkpoint")
+    rows = (rows.float().unflatten(1, (steps, 128)) * factors.flip(0).to(DEVICE)[:steps, None]).flatten(1).bfloat16()
+    end = sum(sizes)
+    reference = quantized_grouped_mm(rows, packed, offsets, backend="torch")[:end]
+    plain = fp8_grouped_mm_triton(rows, packed.values, packed.scales, offsets, GemmConfig(16, 64, swap_ab=swap_ab))
+    rescaled = fp8_grouped_mm_triton(rows, packed.values, packed.scales, offsets,
+                                     GemmConfig(16, 64, swap_ab=swap_ab, rescale=True))
+    assert relative_error(plain[:end], reference) < 4e-3 and relative_error(rescaled[:end], reference) < 4e-3
+    assert rescaled[:end].isfinite().all()
+
+
+def test_rescale_is_an_fp8_option():
+    rows, packed, offsets = grouped_inputs("mxfp4", [2, 3], 32, 64, seed=2)
+    with pytest.raises(ValueError, match="rescale is an fp8 tile option"):
+        mxfp4_grouped_mm_triton(rows, packed.values, packed.scales, offsets, GemmConfig(16, 32, 32, rescale=True))
 
 
 @needs_triton
