@@ -568,7 +568,8 @@ def _mxfp4_tile(
         if not NATURAL_K:
             a = tl.reshape(tl.permute(tl.reshape(a, [BLOCK_M, WORDS, 2, 4]), (0, 1, 3, 2)), [BLOCK_M, BLOCK_K])
         words = tl.load(w_tile + k // 8, mask=column_mask[:, None] & (k // 8 + word < words_k)[None, :], other=0)
-        exponent = tl.load(s_tile + (k // 32) * stride_sk, mask=column_mask[:, None] & (k // 32 + block < scales_k)[None, :], other=0)
+        exponent = tl.load(s_tile + (k // 32) * stride_sk, mask=column_mask[:, None] & (k // 32 + block < scales_k)[None, :],
+                           other=0)
         exponent = exponent.to(tl.int32)
         if INTERPRET:
             p0, p1, p2, p3 = _e2m1_bf16_pairs(words)
@@ -760,7 +761,8 @@ def fp8_grouped_mm_triton(
         quantized, row_scales, values, scales, slot_values, slot_scales, out, offsets, groups, values.shape[0],
         slot_base, columns, out.stride(0), quantized.stride(0), row_scales.stride(0), rows_above, rows_at_most, inner,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=_FP8_BLOCK, GROUP_M=config.group_m,
-        GROUPS=triton.next_power_of_2(groups), SWAP_AB=config.swap_ab, RESCALE=config.rescale, INTERPRET=interpreting(),
+        GROUPS=triton.next_power_of_2(groups), SWAP_AB=config.swap_ab, RESCALE=config.rescale,
+        INTERPRET=interpreting(),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out

@@ -88,8 +88,10 @@ CANDIDATES = {
         GemmConfig(64, 128, 64, num_warps=4, num_stages=3, programs_per_sm=3),
         # A 64 x 128 tile's K step of 64 takes 2 scale bytes a thread, too few for Triton to
         # pipeline their load (each step waits for it); 128-wide steps take 4, which Triton loads
-        # ahead into registers (local sm_90 compile: 227 registers a thread at two stages).
+        # ahead into registers (local sm_90 compile: 227 registers a thread at two stages), and
+        # 256 columns take 4, which it copies asynchronously with the words (249 registers).
         GemmConfig(64, 128, 128, num_warps=4, num_stages=2),
+        GemmConfig(64, 256, 64, num_warps=4, num_stages=3),
         GemmConfig(128, 128, 64, num_warps=8, num_stages=3),
         # 4.9 instructions per weight and thread in its K loop against 6.1 for 128 x 128 (local sm_90 compile).
         GemmConfig(128, 256, 64, num_warps=8, num_stages=3),
@@ -156,7 +158,8 @@ def _candidates(format: str, rows_per_expert: int) -> list[GemmConfig]:
 
 def _name(config: GemmConfig) -> str:
     return (f"m{config.block_m} n{config.block_n} k{config.block_k} w{config.num_warps} s{config.num_stages} "
-            f"g{config.group_m} p{config.programs_per_sm}" + (" swap" if config.swap_ab else ""))
+            f"g{config.group_m} p{config.programs_per_sm}" + (" swap" if config.swap_ab else "")
+            + (" rescale" if config.rescale else ""))
 
 
 def experts_cell(

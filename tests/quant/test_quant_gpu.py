@@ -89,3 +89,23 @@ def test_mxfp4_scales_in_either_order_give_the_same_bits(rows_per_group):
     by_block = mxfp4_grouped_mm_triton(x, home.values, home.scales.contiguous(), offsets, config,
                                        slots=(slots.values, slots.scales.contiguous()), slot_base=2 * rows_per_group)
     assert torch.equal(by_column, by_block) and by_column.isfinite().all()
+
+
+@pytest.mark.parametrize("tiles", [(64, 128, 4, 4, 2), (128, 128, 8, 3, 1), (256, 128, 8, 3, 1)])
+def test_fp8_rescaled_tall_tiles_at_kimi_k2_size(tiles):
+    """The tile sweep's rescaled fp8 candidates (GemmConfig.rescale) on the GPU at Kimi-K2's gate/up
+    shape and prefill sizes, against the torch path."""
+    from flatep.kernels.quant_gemm import GemmConfig, fp8_grouped_mm_triton
+
+    block_m, block_n, warps, stages, per_sm = tiles
+    hidden, columns, sizes = 7168, 4096, [1024, 0, 700, 1500]
+    generator = torch.Generator(device="cuda").manual_seed(block_m)
+    weights = QuantizedTensor.quantize(torch.randn(len(sizes), columns, hidden, device="cuda", generator=generator)
+                                       * hidden**-0.5, "fp8")
+    rows, end = sum(sizes) + 3, sum(sizes)
+    x = torch.randn(rows, hidden, device="cuda", generator=generator).bfloat16()
+    offsets = torch.tensor(sizes, device="cuda").cumsum(0).to(torch.int32)
+    config = GemmConfig(block_m, block_n, num_warps=warps, num_stages=stages, programs_per_sm=per_sm, rescale=True)
+    got = fp8_grouped_mm_triton(x, weights.values, weights.scales, offsets, config)
+    reference = quantized_grouped_mm(x, weights, offsets, backend="torch")
+    assert relative_error(got[:end], reference[:end]) < 4e-3
