@@ -27,7 +27,6 @@ import math
 import torch
 
 from flatep.config import EPConfig
-from flatep.quant.fp8 import nonzero_block_scales
 from flatep.quant.tensor import QuantizedTensor, check_pool_dims, packed_layout, pool_layout
 from flatep.transport.base import Group
 
@@ -192,8 +191,7 @@ class ExpertPool:
         """Copy the experts homed on this process's ranks only: ``w13 [n*epn, 2I, H]``, ``w2 [n*epn, H, I]``
         (``n`` = ranks this process drives; rank ``r``'s experts are ``[r*epn, (r+1)*epn)``), and biases alike.
 
-        Float weights are quantized into the pool's format; quantized ones must be in it. An fp8
-        block whose scale is 0 is held as values 0 with scale 1 (the same weights)."""
+        Float weights are quantized into the pool's format; quantized ones must be in it."""
         tensors = {"w13": w13, "w2": w2, "b13": b13, "b2": b2}
         for name in ("w13", "w2"):
             weights = tensors[name]
@@ -206,10 +204,7 @@ class ExpertPool:
             if weights.format != self.weights:
                 raise ValueError(f"{name} is {weights.format}, but this pool holds {self.weights}")
             weights = weights.in_layout(pool_layout(self.weights))  # mxfp4: the GPU decoder's word layout
-            values, scales = weights.values, weights.scales
-            if self.weights == "fp8":  # no zero block scale: the rescaled fp8 GEMM divides by them
-                values, scales = nonzero_block_scales(values, scales)
-            tensors[name], tensors[f"{name}_scale"] = values, scales
+            tensors[name], tensors[f"{name}_scale"] = weights.values, weights.scales
         for name in self.names:
             weights = tensors[name]
             home = self.home(name)

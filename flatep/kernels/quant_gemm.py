@@ -116,8 +116,10 @@ class GemmConfig:
     scales, ``acc = dot(a, w, acc * s_previous / s)`` then ``acc * s_last``, rather than adding
     each step's separate product times its scales: one accumulator in registers instead of two
     (the tensor-core MMA accumulates in place), which tall tiles need to fit. Exact in the same
-    way up to fp32 rounding of the ratios; weight block scales must be nonzero (a zero one makes
-    its rows NaN; pools never hold one, :meth:`flatep.experts.ExpertPool.load_home`).
+    way up to fp32 rounding of the ratios, but it divides by the weight block scales: a zero one
+    (which neither the checkpoints nor :func:`flatep.quant.quantize_fp8_block` hold) makes the
+    tile's rows NaN, where the plain form gives its block's weights as 0. A tile-sweep candidate,
+    not a default.
     """
 
     block_m: int
@@ -387,7 +389,8 @@ def _fp8_tile(
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    previous = tl.full([BLOCK_M], 1.0, tl.float32)  # RESCALE: the scales acc is in units of
+    if RESCALE:
+        previous = tl.full([BLOCK_M], 1.0, tl.float32)  # the scales acc is in units of
     for step in range(0, k_blocks):
         a = tl.load(a_tile + step * BLOCK_K, mask=row_mask[:, None], other=0.0)
         w = tl.load(w_tile + step * BLOCK_K, mask=column_mask[:, None], other=0.0)

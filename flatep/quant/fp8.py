@@ -88,20 +88,6 @@ def quantize_fp8_block(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return values, scales
 
 
-def nonzero_block_scales(values: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(values, scales)`` of block-scaled FP8 with every zero block scale made 1 and its block's
-    values 0: the same weights (a NaN value of such a block aside, which becomes 0), with no scale
-    to divide by zero (the rescaled fp8 GEMM divides by them, :class:`flatep.kernels.quant_gemm.GemmConfig`).
-    Reads on the host whether there is any: for loading, not for a step. The inputs are not modified."""
-    check_fp8_block(values, scales)
-    zero = scales == 0
-    if not bool(zero.any()):
-        return values, scales
-    blocks = _expand_blocks(zero, *values.shape[-2:])
-    cleared = values.view(torch.uint8).masked_fill(blocks, 0).view(torch.float8_e4m3fn)
-    return cleared, scales.masked_fill(zero, 1.0)
-
-
 def dequantize_fp8_block(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``values * scales`` (each scale over its 128x128 block): ``[..., N, K]`` in ``dtype``."""
     check_fp8_block(values, scales)

@@ -524,6 +524,18 @@ def test_fp8_rescaled_accumulator_holds_scales_far_apart_across_k(swap_ab):
                                      GemmConfig(16, 64, swap_ab=swap_ab, rescale=True))
     assert relative_error(plain[:end], reference) < 4e-3 and relative_error(rescaled[:end], reference) < 4e-3
     assert rescaled[:end].isfinite().all()
+    # A zero weight block scale (expert 1's only column block, one K step): the plain form takes
+    # its weights as 0, the rescaled one divides by it and makes the expert's rows NaN (not a
+    # silently wrong value); the other experts' rows are as before.
+    packed.scales[1, 0, 2] = 0.0
+    reference = quantized_grouped_mm(rows, packed, offsets, backend="torch")[:end]
+    plain = fp8_grouped_mm_triton(rows, packed.values, packed.scales, offsets, GemmConfig(16, 64, swap_ab=swap_ab))
+    rescaled = fp8_grouped_mm_triton(rows, packed.values, packed.scales, offsets,
+                                     GemmConfig(16, 64, swap_ab=swap_ab, rescale=True))
+    assert relative_error(plain[:end], reference) < 4e-3
+    group_rows = slice(sizes[0], sizes[0] + sizes[1])
+    assert rescaled[group_rows].isnan().all()
+    assert rescaled[:sizes[0]].isfinite().all() and rescaled[group_rows.stop:end].isfinite().all()
 
 
 def test_rescale_is_an_fp8_option():
