@@ -196,3 +196,10 @@ def skip_arguments(skip, rows: int) -> tuple[torch.Tensor | None, int]:
         raise ValueError(f"skip must be None or (start: a one-element int32 tensor, stop: an int in [0, {rows}]), "
                          f"got {skip!r}")
     return skip
+
+
+@triton.jit
+def round_to_bf16(x):
+    """fp32 ``x`` rounded to nearest even bf16, still in fp32 (the interpreter's cast truncates)."""
+    bits = x.to(tl.int32, bitcast=True)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) & -0x10000).to(tl.float32, bitcast=True)

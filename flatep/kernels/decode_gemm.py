@@ -35,7 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
-from flatep.kernels.backend import interpreting
+from flatep.kernels.backend import interpreting, round_to_bf16
+from flatep.kernels.grouped_tiles import locate_tile, persistent_grid, tile_table
 from flatep.kernels.quant_gemm import (
     _ALL_ROWS,
     HOT_ROWS,
@@ -43,12 +44,8 @@ from flatep.kernels.quant_gemm import (
     _check_group_rows,
     _check_rows,
     _check_split,
-    _grid,
-    _locate_tile,
     _output,
-    _round_to_bf16,
     _tile_dot,
-    _tile_table,
 )
 
 DECODE_ROWS_PER_GROUP = 64
@@ -94,11 +91,11 @@ def _decode_kernel(
 ):
     """Groups ``[0, split)`` read ``w``, groups ``[split, groups)`` read ``slot`` from row ``split_start``;
     only groups of more than ``rows_above`` and at most ``rows_at_most`` rows get tiles."""
-    starts, ends, tiles, passed, total = _tile_table(offsets_ptr, groups, split, split_start, N, rows_above, rows_at_most,
+    starts, ends, tiles, passed, total = tile_table(offsets_ptr, groups, split, split_start, N, rows_above, rows_at_most,
                                                      BLOCK_M, BLOCK_N, GROUPS)
     tile = tl.program_id(0)
     while tile < total:
-        group, first, last, first_column = _locate_tile(tile, starts, ends, tiles, passed, N, BLOCK_M, BLOCK_N, GROUP_M, GROUPS)
+        group, first, last, first_column = locate_tile(tile, starts, ends, tiles, passed, N, BLOCK_M, BLOCK_N, GROUP_M, GROUPS)
         # A group's weights exceed 2**31 elements at real sizes: offsets in int64.
         if group < split:
             w_group = w_ptr + group.to(tl.int64) * stride_wg
@@ -143,13 +140,13 @@ def _decode_tile(
         acc_up = tl.trans(acc_up)
     if GATED:
         # The unfused path rounds the gate/up GEMM's output to bf16 before the activation: so here.
-        gate = _round_to_bf16(acc)
-        up = _round_to_bf16(acc_up)
+        gate = round_to_bf16(acc)
+        up = round_to_bf16(acc_up)
         # NaN and +-inf route weights propagate into the row, as in a dense MoE.
         route_weight = tl.load(weight_ptr + row, mask=row_mask, other=0.0).to(tl.float32)
         acc = gate / (1.0 + tl.exp(-gate)) * up * route_weight[:, None]
     if INTERPRET:
-        acc = _round_to_bf16(acc)
+        acc = round_to_bf16(acc)
     out = out_ptr + row.to(tl.int64)[:, None] * stride_om + column[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & column_mask[None, :])
 
@@ -179,7 +176,7 @@ def _launch(rows, weights, slots, slot_base, route_weights, out, offsets, column
     if rows.shape[0] == 0:
         return out
     slots = weights if slots is None else slots
-    _decode_kernel[_grid(rows.shape[0], groups, columns, config, rows.device)](
+    _decode_kernel[persistent_grid(rows.shape[0], groups, columns, config, rows.device)](
         rows, weights, slots, route_weights, out, offsets, groups, split, slot_base, columns, rows.stride(0),
         weights.stride(0), slots.stride(0), weights.stride(1), out.stride(0), rows_above, rows_at_most, inner,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,

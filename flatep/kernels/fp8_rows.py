@@ -25,9 +25,9 @@ import triton
 import triton.language as tl
 
 from flatep.config import next_pow2
-from flatep.kernels.backend import interpreting
+from flatep.kernels.backend import interpreting, round_to_bf16
 from flatep.kernels.dispatch import real_rows, row_block, row_grid
-from flatep.kernels.quant_gemm import _act_quant_kernel, _round_to_bf16
+from flatep.kernels.quant_gemm import _act_quant_kernel
 from flatep.quant.fp8 import FP8_BLOCK, quantize_fp8_activations
 
 FP8_DISPATCH = torch.float8_e4m3fn
@@ -172,7 +172,7 @@ def _unpack_kernel(
                 scale = tl.load(scales + group, mask=real, other=0.0)
                 result = value * scale[:, None]
                 if ROUND_BF16:  # the interpreter's fp32 -> bf16 cast truncates: round to nearest even first
-                    result = _round_to_bf16(result)
+                    result = round_to_bf16(result)
                 tl.store(out[:, None] + column[None, :], result.to(out_ptr.dtype.element_ty), mask=mask)
 
 

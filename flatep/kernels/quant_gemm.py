@@ -35,7 +35,10 @@ each weight tile is read by the band's row tiles back to back.
   thread in a local sm_90 compile) or 128 x 128 on 8 (243) do not fit. ``GemmConfig.rescale``
   instead scales the accumulator into the step's units and lets the MMA add in place (one
   accumulator: 256 x 128 on 8 warps in 252 registers), for tiles that load fewer bytes per
-  product at prefill sizes; a tile-sweep candidate, not yet timed.
+  product at prefill sizes; a tile-sweep candidate, not yet timed. ``GemmConfig.warp_specialize``
+  runs :mod:`flatep.kernels.fp8_ws_gemm` instead, where a producer warp group loads the tiles
+  with TMA and two consumer warp groups overlap one's scaling with the other's MMA (also a
+  candidate, not yet timed).
 - mxfp4 (:func:`mxfp4_grouped_mm_triton`): reads the packed values as int32 words (8 columns
   each, in FlatEP's word layout, :data:`flatep.quant.mxfp4.WORD_PAIRS`) and their e8m0 scales,
   and decodes them in registers into bf16, exactly (e2m1 times a power of two), for bf16
@@ -85,17 +88,20 @@ import triton.language as tl
 
 from flatep.kernels.backend import (
     interpreting,
-    resident_programs,
+    round_to_bf16,
     row_programs,
     row_runs,
     run_block,
     run_block_count,
     skip_arguments,
 )
+from flatep.kernels.fp8_ws_gemm import fp8_grouped_mm_ws
+from flatep.kernels.grouped_tiles import locate_tile, persistent_grid, tile_table
 from flatep.quant.fp8 import E4M3_MAX, E4M3_RECIPROCAL
 from flatep.quant.mxfp4 import WORD_PAIRS, _as_int32
 
 _FP8_BLOCK = 128
+_WS_BLOCK_M, _WS_WARPS = 128, 4  # the tiles Triton 3.6 warp-specializes into two 64-row consumers
 _E4M3_MAX = tl.constexpr(E4M3_MAX)
 _E4M3_RECIPROCAL = tl.constexpr(E4M3_RECIPROCAL)
 
@@ -119,7 +125,11 @@ class GemmConfig:
     way up to fp32 rounding of the ratios, but it divides by the weight block scales: a zero one
     (which neither the checkpoints nor :func:`flatep.quant.quantize_fp8_block` hold) makes the
     tile's rows NaN, where the plain form gives its block's weights as 0. A tile-sweep candidate,
-    not a default.
+    not a default. ``warp_specialize`` (fp8 only; 128-row unswapped tiles on 4 warps, not
+    rescaled): run :mod:`flatep.kernels.fp8_ws_gemm`, which loads the tiles with TMA in a producer
+    warp group and splits each tile between two consumer warp groups (12 warps a program in all),
+    so that one consumer's scaling runs beside the other's MMA; the activations and weights must
+    then be 16-byte aligned. A tile-sweep candidate for prefill sizes, not a default.
     """
 
     block_m: int
@@ -131,6 +141,7 @@ class GemmConfig:
     swap_ab: bool = False
     programs_per_sm: int = 2
     rescale: bool = False
+    warp_specialize: bool = False
 
 
 def default_config(rows: int, groups: int, format: str) -> GemmConfig:
@@ -219,53 +230,6 @@ def _check_group_rows(group_rows) -> tuple[int, int]:
 
 
 @triton.jit
-def _tile_table(
-    offsets_ptr, groups, split, split_start, N, rows_above, rows_at_most,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
-):
-    """Per group (vectors over ``GROUPS`` = ``groups`` rounded up to a power of two): first row,
-    end row, row tiles and their running sum; and the launch's tiles in all (row tiles times
-    column blocks), read from the offsets on the device. Group ``split`` (if ``< groups``) starts
-    at row ``split_start`` instead of the previous group's end (a second run of groups). Only
-    groups of more than ``rows_above`` and at most ``rows_at_most`` rows get tiles (a launch of
-    a step's hot groups, or of the others: :func:`packed_launches`)."""
-    g = tl.arange(0, GROUPS)
-    real = g < groups
-    ends = tl.load(offsets_ptr + g, mask=real, other=0)
-    starts = tl.load(offsets_ptr + g - 1, mask=real & (g > 0), other=0)
-    starts = tl.where(g == split, split_start, starts)
-    group_rows = tl.maximum(ends - starts, 0)
-    taken = real & (group_rows > rows_above) & (group_rows <= rows_at_most)
-    tiles = tl.where(taken, (group_rows + BLOCK_M - 1) // BLOCK_M, 0)
-    return starts, ends, tiles, tl.cumsum(tiles, axis=0), tl.sum(tiles, axis=0) * tl.cdiv(N, BLOCK_N)
-
-
-@triton.jit
-def _locate_tile(
-    tile, starts, ends, tiles, passed, N,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, GROUPS: tl.constexpr,
-):
-    """``(group, first_row, end_row, first_column)`` of tile ``tile < total`` (see :func:`_tile_table`).
-
-    Group ``g`` owns tiles ``[base_g, base_g + tiles_g) * column_blocks``, so ``tile //
-    column_blocks`` finds the group; within the group, bands of ``GROUP_M`` row tiles (the last band
-    may be shorter) each take all column blocks, row tiles fastest.
-    """
-    column_blocks = tl.cdiv(N, BLOCK_N)
-    g = tl.arange(0, GROUPS)
-    group = tl.sum((passed <= tile // column_blocks).to(tl.int32), axis=0)
-    mine = g == group
-    count = tl.sum(tl.where(mine, tiles, 0), axis=0)
-    local = tile - tl.sum(tl.where(mine, passed - tiles, 0), axis=0) * column_blocks
-    band = local // (GROUP_M * column_blocks)
-    band_tiles = tl.minimum(count - band * GROUP_M, GROUP_M)
-    within = local - band * GROUP_M * column_blocks
-    first = tl.sum(tl.where(mine, starts, 0), axis=0) + (band * GROUP_M + within % band_tiles) * BLOCK_M
-    last = tl.sum(tl.where(mine, ends, 0), axis=0)
-    return group, first, last, (within // band_tiles) * BLOCK_N
-
-
-@triton.jit
 def _tile_dot(a, w, SWAP_AB: tl.constexpr, INTERPRET: tl.constexpr, acc=None):
     """One K step of a row tile ``a [BLOCK_M, BLOCK_K]`` and a weight tile ``w [BLOCK_N, BLOCK_K]``:
     ``w @ a.T`` (``[BLOCK_N, BLOCK_M]``) with ``SWAP_AB``, else ``a @ w.T``, in fp32, added to
@@ -288,13 +252,6 @@ def _round_to_e4m3(x):
     normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000).to(tl.float32, bitcast=True)
     subnormal = (x + 24576.0) - 24576.0  # 1.5 * 2**14 has a unit in the last place of 2**-9
     return tl.where(tl.abs(x) < 0.015625, subnormal, normal)
-
-
-@triton.jit
-def _round_to_bf16(x):
-    """fp32 ``x`` rounded to nearest even bf16, still in fp32 (the interpreter's cast truncates)."""
-    bits = x.to(tl.int32, bitcast=True)
-    return ((bits + 0x7FFF + ((bits >> 16) & 1)) & -0x10000).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -345,11 +302,11 @@ def _fp8_grouped_kernel(
     GROUPS: tl.constexpr, SWAP_AB: tl.constexpr, RESCALE: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """Groups ``[0, split)`` read ``w``, groups ``[split, groups)`` read ``slot_w`` from row ``split_start``."""
-    starts, ends, tiles, passed, total = _tile_table(offsets_ptr, groups, split, split_start, N, rows_above,
+    starts, ends, tiles, passed, total = tile_table(offsets_ptr, groups, split, split_start, N, rows_above,
                                                      rows_at_most, BLOCK_M, BLOCK_N, GROUPS)
     tile = tl.program_id(0)
     while tile < total:
-        group, first, last, first_column = _locate_tile(tile, starts, ends, tiles, passed, N, BLOCK_M, BLOCK_N, GROUP_M, GROUPS)
+        group, first, last, first_column = locate_tile(tile, starts, ends, tiles, passed, N, BLOCK_M, BLOCK_N, GROUP_M, GROUPS)
         # One call of the tile with the group's weights chosen (not one call per branch: the tile's
         # code inlined once).
         expert, weights, weight_scales = group, w_ptr, w_scale_ptr
@@ -419,7 +376,7 @@ def _fp8_tile(
     if SWAP_AB:
         acc = tl.trans(acc)
     if INTERPRET:
-        acc = _round_to_bf16(acc)
+        acc = round_to_bf16(acc)
     out = out_ptr + row.to(tl.int64)[:, None] * stride_om + column[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & column_mask[None, :])
 
@@ -432,11 +389,11 @@ def _mxfp4_grouped_kernel(
     SWAP_AB: tl.constexpr, NATURAL_K: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """Groups ``[0, split)`` read ``w``, groups ``[split, groups)`` read ``slot_w`` from row ``split_start``."""
-    starts, ends, tiles, passed, total = _tile_table(offsets_ptr, groups, split, split_start, N, rows_above,
+    starts, ends, tiles, passed, total = tile_table(offsets_ptr, groups, split, split_start, N, rows_above,
                                                      rows_at_most, BLOCK_M, BLOCK_N, GROUPS)
     tile = tl.program_id(0)
     while tile < total:
-        group, first, last, first_column = _locate_tile(tile, starts, ends, tiles, passed, N, BLOCK_M, BLOCK_N, GROUP_M, GROUPS)
+        group, first, last, first_column = locate_tile(tile, starts, ends, tiles, passed, N, BLOCK_M, BLOCK_N, GROUP_M, GROUPS)
         expert, words, exponents = group, w_ptr, s_ptr  # the group's weights, as in _fp8_grouped_kernel
         if group >= split:
             expert, words, exponents = group - split, slot_w_ptr, slot_s_ptr
@@ -596,7 +553,7 @@ def _mxfp4_tile(
     if SWAP_AB:
         acc = tl.trans(acc)
     if INTERPRET:
-        acc = _round_to_bf16(acc)
+        acc = round_to_bf16(acc)
     out = out_ptr + row.to(tl.int64)[:, None] * stride_om + column[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & column_mask[None, :])
 
@@ -644,18 +601,6 @@ def _check_split(rows: torch.Tensor, offsets: torch.Tensor, groups: int, slot_ba
     if offsets.dtype != torch.int32 or offsets.shape != (groups,) or not offsets.is_contiguous():
         raise ValueError(f"offsets must be a contiguous [{groups}] int32 tensor, got {offsets.dtype} "
                          f"{list(offsets.shape)}")
-
-
-def _grid(rows: int, groups: int, columns: int, config: GemmConfig, device: torch.device) -> tuple[int]:
-    """Programs of a grouped GEMM launch: each loops over tiles ``program, program + P, ...`` below
-    the tiles the offsets hold (read on the device), so the launch costs nothing per row of the
-    buffer that holds no rows (a layer's shard is sized for the step's worst case, often tens of
-    times its rows). ``P`` is the fewer of an upper bound on any grouping's tiles (group ``g`` of
-    ``r_g`` rows has at most ``(r_g + block_m - 1) / block_m`` row tiles: ``(rows + groups *
-    (block_m - 1)) / block_m`` in all, times the column blocks) and two programs per SM."""
-    row_tiles = (rows + groups * (config.block_m - 1)) // config.block_m
-    programs = resident_programs(device, config.programs_per_sm)
-    return (max(1, min(row_tiles * triton.cdiv(columns, config.block_n), programs)),)
 
 
 def _output(rows: torch.Tensor, columns: int, out: torch.Tensor | None) -> torch.Tensor:
@@ -748,6 +693,10 @@ def fp8_grouped_mm_triton(
         raise ValueError(f"fp8 block_k must be {_FP8_BLOCK} (one scale block), got {config.block_k}")
     if config.block_n > _FP8_BLOCK or _FP8_BLOCK % config.block_n:
         raise ValueError(f"fp8 block_n must divide {_FP8_BLOCK} (one weight scale block per tile), got {config.block_n}")
+    if config.warp_specialize and (config.swap_ab or config.rescale or config.block_m != _WS_BLOCK_M
+                                   or config.num_warps != _WS_WARPS):
+        raise ValueError(f"warp_specialize takes unswapped, unrescaled {_WS_BLOCK_M}-row tiles on {_WS_WARPS} warps "
+                         f"(two {_WS_BLOCK_M // 2}-row consumer warp groups), got {config}")
     rows_above, rows_at_most = _check_group_rows(group_rows)
     out = _output(rows, columns, out)
     if activations is None:
@@ -760,7 +709,11 @@ def fp8_grouped_mm_triton(
             raise ValueError(f"activations must be [M, K] float8_e4m3fn and [M, K/128] float32 with unit column "
                              f"strides for rows {list(rows.shape)}, got {quantized.dtype} {list(quantized.shape)} and "
                              f"{row_scales.dtype} {list(row_scales.shape)}")
-    _fp8_grouped_kernel[_grid(rows.shape[0], groups, columns, config, rows.device)](
+    if config.warp_specialize:
+        fp8_grouped_mm_ws(quantized, row_scales, values, scales, slots, slot_base, offsets, out,
+                          (rows_above, rows_at_most), config)
+        return out
+    _fp8_grouped_kernel[persistent_grid(rows.shape[0], groups, columns, config, rows.device)](
         quantized, row_scales, values, scales, slot_values, slot_scales, out, offsets, groups, values.shape[0],
         slot_base, columns, out.stride(0), quantized.stride(0), row_scales.stride(0), rows_above, rows_at_most, inner,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=_FP8_BLOCK, GROUP_M=config.group_m,
@@ -821,12 +774,13 @@ def mxfp4_grouped_mm_triton(
     config = config or default_config(rows.shape[0], groups, "mxfp4")
     if config.block_k < 32 or config.block_k & (config.block_k - 1):
         raise ValueError(f"mxfp4 block_k must be a power of two, at least 32, got {config.block_k}")
-    if config.rescale:
-        raise ValueError("rescale is an fp8 tile option (mxfp4 has no per-step scales of the product), got rescale=True")
+    if config.rescale or config.warp_specialize:
+        raise ValueError(f"rescale and warp_specialize are fp8 tile options (mxfp4 has no per-step scales of the "
+                         f"product), got {config}")
     rows_above, rows_at_most = _check_group_rows(group_rows)
     out = _output(rows, columns, out)
     # K/2 is a multiple of 16 bytes: int32 words.
-    _mxfp4_grouped_kernel[_grid(rows.shape[0], groups, columns, config, rows.device)](
+    _mxfp4_grouped_kernel[persistent_grid(rows.shape[0], groups, columns, config, rows.device)](
         rows, values.view(torch.int32), scales, slot_values.view(torch.int32), slot_scales, out, offsets, groups,
         values.shape[0], slot_base, columns, rows.stride(0), out.stride(0), *scales.stride(), rows_above, rows_at_most,
         inner,

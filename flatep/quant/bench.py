@@ -63,6 +63,15 @@ CANDIDATES = {
         GemmConfig(64, 128, 128, num_warps=4, num_stages=4, rescale=True),
         GemmConfig(128, 128, 128, num_warps=8, num_stages=3, rescale=True, programs_per_sm=1),
         GemmConfig(256, 128, 128, num_warps=8, num_stages=3, rescale=True, programs_per_sm=1),
+        # 128 x 128 rescaled on 4 warps (one warp group: 238 registers a thread, 99 KB of shared
+        # memory at 3 stages): two programs fit an SM, and while one scales its accumulator the
+        # other's MMA can run (the 8-warp tiles' two warp groups wait for each other every K step).
+        GemmConfig(128, 128, 128, num_warps=4, num_stages=3, rescale=True, programs_per_sm=2),
+        # Warp-specialized (flatep.kernels.fp8_ws_gemm): a TMA producer warp group and two 64-row
+        # consumer warp groups a program, one program an SM (12 warps; 115 and 148 KB of shared
+        # memory at 3 and 4 stages; local sm_90 compile, Triton 3.6: no spills).
+        GemmConfig(128, 128, 128, num_warps=4, num_stages=3, warp_specialize=True, programs_per_sm=1),
+        GemmConfig(128, 128, 128, num_warps=4, num_stages=4, warp_specialize=True, programs_per_sm=1),
     ),
     "mxfp4": (
         GemmConfig(16, 128, 64, num_warps=4, num_stages=4, programs_per_sm=4),
@@ -159,7 +168,7 @@ def _candidates(format: str, rows_per_expert: int) -> list[GemmConfig]:
 def _name(config: GemmConfig) -> str:
     return (f"m{config.block_m} n{config.block_n} k{config.block_k} w{config.num_warps} s{config.num_stages} "
             f"g{config.group_m} p{config.programs_per_sm}" + (" swap" if config.swap_ab else "")
-            + (" rescale" if config.rescale else ""))
+            + (" rescale" if config.rescale else "") + (" ws" if config.warp_specialize else ""))
 
 
 def experts_cell(

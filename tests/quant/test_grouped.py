@@ -12,14 +12,12 @@ import triton.language as tl
 
 from flatep.experts.grouped import quantized_grouped_mm
 from flatep.kernels.backend import interpreting, resident_programs
+from flatep.kernels.grouped_tiles import locate_tile, persistent_grid, tile_table
 from flatep.kernels.quant_gemm import (
     HOT_ROWS,
     GemmConfig,
-    _grid,
     _SCALE_PAIR,
     _SCALED_PAIRS_PTX,
-    _locate_tile,
-    _tile_table,
     default_config,
     fp8_grouped_mm_triton,
     mxfp4_grouped_mm_triton,
@@ -275,12 +273,12 @@ def test_many_groups_with_empty_ones(format):
 def _tile_order_kernel(offsets_ptr, out_ptr, total_ptr, groups, split, split_start, N, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, GROUPS: tl.constexpr):
     """The grouped GEMM kernels' loop: each program writes where each of its tiles lies."""
-    starts, ends, tiles, passed, total = _tile_table(offsets_ptr, groups, split, split_start, N, 0, 2**31 - 1, BLOCK_M, BLOCK_N,
+    starts, ends, tiles, passed, total = tile_table(offsets_ptr, groups, split, split_start, N, 0, 2**31 - 1, BLOCK_M, BLOCK_N,
                                                      GROUPS)
     tl.store(total_ptr + tl.program_id(0), total)
     tile = tl.program_id(0)
     while tile < total:
-        group, first, last, first_column = _locate_tile(tile, starts, ends, tiles, passed, N, BLOCK_M, BLOCK_N, GROUP_M, GROUPS)
+        group, first, last, first_column = locate_tile(tile, starts, ends, tiles, passed, N, BLOCK_M, BLOCK_N, GROUP_M, GROUPS)
         tl.store(out_ptr + 4 * tile, group)
         tl.store(out_ptr + 4 * tile + 1, first)
         tl.store(out_ptr + 4 * tile + 2, last)
@@ -317,7 +315,7 @@ def expected_tile_order(sizes, columns, config, split=None, split_start=0):
 def test_tiles_run_group_by_group_and_each_once_over_a_capped_grid(sizes, columns, config):
     offsets = torch.tensor(sizes, dtype=torch.int32).cumsum(0).to(torch.int32).to(DEVICE)
     padding = 1000  # rows past offsets[-1] (a shard sized for more rows): they add no programs past the cap
-    (programs,) = _grid(sum(sizes) + padding, len(sizes), columns, config, DEVICE)
+    (programs,) = persistent_grid(sum(sizes) + padding, len(sizes), columns, config, DEVICE)
     bound = (sum(sizes) + padding + len(sizes) * (config.block_m - 1)) // config.block_m * -(-columns // config.block_n)
     assert programs == min(bound, resident_programs(DEVICE))
     expected = expected_tile_order(sizes, columns, config)
@@ -540,7 +538,7 @@ def test_fp8_rescaled_accumulator_holds_scales_far_apart_across_k(swap_ab):
 
 def test_rescale_is_an_fp8_option():
     rows, packed, offsets = grouped_inputs("mxfp4", [2, 3], 32, 64, seed=2)
-    with pytest.raises(ValueError, match="rescale is an fp8 tile option"):
+    with pytest.raises(ValueError, match="rescale and warp_specialize are fp8 tile options"):
         mxfp4_grouped_mm_triton(rows, packed.values, packed.scales, offsets, GemmConfig(16, 32, 32, rescale=True))
 
 

@@ -91,7 +91,7 @@ def test_mxfp4_scales_in_either_order_give_the_same_bits(rows_per_group):
     assert torch.equal(by_column, by_block) and by_column.isfinite().all()
 
 
-@pytest.mark.parametrize("tiles", [(64, 128, 4, 4, 2), (128, 128, 8, 3, 1), (256, 128, 8, 3, 1)])
+@pytest.mark.parametrize("tiles", [(64, 128, 4, 4, 2), (128, 128, 8, 3, 1), (256, 128, 8, 3, 1), (128, 128, 4, 3, 2)])
 def test_fp8_rescaled_tall_tiles_at_kimi_k2_size(tiles):
     """The tile sweep's rescaled fp8 candidates (GemmConfig.rescale) on the GPU at Kimi-K2's gate/up
     shape and prefill sizes, against the torch path."""
@@ -109,3 +109,48 @@ def test_fp8_rescaled_tall_tiles_at_kimi_k2_size(tiles):
     got = fp8_grouped_mm_triton(x, weights.values, weights.scales, offsets, config)
     reference = quantized_grouped_mm(x, weights, offsets, backend="torch")
     assert relative_error(got[:end], reference[:end]) < 4e-3
+
+
+@pytest.mark.parametrize("stages", [3, 4])
+@pytest.mark.parametrize("columns, hidden", [(4096, 7168), (7168, 2048)])
+def test_fp8_warp_specialized_tiles_with_slots_in_a_graph(stages, columns, hidden):
+    """The warp-specialized fp8 GEMM (GemmConfig.warp_specialize: TMA producer, two consumer warp
+    groups) on the GPU at Kimi-K2's gate/up and down shapes and prefill sizes, home experts and
+    slots in one call captured in a CUDA graph (its tensor descriptors take Triton's scratch
+    allocation at capture), against the torch path; rows of no group stay as they were."""
+    from flatep.kernels.quant_gemm import GemmConfig, fp8_grouped_mm_triton
+
+    home_sizes, slot_sizes, gap = [1024, 0, 700, 1500], [300, 5], 77
+    generator = torch.Generator(device="cuda").manual_seed(stages + columns)
+
+    def experts(count):
+        weights = torch.randn(count, columns, hidden, device="cuda", generator=generator) * hidden**-0.5
+        return QuantizedTensor.quantize(weights, "fp8")
+
+    home, slots = experts(len(home_sizes)), experts(len(slot_sizes))
+    slot_base = sum(home_sizes) + gap
+    rows = slot_base + sum(slot_sizes) + 3
+    x = torch.randn(rows, hidden, device="cuda", generator=generator).bfloat16()
+    ends = torch.tensor(home_sizes).cumsum(0).tolist() + (slot_base + torch.tensor(slot_sizes).cumsum(0)).tolist()
+    offsets = torch.tensor(ends, dtype=torch.int32, device="cuda")
+    config = GemmConfig(128, 128, num_warps=4, num_stages=stages, programs_per_sm=1, warp_specialize=True)
+    out = torch.full((rows, columns), float("inf"), dtype=torch.bfloat16, device="cuda")
+
+    def call():
+        fp8_grouped_mm_triton(x, home.values, home.scales, offsets, config, out=out,
+                              slots=(slots.values, slots.scales), slot_base=slot_base)
+
+    call()  # compiles outside the capture
+    out.fill_(float("inf"))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    graph.replay()
+    torch.cuda.synchronize()
+    home_end = sum(home_sizes)
+    reference = quantized_grouped_mm(x[:home_end], home, offsets[:len(home_sizes)], backend="torch")
+    slot_reference = quantized_grouped_mm(x[slot_base:], slots, offsets[len(home_sizes):] - slot_base, backend="torch")
+    assert relative_error(out[:home_end], reference[:home_end]) < 4e-3
+    assert relative_error(out[slot_base:slot_base + sum(slot_sizes)], slot_reference[:sum(slot_sizes)]) < 4e-3
+    assert (out[home_end:slot_base] == float("inf")).all() and (out[slot_base + sum(slot_sizes):] == float("inf")).all()
+
