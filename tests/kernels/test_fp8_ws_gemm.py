@@ -21,6 +21,17 @@ from tests.quant.test_grouped import expected_tile_order, grouped_inputs, needs_
 WS = GemmConfig(128, 64, warp_specialize=True, num_stages=3, programs_per_sm=1)
 
 
+def assert_same_arithmetic(out: torch.Tensor, plain: torch.Tensor) -> None:
+    """The plain kernel's result: bit for bit under the interpreter (the same fp32 sums in the same
+    order); on a GPU within one bf16 rounding (the MMA instructions of the two kernels may differ)."""
+    if DEVICE.type == "cuda":
+        assert torch.equal(out.isinf(), plain.isinf())
+        finite = ~out.isinf()
+        assert relative_error(out[finite].float(), plain[finite].float()) < 1e-3
+    else:
+        assert torch.equal(out, plain)
+
+
 @triton.jit
 def _listed_order_kernel(table_ptr, out_ptr, tiles, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          GROUP_M: tl.constexpr):
@@ -77,8 +88,7 @@ def test_warp_specialized_fp8_equals_the_plain_kernel_and_torch(sizes, out_featu
     plain = fp8_grouped_mm_triton(rows, packed.values, packed.scales, offsets, dataclasses.replace(config, warp_specialize=False))
     reference = quantized_grouped_mm(rows, packed, offsets, backend="torch")
     assert relative_error(out[:end], reference[:end]) < 4e-3
-    # The same products and scales in the same order as the plain kernel's 128-row tiles.
-    assert torch.equal(out[:end], plain[:end])
+    assert_same_arithmetic(out[:end], plain[:end])
     assert (out[end:] == float("inf")).all()  # past the last offset: not written
 
 
@@ -100,7 +110,7 @@ def test_warp_specialized_fp8_runs_slots_and_row_filters(group_rows):
         fp8_grouped_mm_triton(rows, home.values, home.scales, offsets, config, out=out, group_rows=group_rows,
                               slots=(slots.values, slots.scales), slot_base=slot_base)
         results.append(out)
-    assert torch.equal(results[0], results[1])
+    assert_same_arithmetic(results[0], results[1])
     written = ~results[0].isinf().all(-1)
     sizes = home_sizes + slot_sizes
     low, high = group_rows or (0, 2**31 - 1)
@@ -119,7 +129,7 @@ def test_warp_specialized_fp8_takes_rows_given_quantized():
     out = fp8_grouped_mm_triton(rows, packed.values, packed.scales, offsets, WS, activations=activations)
     plain = fp8_grouped_mm_triton(rows, packed.values, packed.scales, offsets, dataclasses.replace(WS, warp_specialize=False),
                                   activations=activations)
-    assert torch.equal(out[:end], plain[:end])
+    assert_same_arithmetic(out[:end], plain[:end])
 
 
 @pytest.mark.parametrize("config, message", [
