@@ -117,8 +117,8 @@ def _cell(
     floor_us = weight_bytes / ceiling_gbps / 1e3
     reference = torch_arm().float()
     arms = {"torch": torch_arm, "decode": decode_arm(launches)}
-    arms.update({f"decode {dataclasses.astuple(tiles)}": decode_arm([(tiles, None)]) for tiles in CANDIDATES})
-    arms.update({f"decode split hot {dataclasses.astuple(hot)}": decode_arm(decode_launches(per_group * groups, groups, hot))
+    arms.update({f"decode {tiles.label}": decode_arm([(tiles, None)]) for tiles in CANDIDATES})
+    arms.update({f"decode split hot {hot.label}": decode_arm(decode_launches(per_group * groups, groups, hot))
                  for hot in HOT_CANDIDATES})
     results = {}
     for name, run in arms.items():
@@ -133,7 +133,7 @@ def _cell(
     best = min(timed, key=lambda name: results[name]["us"])
     return {
         "model": model, "rows_per_expert": max(group_rows), "active_experts": active, "rows": total,
-        "weight_bytes": weight_bytes, "read_floor_us": floor_us, "default_tiles": dataclasses.astuple(default_tiles),
+        "weight_bytes": weight_bytes, "read_floor_us": floor_us, "default_tiles": dataclasses.asdict(default_tiles),
         "arms": results, "best_decode": best,
     }
 

@@ -143,6 +143,15 @@ class GemmConfig:
     rescale: bool = False
     warp_specialize: bool = False
 
+    @property
+    def label(self) -> str:
+        """A short name for benchmark arms: ``m16 n128 k128 w4 s3 g8 p2`` and the options set
+        (``swap``, ``rescale``, ``ws``)."""
+        options = [name for name, on in (("swap", self.swap_ab), ("rescale", self.rescale),
+                                          ("ws", self.warp_specialize)) if on]
+        return " ".join([f"m{self.block_m} n{self.block_n} k{self.block_k} w{self.num_warps} s{self.num_stages} "
+                         f"g{self.group_m} p{self.programs_per_sm}", *options])
+
 
 def default_config(rows: int, groups: int, format: str) -> GemmConfig:
     """Tiles for ``rows`` shard rows over ``groups`` groups of ``format`` (``fp8`` or ``mxfp4``) weights.

@@ -165,12 +165,6 @@ def _candidates(format: str, rows_per_expert: int) -> list[GemmConfig]:
             if config.block_m <= max(16, 2 * rows_per_expert) and config not in configs[:index]]
 
 
-def _name(config: GemmConfig) -> str:
-    return (f"m{config.block_m} n{config.block_n} k{config.block_k} w{config.num_warps} s{config.num_stages} "
-            f"g{config.group_m} p{config.programs_per_sm}" + (" swap" if config.swap_ab else "")
-            + (" rescale" if config.rescale else "") + (" ws" if config.warp_specialize else ""))
-
-
 def experts_cell(
     model: str, format: str, hidden: int, intermediate: int, experts: int, rows_per_expert: int,
     w13: torch.Tensor, w2: torch.Tensor, q13: QuantizedTensor, q2: QuantizedTensor, device: torch.device, rounds: int,
@@ -195,7 +189,7 @@ def experts_cell(
             "bf16": lambda rows_in=rows_in, plain=plain: torch._grouped_mm(rows_in, plain.transpose(-2, -1), offs=offsets),
         }
         for config in _candidates(format, rows_per_expert):
-            arms[f"{format} {_name(config)}"] = (lambda rows_in=rows_in, packed=packed, config=config:
+            arms[f"{format} {config.label}"] = (lambda rows_in=rows_in, packed=packed, config=config:
                                                 _kernel(format)(rows_in, packed.values, packed.scales, offsets, config))
         rowwise = None
         if format == "fp8":
@@ -303,7 +297,7 @@ def quick_cells(
             winner = min(timed, key=lambda entry: entry["us"], default=None)
             print(f"[{time.perf_counter() - STARTED:.0f} s] {model} {format} rows/expert={per_expert} {gemm}: bf16 "
                   f"{bf16_us:.1f} us, best " + (f"{winner['us']:.1f} us ({winner['ratio']:.2f}x) "
-                                                f"{_name(GemmConfig(**winner['config']))}" if winner else "none"),
+                                                f"{GemmConfig(**winner['config']).label}" if winner else "none"),
                   flush=True)
     return entries
 

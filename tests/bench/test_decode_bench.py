@@ -19,8 +19,8 @@ def test_decode_bench_writes_every_arm(tmp_path, monkeypatch):
     assert len(routed["group_rows"]) == 2 and routed["rows"] == sum(routed["group_rows"]) >= 8 * 4 * 2 // 8
     assert routed["maxvio_target"] == 1.0 and routed["maxvio"] > 0
     for cell in result["cells"] + [routed]:
-        assert set(cell["arms"]) == {"torch", "decode", "decode (16, 128, 128, 4, 3, 8, True, 2, False)",
-                                     "decode split hot (64, 64, 128, 4, 4, 8, False, 2, False)"}
+        assert set(cell["arms"]) == {"torch", "decode", "decode m16 n128 k128 w4 s3 g8 p2 swap",
+                                     "decode split hot m64 n64 k128 w4 s4 g8 p2"}
         assert all(arm["rel_error"] < 1e-2 for arm in cell["arms"].values())
         assert cell["weight_bytes"] == cell["active_experts"] * 3 * 64 * 32 * 2
 
