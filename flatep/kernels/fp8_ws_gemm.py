@@ -34,7 +34,7 @@ import triton.language as tl
 from triton.runtime import _allocation
 
 from flatep.kernels.backend import interpreting, round_to_bf16
-from flatep.kernels.grouped_tiles import listed_tile, persistent_grid, row_tile_table, tile_table
+from flatep.kernels.grouped_tiles import listed_tile, persistent_grid, row_tile_entry, row_tile_table, tile_table
 
 if TYPE_CHECKING:
     from flatep.kernels.quant_gemm import GemmConfig
@@ -45,12 +45,14 @@ TMA_ALIGNMENT = 16
 
 @triton.jit
 def _ws_tile(
-    a_desc, a_scale_ptr, w_desc, w_scale_ptr, out_ptr, table_ptr, tile, split, N, stride_as, stride_om,
+    a_desc, a_scale_ptr, w_desc, w_scale_ptr, out_ptr, tile, entry_group, entry_start, entry_end, entry_base,
+    entry_count, split, N, stride_as, stride_om,
     K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SLOTS: tl.constexpr, INTERPRET: tl.constexpr,
 ):
-    """Tile ``tile`` of the launch (see :func:`_fp8_ws_kernel`)."""
-    group, first, last, first_column = listed_tile(tile, table_ptr, N, BLOCK_M, BLOCK_N, GROUP_M)
+    """Tile ``tile`` of the launch, its row-tile entry given (see :func:`_fp8_ws_kernel`)."""
+    group, first, last, first_column = listed_tile(tile, entry_group, entry_start, entry_end, entry_base, entry_count,
+                                                   N, BLOCK_M, BLOCK_N, GROUP_M)
     expert = group
     if SLOTS:
         expert = group - split
@@ -100,16 +102,25 @@ def _fp8_ws_kernel(
         end_tile = total
     a_desc = tl.make_tensor_descriptor(a_ptr, shape=[rows, K], strides=[stride_am, 1], block_shape=[BLOCK_M, BLOCK_K])
     w_desc = tl.make_tensor_descriptor(w_ptr, shape=[experts * N, K], strides=[K, 1], block_shape=[BLOCK_N, BLOCK_K])
+    # Each tile's row-tile entry is loaded a tile ahead (carried by the loop), so that the consumers
+    # do not wait for it at the tile's start; the last tile loads its own again. The first load
+    # stays inside the table even for a launch without tiles.
+    step = tl.num_programs(0)
+    entry = row_tile_entry(table_ptr, tl.minimum(first_tile, tl.maximum(end_tile - 1, 0)), N, BLOCK_N)
     if INTERPRET:  # Triton 3.6's interpreter takes no tensor as a range bound
         tile = first_tile
         while tile < end_tile:
-            _ws_tile(a_desc, a_scale_ptr, w_desc, w_scale_ptr, out_ptr, table_ptr, tile, split, N, stride_as, stride_om,
-                     K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, SLOTS, INTERPRET)
-            tile += tl.num_programs(0)
+            group, start, end, base, count = entry
+            entry = row_tile_entry(table_ptr, tl.minimum(tile + step, end_tile - 1), N, BLOCK_N)
+            _ws_tile(a_desc, a_scale_ptr, w_desc, w_scale_ptr, out_ptr, tile, group, start, end, base, count, split, N,
+                     stride_as, stride_om, K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, SLOTS, INTERPRET)
+            tile += step
     else:
-        for tile in tl.range(first_tile, end_tile, tl.num_programs(0)):
-            _ws_tile(a_desc, a_scale_ptr, w_desc, w_scale_ptr, out_ptr, table_ptr, tile, split, N, stride_as, stride_om,
-                     K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, SLOTS, INTERPRET)
+        for tile in tl.range(first_tile, end_tile, step):
+            group, start, end, base, count = entry
+            entry = row_tile_entry(table_ptr, tl.minimum(tile + step, end_tile - 1), N, BLOCK_N)
+            _ws_tile(a_desc, a_scale_ptr, w_desc, w_scale_ptr, out_ptr, tile, group, start, end, base, count, split, N,
+                     stride_as, stride_om, K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, SLOTS, INTERPRET)
 
 
 def _torch_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:

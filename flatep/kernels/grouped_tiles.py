@@ -4,8 +4,9 @@ A launch's tiles are numbered group by group: all of group 0's (row tile, column
 group 1's, and so on; within a group, bands of ``GROUP_M`` row tiles take the column blocks in
 turn, row tiles fastest. :func:`tile_table` and :func:`locate_tile` read the groups' ends from ``offsets`` on the device
 and find a tile's group with reductions over the groups; :func:`row_tile_table` writes, once per
-launch, a table from which :func:`listed_tile` finds it with a few scalar loads instead (for
-loops that Triton's warp specialization partitions, which take no reduction).
+launch, a table from which :func:`row_tile_entry` and :func:`listed_tile` find it with a few
+scalar loads instead (for loops that Triton's warp specialization partitions, which take no
+reduction; the loads of the next tile's entry can then be issued a tile ahead).
 """
 from __future__ import annotations
 
@@ -126,17 +127,21 @@ def row_tile_table(
 
 
 @triton.jit
-def listed_tile(tile, table_ptr, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    """:func:`locate_tile` from a :func:`row_tile_table`: ``(group, first_row, end_row,
-    first_column)`` of tile ``tile``. Group ``g``'s tiles are ``[base_g, base_g + tiles_g) *
-    column_blocks``, so ``tile // column_blocks`` is one of its row tiles, whose entry holds it."""
+def row_tile_entry(table_ptr, tile, N, BLOCK_N: tl.constexpr):
+    """The :func:`row_tile_table` entry of tile ``tile``'s group (five int32 scalars). Group ``g``'s
+    tiles are ``[base_g, base_g + tiles_g) * column_blocks``, so ``tile // column_blocks`` is one
+    of its row tiles, whose entry holds it."""
+    entry = table_ptr + (tile // tl.cdiv(N, BLOCK_N)) * ROW_TILE_FIELDS
+    return tl.load(entry), tl.load(entry + 1), tl.load(entry + 2), tl.load(entry + 3), tl.load(entry + 4)
+
+
+@triton.jit
+def listed_tile(tile, group, start, end, base, count, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                GROUP_M: tl.constexpr):
+    """:func:`locate_tile` from tile ``tile``'s :func:`row_tile_entry` (``group, start, end, base,
+    count``): ``(group, first_row, end_row, first_column)``, with scalar arithmetic only."""
     column_blocks = tl.cdiv(N, BLOCK_N)
-    entry = table_ptr + (tile // column_blocks) * ROW_TILE_FIELDS
-    group = tl.load(entry)
-    start = tl.load(entry + 1)
-    end = tl.load(entry + 2)
-    count = tl.load(entry + 4)
-    local = tile - tl.load(entry + 3) * column_blocks
+    local = tile - base * column_blocks
     band = local // (GROUP_M * column_blocks)
     band_tiles = tl.minimum(count - band * GROUP_M, GROUP_M)
     within = local - band * GROUP_M * column_blocks

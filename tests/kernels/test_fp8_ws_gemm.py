@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from flatep.experts.grouped import quantized_grouped_mm
-from flatep.kernels.grouped_tiles import ROW_TILE_FIELDS, listed_tile, row_tile_table
+from flatep.kernels.grouped_tiles import ROW_TILE_FIELDS, listed_tile, row_tile_entry, row_tile_table
 from flatep.kernels.quant_gemm import GemmConfig, fp8_grouped_mm_triton, mxfp4_grouped_mm_triton
 from flatep.quant import QuantizedTensor, quantize_fp8_activations
 from tests.helpers import DEVICE, relative_error
@@ -37,7 +37,8 @@ def _listed_order_kernel(table_ptr, out_ptr, tiles, N, BLOCK_M: tl.constexpr, BL
                          GROUP_M: tl.constexpr):
     tile = tl.program_id(0)
     while tile < tiles:
-        group, first, last, first_column = listed_tile(tile, table_ptr, N, BLOCK_M, BLOCK_N, GROUP_M)
+        group, start, end, base, count = row_tile_entry(table_ptr, tile, N, BLOCK_N)
+        group, first, last, first_column = listed_tile(tile, group, start, end, base, count, N, BLOCK_M, BLOCK_N, GROUP_M)
         tl.store(out_ptr + 4 * tile, group)
         tl.store(out_ptr + 4 * tile + 1, first)
         tl.store(out_ptr + 4 * tile + 2, last)
@@ -55,7 +56,7 @@ def _listed_order_kernel(table_ptr, out_ptr, tiles, N, BLOCK_M: tl.constexpr, BL
      GemmConfig(32, 32, group_m=4)),  # many groups
 ])
 def test_listed_tiles_are_the_tiles_of_the_launch_in_order(sizes, split, columns, config):
-    """The row-tile table and listed_tile give each tile what tile_table and locate_tile give it."""
+    """The row-tile table, row_tile_entry and listed_tile give each tile what tile_table and locate_tile give it."""
     split_start = 48 if split is not None else 0
     ends, start = [], 0
     for group, size in enumerate(sizes):
