@@ -16,7 +16,7 @@ from flatep.kernels.grouped_tiles import ROW_TILE_FIELDS, listed_tile, row_tile_
 from flatep.kernels.quant_gemm import GemmConfig, fp8_grouped_mm_triton, mxfp4_grouped_mm_triton
 from flatep.quant import QuantizedTensor, quantize_fp8_activations
 from tests.helpers import DEVICE, relative_error
-from tests.quant.test_grouped import expected_tile_order, grouped_inputs, needs_triton
+from tests.quant.test_grouped import expected_tile_order, grouped_inputs, needs_triton, store_tile
 
 WS = GemmConfig(128, 64, warp_specialize=True, num_stages=3, programs_per_sm=1)
 
@@ -39,10 +39,7 @@ def _listed_order_kernel(table_ptr, out_ptr, tiles, N, BLOCK_M: tl.constexpr, BL
     while tile < tiles:
         group, start, end, base, count = row_tile_entry(table_ptr, tile, N, BLOCK_N)
         group, first, last, first_column = listed_tile(tile, group, start, end, base, count, N, BLOCK_M, BLOCK_N, GROUP_M)
-        tl.store(out_ptr + 4 * tile, group)
-        tl.store(out_ptr + 4 * tile + 1, first)
-        tl.store(out_ptr + 4 * tile + 2, last)
-        tl.store(out_ptr + 4 * tile + 3, first_column)
+        store_tile(out_ptr, tile, group, first, last, first_column)
         tile += tl.num_programs(0)
 
 

@@ -270,6 +270,15 @@ def test_many_groups_with_empty_ones(format):
 
 
 @triton.jit
+def store_tile(out_ptr, tile, group, first, last, first_column):
+    """Write where tile ``tile`` lies: ``out[tile] = (group, first row, end row, first column)``."""
+    tl.store(out_ptr + 4 * tile, group)
+    tl.store(out_ptr + 4 * tile + 1, first)
+    tl.store(out_ptr + 4 * tile + 2, last)
+    tl.store(out_ptr + 4 * tile + 3, first_column)
+
+
+@triton.jit
 def _tile_order_kernel(offsets_ptr, out_ptr, total_ptr, groups, split, split_start, N, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, GROUPS: tl.constexpr):
     """The grouped GEMM kernels' loop: each program writes where each of its tiles lies."""
@@ -279,10 +288,7 @@ def _tile_order_kernel(offsets_ptr, out_ptr, total_ptr, groups, split, split_sta
     tile = tl.program_id(0)
     while tile < total:
         group, first, last, first_column = locate_tile(tile, starts, ends, tiles, passed, N, BLOCK_M, BLOCK_N, GROUP_M, GROUPS)
-        tl.store(out_ptr + 4 * tile, group)
-        tl.store(out_ptr + 4 * tile + 1, first)
-        tl.store(out_ptr + 4 * tile + 2, last)
-        tl.store(out_ptr + 4 * tile + 3, first_column)
+        store_tile(out_ptr, tile, group, first, last, first_column)
         tile += tl.num_programs(0)
 
 
