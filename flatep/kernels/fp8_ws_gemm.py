@@ -17,9 +17,9 @@ groups, so the producer fills the next tile's stages while the consumers finish 
 Triton's Hopper warp specialization (3.6) takes simple loops only: no reduction in the partitioned
 loop nest, and one dot a K step. A tile's group therefore comes from a row-tile table written by a
 small launch first (:func:`flatep.kernels.grouped_tiles.row_tile_table`: scalar loads, no
-reduction over the groups), each tile's entry loaded a tile ahead by the persistent loop (loop-carried
-scalars of the outer loop are the one carried values the specialization takes), and a layer's borrow slots, whose weights are another tensor, run in a
-second launch over the same table. The step's scales are loaded by the consumers before they wait
+reduction over the groups), each tile's entry loaded a tile ahead by the persistent loop (scalars
+carried by the outer loop are the one carried values the specialization takes), and a layer's
+borrow slots, whose weights are another tensor, run in a second launch over the same table. The step's scales are loaded by the consumers before they wait
 for the step's tiles, and used after the MMA, so their latency runs beside the MMA. The tensor
 descriptors are made in the kernel (their box then follows the consumers' split), which takes 128
 bytes of global scratch a program: Triton asks the allocator set with ``triton.set_allocator``
