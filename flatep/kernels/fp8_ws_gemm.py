@@ -19,11 +19,12 @@ loop nest, and one dot a K step. A tile's group therefore comes from a row-tile 
 small launch first (:func:`flatep.kernels.grouped_tiles.row_tile_table`: scalar loads, no
 reduction over the groups), each tile's entry loaded a tile ahead by the persistent loop (scalars
 carried by the outer loop are the one carried values the specialization takes), and a layer's
-borrow slots, whose weights are another tensor, run in a second launch over the same table. The step's scales are loaded by the consumers before they wait
-for the step's tiles, and used after the MMA, so their latency runs beside the MMA. The tensor
-descriptors are made in the kernel (their box then follows the consumers' split), which takes 128
-bytes of global scratch a program: Triton asks the allocator set with ``triton.set_allocator``
-for it, and FlatEP sets a torch one where none is set.
+borrow slots, whose weights are another tensor, run in a second launch over the same table. The
+step's scales are loaded by the consumers before they wait for the step's tiles, and used after the
+MMA, so their latency runs beside the MMA. The tensor descriptors are made in the kernel (their box
+then follows the consumers' split), which takes 128 bytes of global scratch a program: Triton asks
+the allocator set with ``triton.set_allocator`` for it, and FlatEP sets a torch one where none is
+set.
 """
 from __future__ import annotations
 
