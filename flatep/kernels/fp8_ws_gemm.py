@@ -1,4 +1,4 @@
-"""The fp8 block-scaled grouped GEMM with TMA loads and warp specialization, for prefill-sized shards.
+"""An fp8 block-scaled grouped GEMM with TMA loads and warp specialization, for prefill shards.
 
 Same contract and arithmetic as :func:`flatep.kernels.quant_gemm.fp8_grouped_mm_triton` (which calls
 it for a :class:`~flatep.kernels.quant_gemm.GemmConfig` with ``warp_specialize=True``): e4m3 row
