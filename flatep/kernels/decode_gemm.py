@@ -92,7 +92,7 @@ def _decode_kernel(
     """Groups ``[0, split)`` read ``w``, groups ``[split, groups)`` read ``slot`` from row ``split_start``;
     only groups of more than ``rows_above`` and at most ``rows_at_most`` rows get tiles."""
     starts, ends, tiles, passed, total = tile_table(offsets_ptr, groups, split, split_start, N, rows_above, rows_at_most,
-                                                     BLOCK_M, BLOCK_N, GROUPS)
+                                                    BLOCK_M, BLOCK_N, GROUPS)
     tile = tl.program_id(0)
     while tile < total:
         group, first, last, first_column = locate_tile(tile, starts, ends, tiles, passed, N, BLOCK_M, BLOCK_N, GROUP_M, GROUPS)

@@ -312,7 +312,7 @@ def _fp8_grouped_kernel(
 ):
     """Groups ``[0, split)`` read ``w``, groups ``[split, groups)`` read ``slot_w`` from row ``split_start``."""
     starts, ends, tiles, passed, total = tile_table(offsets_ptr, groups, split, split_start, N, rows_above,
-                                                     rows_at_most, BLOCK_M, BLOCK_N, GROUPS)
+                                                    rows_at_most, BLOCK_M, BLOCK_N, GROUPS)
     tile = tl.program_id(0)
     while tile < total:
         group, first, last, first_column = locate_tile(tile, starts, ends, tiles, passed, N, BLOCK_M, BLOCK_N, GROUP_M, GROUPS)
@@ -399,7 +399,7 @@ def _mxfp4_grouped_kernel(
 ):
     """Groups ``[0, split)`` read ``w``, groups ``[split, groups)`` read ``slot_w`` from row ``split_start``."""
     starts, ends, tiles, passed, total = tile_table(offsets_ptr, groups, split, split_start, N, rows_above,
-                                                     rows_at_most, BLOCK_M, BLOCK_N, GROUPS)
+                                                    rows_at_most, BLOCK_M, BLOCK_N, GROUPS)
     tile = tl.program_id(0)
     while tile < total:
         group, first, last, first_column = locate_tile(tile, starts, ends, tiles, passed, N, BLOCK_M, BLOCK_N, GROUP_M, GROUPS)

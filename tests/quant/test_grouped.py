@@ -283,7 +283,7 @@ def _tile_order_kernel(offsets_ptr, out_ptr, total_ptr, groups, split, split_sta
                        BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, GROUPS: tl.constexpr):
     """The grouped GEMM kernels' loop: each program writes where each of its tiles lies."""
     starts, ends, tiles, passed, total = tile_table(offsets_ptr, groups, split, split_start, N, 0, 2**31 - 1, BLOCK_M, BLOCK_N,
-                                                     GROUPS)
+                                                    GROUPS)
     tl.store(total_ptr + tl.program_id(0), total)
     tile = tl.program_id(0)
     while tile < total:
