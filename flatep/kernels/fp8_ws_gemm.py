@@ -162,9 +162,10 @@ def fp8_grouped_mm_ws(
         offsets: ``[G (+ G2)]`` int32 inclusive end rows; out: ``[M, N]`` bf16.
         group_rows: ``(rows_above, rows_at_most)``; config: a ``GemmConfig`` with ``warp_specialize``.
     """
-    if quantized.is_cuda and torch.cuda.get_device_capability(quantized.device)[0] < 9:
+    capability = torch.cuda.get_device_capability(quantized.device) if quantized.is_cuda else None
+    if capability is not None and capability[0] < 9:
         raise ValueError(f"warp_specialize tiles need TMA and warp-group MMAs (sm_90 or later), got "
-                         f"sm_{''.join(map(str, torch.cuda.get_device_capability(quantized.device)))}")
+                         f"sm_{capability[0]}{capability[1]}")
     check_tma_operand(quantized, "activations")
     sets = [(values, scales, False)] + ([(*slots, True)] if slots is not None else [])
     for weights, _, _ in sets:

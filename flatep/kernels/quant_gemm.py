@@ -703,9 +703,10 @@ def fp8_grouped_mm_triton(
     if config.block_n > _FP8_BLOCK or _FP8_BLOCK % config.block_n:
         raise ValueError(f"fp8 block_n must divide {_FP8_BLOCK} (one weight scale block per tile), got {config.block_n}")
     if config.warp_specialize and (config.swap_ab or config.rescale or config.block_m != _WS_BLOCK_M
-                                   or config.num_warps != _WS_WARPS):
+                                   or config.num_warps != _WS_WARPS or config.programs_per_sm != 1):
         raise ValueError(f"warp_specialize takes unswapped, unrescaled {_WS_BLOCK_M}-row tiles on {_WS_WARPS} warps "
-                         f"(two {_WS_BLOCK_M // 2}-row consumer warp groups), got {config}")
+                         f"(two {_WS_BLOCK_M // 2}-row consumer warp groups), one program per SM (its 12 warps take "
+                         f"all of an SM's registers), got {config}")
     rows_above, rows_at_most = _check_group_rows(group_rows)
     out = _output(rows, columns, out)
     if activations is None:

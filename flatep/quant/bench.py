@@ -35,7 +35,7 @@ from flatep.config import EPConfig, preset
 from flatep.experts.grouped import grouped_swiglu, quantized_grouped_mm
 from flatep.experts.pool import ExpertPool
 from flatep.kernels.quant_gemm import GemmConfig, default_config, fp8_grouped_mm_triton, mxfp4_grouped_mm_triton
-from flatep.quant.tensor import QuantizedTensor, columns_fastest, pool_layout
+from flatep.quant.tensor import QuantizedTensor, pool_layout
 from flatep.transport import init_group
 
 ROWS_PER_EXPERT = (16, 128, 1024)
@@ -124,9 +124,10 @@ def _quantize_by_expert(weights: torch.Tensor, format: str) -> QuantizedTensor:
     # In the layout a pool holds them in, which the kernels read.
     parts = [QuantizedTensor.quantize(weights[expert], format).in_layout(pool_layout(format))
              for expert in range(weights.shape[0])]
-    scales = torch.stack([part.scales for part in parts])  # a stack is contiguous: mxfp4's stored columns-fastest again
-    return QuantizedTensor(format, torch.stack([part.values for part in parts]),
-                           columns_fastest(scales) if format == "mxfp4" else scales, pool_layout(format))
+    # A stack is contiguous: in_layout stores mxfp4's scales columns-fastest again.
+    stacked = QuantizedTensor(format, torch.stack([part.values for part in parts]),
+                              torch.stack([part.scales for part in parts]), pool_layout(format))
+    return stacked.in_layout(pool_layout(format))
 
 
 def _interleaved(arms: dict[str, Callable[[], object]], device: torch.device, rounds: int) -> dict[str, dict[str, float]]:

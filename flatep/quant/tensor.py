@@ -184,6 +184,6 @@ class QuantizedTensor:
         if self.format == "fp8" and self.shape[-2] % FP8_BLOCK:
             raise ValueError(f"fp8 rows can be stacked only at a block boundary: N={self.shape[-2]} is not a multiple of 128")
         other = other.in_layout(self.layout)
-        scales = torch.cat([self.scales, other.scales], -2)
-        return QuantizedTensor(self.format, torch.cat([self.values, other.values], -2),
-                               columns_fastest(scales) if self.layout == "words" else scales, self.layout)
+        stacked = QuantizedTensor(self.format, torch.cat([self.values, other.values], -2),
+                                  torch.cat([self.scales, other.scales], -2), self.layout)
+        return stacked.in_layout(self.layout)  # words: the scales stored columns-fastest again

@@ -135,6 +135,7 @@ def test_warp_specialized_fp8_takes_rows_given_quantized():
     (dataclasses.replace(WS, rescale=True), "warp_specialize takes unswapped"),
     (dataclasses.replace(WS, block_m=64), "128-row tiles"),
     (dataclasses.replace(WS, num_warps=8), "on 4 warps"),
+    (dataclasses.replace(WS, programs_per_sm=2), "one program per SM"),
 ])
 def test_warp_specialize_takes_the_tiles_it_was_built_for(config, message):
     rows, packed, offsets = grouped_inputs("fp8", [3, 4], 128, 256, seed=2)
