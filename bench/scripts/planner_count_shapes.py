@@ -9,7 +9,7 @@ tile (the planner's choice, 64, 256) times segments per rank (1<<20 = one tile p
 1024 down to 64; a segment holds at most 8 tiles, so several settings give the same shape: each
 row names the shape it ran). Sets the planner's module constants for the run.
 """
-import json, os, sys
+import json, os
 import torch
 import flatep.plan.triton as planner
 from flatep.bench.planner import model_config

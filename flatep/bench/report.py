@@ -1,6 +1,7 @@
 """Summary table and plots of a sweep, made from ``results.jsonl`` alone."""
 from __future__ import annotations
 
+import importlib.util
 import statistics
 from collections import defaultdict
 from pathlib import Path
@@ -357,11 +358,7 @@ PLOTS_SKIPPED = "plots skipped: matplotlib is not installed (pip install 'flatep
 
 def have_matplotlib() -> bool:
     """Whether the optional plotting dependency can be imported."""
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return importlib.util.find_spec("matplotlib") is not None
 
 
 def write_report(rows: list[dict[str, Any]], out_dir: Path) -> list[Path]:

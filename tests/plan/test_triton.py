@@ -61,8 +61,8 @@ def check_rank(rank: int, ids: torch.Tensor, config: EPConfig, policy: str, toke
     assert torch.equal(counts.tokens_per_expert, expected.tokens_per_expert[rank].to(DEVICE).int())
     reference = plan_rank(rank, ids[rank], expected.tokens_per_expert, config, policy, total, own)
     gathered = expected.tokens_per_expert.to(DEVICE)
-    for given in (counts, None):
-        got = plan_rank_triton(rank, mine, gathered, config, policy, total, own, counts=given)
+    for supplied in (counts, None):
+        got = plan_rank_triton(rank, mine, gathered, config, policy, total, own, counts=supplied)
         assert_same(reference, got)
         assert got.rank == rank
 

@@ -163,6 +163,7 @@ def main() -> int:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             captured = step(x, layers, group, bias, dispatch_dtype=sent)[-1][-1]
+        previous = None  # the last replay's output
         for replay in range(4):
             x.copy_(torch.randn(x.shape, device="cuda", generator=generator))
             bias.copy_(torch.randn(bias.shape, device="cuda", generator=generator) * 3)
@@ -187,7 +188,7 @@ def main() -> int:
             eager = step(x, layers, group, bias, dispatch_dtype=sent)[-1][-1]
             if not torch.equal(captured, eager):
                 failures.append(f"replay {replay} differs from eager")
-            if replay and torch.equal(captured, previous):
+            if previous is not None and torch.equal(captured, previous):
                 failures.append(f"replay {replay} equals the previous one: the routing did not change")
             previous = captured.clone()
         group.check()
