@@ -27,6 +27,7 @@ from flatep.kernels.activation import copy_rows_triton, swiglu_weighted_torch, s
 from flatep.kernels.backend import use_triton
 from flatep.kernels.decode_gemm import DECODE_ROWS_PER_GROUP, decode_launches, decode_swiglu
 from flatep.kernels.fp8_rows import Fp8Rows
+from flatep.kernels.mxfp4_dequant import THROUGH_BF16_ROWS, mxfp4_grouped_mm_bf16
 from flatep.kernels.grouped_fp32 import grouped_rows_mm
 from flatep.kernels.quant_gemm import (
     fp8_grouped_mm_triton,
@@ -113,7 +114,10 @@ def quantized_grouped_mm(
         offsets: ``[G]`` int32 inclusive end row of each group.
         rows_per_group: the real rows a group holds on average (a host int; default ``M / G``): the
             Triton kernels' tiles follow it, and where that is a few rows the groups of many rows
-            run in a launch of their own with tall tiles (:func:`flatep.kernels.quant_gemm.packed_launches`).
+            run in a launch of their own with tall tiles (:func:`flatep.kernels.quant_gemm.packed_launches`);
+            mxfp4 from :data:`flatep.kernels.mxfp4_dequant.THROUGH_BF16_ROWS` rows on decodes the
+            weights whole into bf16 for ``torch._grouped_mm`` instead
+            (:func:`flatep.kernels.mxfp4_dequant.mxfp4_grouped_mm_bf16`).
         activations: ``fp8`` only: the rows already quantized (:class:`flatep.kernels.fp8_rows.Fp8Rows`
             ``[M, K]``, as fp8 dispatch delivers them), used instead of quantizing ``rows``, which
             are then not read.
@@ -149,6 +153,9 @@ def quantized_grouped_mm(
                 out = fp8_grouped_mm_triton(rows, weights.values, weights.scales, offsets, config=config, out=out,
                                             activations=given, group_rows=group_rows, slots=second, slot_base=slot_base)
             return out
+        if rows_per_group is not None and rows_per_group >= THROUGH_BF16_ROWS:
+            return mxfp4_grouped_mm_bf16(rows, weights.values, weights.scales, offsets, out, slots=second,
+                                         slot_base=slot_base)
         for config, group_rows in launches:
             out = mxfp4_grouped_mm_triton(rows, weights.values, weights.scales, offsets, config=config, out=out,
                                           group_rows=group_rows, slots=second, slot_base=slot_base)

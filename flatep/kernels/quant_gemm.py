@@ -494,6 +494,35 @@ def _pairs_to_values(p0, p1, p2, p3, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexp
 
 
 @triton.jit
+def _decoded_tile(words, exponent, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NATURAL_K: tl.constexpr,
+                  INTERPRET: tl.constexpr):
+    """The weights of int32 ``words [BLOCK_N, BLOCK_K/8]`` (word layout) with int32 e8m0 ``exponent
+    [BLOCK_N, BLOCK_K/32]``: ``[BLOCK_N, BLOCK_K]`` bf16 (fp32 under the interpreter), each word's
+    columns in the order 0 4 1 5 2 6 3 7, or in column order with ``NATURAL_K``."""
+    WORDS: tl.constexpr = BLOCK_K // 8
+    BLOCKS: tl.constexpr = BLOCK_K // 32
+    if INTERPRET:
+        p0, p1, p2, p3 = _e2m1_bf16_pairs(words)
+        pairs = _pairs_to_values(p0, p1, p2, p3, BLOCK_N, BLOCK_K)
+        low = (pairs << 16).to(tl.float32, bitcast=True)
+        high = (pairs & -0x10000).to(tl.float32, bitcast=True)
+        raw = tl.reshape(tl.join(low, high), [BLOCK_N, BLOCKS, 32]) * 8.507059173023462e37  # 2**126
+        scale = (exponent << 23).to(tl.float32, bitcast=True)
+        w = tl.reshape(raw * scale[:, :, None], [BLOCK_N, BLOCK_K])
+    else:
+        scale_pairs = exponent * _SCALE_PAIR
+        scale_pairs = tl.reshape(tl.broadcast_to(scale_pairs[:, :, None], [BLOCK_N, BLOCKS, 4]), [BLOCK_N, WORDS])
+        p0, p1, p2, p3 = _scaled_pairs_asm(words, scale_pairs)
+        pairs = _pairs_to_values(p0, p1, p2, p3, BLOCK_N, BLOCK_K)
+        low = pairs.to(tl.int16).to(tl.bfloat16, bitcast=True)
+        high = (pairs >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+        w = tl.reshape(tl.join(low, high), [BLOCK_N, BLOCK_K])
+    if NATURAL_K:
+        w = tl.reshape(tl.permute(tl.reshape(w, [BLOCK_N, WORDS, 4, 2]), (0, 1, 3, 2)), [BLOCK_N, BLOCK_K])
+    return w
+
+
+@triton.jit
 def _mxfp4_tile(
     a_ptr, w_ptr, s_ptr, out_ptr, group, first, last, first_column, N, stride_am, stride_om, stride_se, stride_sn,
     stride_sk, K: tl.constexpr,
@@ -539,25 +568,7 @@ def _mxfp4_tile(
         words = tl.load(w_tile + k // 8, mask=column_mask[:, None] & (k // 8 + word < words_k)[None, :], other=0)
         exponent = tl.load(s_tile + (k // 32) * stride_sk, mask=column_mask[:, None] & (k // 32 + block < scales_k)[None, :],
                            other=0)
-        exponent = exponent.to(tl.int32)
-        if INTERPRET:
-            p0, p1, p2, p3 = _e2m1_bf16_pairs(words)
-            pairs = _pairs_to_values(p0, p1, p2, p3, BLOCK_N, BLOCK_K)
-            low = (pairs << 16).to(tl.float32, bitcast=True)
-            high = (pairs & -0x10000).to(tl.float32, bitcast=True)
-            raw = tl.reshape(tl.join(low, high), [BLOCK_N, BLOCKS, 32]) * 8.507059173023462e37  # 2**126
-            scale = (exponent << 23).to(tl.float32, bitcast=True)
-            w = tl.reshape(raw * scale[:, :, None], [BLOCK_N, BLOCK_K])
-        else:
-            scale_pairs = exponent * _SCALE_PAIR
-            scale_pairs = tl.reshape(tl.broadcast_to(scale_pairs[:, :, None], [BLOCK_N, BLOCKS, 4]), [BLOCK_N, WORDS])
-            p0, p1, p2, p3 = _scaled_pairs_asm(words, scale_pairs)
-            pairs = _pairs_to_values(p0, p1, p2, p3, BLOCK_N, BLOCK_K)
-            low = pairs.to(tl.int16).to(tl.bfloat16, bitcast=True)
-            high = (pairs >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
-            w = tl.reshape(tl.join(low, high), [BLOCK_N, BLOCK_K])
-        if NATURAL_K:
-            w = tl.reshape(tl.permute(tl.reshape(w, [BLOCK_N, WORDS, 4, 2]), (0, 1, 3, 2)), [BLOCK_N, BLOCK_K])
+        w = _decoded_tile(words, exponent.to(tl.int32), BLOCK_N, BLOCK_K, NATURAL_K, INTERPRET)
         acc += _tile_dot(a, w, SWAP_AB, INTERPRET)
     if SWAP_AB:
         acc = tl.trans(acc)

@@ -34,6 +34,7 @@ from flatep.bench.timing import copy_ceiling_gbps, device_name, time_interleaved
 from flatep.config import EPConfig, preset
 from flatep.experts.grouped import grouped_swiglu, quantized_grouped_mm
 from flatep.experts.pool import ExpertPool
+from flatep.kernels.mxfp4_dequant import mxfp4_grouped_mm_bf16
 from flatep.kernels.quant_gemm import GemmConfig, default_config, fp8_grouped_mm_triton, mxfp4_grouped_mm_triton
 from flatep.quant.tensor import QuantizedTensor, pool_layout
 from flatep.transport import init_group
@@ -253,11 +254,14 @@ def quick_cells(
     q13: QuantizedTensor, q2: QuantizedTensor, device: torch.device, rows_per_expert: tuple[int, ...] = ROWS_PER_EXPERT,
     deadline: float = float("inf"),
 ) -> list[dict]:
-    """One entry per (rows per expert, GEMM, arm): bf16 ``torch._grouped_mm``, then each candidate config.
+    """One entry per (rows per expert, GEMM, arm): bf16 ``torch._grouped_mm``, then each candidate
+    config, then (mxfp4) the weights decoded whole into bf16 for ``torch._grouped_mm``
+    (:func:`flatep.kernels.mxfp4_dequant.mxfp4_grouped_mm_bf16`).
 
     Each entry holds ``format``, ``rows_per_expert``, ``gemm`` (``w13``: ``[rows, H] -> [rows, 2I]``;
-    ``w2``: ``[rows, I] -> [rows, H]``), ``config`` (``None`` for bf16, else :class:`GemmConfig`'s
-    fields), ``us`` (graph time of one call), ``ratio`` (``us`` over bf16's), ``relative_error``
+    ``w2``: ``[rows, I] -> [rows, H]``), ``path`` (``bf16``, ``tiles`` or ``through_bf16``),
+    ``config`` (:class:`GemmConfig`'s fields for ``tiles``, else ``None``), ``us`` (graph time of
+    one call), ``ratio`` (``us`` over bf16's), ``relative_error``
     (packed: the first four groups against the torch reference path) and ``skipped`` (why ``us`` is
     only one eager call: its probe exceeded :data:`SKIP_FACTOR` times the best, or ``deadline``, a
     ``time.perf_counter`` value, passed; then ``us`` is ``None`` if not even probed).
@@ -273,18 +277,23 @@ def quick_cells(
             base = {"model": model, "format": format, "rows_per_expert": per_expert, "gemm": gemm}
             bf16_us = time_us(lambda: torch._grouped_mm(rows_in, plain.transpose(-2, -1), offs=offsets), device,
                               warmup=1, iters=REPLAYS, graph=True, calls=2)
-            entries.append({**base, "config": None, "us": bf16_us, "ratio": 1.0, "relative_error": None})
+            entries.append({**base, "path": "bf16", "config": None, "us": bf16_us, "ratio": 1.0, "relative_error": None})
             reference = quantized_grouped_mm(rows_in[:end], packed[:few], offsets[:few], backend="torch").float()
             best = float("inf")
             timed = []
-            for config in _candidates(format, per_expert):
-                entry = {**base, "config": dataclasses.asdict(config), "us": None, "ratio": None, "relative_error": None}
+            arms = [("tiles", config, (lambda rows_in=rows_in, packed=packed, config=config:
+                                       _kernel(format)(rows_in, packed.values, packed.scales, offsets, config)))
+                    for config in _candidates(format, per_expert)]
+            if format == "mxfp4":  # first, so that a deadline leaves it timed
+                arms.insert(0, ("through_bf16", None, lambda rows_in=rows_in, packed=packed:
+                                mxfp4_grouped_mm_bf16(rows_in, packed.values, packed.scales, offsets)))
+            for path, config, call in arms:
+                entry = {**base, "path": path, "config": None if config is None else dataclasses.asdict(config), "us": None, "ratio": None,
+                         "relative_error": None}
                 entries.append(entry)
                 if time.perf_counter() > deadline:
                     entry["skipped"] = "deadline"
                     continue
-                call = (lambda rows_in=rows_in, packed=packed, config=config:
-                        _kernel(format)(rows_in, packed.values, packed.scales, offsets, config))
                 out = call()[:end].float()  # compiles it, and its first groups are checked
                 entry["relative_error"] = float((out - reference).norm() / reference.norm())
                 probe = time_us(call, device, warmup=0, iters=1)
@@ -297,24 +306,31 @@ def quick_cells(
                 timed.append(entry)
             winner = min(timed, key=lambda entry: entry["us"], default=None)
             print(f"[{time.perf_counter() - STARTED:.0f} s] {model} {format} rows/expert={per_expert} {gemm}: bf16 "
-                  f"{bf16_us:.1f} us, best " + (f"{winner['us']:.1f} us ({winner['ratio']:.2f}x) "
-                                                f"{GemmConfig(**winner['config']).label}" if winner else "none"),
+                  f"{bf16_us:.1f} us, best " + (f"{winner['us']:.1f} us ({winner['ratio']:.2f}x) {arm_label(winner)}"
+                                                if winner else "none"),
                   flush=True)
     return entries
 
 
+def arm_label(entry: dict) -> str:
+    """A quick-sweep entry's arm: ``bf16``, ``through bf16`` or its tile config's label."""
+    return GemmConfig(**entry["config"]).label if entry["path"] == "tiles" else entry["path"].replace("_", " ")
+
+
 def best_configs(entries: list[dict]) -> list[dict]:
-    """Per (model, format, rows per expert, GEMM): the fastest fully timed config, and per (model,
-    format, rows per expert) the ratio of both GEMMs together with their best configs."""
+    """Per (model, format, rows per expert, GEMM): the fastest fully timed packed arm (``path`` and
+    ``config``), and per (model, format, rows per expert) the ratio of both GEMMs together with
+    their best arms."""
     best: dict[tuple, dict] = {}
     bf16: dict[tuple, float] = {}
     for entry in entries:
         key = (entry["model"], entry["format"], entry["rows_per_expert"], entry["gemm"])
-        if entry["config"] is None:
+        if entry["path"] == "bf16":
             bf16[key] = entry["us"]
         elif entry["us"] is not None and "skipped" not in entry and (key not in best or entry["us"] < best[key]["us"]):
             best[key] = entry
-    summary = [{"model": key[0], "format": key[1], "rows_per_expert": key[2], "gemm": key[3], "config": entry["config"],
+    summary = [{"model": key[0], "format": key[1], "rows_per_expert": key[2], "gemm": key[3], "path": entry["path"],
+                "config": entry["config"],
                 "us": entry["us"], "ratio": entry["ratio"], "relative_error": entry["relative_error"]}
                for key, entry in best.items()]
     for model, format, per_expert in dict.fromkeys(key[:3] for key in best):

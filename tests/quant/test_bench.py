@@ -36,17 +36,18 @@ def test_quick_cells_at_tiny_sizes(monkeypatch):
         w2 = bench._random_bf16((2, hidden, intermediate), intermediate**-0.5, DEVICE)
         q13, q2 = bench._quantize_by_expert(w13, format), bench._quantize_by_expert(w2, format)
         entries = bench.quick_cells("tiny", format, hidden, intermediate, 2, w13, w2, q13, q2, DEVICE, (16,))
-        configs = bench._candidates(format, 16)
-        assert [(entry["gemm"], entry["config"]) for entry in entries] == [
-            (gemm, config) for gemm in ("w13", "w2") for config in [None] + [vars(config) for config in configs]]
-        packed = [entry for entry in entries if entry["config"] is not None]
+        arms = [("bf16", None)] + [("through_bf16", None)] * (format == "mxfp4")
+        arms += [("tiles", vars(config)) for config in bench._candidates(format, 16)]
+        assert [(entry["gemm"], entry["path"], entry["config"]) for entry in entries] == [
+            (gemm, *arm) for gemm in ("w13", "w2") for arm in arms]
+        packed = [entry for entry in entries if entry["path"] != "bf16"]
         assert all(entry["relative_error"] < 4e-3 and entry["us"] > 0 and entry["ratio"] > 0 for entry in packed)
         summary = bench.best_configs(entries)
         assert [entry["gemm"] for entry in summary] == ["w13", "w2", "w13+w2"]
         assert all(entry["ratio"] > 0 for entry in summary)
         late = bench.quick_cells("tiny", format, hidden, intermediate, 2, w13, w2, q13, q2, DEVICE, (16,), deadline=0.0)
         assert all(entry.get("skipped") == "deadline" and entry["us"] is None
-                   for entry in late if entry["config"] is not None)
+                   for entry in late if entry["path"] != "bf16")
 
 
 def test_quick_cells_run_the_tall_fp8_candidates(monkeypatch):
@@ -62,6 +63,6 @@ def test_quick_cells_run_the_tall_fp8_candidates(monkeypatch):
     w2 = bench._random_bf16((2, hidden, intermediate), intermediate**-0.5, DEVICE)
     q13, q2 = bench._quantize_by_expert(w13, "fp8"), bench._quantize_by_expert(w2, "fp8")
     entries = bench.quick_cells("tiny", "fp8", hidden, intermediate, 2, w13, w2, q13, q2, DEVICE, (128,))
-    packed = [entry for entry in entries if entry["config"] is not None]
+    packed = [entry for entry in entries if entry["path"] == "tiles"]
     assert {entry["config"]["warp_specialize"] for entry in packed} == {False, True}
     assert all(entry["relative_error"] < 4e-3 and entry["us"] > 0 for entry in packed)

@@ -1,0 +1,144 @@
+"""mxfp4 experts decoded into bf16 on the GPU, for the grouped GEMMs of prefill-sized steps.
+
+Hopper has no FP4 tensor cores: :func:`flatep.kernels.quant_gemm.mxfp4_grouped_mm_triton` decodes
+each weight tile in registers once per row tile, which pays off while a tile's rows are few (the
+weights' bytes bound decode steps) but not when an expert holds hundreds of rows: there the decode
+runs once per 64 rows and the tensor cores wait for it. :func:`dequantize_mxfp4_triton` instead
+decodes every weight once, into a bf16 buffer that a bf16 grouped GEMM (``torch._grouped_mm``)
+then reads: ``2 + 17/32`` bytes moved per weight (the packed values and scales read, bf16
+written), and the buffer's ``2`` bytes per weight of memory for the call
+(:func:`mxfp4_grouped_mm_bf16`).
+
+The decode is the GEMM's own (FlatEP's word layout, :data:`flatep.quant.mxfp4.WORD_PAIRS`, two
+weights per instruction), followed by the permutation back to column order; exact, like the
+GEMM's: an e2m1 value times a power of two is a bf16, except that a scale byte 0 (``2**-127``)
+gives 0, as in the GEMM (its values are below ``6 * 2**-127``).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from flatep.kernels.activation import copy_rows_triton
+from flatep.kernels.backend import interpreting
+from flatep.kernels.quant_gemm import _check_groups, _decoded_tile, _output
+
+_BLOCK_N = 64  # output rows (weight columns N) a program decodes; 64 x 256 weights a step on 4 warps
+
+THROUGH_BF16_ROWS = 512
+"""Rows per expert (a step's average, :func:`flatep.experts.grouped.quantized_grouped_mm`'s
+``rows_per_group``) from which mxfp4 GEMMs run :func:`mxfp4_grouped_mm_bf16` rather than the
+in-register kernel."""
+
+
+@triton.jit
+def _dequantize_kernel(
+    w_ptr, s_ptr, out_ptr, N, stride_se, stride_sn, stride_sk, K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """Rows ``[pid0 * BLOCK_N, + BLOCK_N)`` of expert ``pid1``, all of ``K`` (``BLOCK_K`` divides it)."""
+    WORDS: tl.constexpr = BLOCK_K // 8
+    BLOCKS: tl.constexpr = BLOCK_K // 32
+    expert = tl.program_id(1).to(tl.int64)
+    column = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    column_mask = column < N
+    word = tl.arange(0, WORDS)
+    block = tl.arange(0, BLOCKS)
+    inner = tl.arange(0, BLOCK_K)
+    w_tile = w_ptr + expert * N * (K // 8) + column.to(tl.int64)[:, None] * (K // 8) + word[None, :]
+    s_tile = s_ptr + expert * stride_se + column.to(tl.int64)[:, None] * stride_sn + block[None, :] * stride_sk
+    out_tile = out_ptr + expert * N * K + column.to(tl.int64)[:, None] * K + inner[None, :]
+    for k in range(0, K, BLOCK_K):
+        words = tl.load(w_tile + k // 8, mask=column_mask[:, None], other=0)
+        exponent = tl.load(s_tile + (k // 32) * stride_sk, mask=column_mask[:, None], other=0)
+        w = _decoded_tile(words, exponent.to(tl.int32), BLOCK_N, BLOCK_K, True, INTERPRET)
+        tl.store(out_tile + k, w.to(out_ptr.dtype.element_ty), mask=column_mask[:, None])
+
+
+def _block_k(inner: int) -> int:
+    """The largest power of two dividing ``inner`` (a multiple of 32), at most 256."""
+    return min(256, inner & -inner)
+
+
+def dequantize_mxfp4_triton(values: torch.Tensor, scales: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Decode mxfp4 experts into bf16.
+
+    Args:
+        values: ``[G, N, K/2]`` uint8 in FlatEP's word layout (as pools hold them), contiguous,
+            ``K`` a multiple of 32.
+        scales: ``[G, N, K/32]`` uint8 e8m0, in any strides (pools store them column-fastest).
+        out: optional contiguous ``[G, N, K]`` bf16 to write into.
+
+    Returns:
+        ``out`` or a new ``[G, N, K]`` bf16 tensor: ``e2m1 * 2**(scale - 127)`` per weight.
+    """
+    if values.dim() != 3 or values.dtype != torch.uint8 or not values.is_contiguous() or values.shape[-1] % 16:
+        raise ValueError(f"values must be a contiguous [G, N, K/2] uint8 tensor with K a multiple of 32, got "
+                         f"{values.dtype} {list(values.shape)}")
+    groups, columns, half = values.shape
+    inner = 2 * half
+    if scales.dtype != torch.uint8 or tuple(scales.shape) != (groups, columns, inner // 32):
+        raise ValueError(f"scales must be a [{groups}, {columns}, {inner // 32}] uint8 tensor, got {scales.dtype} "
+                         f"{list(scales.shape)}")
+    if scales.device != values.device:
+        raise ValueError(f"values and scales must be on one device, got {values.device} and {scales.device}")
+    if out is None:
+        out = torch.empty(groups, columns, inner, dtype=torch.bfloat16, device=values.device)
+    elif out.dtype != torch.bfloat16 or tuple(out.shape) != (groups, columns, inner) or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous [{groups}, {columns}, {inner}] bf16 tensor, got {out.dtype} "
+                         f"{list(out.shape)}")
+    if out.numel():
+        _dequantize_kernel[(triton.cdiv(columns, _BLOCK_N), groups)](
+            values.view(torch.int32), scales, out, columns, *scales.stride(), inner,
+            BLOCK_N=_BLOCK_N, BLOCK_K=_block_k(inner), INTERPRET=interpreting(), num_warps=4,
+        )
+    return out
+
+
+def mxfp4_grouped_mm_bf16(
+    rows: torch.Tensor,
+    values: torch.Tensor,
+    scales: torch.Tensor,
+    offsets: torch.Tensor,
+    out: torch.Tensor | None = None,
+    *,
+    slots: tuple[torch.Tensor, torch.Tensor] | None = None,
+    slot_base: int = 0,
+) -> torch.Tensor:
+    """:func:`flatep.kernels.quant_gemm.mxfp4_grouped_mm_triton`'s product (every group), through
+    bf16: each weight set decoded whole (:func:`dequantize_mxfp4_triton`), then ``torch._grouped_mm``.
+
+    With ``slots`` the home groups run over ``rows[:slot_base]`` and the slot groups over
+    ``rows[slot_base:]`` (their offsets shifted on the device), the slots decoded once the home
+    GEMM has read its weights (the caching allocator hands their memory on), and each part's
+    real rows are copied into the output. Memory: one set's bf16 weights (``G * N * K * 2``
+    bytes) and one part's product for the call.
+
+    Args and returns as :func:`flatep.kernels.quant_gemm.mxfp4_grouped_mm_triton` (no tile config).
+    """
+    if rows.dim() != 2 or rows.dtype != torch.bfloat16 or rows.stride(1) != 1:
+        raise ValueError(f"rows must be [M, K] bfloat16 with unit column stride, got {rows.dtype} {list(rows.shape)}")
+    if values.dim() != 3 or 2 * values.shape[-1] != rows.shape[1]:
+        raise ValueError(f"values must be [G, N, K/2={rows.shape[1] // 2}] for rows {list(rows.shape)}, got "
+                         f"{list(values.shape)}")
+    slot_values, slot_scales = _check_groups(rows, values, scales, offsets, slots, slot_base)
+    groups = values.shape[0]
+    weights = dequantize_mxfp4_triton(values, scales)
+    if slots is None:
+        result = torch._grouped_mm(rows, weights.transpose(-2, -1), offs=offsets)
+        if out is None:
+            return result
+        copy_rows_triton(_output(rows, values.shape[1], out), result, offsets[-1:])
+        return out
+    out = _output(rows, values.shape[1], out)
+    for first, last, start, stop in ((0, groups, 0, slot_base), (groups, offsets.shape[0], slot_base, rows.shape[0])):
+        if first == last:
+            continue
+        if first:  # the slots, decoded once the home GEMM has read its weights (the allocator reuses them)
+            del weights
+            weights = dequantize_mxfp4_triton(slot_values, slot_scales)
+        ends = offsets[first:last] - start
+        product = torch._grouped_mm(rows[start:stop], weights.transpose(-2, -1), offs=ends)
+        copy_rows_triton(out[start:stop], product, ends[-1:])
+    return out
