@@ -3,8 +3,7 @@
 #   bash bench/scripts/gpu_checks.sh                (from the repository root)
 # Writes to $OUT (default ./bench-out):
 #   pytest_gpu.log         the whole test suite (`python -m pytest tests`), GPU tests included: the
-#                          warp-specialized fp8 GEMM's tests under a timeout, the large-memory GPU
-#                          files alone, one after another, then the rest over $JOBS
+#                          large-memory GPU files alone, one after another, then the rest over $JOBS
 #                          pytest-xdist workers (default 8; JOBS=0 runs everything in one process)
 #   layer_gpu_tests.log    the layer at Kimi-K2 shape vs dense fp32, CUDA-graph replays, the kernels on the GPU
 #   nvlink_shared_gpu.log  the NVLink transport with 2 and 4 processes sharing GPU 0 (bench/scripts/nvlink_shared_gpu.sh)
@@ -24,20 +23,14 @@ part() {  # part NAME LOG COMMAND...: run, keep the log, report the exit status
 # Kimi-K2-sized GPU tests take tens of GB each (up to ~110 GB together with the fixture's weights
 # and pool): they run alone, one after another, then the rest over $JOBS workers.
 HEAVY=(tests/test_layer_gpu.py tests/quant/test_quant_gpu.py tests/transport/test_nvlink_gpu.py)
-# The warp-specialized fp8 GEMM's tests run first, alone and bounded ($WS_TIMEOUT s, default 240): a
-# kernel whose warp groups deadlocked on their barriers would otherwise hang the whole suite.
-WS_FILE=tests/kernels/test_fp8_ws_gemm.py
-WS_GRAPH=tests/quant/test_quant_gpu.py::test_fp8_warp_specialized_tiles_with_slots_in_a_graph
 suite() {
   if [ "${JOBS:-8}" -eq 0 ]; then python3 -m pytest -o addopts="" -q -p no:cacheprovider tests; return; fi
-  timeout "${WS_TIMEOUT:-240}" python3 -m pytest -o addopts="" -q -p no:cacheprovider --durations=5 "$WS_FILE" "$WS_GRAPH"
-  local ws=$?
-  python3 -m pytest -o addopts="" -q -p no:cacheprovider --durations=10 "${HEAVY[@]}" --deselect "$WS_GRAPH"
+  python3 -m pytest -o addopts="" -q -p no:cacheprovider --durations=10 "${HEAVY[@]}"
   local heavy=$?
   python3 -m pytest -o addopts="" -q -p no:cacheprovider --durations=10 -n "${JOBS:-8}" tests \
-    $(printf -- "--ignore=%s " "${HEAVY[@]}" "$WS_FILE")
+    $(printf -- "--ignore=%s " "${HEAVY[@]}")
   local rest=$?
-  return $(( ws || heavy || rest ))
+  return $(( heavy || rest ))
 }
 wanted() { [[ " ${PARTS:-suite layer nvlink transformers} " == *" $1 "* ]]; }
 wanted suite && part "test suite" pytest_gpu.log suite

@@ -35,10 +35,7 @@ each weight tile is read by the band's row tiles back to back.
   thread in a local sm_90 compile) or 128 x 128 on 8 (243) do not fit. ``GemmConfig.rescale``
   instead scales the accumulator into the step's units and lets the MMA add in place (one
   accumulator: 256 x 128 on 8 warps in 252 registers), for tiles that load fewer bytes per
-  product at prefill sizes; a tile-sweep candidate, not yet timed. ``GemmConfig.warp_specialize``
-  runs :mod:`flatep.kernels.fp8_ws_gemm` instead, where a producer warp group loads the tiles
-  with TMA and two consumer warp groups overlap one's scaling with the other's MMA (also a
-  candidate, not yet timed).
+  product at prefill sizes; a tile-sweep candidate.
 - mxfp4 (:func:`mxfp4_grouped_mm_triton`): reads the packed values as int32 words (8 columns
   each, in FlatEP's word layout, :data:`flatep.quant.mxfp4.WORD_PAIRS`) and their e8m0 scales,
   and decodes them in registers into bf16, exactly (e2m1 times a power of two), for bf16
@@ -95,13 +92,11 @@ from flatep.kernels.backend import (
     run_block_count,
     skip_arguments,
 )
-from flatep.kernels.fp8_ws_gemm import fp8_grouped_mm_ws
 from flatep.kernels.grouped_tiles import locate_tile, persistent_grid, tile_table
 from flatep.quant.fp8 import E4M3_MAX, E4M3_RECIPROCAL
 from flatep.quant.mxfp4 import WORD_PAIRS, _as_int32
 
 _FP8_BLOCK = 128
-_WS_BLOCK_M, _WS_WARPS = 128, 4  # the tiles Triton 3.6 warp-specializes into two 64-row consumers
 _E4M3_MAX = tl.constexpr(E4M3_MAX)
 _E4M3_RECIPROCAL = tl.constexpr(E4M3_RECIPROCAL)
 
@@ -125,11 +120,7 @@ class GemmConfig:
     way up to fp32 rounding of the ratios, but it divides by the weight block scales: a zero one
     (which neither the checkpoints nor :func:`flatep.quant.quantize_fp8_block` hold) makes the
     tile's rows NaN, where the plain form gives its block's weights as 0. A tile-sweep candidate,
-    not a default. ``warp_specialize`` (fp8 only; 128-row unswapped tiles on 4 warps, not
-    rescaled): run :mod:`flatep.kernels.fp8_ws_gemm`, which loads the tiles with TMA in a producer
-    warp group and splits each tile between two consumer warp groups (12 warps a program in all),
-    so that one consumer's scaling runs beside the other's MMA; the activations and weights must
-    then be 16-byte aligned. A tile-sweep candidate for prefill sizes, not a default.
+    not a default.
     """
 
     block_m: int
@@ -141,14 +132,12 @@ class GemmConfig:
     swap_ab: bool = False
     programs_per_sm: int = 2
     rescale: bool = False
-    warp_specialize: bool = False
 
     @property
     def label(self) -> str:
         """A short name for benchmark arms: ``m16 n128 k128 w4 s3 g8 p2`` and the options set
-        (``swap``, ``rescale``, ``ws``)."""
-        options = [name for name, on in (("swap", self.swap_ab), ("rescale", self.rescale),
-                                          ("ws", self.warp_specialize)) if on]
+        (``swap``, ``rescale``)."""
+        options = [name for name, on in (("swap", self.swap_ab), ("rescale", self.rescale)) if on]
         return " ".join([f"m{self.block_m} n{self.block_n} k{self.block_k} w{self.num_warps} s{self.num_stages} "
                          f"g{self.group_m} p{self.programs_per_sm}", *options])
 
@@ -167,15 +156,17 @@ def default_config(rows: int, groups: int, format: str) -> GemmConfig:
       128-row tile was 2% slower, the 32-row swapped tile 3% at 32 rows and 1.9x at 1024).
       Against bf16 ``torch._grouped_mm``: 0.39x at 16 rows per expert, 0.38x at 32, 0.66x at
       128, 0.91x at 1024.
-    - mxfp4: short tiles are not swapped. A 16- or 32-row tile then runs on ``mma.sync`` (16 rows
+    - mxfp4 (timed again since the pools store the scales column-fastest, bench/results/2026-12-05-h200-d):
+      short tiles are not swapped. A 16- or 32-row tile then runs on ``mma.sync`` (16 rows
       tall), and Triton decodes the weight words straight into the MMA's operand registers, with
-      no round trip through shared memory (the swapped tile took 1.6x longer). At 16 rows two
-      warps and six programs per SM were fastest (0.375x bf16; 0.394x for four warps and four
-      programs); at 32 rows the 256-column tile (0.52x). Past 32 rows, 64-row tiles with three
-      programs per SM beat the 8-warp 128-row tiles by 11-18% (1.18x bf16 at 128 rows, 1.89x at
-      1024: Hopper has no FP4 MMA, and the decode bounds it there). These mxfp4 timings predate
-      the pools' column-fastest scales (every K step then waited on a synchronous load of its
-      scales); the tiles have not been timed since.
+      no round trip through shared memory (the swapped tile took 1.9x longer). At 16 rows two
+      warps and six programs per SM were fastest (0.35x bf16); at 32 rows the 32 x 256 tile
+      (0.49x). Past 32 rows the 64 x 256 tile on 4 warps, two programs per SM (1.07x bf16 at
+      128 rows, 1.70-1.77x at 256, 1.65-1.88x at 1024), against 1.46x, 2.26-2.30x and
+      1.91-2.17x for the 64 x 128 tile with three programs per SM that was the default before:
+      Hopper has no FP4 MMA, and the decode bounds the tall tiles. From
+      :data:`flatep.kernels.mxfp4_dequant.THROUGH_BF16_ROWS` rows per group on, the experts are
+      decoded whole into bf16 instead (1.08-1.25x bf16 at 1024 rows).
     """
     if format not in ("fp8", "mxfp4"):
         raise ValueError(f"format must be fp8 or mxfp4, got {format!r}")
@@ -188,7 +179,7 @@ def default_config(rows: int, groups: int, format: str) -> GemmConfig:
         return GemmConfig(16, 128, 64, num_warps=2, num_stages=4, programs_per_sm=6)
     if per_group <= 32:
         return GemmConfig(32, 256, 64, num_warps=4, num_stages=3)
-    return GemmConfig(64, 128, 64, num_warps=4, num_stages=3, programs_per_sm=3)
+    return GemmConfig(64, 256, 64, num_warps=4, num_stages=3)
 
 
 HOT_ROWS = 64
@@ -713,11 +704,6 @@ def fp8_grouped_mm_triton(
         raise ValueError(f"fp8 block_k must be {_FP8_BLOCK} (one scale block), got {config.block_k}")
     if config.block_n > _FP8_BLOCK or _FP8_BLOCK % config.block_n:
         raise ValueError(f"fp8 block_n must divide {_FP8_BLOCK} (one weight scale block per tile), got {config.block_n}")
-    if config.warp_specialize and (config.swap_ab or config.rescale or config.block_m != _WS_BLOCK_M
-                                   or config.num_warps != _WS_WARPS or config.programs_per_sm != 1):
-        raise ValueError(f"warp_specialize takes unswapped, unrescaled {_WS_BLOCK_M}-row tiles on {_WS_WARPS} warps "
-                         f"(two {_WS_BLOCK_M // 2}-row consumer warp groups), one program per SM (its 12 warps take "
-                         f"all of an SM's registers), got {config}")
     rows_above, rows_at_most = _check_group_rows(group_rows)
     out = _output(rows, columns, out)
     if activations is None:
@@ -730,10 +716,6 @@ def fp8_grouped_mm_triton(
             raise ValueError(f"activations must be [M, K] float8_e4m3fn and [M, K/128] float32 with unit column "
                              f"strides for rows {list(rows.shape)}, got {quantized.dtype} {list(quantized.shape)} and "
                              f"{row_scales.dtype} {list(row_scales.shape)}")
-    if config.warp_specialize:
-        fp8_grouped_mm_ws(quantized, row_scales, values, scales, slots, slot_base, offsets, out,
-                          (rows_above, rows_at_most), config)
-        return out
     _fp8_grouped_kernel[persistent_grid(rows.shape[0], groups, columns, config, rows.device)](
         quantized, row_scales, values, scales, slot_values, slot_scales, out, offsets, groups, values.shape[0],
         slot_base, columns, out.stride(0), quantized.stride(0), row_scales.stride(0), rows_above, rows_at_most, inner,
@@ -795,8 +777,8 @@ def mxfp4_grouped_mm_triton(
     config = config or default_config(rows.shape[0], groups, "mxfp4")
     if config.block_k < 32 or config.block_k & (config.block_k - 1):
         raise ValueError(f"mxfp4 block_k must be a power of two, at least 32, got {config.block_k}")
-    if config.rescale or config.warp_specialize:
-        raise ValueError(f"rescale and warp_specialize are fp8 tile options (mxfp4 has no per-step scales of the "
+    if config.rescale:
+        raise ValueError(f"rescale is an fp8 tile option (mxfp4 has no per-step scales of the "
                          f"product), got {config}")
     rows_above, rows_at_most = _check_group_rows(group_rows)
     out = _output(rows, columns, out)

@@ -68,11 +68,6 @@ CANDIDATES = {
         # memory at 3 stages): two programs fit an SM, and while one scales its accumulator the
         # other's MMA can run (the 8-warp tiles' two warp groups wait for each other every K step).
         GemmConfig(128, 128, 128, num_warps=4, num_stages=3, rescale=True, programs_per_sm=2),
-        # Warp-specialized (flatep.kernels.fp8_ws_gemm): a TMA producer warp group and two 64-row
-        # consumer warp groups a program, one program an SM (12 warps; 115 and 148 KB of shared
-        # memory at 3 and 4 stages; local sm_90 compile, Triton 3.6: no spills).
-        GemmConfig(128, 128, 128, num_warps=4, num_stages=3, warp_specialize=True, programs_per_sm=1),
-        GemmConfig(128, 128, 128, num_warps=4, num_stages=4, warp_specialize=True, programs_per_sm=1),
     ),
     "mxfp4": (
         GemmConfig(16, 128, 64, num_warps=4, num_stages=4, programs_per_sm=4),

@@ -544,7 +544,7 @@ def test_fp8_rescaled_accumulator_holds_scales_far_apart_across_k(swap_ab):
 
 def test_rescale_is_an_fp8_option():
     rows, packed, offsets = grouped_inputs("mxfp4", [2, 3], 32, 64, seed=2)
-    with pytest.raises(ValueError, match="rescale and warp_specialize are fp8 tile options"):
+    with pytest.raises(ValueError, match="rescale is an fp8 tile option"):
         mxfp4_grouped_mm_triton(rows, packed.values, packed.scales, offsets, GemmConfig(16, 32, 32, rescale=True))
 
 
@@ -658,9 +658,9 @@ def test_slots_of_a_packed_gemm_are_checked_before_running(make, message):
 def test_grouped_swiglu_refuses_slots_in_another_format():
     from flatep.experts.grouped import grouped_swiglu
 
-    shard, route_weights = torch.randn(8, 128).bfloat16(), torch.rand(8)
-    home = [QuantizedTensor.quantize(torch.randn(2, *shape), "fp8") for shape in ((256, 128), (128, 128))]
-    slots = [QuantizedTensor.quantize(torch.randn(1, *shape), "mxfp4") for shape in ((256, 128), (128, 128))]
-    offsets = torch.tensor([2, 4, 8], dtype=torch.int32)
+    shard, route_weights = torch.randn(8, 128).bfloat16().to(DEVICE), torch.rand(8, device=DEVICE)
+    home = [QuantizedTensor.quantize(torch.randn(2, *shape), "fp8").to(DEVICE) for shape in ((256, 128), (128, 128))]
+    slots = [QuantizedTensor.quantize(torch.randn(1, *shape), "mxfp4").to(DEVICE) for shape in ((256, 128), (128, 128))]
+    offsets = torch.tensor([2, 4, 8], dtype=torch.int32, device=DEVICE)
     with pytest.raises(ValueError, match="slots run in the launches"):
         grouped_swiglu(shard, route_weights, *home, offsets, backend="triton", slots=tuple(slots), slot_base=4)

@@ -111,17 +111,16 @@ def test_fp8_rescaled_tall_tiles_at_kimi_k2_size(tiles):
     assert relative_error(got[:end], reference[:end]) < 4e-3
 
 
-@pytest.mark.parametrize("stages", [3, 4])
+@pytest.mark.parametrize("rescale", [False, True])
 @pytest.mark.parametrize("columns, hidden", [(4096, 7168), (7168, 2048)])
-def test_fp8_warp_specialized_tiles_with_slots_in_a_graph(stages, columns, hidden):
-    """The warp-specialized fp8 GEMM (GemmConfig.warp_specialize: TMA producer, two consumer warp
-    groups) on the GPU at Kimi-K2's gate/up and down shapes and prefill sizes, home experts and
-    slots in one call captured in a CUDA graph (its tensor descriptors take Triton's scratch
-    allocation at capture), against the torch path; rows of no group stay as they were."""
+def test_fp8_prefill_tiles_with_slots_in_a_graph(rescale, columns, hidden):
+    """The fp8 GEMM's prefill tiles (the default 64 x 128, and 128 x 128 rescaled on 4 warps) on the
+    GPU at Kimi-K2's gate/up and down shapes, home experts and slots in one call captured in a CUDA
+    graph, against the torch path; rows of no group stay as they were."""
     from flatep.kernels.quant_gemm import GemmConfig, fp8_grouped_mm_triton
 
     home_sizes, slot_sizes, gap = [1024, 0, 700, 1500], [300, 5], 77
-    generator = torch.Generator(device="cuda").manual_seed(stages + columns)
+    generator = torch.Generator(device="cuda").manual_seed(int(rescale) + columns)
 
     def experts(count):
         weights = torch.randn(count, columns, hidden, device="cuda", generator=generator) * hidden**-0.5
@@ -133,7 +132,8 @@ def test_fp8_warp_specialized_tiles_with_slots_in_a_graph(stages, columns, hidde
     x = torch.randn(rows, hidden, device="cuda", generator=generator).bfloat16()
     ends = torch.tensor(home_sizes).cumsum(0).tolist() + (slot_base + torch.tensor(slot_sizes).cumsum(0)).tolist()
     offsets = torch.tensor(ends, dtype=torch.int32, device="cuda")
-    config = GemmConfig(128, 128, num_warps=4, num_stages=stages, programs_per_sm=1, warp_specialize=True)
+    config = (GemmConfig(128, 128, num_warps=4, num_stages=3, rescale=True) if rescale
+              else GemmConfig(64, 128, num_warps=4, num_stages=4))
     out = torch.full((rows, columns), float("inf"), dtype=torch.bfloat16, device="cuda")
 
     def call():
