@@ -3,6 +3,7 @@ from flatep.kernels.activation import copy_rows_triton, swiglu_weighted_torch, s
 from flatep.kernels.backend import BACKENDS, use_triton
 from flatep.kernels.combine import combine_torch, combine_triton
 from flatep.kernels.dispatch import dispatch_torch, dispatch_triton
+from flatep.kernels.mxfp4_dequant import dequantize_mxfp4_triton, mxfp4_grouped_mm_bf16
 from flatep.kernels.push import push_torch, push_triton
 from flatep.kernels.quant_gemm import (
     GemmConfig,
@@ -17,9 +18,11 @@ __all__ = [
     "combine_torch",
     "combine_triton",
     "copy_rows_triton",
+    "dequantize_mxfp4_triton",
     "dispatch_torch",
     "dispatch_triton",
     "fp8_grouped_mm_triton",
+    "mxfp4_grouped_mm_bf16",
     "mxfp4_grouped_mm_triton",
     "push_torch",
     "push_triton",
