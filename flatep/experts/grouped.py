@@ -27,7 +27,7 @@ from flatep.kernels.activation import copy_rows_triton, swiglu_weighted_torch, s
 from flatep.kernels.backend import use_triton
 from flatep.kernels.decode_gemm import DECODE_ROWS_PER_GROUP, decode_launches, decode_swiglu
 from flatep.kernels.fp8_rows import Fp8Rows
-from flatep.kernels.mxfp4_dequant import THROUGH_BF16_ROWS, mxfp4_grouped_mm_bf16
+from flatep.kernels import mxfp4_dequant
 from flatep.kernels.grouped_fp32 import grouped_rows_mm
 from flatep.kernels.quant_gemm import (
     fp8_grouped_mm_triton,
@@ -153,9 +153,9 @@ def quantized_grouped_mm(
                 out = fp8_grouped_mm_triton(rows, weights.values, weights.scales, offsets, config=config, out=out,
                                             activations=given, group_rows=group_rows, slots=second, slot_base=slot_base)
             return out
-        if rows_per_group is not None and rows_per_group >= THROUGH_BF16_ROWS:
-            return mxfp4_grouped_mm_bf16(rows, weights.values, weights.scales, offsets, out, slots=second,
-                                         slot_base=slot_base)
+        if rows_per_group is not None and rows_per_group >= mxfp4_dequant.THROUGH_BF16_ROWS:
+            return mxfp4_dequant.mxfp4_grouped_mm_bf16(rows, weights.values, weights.scales, offsets, out,
+                                                       slots=second, slot_base=slot_base)
         for config, group_rows in launches:
             out = mxfp4_grouped_mm_triton(rows, weights.values, weights.scales, offsets, config=config, out=out,
                                           group_rows=group_rows, slots=second, slot_base=slot_base)

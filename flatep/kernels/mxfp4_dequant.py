@@ -35,7 +35,9 @@ expert 1.95x through bf16 against 1.70-1.77x for the best tiles, at 1024 rows 1.
 and 1.25x (down) against 1.65x and 1.88x. The decode costs a fixed ~1.65 ms (gate/up: 4.9 GB of
 bf16 written) and ~0.86 ms (down), while the tiles' excess over bf16 grows with the rows:
 between the two sizes timed, interpolating the bf16 times linearly, the route breaks even near
-350 rows; 512 keeps a margin."""
+350 rows; 512 keeps a margin. The route holds a bf16 copy of one weight set for the call (4.9 GB
+for a Kimi-K3 rank's gate/up weights): where memory is shorter than time, set this (read at each
+call) to ``2**31`` to keep the in-register kernel at every size."""
 
 
 @triton.jit

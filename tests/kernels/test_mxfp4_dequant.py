@@ -124,3 +124,20 @@ def test_prefill_sized_steps_take_the_bf16_route_with_slots():
     assert torch.equal(routed[real], direct[real])
     reference = per_group_reference(rows[:16], packed, offsets)
     assert relative_error(routed[real], reference) < 4e-3 and relative_error(tiles[real], reference) < 4e-3
+
+
+@needs_triton
+def test_the_bf16_route_can_be_turned_off(monkeypatch):
+    """THROUGH_BF16_ROWS is read at each call: raised past any step, the in-register kernel runs."""
+    from flatep.experts.grouped import quantized_grouped_mm
+    from flatep.kernels import mxfp4_dequant
+
+    rows, packed, offsets = grouped_inputs("mxfp4", [4, 9], 32, 64, seed=19)
+    calls = []
+    monkeypatch.setattr(mxfp4_dequant, "mxfp4_grouped_mm_bf16", lambda *args, **kwargs: calls.append(args))
+    quantized_grouped_mm(rows, packed, offsets, rows_per_group=mxfp4_dequant.THROUGH_BF16_ROWS, backend="triton")
+    assert len(calls) == 1
+    monkeypatch.setattr(mxfp4_dequant, "THROUGH_BF16_ROWS", 2**31)
+    out = quantized_grouped_mm(rows, packed, offsets, rows_per_group=4096, backend="triton")
+    assert len(calls) == 1
+    assert relative_error(out[:13], per_group_reference(rows, packed, offsets)[:13]) < 4e-3
