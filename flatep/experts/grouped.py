@@ -23,11 +23,11 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from flatep.kernels import mxfp4_dequant
 from flatep.kernels.activation import copy_rows_triton, swiglu_weighted_torch, swiglu_weighted_triton
 from flatep.kernels.backend import use_triton
 from flatep.kernels.decode_gemm import DECODE_ROWS_PER_GROUP, decode_launches, decode_swiglu
 from flatep.kernels.fp8_rows import Fp8Rows
-from flatep.kernels import mxfp4_dequant
 from flatep.kernels.grouped_fp32 import grouped_rows_mm
 from flatep.kernels.quant_gemm import (
     fp8_grouped_mm_triton,
