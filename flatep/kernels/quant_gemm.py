@@ -184,9 +184,9 @@ def default_config(rows: int, groups: int, format: str) -> GemmConfig:
 
 HOT_ROWS = 64
 """Groups holding more rows than this run in a launch of their own with tall tiles
-(:func:`packed_launches`, and :func:`flatep.kernels.decode_gemm.decode_launches` for bf16): a hot
-expert's rows fill tall tiles, and its many short row tiles would otherwise each stream the same
-weight tile (and, packed, decode it again)."""
+(:func:`packed_launches` for fp8, and :func:`flatep.kernels.decode_gemm.decode_launches` for
+bf16; mxfp4 splits at 16 and 32 rows): a hot expert's rows fill tall tiles, and its many short
+row tiles would otherwise each stream the same weight tile (and, packed, decode it again)."""
 
 _ALL_ROWS = 2**31 - 1
 _SHORT_ROWS = 16  # the shortest row tile
@@ -201,19 +201,23 @@ def packed_launches(rows: int, groups: int, format: str) -> list[tuple[GemmConfi
     groups of more than :data:`HOT_ROWS` rows run in a second launch with the tall tiles
     :func:`default_config` gives 128 rows per group (64 rows each), as the bf16 decode kernels do:
     a skewed step's busiest experts then decode each weight tile once per 64 rows instead of once
-    per 16 or 32. Where the average takes mxfp4's 32-row tiles, the groups of at most 16 rows get
-    a launch of their own with its 16-row tiles: on the H200 those took 0.72x of the 32-row
-    tiles' time at 16 rows per expert (0.375x against 0.522x bf16, ``python -m flatep.quant.bench
-    --quick``), and at Kimi-K3, s = 128, a rank's experts hold about 18 rows each, so about a
-    third of them hold 16 or fewer. Otherwise one launch of every group.
+    per 16 or 32. mxfp4 splits by the tiles' own heights instead, since each row tile decodes its
+    weight tiles again: groups of at most 16 rows in 16-row tiles, of 17-32 rows in 32-row tiles,
+    the rest in 64-row tiles. On the H200 (``python -m flatep.quant.bench --quick``,
+    bench/results/2026-12-05-h200-d) 32 rows per expert took 0.49x bf16 in 32-row tiles against
+    0.65x in 16-row ones, and the 64-row tile came within 5% of the 32-row one there (0.50-0.52x
+    against 0.49-0.50x), so a group of 33-64 rows, which takes two 32-row tiles, is better off in
+    one 64-row tile (on an H100 at 64 rows per expert: 0.45x against 0.80x for the gate/up GEMM). At Kimi-K3, s = 128, a rank's
+    experts hold about 18 rows each, so about a third of them hold 16 or fewer. Otherwise one
+    launch of every group.
     """
     tiles = default_config(rows, groups, format)
     if tiles.block_m > 32:
         return [(tiles, None)]
     hot = default_config(2 * HOT_ROWS * max(groups, 1), groups, format)
-    if format == "mxfp4" and tiles.block_m == 32:
-        short = default_config(_SHORT_ROWS * max(groups, 1), groups, format)
-        return [(short, (0, _SHORT_ROWS)), (tiles, (_SHORT_ROWS, HOT_ROWS)), (hot, (HOT_ROWS, _ALL_ROWS))]
+    if format == "mxfp4":
+        short, middle = (default_config(size * max(groups, 1), groups, format) for size in (_SHORT_ROWS, 2 * _SHORT_ROWS))
+        return [(short, (0, _SHORT_ROWS)), (middle, (_SHORT_ROWS, 2 * _SHORT_ROWS)), (hot, (2 * _SHORT_ROWS, _ALL_ROWS))]
     return [(tiles, (0, HOT_ROWS)), (hot, (HOT_ROWS, _ALL_ROWS))]
 
 

@@ -449,16 +449,18 @@ def test_fp8_experts_quantize_the_down_input_in_the_swiglu_pass_bit_equal_to_two
 
 
 def test_packed_launches_give_hot_groups_tall_tiles_at_decode_sizes():
-    for format in ("fp8", "mxfp4"):
-        (short, cool), (tall, hot) = packed_launches(16 * 112, 112, format)
-        assert short.block_m == 16 and cool == (0, HOT_ROWS)
-        assert tall.block_m == 64 and hot == (HOT_ROWS, 2**31 - 1)
-        assert packed_launches(128 * 112, 112, format) == [(default_config(128 * 112, 112, format), None)]
-    # mxfp4 steps whose average takes 32-row tiles run their groups of at most 16 rows in 16-row tiles.
-    (short, few), (middle, some), (tall, hot) = packed_launches(24 * 112, 112, "mxfp4")
-    assert (short.block_m, middle.block_m, tall.block_m) == (16, 32, 64)
-    assert (few, some, hot) == ((0, 16), (16, HOT_ROWS), (HOT_ROWS, 2**31 - 1))
+    (short, cool), (tall, hot) = packed_launches(16 * 112, 112, "fp8")
+    assert short.block_m == 16 and cool == (0, HOT_ROWS)
+    assert tall.block_m == 64 and hot == (HOT_ROWS, 2**31 - 1)
     assert len(packed_launches(24 * 112, 112, "fp8")) == 1  # fp8 takes 64-row tiles there
+    # mxfp4 steps at decode sizes run each group in the shortest of its 16-, 32- and 64-row tiles
+    # that holds it (a row tile decodes its weight tiles again).
+    for average in (4, 16, 24):
+        (short, few), (middle, some), (tall, hot) = packed_launches(average * 112, 112, "mxfp4")
+        assert (short.block_m, middle.block_m, tall.block_m) == (16, 32, 64)
+        assert (few, some, hot) == ((0, 16), (16, 32), (32, 2**31 - 1))
+    for format in ("fp8", "mxfp4"):
+        assert packed_launches(128 * 112, 112, format) == [(default_config(128 * 112, 112, format), None)]
 
 
 @needs_triton
@@ -497,9 +499,9 @@ def test_a_hot_group_at_decode_sizes_runs_in_tall_tiles_and_equals_torch(format)
 
 @needs_triton
 def test_mxfp4_step_of_three_launches_equals_torch():
-    """An mxfp4 step averaging 24 rows per group: groups of at most 16 rows (16-row tiles), 17 to
-    HOT_ROWS rows (32-row tiles) and more (64-row tiles), each computed once, as the torch path does."""
-    sizes = [3, 16, 17, 0, HOT_ROWS, HOT_ROWS + 1, 1]
+    """An mxfp4 step averaging 24 rows per group: groups of at most 16 rows (16-row tiles), 17 to 32
+    rows (32-row tiles) and more (64-row tiles), each computed once, as the torch path does."""
+    sizes = [3, 16, 17, 0, 32, 33, HOT_ROWS + 1, 1]
     assert len(packed_launches(24 * len(sizes), len(sizes), "mxfp4")) == 3
     rows, packed, offsets = grouped_inputs("mxfp4", sizes, 64, 64, seed=14)
     got = quantized_grouped_mm(rows, packed, offsets, rows_per_group=24)
