@@ -42,10 +42,11 @@ call) to ``2**31`` to keep the in-register kernel at every size."""
 
 @triton.jit
 def _dequantize_kernel(
-    w_ptr, s_ptr, out_ptr, N, stride_se, stride_sn, stride_sk, K: tl.constexpr,
+    w_ptr, s_ptr, out_ptr, ends_ptr, N, stride_se, stride_sn, stride_sk, K: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr,
 ):
-    """Rows ``[pid0 * BLOCK_N, + BLOCK_N)`` of expert ``pid1``, all of ``K`` (``BLOCK_K`` divides it)."""
+    """Rows ``[pid0 * BLOCK_N, + BLOCK_N)`` of expert ``pid1``, all of ``K`` (``BLOCK_K`` divides it);
+    with ``ends_ptr``, only if the expert's group holds rows."""
     WORDS: tl.constexpr = BLOCK_K // 8
     BLOCKS: tl.constexpr = BLOCK_K // 32
     expert = tl.program_id(1).to(tl.int64)
@@ -57,11 +58,15 @@ def _dequantize_kernel(
     w_tile = w_ptr + expert * N * (K // 8) + column.to(tl.int64)[:, None] * (K // 8) + word[None, :]
     s_tile = s_ptr + expert * stride_se + column.to(tl.int64)[:, None] * stride_sn + block[None, :] * stride_sk
     out_tile = out_ptr + expert * N * K + column.to(tl.int64)[:, None] * K + inner[None, :]
-    for k in range(0, K, BLOCK_K):
-        words = tl.load(w_tile + k // 8, mask=column_mask[:, None], other=0)
-        exponent = tl.load(s_tile + (k // 32) * stride_sk, mask=column_mask[:, None], other=0)
-        w = _decoded_tile(words, exponent.to(tl.int32), BLOCK_N, BLOCK_K, True, INTERPRET)
-        tl.store(out_tile + k, w.to(out_ptr.dtype.element_ty), mask=column_mask[:, None])
+    rows = 1
+    if ends_ptr is not None:
+        rows = tl.load(ends_ptr + expert) - tl.where(expert > 0, tl.load(ends_ptr + tl.maximum(expert - 1, 0)), 0)
+    if rows > 0:
+        for k in range(0, K, BLOCK_K):
+            words = tl.load(w_tile + k // 8, mask=column_mask[:, None], other=0)
+            exponent = tl.load(s_tile + (k // 32) * stride_sk, mask=column_mask[:, None], other=0)
+            w = _decoded_tile(words, exponent.to(tl.int32), BLOCK_N, BLOCK_K, True, INTERPRET)
+            tl.store(out_tile + k, w.to(out_ptr.dtype.element_ty), mask=column_mask[:, None])
 
 
 def _block_k(inner: int) -> int:
@@ -69,7 +74,9 @@ def _block_k(inner: int) -> int:
     return min(256, inner & -inner)
 
 
-def dequantize_mxfp4_triton(values: torch.Tensor, scales: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def dequantize_mxfp4_triton(
+    values: torch.Tensor, scales: torch.Tensor, out: torch.Tensor | None = None, ends: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Decode mxfp4 experts into bf16.
 
     Args:
@@ -77,6 +84,10 @@ def dequantize_mxfp4_triton(values: torch.Tensor, scales: torch.Tensor, out: tor
             ``K`` a multiple of 32.
         scales: ``[G, N, K/32]`` uint8 e8m0, in any strides (pools store them column-fastest).
         out: optional contiguous ``[G, N, K]`` bf16 to write into.
+        ends: optional ``[G]`` int32 on the device, the inclusive end rows of a grouped GEMM's groups
+            over these experts (group ``g`` holds ``ends[g] - ends[g-1]`` rows, the first
+            ``ends[0]``): the experts whose group holds no rows are not decoded (a layer's unused
+            borrow slots), and their part of ``out`` is left as it was.
 
     Returns:
         ``out`` or a new ``[G, N, K]`` bf16 tensor: ``e2m1 * 2**(scale - 127)`` per weight.
@@ -96,9 +107,12 @@ def dequantize_mxfp4_triton(values: torch.Tensor, scales: torch.Tensor, out: tor
     elif out.dtype != torch.bfloat16 or tuple(out.shape) != (groups, columns, inner) or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous [{groups}, {columns}, {inner}] bf16 tensor, got {out.dtype} "
                          f"{list(out.shape)}")
+    if ends is not None and (ends.dtype != torch.int32 or tuple(ends.shape) != (groups,) or ends.device != values.device):
+        raise ValueError(f"ends must be a [{groups}] int32 tensor on {values.device}, got {ends.dtype} "
+                         f"{list(ends.shape)} on {ends.device}")
     if out.numel():
         _dequantize_kernel[(triton.cdiv(columns, _BLOCK_N), groups)](
-            values.view(torch.int32), scales, out, columns, *scales.stride(), inner,
+            values.view(torch.int32), scales, out, ends, columns, *scales.stride(), inner,
             BLOCK_N=_BLOCK_N, BLOCK_K=_block_k(inner), INTERPRET=interpreting(), num_warps=4,
         )
     return out
@@ -117,11 +131,12 @@ def mxfp4_grouped_mm_bf16(
     """:func:`flatep.kernels.quant_gemm.mxfp4_grouped_mm_triton`'s product (every group), through
     bf16: each weight set decoded whole (:func:`dequantize_mxfp4_triton`), then ``torch._grouped_mm``.
 
-    With ``slots`` the home groups run over ``rows[:slot_base]`` and the slot groups over
-    ``rows[slot_base:]`` (their offsets shifted on the device), the slots decoded once the home
-    GEMM has read its weights (the caching allocator hands their memory on), and each part's
-    real rows are copied into the output. Memory: one set's bf16 weights (``G * N * K * 2``
-    bytes) and one part's product for the call.
+    Only the experts whose groups hold rows are decoded (read on the device): a layer's borrow
+    slots are mostly empty. With ``slots`` the home groups run over ``rows[:slot_base]`` and the
+    slot groups over ``rows[slot_base:]`` (their offsets shifted on the device), the slots
+    decoded once the home GEMM has read its weights (the caching allocator hands their memory
+    on), and each part's real rows are copied into the output. Memory: one set's bf16 weights
+    (``G * N * K * 2`` bytes) and one part's product for the call.
 
     Args and returns as :func:`flatep.kernels.quant_gemm.mxfp4_grouped_mm_triton` (no tile config).
     """
@@ -132,7 +147,7 @@ def mxfp4_grouped_mm_bf16(
                          f"{list(values.shape)}")
     slot_values, slot_scales = _check_groups(rows, values, scales, offsets, slots, slot_base)
     groups = values.shape[0]
-    weights = dequantize_mxfp4_triton(values, scales)
+    weights = dequantize_mxfp4_triton(values, scales, ends=offsets[:groups])
     if slots is None:
         result = torch._grouped_mm(rows, weights.transpose(-2, -1), offs=offsets)
         if out is None:
@@ -143,10 +158,10 @@ def mxfp4_grouped_mm_bf16(
     for first, last, start, stop in ((0, groups, 0, slot_base), (groups, offsets.shape[0], slot_base, rows.shape[0])):
         if first == last:
             continue
+        ends = offsets[first:last] - start
         if first:  # the slots, decoded once the home GEMM has read its weights (the allocator reuses them)
             del weights
-            weights = dequantize_mxfp4_triton(slot_values, slot_scales)
-        ends = offsets[first:last] - start
+            weights = dequantize_mxfp4_triton(slot_values, slot_scales, ends=ends)
         product = torch._grouped_mm(rows[start:stop], weights.transpose(-2, -1), offs=ends)
         copy_rows_triton(out[start:stop], product, ends[-1:])
     return out

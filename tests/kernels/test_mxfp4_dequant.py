@@ -40,6 +40,23 @@ def test_decode_equals_the_format_definition_exactly(columns, inner):
 
 
 @needs_triton
+def test_experts_of_empty_groups_are_not_decoded():
+    """With the groups' end rows given, an expert whose group holds no rows keeps its part of
+    ``out`` (poisoned here); the others decode as without them."""
+    packed = packed_weights(4, 40, 64, seed=5)
+    ends = torch.tensor([3, 3, 9, 9], dtype=torch.int32, device=DEVICE)  # experts 1 and 3 hold no rows
+    out = torch.full((4, 40, 64), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    dequantize_mxfp4_triton(packed.values, packed.scales, out=out, ends=ends)
+    expected = packed.dequantize(torch.float32)
+    assert torch.equal(out[0].float(), expected[0]) and torch.equal(out[2].float(), expected[2])
+    assert out[1].isnan().all() and out[3].isnan().all()
+    with pytest.raises(ValueError, match="ends must be a \\[4\\] int32 tensor"):
+        dequantize_mxfp4_triton(packed.values, packed.scales, ends=ends[:3])
+    with pytest.raises(ValueError, match="ends must be a \\[4\\] int32 tensor"):
+        dequantize_mxfp4_triton(packed.values, packed.scales, ends=ends.long())
+
+
+@needs_triton
 def test_scale_byte_zero_decodes_to_zero_as_in_the_gemm():
     packed = packed_weights(1, 8, 64, seed=3)
     packed.scales[0, 2, 1] = 0  # 2**-127: its values (below 6 * 2**-127) decode to 0
@@ -84,9 +101,9 @@ def test_gemm_through_bf16_equals_the_in_register_gemm():
 def test_gemm_through_bf16_with_slots_equals_two_calls():
     """Home experts and a second set from row ``slot_base``: each part equals a call of its own, and
     the rows between the sets and past the last slot group keep their poison."""
-    rows, packed, offsets = grouped_inputs("mxfp4", [3, 6, 1, 4, 2], 32, 64, seed=13, padding=12)
-    home, slots, slot_base = packed[:3], packed[3:], 14
-    ends = torch.tensor([3, 9, 10, slot_base + 4, slot_base + 6], dtype=torch.int32, device=DEVICE)
+    rows, packed, offsets = grouped_inputs("mxfp4", [3, 6, 1, 4, 0, 2], 32, 64, seed=13, padding=12)
+    home, slots, slot_base = packed[:3], packed[3:], 14  # an empty slot group among the slots (not decoded)
+    ends = torch.tensor([3, 9, 10, slot_base + 4, slot_base + 4, slot_base + 6], dtype=torch.int32, device=DEVICE)
     shard = torch.full((slot_base + 6 + 2, 64), float("nan"), dtype=torch.bfloat16, device=DEVICE)
     shard[:10] = rows[:10]
     shard[slot_base:slot_base + 6] = rows[10:16]
