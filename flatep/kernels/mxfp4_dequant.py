@@ -32,10 +32,11 @@ THROUGH_BF16_ROWS = 512
 in-register kernel. On the H200 (one Kimi-K3 rank, 112 experts; bench/results/2026-12-05-h200-d,
 ``python -m flatep.quant.bench --quick``), against bf16 ``torch._grouped_mm``: at 256 rows per
 expert 1.95x through bf16 against 1.70-1.77x for the best tiles, at 1024 rows 1.08x (gate/up)
-and 1.25x (down) against 1.65x and 1.88x. The decode costs a fixed ~1.65 ms (gate/up: 4.9 GB of
-bf16 written) and ~0.86 ms (down), while the tiles' excess over bf16 grows with the rows:
-between the two sizes timed, interpolating the bf16 times linearly, the route breaks even near
-350 rows; 512 keeps a margin. The route holds a bf16 copy of one weight set for the call (4.9 GB
+and 1.25x (down) against 1.65x and 1.88x. The route's time less the bf16 arm's was 1.6-1.8 ms
+for gate/up (4.9 GB of bf16 written) and 0.85-0.87 ms for down at 16 to 256 rows per expert (at
+1024 rows 0.6 and 0.8 ms: the two arms' bf16 GEMMs were not timed alike there), a fixed price,
+while the tiles' excess over bf16 grows with the rows. Interpolating between the two sizes
+timed, the route breaks even somewhere near 350 rows; 512 keeps a margin. The route holds a bf16 copy of one weight set for the call (4.9 GB
 for a Kimi-K3 rank's gate/up weights): where memory is shorter than time, set this (read at each
 call) to ``2**31`` to keep the in-register kernel at every size."""
 
@@ -132,11 +133,11 @@ def mxfp4_grouped_mm_bf16(
     bf16: each weight set decoded whole (:func:`dequantize_mxfp4_triton`), then ``torch._grouped_mm``.
 
     Only the experts whose groups hold rows are decoded (read on the device): a layer's borrow
-    slots are mostly empty. With ``slots`` the home groups run over ``rows[:slot_base]`` and the
-    slot groups over ``rows[slot_base:]`` (their offsets shifted on the device), the slots
-    decoded once the home GEMM has read its weights (the caching allocator hands their memory
-    on), and each part's real rows are copied into the output. Memory: one set's bf16 weights
-    (``G * N * K * 2`` bytes) and one part's product for the call.
+    slots are mostly empty. With ``slots`` (or a given ``out``) the home groups run over
+    ``rows[:slot_base]`` and the slot groups over ``rows[slot_base:]`` (their offsets shifted on
+    the device), the slots decoded once the home GEMM has read its weights, and each part's real
+    rows are copied into the output. Memory: one set's bf16 weights (``G * N * K * 2`` bytes)
+    and one part's product for the call.
 
     Args and returns as :func:`flatep.kernels.quant_gemm.mxfp4_grouped_mm_triton` (no tile config).
     """
@@ -147,21 +148,19 @@ def mxfp4_grouped_mm_bf16(
                          f"{list(values.shape)}")
     slot_values, slot_scales = _check_groups(rows, values, scales, offsets, slots, slot_base)
     groups = values.shape[0]
-    weights = dequantize_mxfp4_triton(values, scales, ends=offsets[:groups])
-    if slots is None:
-        result = torch._grouped_mm(rows, weights.transpose(-2, -1), offs=offsets)
-        if out is None:
-            return result
-        copy_rows_triton(_output(rows, values.shape[1], out), result, offsets[-1:])
-        return out
+    if slots is None and out is None:  # one product, which is the output
+        weights = dequantize_mxfp4_triton(values, scales, ends=offsets)
+        return torch._grouped_mm(rows, weights.transpose(-2, -1), offs=offsets)
     out = _output(rows, values.shape[1], out)
-    for first, last, start, stop in ((0, groups, 0, slot_base), (groups, offsets.shape[0], slot_base, rows.shape[0])):
+    sets = [(values, scales, 0, groups, 0, rows.shape[0] if slots is None else slot_base)]
+    if slots is not None:
+        sets.append((slot_values, slot_scales, groups, offsets.shape[0], slot_base, rows.shape[0]))
+    for set_values, set_scales, first, last, start, stop in sets:
         if first == last:
             continue
         ends = offsets[first:last] - start
-        if first:  # the slots, decoded once the home GEMM has read its weights (the allocator reuses them)
-            del weights
-            weights = dequantize_mxfp4_triton(slot_values, slot_scales, ends=ends)
+        weights = dequantize_mxfp4_triton(set_values, set_scales, ends=ends)
         product = torch._grouped_mm(rows[start:stop], weights.transpose(-2, -1), offs=ends)
+        del weights  # the next set's decode takes its memory (the caching allocator orders it after this GEMM)
         copy_rows_triton(out[start:stop], product, ends[-1:])
     return out

@@ -249,9 +249,9 @@ def quick_cells(
     q13: QuantizedTensor, q2: QuantizedTensor, device: torch.device, rows_per_expert: tuple[int, ...] = ROWS_PER_EXPERT,
     deadline: float = float("inf"),
 ) -> list[dict]:
-    """One entry per (rows per expert, GEMM, arm): bf16 ``torch._grouped_mm``, then each candidate
-    config, then (mxfp4) the weights decoded whole into bf16 for ``torch._grouped_mm``
-    (:func:`flatep.kernels.mxfp4_dequant.mxfp4_grouped_mm_bf16`).
+    """One entry per (rows per expert, GEMM, arm): bf16 ``torch._grouped_mm``, then (mxfp4) the
+    weights decoded whole into bf16 for ``torch._grouped_mm``
+    (:func:`flatep.kernels.mxfp4_dequant.mxfp4_grouped_mm_bf16`), then each candidate config.
 
     Each entry holds ``format``, ``rows_per_expert``, ``gemm`` (``w13``: ``[rows, H] -> [rows, 2I]``;
     ``w2``: ``[rows, I] -> [rows, H]``), ``path`` (``bf16``, ``tiles`` or ``through_bf16``),
@@ -283,8 +283,8 @@ def quick_cells(
                 arms.insert(0, ("through_bf16", None, lambda rows_in=rows_in, packed=packed:
                                 mxfp4_grouped_mm_bf16(rows_in, packed.values, packed.scales, offsets)))
             for path, config, call in arms:
-                entry = {**base, "path": path, "config": None if config is None else dataclasses.asdict(config), "us": None, "ratio": None,
-                         "relative_error": None}
+                entry = {**base, "path": path, "config": None if config is None else dataclasses.asdict(config),
+                         "us": None, "ratio": None, "relative_error": None}
                 entries.append(entry)
                 if time.perf_counter() > deadline:
                     entry["skipped"] = "deadline"
