@@ -1,0 +1,51 @@
+"""Result set: launches of the fp8 activation quantization (flatep.kernels.quant_gemm.quantize_fp8_activations_triton)
+on one GPU, K = 7168 (Kimi-K2's hidden size), at 1024, 8192 and 65536 rows (a Kimi-K2 rank's decode
+and prefill shards): per (rows per block, programs per SM, warps), the CUDA-graph time of one call
+(5 calls per graph, median of 10 replays) and whether its values and scales equal the first
+launch's bit for bit. Bytes moved per call: rows x K x 3 (bf16 read, e4m3 written; the scales are
+1/128 of that).
+    python3 bench/scripts/act_quant_launch.py        (from the repository root, on a GPU)
+"""
+import statistics
+
+import torch
+
+import flatep.kernels.quant_gemm as quant_gemm
+
+LAUNCHES = [(16, 8, 4), (16, 32, 4), (32, 16, 4), (32, 32, 4), (64, 8, 4), (64, 16, 8), (16, 64, 2), (8, 64, 2)]
+device = torch.device("cuda")
+
+
+def graph_us(fn, calls: int = 5, replays: int = 10) -> float:
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    times = []
+    for _ in range(replays):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop) * 1000 / calls)
+    return statistics.median(times)
+
+
+for rows in (1024, 8192, 65536):
+    x = torch.randn(rows, 7168, device=device).to(torch.bfloat16)
+    end = torch.tensor([rows], dtype=torch.int32, device=device)
+    first = None
+    line = []
+    for block_m, per_sm, warps in LAUNCHES:
+        quant_gemm.ACT_QUANT_ROWS, quant_gemm.ACT_QUANT_PROGRAMS_PER_SM, quant_gemm.ACT_QUANT_WARPS = block_m, per_sm, warps
+        values, scales = quant_gemm.quantize_fp8_activations_triton(x, end)
+        if first is None:
+            first = (values.view(torch.uint8).clone(), scales.clone())
+        same = torch.equal(values.view(torch.uint8), first[0]) and torch.equal(scales, first[1])
+        us = graph_us(lambda: quant_gemm.quantize_fp8_activations_triton(x, end))
+        line.append(f"m{block_m} p{per_sm} w{warps}: {us:.1f}{'' if same else ' MISMATCH'}")
+    print(f"act quant rows={rows} ({rows * 7168 * 3 / 1e6:.0f} MB moved): " + "; ".join(line), flush=True)
