@@ -46,16 +46,24 @@ each weight tile is read by the band's row tiles back to back.
   and 1 become bf16 subnormals). The layout is chosen for that: in the checkpoint's nibble order a
   code's sign and magnitude need different shifts, two shifts and two masks per pair (a local
   sm_90 compile of the 16-row tile's K step: 243 instructions against 289, and 497 against 592
-  for the 32-row tile). Two packed bf16x2 multiplies, by ``2**126`` and by the block's
-  ``2**(e - 127)``, finish each pair (PTX inline assembly; both exact, the first needs the
-  subnormal inputs that bf16 arithmetic keeps). A word yields columns in the order 0 4 1 5 2 6 3
-  7. Short tiles run the dot over K in that order and permute the activations alike as they are
+  for the 32-row tile). One packed bf16x2 multiply by the block's ``2**(e - 1)`` finishes each
+  pair (PTX inline assembly; exact, including the subnormal inputs, which bf16 arithmetic keeps).
+  That factor is a bf16 only up to scale byte 128 (weights up to 12, which real checkpoints stay
+  well under); from byte 129 on it is capped at +inf, which makes every product of the tile that
+  reads such a block +-inf or NaN. A tile whose products are not all finite sets a flag, and a
+  second launch, which returns at once while the flag is clear, computes the launch's tiles again
+  with two multiplies per pair (by ``2**126``, then by ``2**(e - 127)``: exact at every byte), so
+  the result is exact for any scales. One multiply instead of two takes 418 instructions per K
+  step of the 16 x 128 x 64 tile on 2 warps against 450 (168 registers a thread either way), and
+  463 against 495 for the 32 x 256 x 64 tile (236 registers against 218; local sm_90 compile,
+  Triton 3.6). Byte 0 (``2**-127``) decodes to its values (bf16 subnormals) in the first pass and
+  to 0 in the second (they are below ``6 * 2**-127`` anyway). A word yields columns in the order 0
+  4 1 5 2 6 3 7. Short tiles run the dot over K in that order and permute the activations alike as they are
   loaded (in registers); tall unswapped tiles (a warp-group MMA, whose weight operand goes
   through shared memory anyway) put the decoded weights back in column order and take the
   activations as they are (local sm_90 compile of the 128-row tile's K step: 196 instructions in
-  153 registers a thread, against 246 in 211 with permuted activations). An e8m0 byte 0
-  (``2**-127``) decodes to 0 (its values are below ``6 * 2**-127`` anyway). The interpreter runs
-  the same bit placement and multiplies in fp32. The scales may lie in any strides. Pools hold
+  153 registers a thread, against 246 in 211 with permuted activations). The interpreter runs
+  the same bit placement and multiplies in fp32, with the same cap and flag. The scales may lie in any strides. Pools hold
   them column-fastest (:func:`flatep.quant.columns_fastest`): a K step's scales of a tile's
   columns are then contiguous bytes, which Triton copies asynchronously in the software pipeline
   with the words. In the checkpoint's order a step takes a few bytes per column, too few for an
@@ -387,23 +395,29 @@ def _fp8_tile(
 
 @triton.jit
 def _mxfp4_grouped_kernel(
-    a_ptr, w_ptr, s_ptr, slot_w_ptr, slot_s_ptr, out_ptr, offsets_ptr, groups, split, split_start, N, stride_am,
-    stride_om, stride_se, stride_sn, stride_sk, rows_above, rows_at_most, K: tl.constexpr,
+    a_ptr, w_ptr, s_ptr, slot_w_ptr, slot_s_ptr, out_ptr, offsets_ptr, redo_ptr, groups, split, split_start, N,
+    stride_am, stride_om, stride_se, stride_sn, stride_sk, rows_above, rows_at_most, K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, GROUPS: tl.constexpr,
-    SWAP_AB: tl.constexpr, NATURAL_K: tl.constexpr, INTERPRET: tl.constexpr,
+    SWAP_AB: tl.constexpr, NATURAL_K: tl.constexpr, ONE_MULTIPLY: tl.constexpr, INTERPRET: tl.constexpr,
 ):
-    """Groups ``[0, split)`` read ``w``, groups ``[split, groups)`` read ``slot_w`` from row ``split_start``."""
+    """Groups ``[0, split)`` read ``w``, groups ``[split, groups)`` read ``slot_w`` from row ``split_start``.
+    ``ONE_MULTIPLY``: the first pass, which sets ``redo_ptr[0]`` to 1 where a tile's products are not
+    all finite; else the second pass, which computes every tile again if ``redo_ptr[0]`` is set and
+    none otherwise (see :func:`mxfp4_grouped_mm_triton`)."""
     starts, ends, tiles, passed, total = tile_table(offsets_ptr, groups, split, split_start, N, rows_above,
                                                     rows_at_most, BLOCK_M, BLOCK_N, GROUPS)
     tile = tl.program_id(0)
+    if not ONE_MULTIPLY:
+        if tl.load(redo_ptr) == 0:
+            tile = total
     while tile < total:
         group, first, last, first_column = locate_tile(tile, starts, ends, tiles, passed, N, BLOCK_M, BLOCK_N, GROUP_M, GROUPS)
         expert, words, exponents = group, w_ptr, s_ptr  # the group's weights, as in _fp8_grouped_kernel
         if group >= split:
             expert, words, exponents = group - split, slot_w_ptr, slot_s_ptr
-        _mxfp4_tile(a_ptr, words, exponents, out_ptr, expert, first, last, first_column, N, stride_am, stride_om,
-                    stride_se, stride_sn, stride_sk, K,
-                    BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, NATURAL_K, INTERPRET)
+        _mxfp4_tile(a_ptr, words, exponents, out_ptr, redo_ptr, expert, first, last, first_column, N, stride_am,
+                    stride_om, stride_se, stride_sn, stride_sk, K,
+                    BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, NATURAL_K, ONE_MULTIPLY, INTERPRET)
         tile += tl.num_programs(0)
 
 
@@ -455,30 +469,42 @@ def _placement_ptx(pair: int) -> list[str]:
     return lines
 
 
-def _scaled_pairs_ptx() -> str:
+def _scaled_pairs_ptx(one_multiply: bool) -> str:
     """PTX of :func:`_scaled_pairs_asm`: per pair, the placement of :func:`_e2m1_bf16_pairs`, then
-    two bf16x2 FMAs with a -0 addend (plain products, signs of zeros kept)."""
+    bf16x2 FMAs with a -0 addend (plain products, signs of zeros kept): by ``2**126`` and by ``$5``,
+    or (``one_multiply``) by ``$5`` alone."""
     lines = [".reg .b32 t, u, big, nzero;", "mov.b32 big, 0x7E807E80;", "mov.b32 nzero, 0x80008000;"]
     for pair in range(4):
         lines += _placement_ptx(pair)
-        lines += ["fma.rn.bf16x2 t, t, big, nzero;", f"fma.rn.bf16x2 ${pair}, t, $5, nzero;"]
+        lines += ([] if one_multiply else ["fma.rn.bf16x2 t, t, big, nzero;"]) + [f"fma.rn.bf16x2 ${pair}, t, $5, nzero;"]
     return "{\n" + "\n".join(lines) + "\n}"
 
 
-_SCALED_PAIRS_PTX = tl.constexpr(_scaled_pairs_ptx())
+_SCALED_PAIRS_PTX = tl.constexpr(_scaled_pairs_ptx(False))
+_ONE_MULTIPLY_PTX = tl.constexpr(_scaled_pairs_ptx(True))
 # An e8m0 byte times this is the bf16 pair of 2**(byte - 127) (a bf16 power of two has exponent
 # field = byte; byte 0 gives 0): byte << 7 | byte << 23 in one multiply, the copies not overlapping.
 _SCALE_PAIR = tl.constexpr(0x800080)
+# The one-multiply decode's factor 2**(byte - 1) has exponent field byte + 126, a bf16 power of
+# two up to byte 128; bytes from 129 on are capped to field 255, +inf (see _mxfp4_tile).
+_ONE_MULTIPLY_BIAS = tl.constexpr(126)
+_ONE_MULTIPLY_LAST = tl.constexpr(129)
+_INF = tl.constexpr(float("inf"))
+_INF_PAIR = tl.constexpr(0x7F807F80)
 
 
 @triton.jit
-def _scaled_pairs_asm(words, scale_pairs):
-    """:func:`_e2m1_bf16_pairs` times ``2**126`` (0x7E80 in bf16) times ``scale_pairs`` (bf16x2),
-    in PTX: the multiplies are packed bf16x2 FMAs, one instruction per two weights, exact (powers of two)."""
-    return tl.inline_asm_elementwise(
-        _SCALED_PAIRS_PTX, "=r,=r,=r,=r,r,r", [words, scale_pairs], dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
-        is_pure=True, pack=1,
-    )
+def _scaled_pairs_asm(words, scale_pairs, ONE_MULTIPLY: tl.constexpr):
+    """:func:`_e2m1_bf16_pairs` times ``2**126`` (0x7E80 in bf16) times ``scale_pairs`` (bf16x2), or
+    with ``ONE_MULTIPLY`` times ``scale_pairs`` alone, in PTX: the multiplies are packed bf16x2
+    FMAs, one instruction per two weights, exact (powers of two)."""
+    if ONE_MULTIPLY:
+        pairs = tl.inline_asm_elementwise(_ONE_MULTIPLY_PTX, "=r,=r,=r,=r,r,r", [words, scale_pairs],
+                                          dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
+    else:
+        pairs = tl.inline_asm_elementwise(_SCALED_PAIRS_PTX, "=r,=r,=r,=r,r,r", [words, scale_pairs],
+                                          dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
+    return pairs
 
 
 @triton.jit
@@ -490,10 +516,14 @@ def _pairs_to_values(p0, p1, p2, p3, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexp
 
 @triton.jit
 def _decoded_tile(words, exponent, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NATURAL_K: tl.constexpr,
-                  INTERPRET: tl.constexpr):
+                  INTERPRET: tl.constexpr, ONE_MULTIPLY: tl.constexpr = False):
     """The weights of int32 ``words [BLOCK_N, BLOCK_K/8]`` (word layout) with int32 e8m0 ``exponent
     [BLOCK_N, BLOCK_K/32]``: ``[BLOCK_N, BLOCK_K]`` bf16 (fp32 under the interpreter), each word's
-    columns in the order 0 4 1 5 2 6 3 7, or in column order with ``NATURAL_K``."""
+    columns in the order 0 4 1 5 2 6 3 7, or in column order with ``NATURAL_K``.
+
+    ``ONE_MULTIPLY``: one bf16x2 multiply per pair instead of two (by ``2**(e - 1)``, exact for
+    scale bytes up to 128, byte 0 included: its values come out as they are, bf16 subnormals);
+    every weight of a block with a byte from 129 on is then +-inf or NaN instead."""
     WORDS: tl.constexpr = BLOCK_K // 8
     BLOCKS: tl.constexpr = BLOCK_K // 32
     if INTERPRET:
@@ -501,13 +531,22 @@ def _decoded_tile(words, exponent, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         pairs = _pairs_to_values(p0, p1, p2, p3, BLOCK_N, BLOCK_K)
         low = (pairs << 16).to(tl.float32, bitcast=True)
         high = (pairs & -0x10000).to(tl.float32, bitcast=True)
-        raw = tl.reshape(tl.join(low, high), [BLOCK_N, BLOCKS, 32]) * 8.507059173023462e37  # 2**126
-        scale = (exponent << 23).to(tl.float32, bitcast=True)
+        raw = tl.reshape(tl.join(low, high), [BLOCK_N, BLOCKS, 32])  # e2m1 * 2**-126
+        if ONE_MULTIPLY:  # as the GPU's: 2**(e - 1) in fp32, +inf from byte 129 on
+            capped = tl.minimum(exponent, _ONE_MULTIPLY_LAST) + _ONE_MULTIPLY_BIAS
+            scale = (capped << 23).to(tl.float32, bitcast=True)
+        else:
+            raw = raw * 8.507059173023462e37  # 2**126
+            scale = (exponent << 23).to(tl.float32, bitcast=True)
         w = tl.reshape(raw * scale[:, :, None], [BLOCK_N, BLOCK_K])
     else:
-        scale_pairs = exponent * _SCALE_PAIR
+        if ONE_MULTIPLY:
+            scale_pairs = (exponent * _SCALE_PAIR + _ONE_MULTIPLY_BIAS * _SCALE_PAIR).to(tl.uint32, bitcast=True)
+            scale_pairs = tl.minimum(scale_pairs, _INF_PAIR).to(tl.int32, bitcast=True)
+        else:
+            scale_pairs = exponent * _SCALE_PAIR
         scale_pairs = tl.reshape(tl.broadcast_to(scale_pairs[:, :, None], [BLOCK_N, BLOCKS, 4]), [BLOCK_N, WORDS])
-        p0, p1, p2, p3 = _scaled_pairs_asm(words, scale_pairs)
+        p0, p1, p2, p3 = _scaled_pairs_asm(words, scale_pairs, ONE_MULTIPLY)
         pairs = _pairs_to_values(p0, p1, p2, p3, BLOCK_N, BLOCK_K)
         low = pairs.to(tl.int16).to(tl.bfloat16, bitcast=True)
         high = (pairs >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
@@ -519,13 +558,15 @@ def _decoded_tile(words, exponent, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 
 @triton.jit
 def _mxfp4_tile(
-    a_ptr, w_ptr, s_ptr, out_ptr, group, first, last, first_column, N, stride_am, stride_om, stride_se, stride_sn,
-    stride_sk, K: tl.constexpr,
+    a_ptr, w_ptr, s_ptr, out_ptr, redo_ptr, group, first, last, first_column, N, stride_am, stride_om, stride_se,
+    stride_sn, stride_sk, K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr, NATURAL_K: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    ONE_MULTIPLY: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """Rows ``[first, min(first + BLOCK_M, last))`` times columns ``[first_column, + BLOCK_N)`` of ``group``;
-    ``w_ptr`` is the packed values read as int32 words (8 nibbles each)."""
+    ``w_ptr`` is the packed values read as int32 words (8 nibbles each). The weights are decoded
+    with one multiply per pair (``ONE_MULTIPLY``, which sets ``redo_ptr[0]`` to 1 if a product is
+    not finite) or two (see :func:`_decoded_tile`)."""
     WORDS: tl.constexpr = BLOCK_K // 8
     BLOCKS: tl.constexpr = BLOCK_K // 32
     words_k = K // 8
@@ -563,8 +604,14 @@ def _mxfp4_tile(
         words = tl.load(w_tile + k // 8, mask=column_mask[:, None] & (k // 8 + word < words_k)[None, :], other=0)
         exponent = tl.load(s_tile + (k // 32) * stride_sk, mask=column_mask[:, None] & (k // 32 + block < scales_k)[None, :],
                            other=0)
-        w = _decoded_tile(words, exponent.to(tl.int32), BLOCK_N, BLOCK_K, NATURAL_K, INTERPRET)
+        w = _decoded_tile(words, exponent.to(tl.int32), BLOCK_N, BLOCK_K, NATURAL_K, INTERPRET, ONE_MULTIPLY)
         acc += _tile_dot(a, w, SWAP_AB, INTERPRET)
+    # A block with a scale byte past 128 decodes to +-inf or NaN in the one-multiply pass, and
+    # every product of the tile that reads it is then not finite (a zero activation times inf is
+    # NaN, so even the masked rows'): the flag has the second pass compute it again.
+    if ONE_MULTIPLY:
+        if tl.min((tl.abs(acc) < _INF).to(tl.int32)) == 0:
+            tl.store(redo_ptr, 1)
     if SWAP_AB:
         acc = tl.trans(acc)
     if INTERPRET:
@@ -757,6 +804,12 @@ def mxfp4_grouped_mm_triton(
 ) -> torch.Tensor:
     """``out[i] = rows[i] @ W[g(i)].T`` with mxfp4 ``W`` decoded in registers.
 
+    Two launches: the first decodes with one multiply per pair of weights and flags (in a
+    one-element device tensor) any tile whose products are not all finite, which a scale byte past
+    128 makes them; the second returns at once unless flagged, and then computes every tile again
+    with two multiplies per pair, exact at any scale (see the module docstring). Both read the flag
+    on the device: nothing syncs with the host.
+
     Args:
         rows: ``[M, K]`` bf16 (unit column stride), ``K`` a multiple of 32.
         values: ``[G, N, K/2]`` uint8 in FlatEP's word layout (the values of a
@@ -798,14 +851,18 @@ def mxfp4_grouped_mm_triton(
                          f"product), got {config}")
     rows_above, rows_at_most = _check_group_rows(group_rows)
     out = _output(rows, columns, out)
-    # K/2 is a multiple of 16 bytes: int32 words.
-    _mxfp4_grouped_kernel[persistent_grid(rows.shape[0], groups, columns, config, rows.device)](
-        rows, values.view(torch.int32), scales, slot_values.view(torch.int32), slot_scales, out, offsets, groups,
-        values.shape[0], slot_base, columns, rows.stride(0), out.stride(0), *scales.stride(), rows_above, rows_at_most,
-        inner,
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
-        GROUPS=triton.next_power_of_2(groups), SWAP_AB=config.swap_ab, NATURAL_K=not config.swap_ab and config.block_m >= 64,
-        INTERPRET=interpreting(),
-        num_warps=config.num_warps, num_stages=config.num_stages,
-    )
+    # Two passes (see the module docstring): the second computes the tiles again, with two
+    # multiplies per pair, only if the first flagged a product that is not finite.
+    redo = torch.zeros(1, dtype=torch.int32, device=rows.device)
+    for one_multiply in (True, False):
+        # K/2 is a multiple of 16 bytes: int32 words.
+        _mxfp4_grouped_kernel[persistent_grid(rows.shape[0], groups, columns, config, rows.device)](
+            rows, values.view(torch.int32), scales, slot_values.view(torch.int32), slot_scales, out, offsets, redo,
+            groups, values.shape[0], slot_base, columns, rows.stride(0), out.stride(0), *scales.stride(), rows_above,
+            rows_at_most, inner,
+            BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
+            GROUPS=triton.next_power_of_2(groups), SWAP_AB=config.swap_ab,
+            NATURAL_K=not config.swap_ab and config.block_m >= 64, ONE_MULTIPLY=one_multiply, INTERPRET=interpreting(),
+            num_warps=config.num_warps, num_stages=config.num_stages,
+        )
     return out

@@ -16,6 +16,9 @@ from flatep.kernels.grouped_tiles import locate_tile, persistent_grid, tile_tabl
 from flatep.kernels.quant_gemm import (
     HOT_ROWS,
     GemmConfig,
+    _INF_PAIR,
+    _ONE_MULTIPLY_BIAS,
+    _ONE_MULTIPLY_PTX,
     _SCALE_PAIR,
     _SCALED_PAIRS_PTX,
     default_config,
@@ -155,10 +158,11 @@ def test_mxfp4_kernel_decodes_every_code_at_any_scale_exactly(config):
     assert torch.equal(out.float(), packed.dequantize()[0].T)
 
 
-def run_decode_ptx(word: int, scale_pair: int) -> list[int]:
-    """The GPU decode's PTX (``_SCALED_PAIRS_PTX``) run instruction by instruction on one word:
-    its integer ops on 32-bit registers, its bf16x2 FMAs in fp32 rounded to bf16 (exact here: the
-    factors are powers of two and the addend -0). Returns the four output registers."""
+def run_decode_ptx(ptx: str, word: int, scale_pair: int) -> list[int]:
+    """The GPU decode's PTX (``_SCALED_PAIRS_PTX`` or ``_ONE_MULTIPLY_PTX``) run instruction by
+    instruction on one word: its integer ops on 32-bit registers, its bf16x2 FMAs in fp32 rounded
+    to bf16 (exact here: the factors are powers of two and the addend -0). Returns the four output
+    registers."""
     registers = {"$4": word, "$5": scale_pair}
 
     def value(operand):
@@ -171,7 +175,7 @@ def run_decode_ptx(word: int, scale_pair: int) -> list[int]:
     def bf16_bits(number):
         return torch.tensor([number], dtype=torch.float32).bfloat16().view(torch.int16).item() & 0xFFFF
 
-    for line in lines_of(_SCALED_PAIRS_PTX.value):
+    for line in lines_of(ptx):
         opcode, operands = line.split(None, 1)
         destination, *sources = [operand.strip() for operand in operands.rstrip(";").split(",")]
         inputs = [value(operand) for operand in sources]
@@ -199,21 +203,43 @@ def lines_of(ptx: str) -> list[str]:
     return [line.strip() for line in ptx.splitlines() if line.strip() and line.strip() not in "{}" and not line.strip().startswith(".reg")]
 
 
-@pytest.mark.parametrize("scale", [1, 100, 127, 130, 200])
-def test_gpu_decode_ptx_yields_each_pair_of_the_word_layout(scale):
+def one_multiply_pair(scale: int) -> int:
+    """The one-multiply decode's factor pair, as the kernel forms it: ``2**(scale - 1)`` in bf16,
+    capped at +inf."""
+    return min(scale * _SCALE_PAIR.value + _ONE_MULTIPLY_BIAS.value * _SCALE_PAIR.value, _INF_PAIR.value)
+
+
+@pytest.mark.parametrize("ptx, pair_of, scale", [
+    *[(_SCALED_PAIRS_PTX.value, lambda scale: scale * _SCALE_PAIR.value, scale) for scale in (1, 100, 127, 130, 200)],
+    *[(_ONE_MULTIPLY_PTX.value, one_multiply_pair, scale) for scale in (0, 1, 100, 127, 128)],
+])
+def test_gpu_decode_ptx_yields_each_pair_of_the_word_layout(ptx, pair_of, scale):
     """The inline PTX (which only a GPU runs) against the layout's definition, on the CPU: pair ``p``
-    of a word is columns ``p`` (low half) and ``p + 4`` (high half), decoded and scaled exactly."""
+    of a word is columns ``p`` (low half) and ``p + 4`` (high half), decoded and scaled exactly
+    (the one-multiply decode up to scale byte 128, byte 0's values as bf16 subnormals)."""
     generator = torch.Generator().manual_seed(scale)
     nibbles = torch.randint(0, 16, (64, 8), generator=generator, dtype=torch.uint8)
     nibbles[:16, 0] = nibbles[16:32, 3] = nibbles[32:48, 5] = nibbles[48:, 7] = torch.arange(16, dtype=torch.uint8)
     words = to_word_layout(nibbles[:, 0::2] | (nibbles[:, 1::2] << 4)).view(torch.int32).squeeze(1)
-    scale_pair = scale * _SCALE_PAIR.value  # as the kernel forms it
     for word, codes in zip(words.tolist(), nibbles.tolist()):
-        pairs = run_decode_ptx(word & 0xFFFFFFFF, scale_pair)
+        pairs = run_decode_ptx(ptx, word & 0xFFFFFFFF, pair_of(scale))
         got = [((pairs[column % 4] >> 16 * (column // 4)) & 0xFFFF) << 16 for column in range(8)]
         got = torch.tensor(got, dtype=torch.int64).to(torch.int32).view(torch.float32)
         expected = torch.tensor([E2M1_VALUES[code] for code in codes]) * 2.0 ** (scale - 127)
         assert torch.equal(got, expected) and torch.equal(torch.signbit(got), torch.signbit(expected))
+
+
+@pytest.mark.parametrize("scale", [129, 130, 200, 254])
+def test_gpu_one_multiply_decode_is_not_finite_past_scale_byte_128(scale):
+    """Past byte 128 the one-multiply factor is capped at +inf: every weight of the block decodes
+    to +-inf (NaN for the zero codes), which flags the tile for the two-multiply pass."""
+    word = to_word_layout(torch.arange(16, dtype=torch.uint8).reshape(2, 8)[:, 0::2]
+                          | (torch.arange(16, dtype=torch.uint8).reshape(2, 8)[:, 1::2] << 4))
+    for packed in word.view(torch.int32).flatten().tolist():
+        pairs = run_decode_ptx(_ONE_MULTIPLY_PTX.value, packed & 0xFFFFFFFF, one_multiply_pair(scale))
+        got = torch.tensor([((pairs[column % 4] >> 16 * (column // 4)) & 0xFFFF) << 16 for column in range(8)],
+                           dtype=torch.int64).to(torch.int32).view(torch.float32)
+        assert not bool(torch.isfinite(got).any())
 
 
 @needs_triton
