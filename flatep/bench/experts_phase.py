@@ -1,0 +1,162 @@
+"""Every rank's experts phase alone, for a sweep config's packed pool and its bf16 twin, and, with
+``--against REV``, for the packed GEMMs of another git revision on the same inputs.
+
+    python -m flatep.bench.experts_phase bench/scripts/h200-decode-k3-mxfp4.yaml --against HEAD~1 --out experts.json
+
+The figure is the sweep's ``experts max`` (:mod:`flatep.bench.sweep`): per cell (s, maxvio) of the
+config, the arm's plan is made and dispatched as there, every rank's
+:func:`flatep.layer.experts_step` is timed (CUDA-graph replays on the GPU, ``graph_calls`` copies
+per graph) with the variants interleaved replay by replay (:func:`flatep.bench.timing.time_interleaved`),
+and the slowest rank's median is kept. The variants are this tree's packed GEMMs (``packed``),
+another revision's (``against``: its ``flatep/kernels/quant_gemm.py`` loaded beside this one, its
+``fp8_grouped_mm_triton`` and ``mxfp4_grouped_mm_triton`` called where this tree calls its own),
+then the bf16 pool (``bf16``), whose times divide the others' (``ratio``). The bf16 pool is made
+after the packed one is freed, so a variant's ratio compares times taken minutes apart, while
+``packed`` and ``against`` run interleaved. Bytes: the slowest rank's experts read their weights
+once (packed: values and scales), which the sweep's ``read%`` counts; this tool reports times only.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import importlib.util
+import json
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+
+import flatep.experts.grouped as grouped
+from flatep.bench.sweep import Cell, Sweep, _random_weights, _set_up_arm, resolve_backend
+from flatep.bench.timing import device_name, time_interleaved
+from flatep.layer import dispatch_step, experts_step
+from flatep.plan.reference import make_plan
+from flatep.plan.triton import make_plan_triton, supports_triton_planner
+
+PACKED_GEMMS = ("fp8_grouped_mm_triton", "mxfp4_grouped_mm_triton")
+"""The functions of :mod:`flatep.kernels.quant_gemm` that ``--against`` swaps for another revision's."""
+
+
+def revision_gemms(revision: str, repository: Path = Path(".")) -> dict[str, Callable]:
+    """The :data:`PACKED_GEMMS` of ``flatep/kernels/quant_gemm.py`` at git ``revision`` of ``repository``.
+
+    The file is written to a temporary directory (Triton compiles a kernel from its source file)
+    and imported under a name of its own; it imports the rest of flatep from this tree.
+
+    Raises:
+        ValueError: if git cannot show the file at ``revision``.
+    """
+    shown = subprocess.run(["git", "-C", str(repository), "show", f"{revision}:flatep/kernels/quant_gemm.py"],
+                           capture_output=True, text=True)
+    if shown.returncode != 0:
+        raise ValueError(f"--against {revision!r}: git cannot show flatep/kernels/quant_gemm.py there: {shown.stderr.strip()}")
+    name = f"flatep_quant_gemm_at_{abs(hash(revision))}"
+    path = Path(tempfile.mkdtemp()) / f"{name}.py"
+    path.write_text(shown.stdout)
+    spec = importlib.util.spec_from_file_location(name, path)
+    module: ModuleType = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up while the file runs
+    spec.loader.exec_module(module)
+    return {function: getattr(module, function) for function in PACKED_GEMMS}
+
+
+@contextlib.contextmanager
+def gemms_in_use(gemms: dict[str, Callable] | None) -> Iterator[None]:
+    """Within the block, the experts call ``gemms`` (a :func:`revision_gemms` result) instead of this
+    tree's packed GEMMs; None changes nothing."""
+    saved = {function: getattr(grouped, function) for function in PACKED_GEMMS}
+    try:
+        for function, replacement in (gemms or {}).items():
+            setattr(grouped, function, replacement)
+        yield
+    finally:
+        for function, original in saved.items():
+            setattr(grouped, function, original)
+
+
+def _experts_calls(shard, shard_weights, pool, setup, rank: int, backend: str, gemms: dict[str, Callable] | None):
+    def call() -> None:
+        with gemms_in_use(gemms):
+            experts_step(shard, shard_weights, pool, setup.plan, setup.group, rank, backend=backend)
+    return call
+
+
+def time_cells(
+    sweep: Sweep, arm: str, cells: list[tuple[int, float]], device: torch.device, against: dict[str, Callable] | None,
+    backend: str,
+) -> list[dict[str, Any]]:
+    """Per cell ``(tokens, maxvio target)``: ``experts_us`` (per variant, every rank's median µs),
+    ``experts_us_max`` (per variant, the slowest rank's) and ``ratio`` (per packed variant, its
+    ``experts_us_max`` over bf16's)."""
+    timing = dict(device=device, warmup=sweep.warmup, iters=sweep.iters, graph=device.type == "cuda",
+                  calls=sweep.graph_calls)
+    config = sweep.ep_config(max(sweep.tokens))
+    planner = make_plan_triton if device.type == "cuda" and supports_triton_planner(config) else make_plan
+    results = {cell: {"tokens": cell[0], "maxvio_target": cell[1], "experts_us": {}} for cell in cells}
+    formats = [sweep.weights] + ([] if sweep.weights == "bf16" else ["bf16"])
+    for weights in formats:
+        formatted = dataclasses.replace(sweep, weights=weights)
+        pool, _, _ = _random_weights(config, device, [arm], weights)
+        cost = formatted.cost_profile().with_expert_bytes(pool.expert_nbytes())
+        variants = {"bf16": None} if weights == "bf16" else {"packed": None, **({"against": against} if against else {})}
+        for tokens, target in cells:
+            cell = Cell(formatted, config, tokens, target, device)
+            setup = _set_up_arm(config, cell, arm, planner, device, backend, cost, {**timing, "iters": 1}, None, False)
+            shard, shard_weights = dispatch_step(cell.x, cell.weights, setup.plan, setup.group, backend)
+            by_rank = [time_interleaved([_experts_calls(shard, shard_weights, pool, setup, rank, backend, gemms)
+                                         for gemms in variants.values()], **timing)
+                       for rank in range(config.ranks)]
+            row = results[(tokens, target)]
+            row["maxvio"] = cell.maxvio
+            for index, variant in enumerate(variants):
+                row["experts_us"][variant] = [times[index].median for times in by_rank]
+            setup.group.close()
+            del shard, shard_weights, setup
+        del pool
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    for row in results.values():
+        row["experts_us_max"] = {variant: max(times) for variant, times in row["experts_us"].items()}
+        if "bf16" in row["experts_us_max"]:
+            row["ratio"] = {variant: us / row["experts_us_max"]["bf16"] for variant, us in row["experts_us_max"].items()}
+    return list(results.values())
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("config", help="a sweep config: shipped name or YAML path (its model, ranks, weights, cells, timing)")
+    parser.add_argument("--arm", default="classic", help="the arm whose plan runs (default classic)")
+    parser.add_argument("--tokens", type=int, nargs="*", help="s values (default: the config's)")
+    parser.add_argument("--maxvio", type=float, nargs="*", help="maxvio targets (default: the config's)")
+    parser.add_argument("--against", metavar="REV", help="also time the packed GEMMs of this git revision")
+    parser.add_argument("--backend", default="auto", help="kernels: auto, triton or torch")
+    parser.add_argument("--out", type=Path, help="write the cells as JSON here")
+    args = parser.parse_args(argv)
+    sweep = Sweep.load(args.config)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    backend = resolve_backend(args.backend, device)
+    cells = [(tokens, float(target)) for tokens in (args.tokens or sweep.tokens) for target in (args.maxvio or sweep.maxvio)]
+    against = revision_gemms(args.against) if args.against else None
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip() or None
+    rows = time_cells(sweep, args.arm, cells, device, against, backend)
+    identity = dict(config=args.config, model=sweep.model_name, weights=sweep.weights, arm=args.arm, device=device_name(device),
+                    backend=backend, commit=commit, against=args.against, timing="cuda_graph" if device.type == "cuda" else "eager")
+    rows = [{**identity, **row} for row in rows]
+    for row in rows:
+        shown = ", ".join(f"{variant} {us:.1f}" + (f" ({row['ratio'][variant]:.3f}x)" if "ratio" in row else "")
+                          for variant, us in row["experts_us_max"].items())
+        print(f"{sweep.model_name} {sweep.weights} s={row['tokens']} maxvio={row['maxvio_target']:g} {args.arm}: "
+              f"slowest rank's experts, us: {shown}", flush=True)
+    if args.out:
+        args.out.write_text(json.dumps(rows, indent=1))
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,71 @@
+"""The experts-phase timer: its cells, its variants, and the swap of the packed GEMMs for another revision's."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+import flatep.experts.grouped as grouped
+from flatep.bench.experts_phase import PACKED_GEMMS, gemms_in_use, main, revision_gemms
+from flatep.kernels.backend import use_triton
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+REPOSITORY = Path(__file__).resolve().parents[2]
+has_history = shutil.which("git") is not None and subprocess.run(
+    ["git", "-C", str(REPOSITORY), "rev-parse", "HEAD"], capture_output=True).returncode == 0
+needs_history = pytest.mark.skipif(not has_history, reason="needs the git history of the checkout")
+
+TINY_MXFP4 = """
+name: tiny-mxfp4
+model: {hidden: 64, experts: 8, top_k: 2, intermediate: 64}
+ranks: 2
+tokens: [8]
+maxvio: [0, 2]
+arms: [classic]
+weights: mxfp4
+warmup: 0
+iters: 1
+"""
+
+
+def test_gemms_in_use_swaps_the_packed_gemms_and_restores_them():
+    originals = {name: getattr(grouped, name) for name in PACKED_GEMMS}
+    replacements = {name: (lambda *args, **kwargs: None) for name in PACKED_GEMMS}
+    with gemms_in_use(replacements):
+        assert all(getattr(grouped, name) is replacements[name] for name in PACKED_GEMMS)
+    assert all(getattr(grouped, name) is originals[name] for name in PACKED_GEMMS)
+    with pytest.raises(RuntimeError), gemms_in_use(replacements):
+        raise RuntimeError("restored on errors too")
+    assert all(getattr(grouped, name) is originals[name] for name in PACKED_GEMMS)
+
+
+@needs_history
+def test_revision_gemms_loads_that_revisions_kernels_and_rejects_unknown_ones(monkeypatch):
+    monkeypatch.chdir(REPOSITORY)
+    gemms = revision_gemms("HEAD")
+    assert set(gemms) == set(PACKED_GEMMS)
+    assert all(gemms[name] is not getattr(grouped, name) for name in PACKED_GEMMS)
+    with pytest.raises(ValueError, match="--against 'no-such-revision'"):
+        revision_gemms("no-such-revision")
+
+
+@needs_history
+def test_cells_time_every_variant_on_every_rank(tmp_path, monkeypatch):
+    monkeypatch.chdir(REPOSITORY)
+    config = tmp_path / "tiny.yaml"
+    config.write_text(TINY_MXFP4)
+    out = tmp_path / "experts.json"
+    # The Triton kernels (interpreter on CPU) where they run: the --against variant then calls HEAD's.
+    backend = "triton" if use_triton(DEVICE) else "torch"
+    rows = main([str(config), "--against", "HEAD", "--backend", backend, "--out", str(out)])
+    assert json.loads(out.read_text()) == rows
+    assert [(row["tokens"], row["maxvio_target"]) for row in rows] == [(8, 0.0), (8, 2.0)]
+    for row in rows:
+        assert set(row["experts_us"]) == {"packed", "against", "bf16"}
+        assert all(len(times) == 2 and min(times) > 0 for times in row["experts_us"].values())
+        assert row["experts_us_max"]["packed"] == max(row["experts_us"]["packed"])
+        assert row["ratio"]["bf16"] == 1.0 and row["against"] == "HEAD" and row["weights"] == "mxfp4"
