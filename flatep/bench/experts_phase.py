@@ -14,6 +14,8 @@ then the bf16 pool (``bf16``), whose times divide the others' (``ratio``). The b
 after the packed one is freed, so a variant's ratio compares times taken minutes apart, while
 ``packed`` and ``against`` run interleaved. Bytes: the slowest rank's experts read their weights
 once (packed: values and scales), which the sweep's ``read%`` counts; this tool reports times only.
+``--profile`` adds the slowest rank's time per kernel (eager calls under :mod:`torch.profiler`: the
+kernels' own times, without the launch gaps that the graph replays include).
 """
 from __future__ import annotations
 
@@ -87,13 +89,32 @@ def _experts_calls(shard, shard_weights, pool, setup, rank: int, backend: str, g
     return call
 
 
+def kernel_times(call: Callable[[], None], device: torch.device, calls: int = 3) -> dict[str, float]:
+    """GPU time per kernel name of one ``call()`` (µs; :mod:`torch.profiler` over ``calls`` eager
+    calls after one untimed), slowest first; empty off CUDA. Kernels of one name add up."""
+    if device.type != "cuda":
+        return {}
+    call()
+    torch.cuda.synchronize(device)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profiler:
+        for _ in range(calls):
+            call()
+        torch.cuda.synchronize(device)
+    totals: dict[str, float] = {}
+    for event in profiler.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            totals[event.name] = totals.get(event.name, 0.0) + event.device_time_total / calls
+    return dict(sorted(totals.items(), key=lambda item: -item[1]))
+
+
 def time_cells(
     sweep: Sweep, arm: str, cells: list[tuple[int, float]], device: torch.device, against: dict[str, Callable] | None,
-    backend: str,
+    backend: str, profile: bool = False,
 ) -> list[dict[str, Any]]:
     """Per cell ``(tokens, maxvio target)``: ``experts_us`` (per variant, every rank's median µs),
     ``experts_us_max`` (per variant, the slowest rank's) and ``ratio`` (per packed variant, its
-    ``experts_us_max`` over bf16's)."""
+    ``experts_us_max`` over bf16's); with ``profile``, ``kernels_us`` (per variant, the slowest
+    rank's :func:`kernel_times`)."""
     timing = dict(device=device, warmup=sweep.warmup, iters=sweep.iters, graph=device.type == "cuda",
                   calls=sweep.graph_calls)
     config = sweep.ep_config(max(sweep.tokens))
@@ -116,6 +137,10 @@ def time_cells(
             row["maxvio"] = cell.maxvio
             for index, variant in enumerate(variants):
                 row["experts_us"][variant] = [times[index].median for times in by_rank]
+                if profile:
+                    slowest = max(range(config.ranks), key=lambda rank: by_rank[rank][index].median)
+                    row.setdefault("kernels_us", {})[variant] = kernel_times(
+                        _experts_calls(shard, shard_weights, pool, setup, slowest, backend, variants[variant]), device)
             setup.group.close()
             del shard, shard_weights, setup
         del pool
@@ -136,6 +161,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--maxvio", type=float, nargs="*", help="maxvio targets (default: the config's)")
     parser.add_argument("--against", metavar="REV", help="also time the packed GEMMs of this git revision")
     parser.add_argument("--backend", default="auto", help="kernels: auto, triton or torch")
+    parser.add_argument("--profile", action="store_true",
+                        help="also record the slowest rank's GPU time per kernel (torch.profiler, eager calls)")
     parser.add_argument("--out", type=Path, help="write the cells as JSON here")
     args = parser.parse_args(argv)
     sweep = Sweep.load(args.config)
@@ -144,7 +171,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     cells = [(tokens, float(target)) for tokens in (args.tokens or sweep.tokens) for target in (args.maxvio or sweep.maxvio)]
     against = revision_gemms(args.against) if args.against else None
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip() or None
-    rows = time_cells(sweep, args.arm, cells, device, against, backend)
+    rows = time_cells(sweep, args.arm, cells, device, against, backend, args.profile)
     identity = dict(config=args.config, model=sweep.model_name, weights=sweep.weights, arm=args.arm, device=device_name(device),
                     backend=backend, commit=commit, against=args.against, timing="cuda_graph" if device.type == "cuda" else "eager")
     rows = [{**identity, **row} for row in rows]
@@ -153,6 +180,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                           for variant, us in row["experts_us_max"].items())
         print(f"{sweep.model_name} {sweep.weights} s={row['tokens']} maxvio={row['maxvio_target']:g} {args.arm}: "
               f"slowest rank's experts, us: {shown}", flush=True)
+        for variant, kernels in row.get("kernels_us", {}).items():
+            print(f"  {variant} kernels, us per call: " + ", ".join(f"{name[:40]} {us:.1f}" for name, us in kernels.items()))
     if args.out:
         args.out.write_text(json.dumps(rows, indent=1))
     return rows

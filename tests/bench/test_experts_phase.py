@@ -61,7 +61,7 @@ def test_cells_time_every_variant_on_every_rank(tmp_path, monkeypatch):
     out = tmp_path / "experts.json"
     # The Triton kernels (interpreter on CPU) where they run: the --against variant then calls HEAD's.
     backend = "triton" if use_triton(DEVICE) else "torch"
-    rows = main([str(config), "--against", "HEAD", "--backend", backend, "--out", str(out)])
+    rows = main([str(config), "--against", "HEAD", "--backend", backend, "--profile", "--out", str(out)])
     assert json.loads(out.read_text()) == rows
     assert [(row["tokens"], row["maxvio_target"]) for row in rows] == [(8, 0.0), (8, 2.0)]
     for row in rows:
@@ -69,3 +69,6 @@ def test_cells_time_every_variant_on_every_rank(tmp_path, monkeypatch):
         assert all(len(times) == 2 and min(times) > 0 for times in row["experts_us"].values())
         assert row["experts_us_max"]["packed"] == max(row["experts_us"]["packed"])
         assert row["ratio"]["bf16"] == 1.0 and row["against"] == "HEAD" and row["weights"] == "mxfp4"
+        # Per kernel on a GPU (the experts' GEMMs among them); the profiler is not run on the CPU.
+        assert set(row["kernels_us"]) == {"packed", "against", "bf16"}
+        assert all(bool(kernels) == (DEVICE.type == "cuda") for kernels in row["kernels_us"].values())
