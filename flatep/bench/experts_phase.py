@@ -8,9 +8,9 @@ config, the arm's plan is made and dispatched as there, every rank's
 :func:`flatep.layer.experts_step` is timed (CUDA-graph replays on the GPU, ``graph_calls`` copies
 per graph) with the variants interleaved replay by replay (:func:`flatep.bench.timing.time_interleaved`),
 and the slowest rank's median is kept. The variants are this tree's packed GEMMs (``packed``),
-another revision's (``against``: its ``flatep/kernels/quant_gemm.py`` loaded beside this one, its
-``fp8_grouped_mm_triton`` and ``mxfp4_grouped_mm_triton`` called where this tree calls its own),
-then the bf16 pool (``bf16``), whose times divide the others' (``ratio``). The bf16 pool is made
+another revision's (``against``: its ``flatep/kernels/quant_gemm.py``, or a copy of that file,
+loaded beside this one, its ``fp8_grouped_mm_triton`` and ``mxfp4_grouped_mm_triton`` called where
+this tree calls its own), then the bf16 pool (``bf16``), whose times divide the others' (``ratio``). The bf16 pool is made
 after the packed one is freed, so a variant's ratio compares times taken minutes apart, while
 ``packed`` and ``against`` run interleaved. Bytes: the slowest rank's experts read their weights
 once (packed: values and scales), which the sweep's ``read%`` counts; this tool reports times only.
@@ -46,7 +46,9 @@ PACKED_GEMMS = ("fp8_grouped_mm_triton", "mxfp4_grouped_mm_triton")
 
 
 def revision_gemms(revision: str, repository: Path = Path(".")) -> dict[str, Callable]:
-    """The :data:`PACKED_GEMMS` of ``flatep/kernels/quant_gemm.py`` at git ``revision`` of ``repository``.
+    """The :data:`PACKED_GEMMS` of ``flatep/kernels/quant_gemm.py`` at git ``revision`` of ``repository``,
+    or of the file ``revision`` names if it is a ``.py`` file (a copy of that module, for a machine
+    whose checkout lacks the history).
 
     The file is written to a temporary directory (Triton compiles a kernel from its source file)
     and imported under a name of its own; it imports the rest of flatep from this tree.
@@ -54,13 +56,17 @@ def revision_gemms(revision: str, repository: Path = Path(".")) -> dict[str, Cal
     Raises:
         ValueError: if git cannot show the file at ``revision``.
     """
-    shown = subprocess.run(["git", "-C", str(repository), "show", f"{revision}:flatep/kernels/quant_gemm.py"],
-                           capture_output=True, text=True)
-    if shown.returncode != 0:
-        raise ValueError(f"--against {revision!r}: git cannot show flatep/kernels/quant_gemm.py there: {shown.stderr.strip()}")
     name = f"flatep_quant_gemm_at_{abs(hash(revision))}"
     path = Path(tempfile.mkdtemp()) / f"{name}.py"
-    path.write_text(shown.stdout)
+    if revision.endswith(".py") and Path(revision).is_file():
+        path.write_text(Path(revision).read_text())
+    else:
+        shown = subprocess.run(["git", "-C", str(repository), "show", f"{revision}:flatep/kernels/quant_gemm.py"],
+                               capture_output=True, text=True)
+        if shown.returncode != 0:
+            raise ValueError(f"--against {revision!r}: git cannot show flatep/kernels/quant_gemm.py there: "
+                             f"{shown.stderr.strip()}")
+        path.write_text(shown.stdout)
     spec = importlib.util.spec_from_file_location(name, path)
     module: ModuleType = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # dataclasses look their module up while the file runs
@@ -159,7 +165,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--arm", default="classic", help="the arm whose plan runs (default classic)")
     parser.add_argument("--tokens", type=int, nargs="*", help="s values (default: the config's)")
     parser.add_argument("--maxvio", type=float, nargs="*", help="maxvio targets (default: the config's)")
-    parser.add_argument("--against", metavar="REV", help="also time the packed GEMMs of this git revision")
+    parser.add_argument("--against", metavar="REV",
+                        help="also time the packed GEMMs of this git revision (or of this copy of quant_gemm.py)")
     parser.add_argument("--backend", default="auto", help="kernels: auto, triton or torch")
     parser.add_argument("--profile", action="store_true",
                         help="also record the slowest rank's GPU time per kernel (torch.profiler, eager calls)")

@@ -53,6 +53,14 @@ def test_revision_gemms_loads_that_revisions_kernels_and_rejects_unknown_ones(mo
         revision_gemms("no-such-revision")
 
 
+def test_revision_gemms_takes_a_copy_of_the_module(tmp_path):
+    copy = tmp_path / "quant_gemm_copy.py"
+    copy.write_text((REPOSITORY / "flatep/kernels/quant_gemm.py").read_text())
+    gemms = revision_gemms(str(copy))
+    assert set(gemms) == set(PACKED_GEMMS)
+    assert all(gemms[name] is not getattr(grouped, name) for name in PACKED_GEMMS)
+
+
 @needs_history
 def test_cells_time_every_variant_on_every_rank(tmp_path, monkeypatch):
     monkeypatch.chdir(REPOSITORY)
