@@ -1,38 +1,18 @@
 """Result set: launches of the fp8 activation quantization (flatep.kernels.quant_gemm.quantize_fp8_activations_triton)
 on one GPU, K = 7168 (Kimi-K2's hidden size), at 1024, 8192 and 65536 rows (a Kimi-K2 rank's decode
 and prefill shards): per (rows per block, programs per SM, warps), the CUDA-graph time of one call
-(5 calls per graph, median of 10 replays) and whether its values and scales equal the first
+(flatep.bench.timing.time_us: 5 calls per graph, median of 10 replays) and whether its values and scales equal the first
 launch's bit for bit. Bytes moved per call: rows x K x 3 (bf16 read, e4m3 written; the scales are
 1/128 of that).
     python3 bench/scripts/act_quant_launch.py        (from the repository root, on a GPU)
 """
-import statistics
-
 import torch
 
 import flatep.kernels.quant_gemm as quant_gemm
+from flatep.bench.timing import time_us
 
 LAUNCHES = [(16, 8, 4), (16, 32, 4), (32, 16, 4), (32, 32, 4), (64, 8, 4), (64, 16, 8), (16, 64, 2), (8, 64, 2)]
 device = torch.device("cuda")
-
-
-def graph_us(fn, calls: int = 5, replays: int = 10) -> float:
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    times = []
-    for _ in range(replays):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop) * 1000 / calls)
-    return statistics.median(times)
 
 
 for rows in (1024, 8192, 65536):
@@ -46,6 +26,6 @@ for rows in (1024, 8192, 65536):
         if first is None:
             first = (values.view(torch.uint8).clone(), scales.clone())
         same = torch.equal(values.view(torch.uint8), first[0]) and torch.equal(scales, first[1])
-        us = graph_us(lambda: quant_gemm.quantize_fp8_activations_triton(x, end))
+        us = time_us(lambda: quant_gemm.quantize_fp8_activations_triton(x, end), device, warmup=1, iters=10, graph=True, calls=5)
         line.append(f"m{block_m} p{per_sm} w{warps}: {us:.1f}{'' if same else ' MISMATCH'}")
     print(f"act quant rows={rows} ({rows * 7168 * 3 / 1e6:.0f} MB moved): " + "; ".join(line), flush=True)

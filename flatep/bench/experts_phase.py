@@ -6,12 +6,13 @@
 The figure is the sweep's ``experts max`` (:mod:`flatep.bench.sweep`): per cell (s, maxvio) of the
 config, the arm's plan is made and dispatched as there, every rank's
 :func:`flatep.layer.experts_step` is timed (CUDA-graph replays on the GPU, ``graph_calls`` copies
-per graph) with the variants interleaved replay by replay (:func:`flatep.bench.timing.time_interleaved`),
-and the slowest rank's median is kept. The variants are this tree's packed GEMMs (``packed``),
-another revision's (``against``: its ``flatep/kernels/quant_gemm.py``, or a copy of that file,
-loaded beside this one, its ``fp8_grouped_mm_triton`` and ``mxfp4_grouped_mm_triton`` called where
-this tree calls its own), then the bf16 pool (``bf16``), whose times divide the others' (``ratio``). The bf16 pool is made
-after the packed one is freed, so a variant's ratio compares times taken minutes apart, while
+per graph) with the variants interleaved replay by replay
+(:func:`flatep.bench.timing.time_interleaved`), and the slowest rank's median is kept. The variants
+are this tree's packed GEMMs (``packed``), another revision's (``against``: its
+``flatep/kernels/quant_gemm.py``, or a copy of that file, loaded beside this one, its
+``fp8_grouped_mm_triton`` and ``mxfp4_grouped_mm_triton`` called where this tree calls its own),
+then the bf16 pool (``bf16``), whose times divide the others' (``ratio``). The bf16 pool is made
+after the packed one is freed, so a variant's ratio compares times not taken interleaved, while
 ``packed`` and ``against`` run interleaved. Bytes: the slowest rank's experts read their weights
 once (packed: values and scales), which the sweep's ``read%`` counts; this tool reports times only.
 ``--profile`` adds the slowest rank's time per kernel (eager calls under :mod:`torch.profiler`: the
