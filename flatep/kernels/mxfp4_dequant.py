@@ -10,9 +10,11 @@ written), and the buffer's ``2`` bytes per weight of memory for the call
 (:func:`mxfp4_grouped_mm_bf16`).
 
 The decode is the GEMM's own (FlatEP's word layout, :data:`flatep.quant.mxfp4.WORD_PAIRS`, two
-weights per instruction), followed by the permutation back to column order; exact, like the
-GEMM's: an e2m1 value times a power of two is a bf16, except that a scale byte 0 (``2**-127``)
-gives 0, as in the GEMM (its values are below ``6 * 2**-127``).
+weights per instruction) in its two-multiply form, exact at every scale byte, followed by the
+permutation back to column order: an e2m1 value times a power of two is a bf16, except that a
+scale byte 0 (``2**-127``) gives 0, as in the GEMM's second pass (its values are below
+``6 * 2**-127``). This kernel reads every weight once, so the GEMM's one-multiply first pass
+would save it little.
 """
 from __future__ import annotations
 
