@@ -13,8 +13,7 @@ The decode is the GEMM's own (FlatEP's word layout, :data:`flatep.quant.mxfp4.WO
 weights per instruction) in its two-multiply form, exact at every scale byte, followed by the
 permutation back to column order: an e2m1 value times a power of two is a bf16, except that a
 scale byte 0 (``2**-127``) gives 0, as in the GEMM's second pass (its values are below
-``6 * 2**-127``). This kernel reads every weight once, so the GEMM's one-multiply first pass
-would save it little.
+``6 * 2**-127``).
 """
 from __future__ import annotations
 
