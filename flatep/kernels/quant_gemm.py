@@ -36,43 +36,43 @@ each weight tile is read by the band's row tiles back to back.
   instead scales the accumulator into the step's units and lets the MMA add in place (one
   accumulator: 256 x 128 on 8 warps in 252 registers), for tiles that load fewer bytes per
   product at prefill sizes; a tile-sweep candidate.
-- mxfp4 (:func:`mxfp4_grouped_mm_triton`): reads the packed values as int32 words (8 columns
-  each, in FlatEP's word layout, :data:`flatep.quant.mxfp4.WORD_PAIRS`) and their e8m0 scales,
-  and decodes them in registers into bf16, exactly (e2m1 times a power of two), for bf16
-  tensor-core dots. The decode works on whole words, two weights per instruction: pair ``p`` of a
-  word (columns ``p`` and ``p + 4``) is the word rotated by a constant and masked (two such terms
-  ORed for the last pair), which places both codes bit for bit into the two halves of a bf16 pair
-  (sign to bit 15, exponent and mantissa to bits 8-6): ``e2m1 * 2**-126`` for every code (codes 0
-  and 1 become bf16 subnormals). The layout is chosen for that: in the checkpoint's nibble order a
-  code's sign and magnitude need different shifts, two shifts and two masks per pair (a local
-  sm_90 compile of the 16-row tile's K step: 243 instructions against 289, and 497 against 592
-  for the 32-row tile). One packed bf16x2 multiply by the block's ``2**(e - 1)`` finishes each
-  pair (PTX inline assembly; exact, including the subnormal inputs, which bf16 arithmetic keeps).
-  That factor is a bf16 only up to scale byte 128 (weights up to 12, which real checkpoints stay
-  well under); from byte 129 on it is capped at +inf, which makes every product of the tile that
-  reads such a block +-inf or NaN. A tile whose products are not all finite sets a flag, and a
-  second launch, which returns at once while the flag is clear, computes the launch's tiles again
-  with two multiplies per pair (by ``2**126``, then by ``2**(e - 127)``: exact at every byte), so
-  the result is exact for any scales. One multiply instead of two takes 418 instructions per K
-  step of the 16 x 128 x 64 tile on 2 warps against 450 (168 registers a thread either way), and
-  463 against 495 for the 32 x 256 x 64 tile (236 registers against 218; local sm_90 compile,
-  Triton 3.6). Byte 0 (``2**-127``) decodes to its values (bf16 subnormals) in the first pass and
-  to 0 in the second (they are below ``6 * 2**-127`` anyway). A word yields columns in the order 0
-  4 1 5 2 6 3 7. Short tiles run the dot over K in that order and permute the activations alike as they are
-  loaded (in registers); tall unswapped tiles (a warp-group MMA, whose weight operand goes
-  through shared memory anyway) put the decoded weights back in column order and take the
-  activations as they are (local sm_90 compile of the 128-row tile's K step: 196 instructions in
-  153 registers a thread, against 246 in 211 with permuted activations). The interpreter runs
-  the same bit placement and multiplies in fp32, with the same cap and flag. The scales may lie in any strides. Pools hold
-  them column-fastest (:func:`flatep.quant.columns_fastest`): a K step's scales of a tile's
-  columns are then contiguous bytes, which Triton copies asynchronously in the software pipeline
-  with the words. In the checkpoint's order a step takes a few bytes per column, too few for an
-  asynchronous copy (4 bytes at least), and the decode, which needs them before the step's dot,
-  waits on a synchronous global load and a shared-memory exchange each step (local sm_90
-  compile, Triton 3.6 and 3.9: the 16- and 32-row tiles of :func:`default_config` then hold no
-  synchronous load in their K loop; the 64-row tile, with 2 scale bytes a thread, keeps one).
-  ``tl.dot_scaled`` (bf16 times e2m1) would be the alternative; on Hopper Triton 3.6 upcasts its
-  e2m1 operand itself and measured no faster, and its interpreter has no ``dot_scaled``.
+- mxfp4 (:func:`mxfp4_grouped_mm_triton`): reads the packed values as int32 words (8 columns each,
+  in FlatEP's word layout, :data:`flatep.quant.mxfp4.WORD_PAIRS`) and their e8m0 scales, and decodes
+  them in registers into bf16, exactly (e2m1 times a power of two), for bf16 tensor-core dots. The
+  decode works on whole words, two weights per instruction: pair ``p`` of a word (columns ``p`` and
+  ``p + 4``) is the word rotated by a constant and masked (two such terms ORed for the last pair),
+  which places both codes bit for bit into the two halves of a bf16 pair (sign to bit 15, exponent
+  and mantissa to bits 8-6): ``e2m1 * 2**-126`` for every code (codes 0 and 1 become bf16
+  subnormals). The layout is chosen for that: in the checkpoint's nibble order a code's sign and
+  magnitude need different shifts, two shifts and two masks per pair (a local sm_90 compile of the
+  16-row tile's K step: 243 instructions against 289, and 497 against 592 for the 32-row tile). One
+  packed bf16x2 multiply by the block's ``2**(e - 1)`` finishes each pair (PTX inline assembly;
+  exact, including the subnormal inputs, which bf16 arithmetic keeps). That factor is a bf16 only up
+  to scale byte 128 (weights up to 12, which real checkpoints stay well under); from byte 129 on it
+  is capped at +inf, which makes every product of the tile that reads such a block +-inf or NaN. A
+  tile whose products are not all finite sets a flag, and a second launch, which returns at once
+  while the flag is clear, computes the launch's tiles again with two multiplies per pair (by
+  ``2**126``, then by ``2**(e - 127)``: exact at every byte), so the result is exact for any scales.
+  One multiply instead of two takes 418 instructions per K step of the 16 x 128 x 64 tile on 2 warps
+  against 450 (168 registers a thread either way), and 463 against 495 for the 32 x 256 x 64 tile
+  (236 registers against 218; local sm_90 compile, Triton 3.6). Byte 0 (``2**-127``) decodes to its
+  values (bf16 subnormals) in the first pass and to 0 in the second (they are below ``6 * 2**-127``
+  anyway). A word yields columns in the order 0 4 1 5 2 6 3 7. Short tiles run the dot over K in
+  that order and permute the activations alike as they are loaded (in registers); tall unswapped
+  tiles (a warp-group MMA, whose weight operand goes through shared memory anyway) put the decoded
+  weights back in column order and take the activations as they are (local sm_90 compile of the
+  128-row tile's K step: 196 instructions in 153 registers a thread, against 246 in 211 with
+  permuted activations). The interpreter runs the same bit placement and multiplies in fp32, with
+  the same cap and flag. The scales may lie in any strides. Pools hold them column-fastest
+  (:func:`flatep.quant.columns_fastest`): a K step's scales of a tile's columns are then contiguous
+  bytes, which Triton copies asynchronously in the software pipeline with the words. In the
+  checkpoint's order a step takes a few bytes per column, too few for an asynchronous copy (4 bytes
+  at least), and the decode, which needs them before the step's dot, waits on a synchronous global
+  load and a shared-memory exchange each step (local sm_90 compile, Triton 3.6 and 3.9: the 16- and
+  32-row tiles of :func:`default_config` then hold no synchronous load in their K loop; the 64-row
+  tile, with 2 scale bytes a thread, keeps one). ``tl.dot_scaled`` (bf16 times e2m1) would be the
+  alternative; on Hopper Triton 3.6 upcasts its e2m1 operand itself and measured no faster, and its
+  interpreter has no ``dot_scaled``.
 
 ``K`` is a compile-time constant of the GEMM kernels (one compilation per layer shape): the K loop
 stays a ``for`` loop over constant bounds, which Triton software-pipelines (``num_stages``; it does
