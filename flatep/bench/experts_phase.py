@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 import flatep.experts.grouped as grouped
-from flatep.bench.sweep import Cell, Sweep, _random_weights, _set_up_arm, resolve_backend
+from flatep.bench.sweep import Cell, Sweep, _random_weights, _set_up_arm, arm_policy, known_arms, resolve_backend
 from flatep.bench.timing import device_name, time_interleaved
 from flatep.layer import dispatch_step, experts_step
 from flatep.plan.reference import make_plan
@@ -173,6 +173,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                         help="also record the slowest rank's GPU time per kernel (torch.profiler, eager calls)")
     parser.add_argument("--out", type=Path, help="write the cells as JSON here")
     args = parser.parse_args(argv)
+    if arm_policy(args.arm) is None:  # an unknown arm raises there, naming the known ones
+        parser.error(f"--arm must be an EP arm (one of {[arm for arm in known_arms() if arm_policy(arm)]}), got {args.arm!r}")
+    if any(tokens < 1 for tokens in args.tokens or []) or any(target < 0 for target in args.maxvio or []):
+        parser.error(f"--tokens must be positive and --maxvio at least 0, got {args.tokens} and {args.maxvio}")
     sweep = Sweep.load(args.config)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     backend = resolve_backend(args.backend, device)

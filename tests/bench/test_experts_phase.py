@@ -80,3 +80,16 @@ def test_cells_time_every_variant_on_every_rank(tmp_path, monkeypatch):
         # Per kernel on a GPU (the experts' GEMMs among them); the profiler is not run on the CPU.
         assert set(row["kernels_us"]) == {"packed", "against", "bf16"}
         assert all(bool(kernels) == (DEVICE.type == "cuda") for kernels in row["kernels_us"].values())
+
+
+@pytest.mark.parametrize("options, message", [
+    (["--arm", "dense"], "--arm must be an EP arm"), (["--arm", "nope"], "arm must be one of"),
+    (["--tokens", "0"], "--tokens must be positive"), (["--maxvio", "-1"], "--maxvio at least 0"),
+])
+def test_bad_options_are_refused(tmp_path, options, message, capsys):
+    config = tmp_path / "tiny.yaml"
+    config.write_text(TINY_MXFP4)
+    with pytest.raises((SystemExit, ValueError)) as raised:
+        main([str(config), *options])
+    shown = capsys.readouterr().err if raised.type is SystemExit else str(raised.value)
+    assert message in shown
