@@ -178,6 +178,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     if any(tokens < 1 for tokens in args.tokens or []) or any(target < 0 for target in args.maxvio or []):
         parser.error(f"--tokens must be positive and --maxvio at least 0, got {args.tokens} and {args.maxvio}")
     sweep = Sweep.load(args.config)
+    if args.against and sweep.weights == "bf16":
+        parser.error(f"--against swaps the packed GEMMs: {args.config} runs bf16 experts, which have none")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     backend = resolve_backend(args.backend, device)
     cells = [(tokens, float(target)) for tokens in (args.tokens or sweep.tokens) for target in (args.maxvio or sweep.maxvio)]

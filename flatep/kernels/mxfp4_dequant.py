@@ -32,14 +32,14 @@ THROUGH_BF16_ROWS = 512
 ``rows_per_group``) from which mxfp4 GEMMs run :func:`mxfp4_grouped_mm_bf16` rather than the
 in-register kernel. On the H200 (one Kimi-K3 rank, 112 experts; bench/results/2026-12-05-h200-d,
 ``python -m flatep.quant.bench --quick``), against bf16 ``torch._grouped_mm``: at 256 rows per
-expert 1.95x through bf16 against 1.70-1.77x for the best tiles, at 1024 rows 1.08x (gate/up)
-and 1.25x (down) against 1.65x and 1.88x. The route's time less the bf16 arm's was 1.6-1.8 ms
-for gate/up (4.9 GB of bf16 written) and 0.85-0.87 ms for down at 16 to 256 rows per expert (at
-1024 rows 0.6 and 0.8 ms: the two arms' bf16 GEMMs were not timed alike there), a fixed price,
-while the tiles' excess over bf16 grows with the rows. Interpolating between the two sizes
-timed, the route breaks even somewhere near 350 rows; 512 keeps a margin. The route holds a bf16 copy of one weight set for the call (4.9 GB
-for a Kimi-K3 rank's gate/up weights): where memory is shorter than time, set this (read at each
-call) to ``2**31`` to keep the in-register kernel at every size."""
+expert 1.95x through bf16 against 1.70-1.77x for the best tiles, at 1024 rows 1.08x (gate/up) and
+1.25x (down) against 1.65x and 1.88x. The route's time less the bf16 arm's was 1.6-1.8 ms for
+gate/up (4.9 GB of bf16 written) and 0.85-0.87 ms for down at 16 to 256 rows per expert (at 1024
+rows 0.6 and 0.8 ms: the two arms' bf16 GEMMs were not timed alike there), a fixed price, while the
+tiles' excess over bf16 grows with the rows. Interpolating between the two sizes timed, the route
+breaks even somewhere near 350 rows; 512 keeps a margin. The route holds a bf16 copy of one weight
+set for the call (4.9 GB for a Kimi-K3 rank's gate/up weights): where memory is shorter than time,
+set this (read at each call) to ``2**31`` to keep the in-register kernel at every size."""
 
 
 @triton.jit

@@ -85,10 +85,13 @@ def test_cells_time_every_variant_on_every_rank(tmp_path, monkeypatch):
 @pytest.mark.parametrize("options, message", [
     (["--arm", "dense"], "--arm must be an EP arm"), (["--arm", "nope"], "arm must be one of"),
     (["--tokens", "0"], "--tokens must be positive"), (["--maxvio", "-1"], "--maxvio at least 0"),
+    (["--against", "HEAD"], "--against swaps the packed GEMMs"),
 ])
 def test_bad_options_are_refused(tmp_path, options, message, capsys):
     config = tmp_path / "tiny.yaml"
     config.write_text(TINY_MXFP4)
+    if options == ["--against", "HEAD"]:  # nothing to swap in a bf16 pool
+        config.write_text(TINY_MXFP4.replace("weights: mxfp4", "weights: bf16"))
     with pytest.raises((SystemExit, ValueError)) as raised:
         main([str(config), *options])
     shown = capsys.readouterr().err if raised.type is SystemExit else str(raised.value)

@@ -57,7 +57,7 @@ def test_experts_of_empty_groups_are_not_decoded():
 
 
 @needs_triton
-def test_scale_byte_zero_decodes_to_zero_as_in_the_gemm():
+def test_scale_byte_zero_decodes_to_zero_as_in_the_gemms_two_multiply_pass():
     packed = packed_weights(1, 8, 64, seed=3)
     packed.scales[0, 2, 1] = 0  # 2**-127: its values (below 6 * 2**-127) decode to 0
     got = dequantize_mxfp4_triton(packed.values, packed.scales)
