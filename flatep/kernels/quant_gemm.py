@@ -53,26 +53,33 @@ each weight tile is read by the band's row tiles back to back.
   tile whose products are not all finite sets a flag, and a second launch, which returns at once
   while the flag is clear, computes the launch's tiles again with two multiplies per pair (by
   ``2**126``, then by ``2**(e - 127)``: exact at every byte), so the result is exact for any scales.
-  One multiply instead of two takes 418 instructions per K step of the 16 x 128 x 64 tile on 2 warps
-  against 450 (168 registers a thread either way), and 463 against 495 for the 32 x 256 x 64 tile
-  (236 registers against 218; local sm_90 compile, Triton 3.6). Byte 0 (``2**-127``) decodes to its
-  values (bf16 subnormals) in the first pass and to 0 in the second (they are below ``6 * 2**-127``
-  anyway). A word yields columns in the order 0 4 1 5 2 6 3 7. Short tiles run the dot over K in
-  that order and permute the activations alike as they are loaded (in registers); tall unswapped
-  tiles (a warp-group MMA, whose weight operand goes through shared memory anyway) put the decoded
-  weights back in column order and take the activations as they are (local sm_90 compile of the
-  128-row tile's K step: 196 instructions in 153 registers a thread, against 246 in 211 with
-  permuted activations). The interpreter runs the same bit placement and multiplies in fp32, with
-  the same cap and flag. The scales may lie in any strides. Pools hold them column-fastest
-  (:func:`flatep.quant.columns_fastest`): a K step's scales of a tile's columns are then contiguous
-  bytes, which Triton copies asynchronously in the software pipeline with the words. In the
-  checkpoint's order a step takes a few bytes per column, too few for an asynchronous copy (4 bytes
-  at least), and the decode, which needs them before the step's dot, waits on a synchronous global
-  load and a shared-memory exchange each step (local sm_90 compile, Triton 3.6 and 3.9: the 16- and
-  32-row tiles of :func:`default_config` then hold no synchronous load in their K loop; the 64-row
-  tile, with 2 scale bytes a thread, keeps one). ``tl.dot_scaled`` (bf16 times e2m1) would be the
-  alternative; on Hopper Triton 3.6 upcasts its e2m1 operand itself and measured no faster, and its
-  interpreter has no ``dot_scaled``.
+  One multiply instead of two takes 386 instructions per K step of the 16 x 128 x 64 tile on 2 warps
+  against 434 (168 registers a thread either way), and 435 against 483 for the 32 x 256 x 64 tile
+  (216 registers either way; local sm_90 compile, Triton 3.6, in the lane word order below). Byte 0
+  (``2**-127``) decodes to its values (bf16 subnormals) in the first pass and to 0 in the second
+  (they are below ``6 * 2**-127`` anyway). A word yields columns in the order 0 4 1 5 2 6 3 7. Short
+  tiles run the dot over K in that order and permute the activations alike as they are loaded (in
+  registers). Triton's ``mma.sync`` operand layout gives each lane one word of each 32-column chunk
+  of a K step: in column order a lane's two words of a 64-wide step lie in different scale blocks,
+  and it loads and converts one scale byte per word. :func:`default_config`'s short tiles take each
+  step's words in another order (``GemmConfig.lane_words``, :func:`_lane_word_order`; the
+  activations alike), in which a lane's words are neighbours in one block: 8 scale loads a step
+  instead of 16, and 386 instructions per K step instead of 418 for the 16-row tile, 435 instead of
+  463 for the 32-row one, whose registers drop from 236 to 216 (local sm_90 compile, Triton 3.6; not
+  yet timed on a GPU). Tall unswapped tiles (a warp-group MMA, whose weight operand goes through
+  shared memory anyway) put the decoded weights back in column order and take the activations as
+  they are (local sm_90 compile of the 128-row tile's K step: 196 instructions in 153 registers a
+  thread, against 246 in 211 with permuted activations). The interpreter runs the same bit
+  placement, word order and multiplies in fp32, with the same cap and flag. The scales may lie in
+  any strides. Pools hold them column-fastest (:func:`flatep.quant.columns_fastest`): a K step's
+  scales of a tile's columns are then contiguous bytes, which Triton copies asynchronously in the
+  software pipeline with the words. In the checkpoint's order a step takes a few bytes per column,
+  too few for an asynchronous copy (4 bytes at least), and the decode, which needs them before the
+  step's dot, waits on a synchronous global load and a shared-memory exchange each step (local sm_90
+  compile, Triton 3.6 and 3.9: the 16- and 32-row tiles of :func:`default_config` then hold no
+  synchronous load in their K loop; the 64-row tile, with 2 scale bytes a thread, keeps one).
+  ``tl.dot_scaled`` (bf16 times e2m1) would be the alternative; on Hopper Triton 3.6 upcasts its
+  e2m1 operand itself and measured no faster, and its interpreter has no ``dot_scaled``.
 
 ``K`` is a compile-time constant of the GEMM kernels (one compilation per layer shape): the K loop
 stays a ``for`` loop over constant bounds, which Triton software-pipelines (``num_stages``; it does
@@ -128,7 +135,11 @@ class GemmConfig:
     way up to fp32 rounding of the ratios, but it divides by the weight block scales: a zero one
     (which neither the checkpoints nor :func:`flatep.quant.quantize_fp8_block` hold) makes the
     tile's rows NaN, where the plain form gives its block's weights as 0. A tile-sweep candidate,
-    not a default.
+    not a default. ``lane_words`` (mxfp4 only, tiles on ``mma.sync``: shorter than 64 rows or
+    swapped): take each K step's words in :func:`_lane_word_order`'s order, in which the words a
+    lane decodes share their e8m0 scale blocks, where Triton's operand layout gives a lane one word
+    of each 32-column chunk of the step (so far, 64-wide K steps on 2 warps of 128 columns or 4 of
+    256); elsewhere the reorder only costs register moves.
     """
 
     block_m: int
@@ -140,12 +151,14 @@ class GemmConfig:
     swap_ab: bool = False
     programs_per_sm: int = 2
     rescale: bool = False
+    lane_words: bool = False
 
     @property
     def label(self) -> str:
         """A short name for benchmark arms: ``m16 n128 k128 w4 s3 g8 p2`` and the options set
-        (``swap``, ``rescale``)."""
-        options = [name for name, on in (("swap", self.swap_ab), ("rescale", self.rescale)) if on]
+        (``swap``, ``rescale``, ``lanewords``)."""
+        options = [name for name, on in (("swap", self.swap_ab), ("rescale", self.rescale),
+                                         ("lanewords", self.lane_words)) if on]
         return " ".join([f"m{self.block_m} n{self.block_n} k{self.block_k} w{self.num_warps} s{self.num_stages} "
                          f"g{self.group_m} p{self.programs_per_sm}", *options])
 
@@ -175,6 +188,8 @@ def default_config(rows: int, groups: int, format: str) -> GemmConfig:
       Hopper has no FP4 MMA, and the decode bounds the tall tiles. From
       :data:`flatep.kernels.mxfp4_dequant.THROUGH_BF16_ROWS` rows per group on, the experts are
       decoded whole into bf16 instead (1.08-1.25x bf16 at 1024 rows).
+      The 16- and 32-row tiles also take ``lane_words``, chosen by the fewer instructions per K
+      step of a local sm_90 compile (see the module docstring), not yet timed on a GPU.
     """
     if format not in ("fp8", "mxfp4"):
         raise ValueError(f"format must be fp8 or mxfp4, got {format!r}")
@@ -184,9 +199,9 @@ def default_config(rows: int, groups: int, format: str) -> GemmConfig:
             return GemmConfig(16, 128, 128, num_warps=4, num_stages=5, swap_ab=True)
         return GemmConfig(64, 128, 128, num_warps=4, num_stages=4)
     if per_group <= 16:
-        return GemmConfig(16, 128, 64, num_warps=2, num_stages=4, programs_per_sm=6)
+        return GemmConfig(16, 128, 64, num_warps=2, num_stages=4, programs_per_sm=6, lane_words=True)
     if per_group <= 32:
-        return GemmConfig(32, 256, 64, num_warps=4, num_stages=3)
+        return GemmConfig(32, 256, 64, num_warps=4, num_stages=3, lane_words=True)
     return GemmConfig(64, 256, 64, num_warps=4, num_stages=3)
 
 
@@ -398,7 +413,8 @@ def _mxfp4_grouped_kernel(
     a_ptr, w_ptr, s_ptr, slot_w_ptr, slot_s_ptr, out_ptr, offsets_ptr, redo_ptr, groups, split, split_start, N,
     stride_am, stride_om, stride_se, stride_sn, stride_sk, rows_above, rows_at_most, K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, GROUPS: tl.constexpr,
-    SWAP_AB: tl.constexpr, NATURAL_K: tl.constexpr, ONE_MULTIPLY: tl.constexpr, INTERPRET: tl.constexpr,
+    SWAP_AB: tl.constexpr, NATURAL_K: tl.constexpr, LANE_WORDS: tl.constexpr, ONE_MULTIPLY: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):
     """Groups ``[0, split)`` read ``w``, groups ``[split, groups)`` read ``slot_w`` from row ``split_start``.
     ``ONE_MULTIPLY``: the first pass, which sets ``redo_ptr[0]`` to 1 where a tile's products are not
@@ -417,7 +433,7 @@ def _mxfp4_grouped_kernel(
             expert, words, exponents = group - split, slot_w_ptr, slot_s_ptr
         _mxfp4_tile(a_ptr, words, exponents, out_ptr, redo_ptr, expert, first, last, first_column, N, stride_am,
                     stride_om, stride_se, stride_sn, stride_sk, K,
-                    BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, NATURAL_K, ONE_MULTIPLY, INTERPRET)
+                    BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, NATURAL_K, LANE_WORDS, ONE_MULTIPLY, INTERPRET)
         tile += tl.num_programs(0)
 
 
@@ -515,29 +531,61 @@ def _pairs_to_values(p0, p1, p2, p3, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexp
 
 
 @triton.jit
+def _lane_word_order(x, ROWS: tl.constexpr, WORDS: tl.constexpr, INNER: tl.constexpr):
+    """``x [ROWS, WORDS * INNER]`` (``INNER`` values per word of a K step) with the step's words
+    reordered: position ``4c + t`` takes word ``t * C + c`` (``C = WORDS / 4``, one word per
+    32-column chunk). The short tiles' MMA operand gives lane ``t`` (of each four) position ``t``
+    of every chunk, so the words a lane decodes are neighbours in memory and share e8m0 scale
+    blocks: one scale a column per 32-column block it spans instead of one per word (see
+    :func:`_word_scales`)."""
+    CHUNKS: tl.constexpr = WORDS // 4
+    return tl.reshape(tl.permute(tl.reshape(x, [ROWS, 4, CHUNKS, INNER]), (0, 2, 1, 3)), [ROWS, WORDS * INNER])
+
+
+@triton.jit
+def _word_scales(x, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LANE_ORDER: tl.constexpr):
+    """``x [BLOCK_N, BLOCK_K/32]`` (one value per e8m0 scale block of a K step) repeated for each
+    word of its block: ``[BLOCK_N, BLOCK_K/8]``, the words in column order, or with ``LANE_ORDER``
+    in :func:`_lane_word_order`'s order (the block of position ``4c + t`` is ``(t * C + c) // 4``).
+    Broadcasts, so that what is computed per block (the scale pairs) is computed once per block."""
+    WORDS: tl.constexpr = BLOCK_K // 8
+    BLOCKS: tl.constexpr = BLOCK_K // 32
+    if not LANE_ORDER or BLOCKS == 1:
+        words = tl.reshape(tl.broadcast_to(x[:, :, None], [BLOCK_N, BLOCKS, 4]), [BLOCK_N, WORDS])
+    elif BLOCKS == 2:  # position 4c + t is in block t // 2
+        words = tl.reshape(tl.broadcast_to(tl.reshape(x, [BLOCK_N, 1, 2, 1]), [BLOCK_N, 2, 2, 2]), [BLOCK_N, WORDS])
+    else:  # BLOCKS a multiple of 4: position 4c + t is in block t * BLOCKS / 4 + c // 4
+        by_lane = tl.permute(tl.reshape(x, [BLOCK_N, 4, BLOCKS // 4]), (0, 2, 1))
+        words = tl.reshape(tl.broadcast_to(tl.reshape(by_lane, [BLOCK_N, BLOCKS // 4, 1, 4]),
+                                           [BLOCK_N, BLOCKS // 4, 4, 4]), [BLOCK_N, WORDS])
+    return words
+
+
+@triton.jit
 def _decoded_tile(words, exponent, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NATURAL_K: tl.constexpr,
-                  INTERPRET: tl.constexpr, ONE_MULTIPLY: tl.constexpr = False):
-    """The weights of int32 ``words [BLOCK_N, BLOCK_K/8]`` (word layout) with int32 e8m0 ``exponent
-    [BLOCK_N, BLOCK_K/32]``: ``[BLOCK_N, BLOCK_K]`` bf16 (fp32 under the interpreter), each word's
-    columns in the order 0 4 1 5 2 6 3 7, or in column order with ``NATURAL_K``.
+                  INTERPRET: tl.constexpr, ONE_MULTIPLY: tl.constexpr = False, LANE_WORDS: tl.constexpr = False):
+    """The weights of int32 ``words [BLOCK_N, BLOCK_K/8]`` (word layout; with ``LANE_WORDS`` in
+    :func:`_lane_word_order`'s order, else in column order) with int32 e8m0 ``exponent [BLOCK_N,
+    BLOCK_K/32]``: ``[BLOCK_N, BLOCK_K]`` bf16 (fp32 under the interpreter), the words in their
+    order and each word's columns in the order 0 4 1 5 2 6 3 7, or in column order with ``NATURAL_K``.
 
     ``ONE_MULTIPLY``: one bf16x2 multiply per pair instead of two (by ``2**(e - 1)``, exact for
     scale bytes up to 128, byte 0 included: its values come out as they are, bf16 subnormals);
     every weight of a block with a byte from 129 on is then +-inf or NaN instead."""
     WORDS: tl.constexpr = BLOCK_K // 8
-    BLOCKS: tl.constexpr = BLOCK_K // 32
     if INTERPRET:
         p0, p1, p2, p3 = _e2m1_bf16_pairs(words)
         pairs = _pairs_to_values(p0, p1, p2, p3, BLOCK_N, BLOCK_K)
         low = (pairs << 16).to(tl.float32, bitcast=True)
         high = (pairs & -0x10000).to(tl.float32, bitcast=True)
-        raw = tl.reshape(tl.join(low, high), [BLOCK_N, BLOCKS, 32])  # e2m1 * 2**-126
+        raw = tl.reshape(tl.join(low, high), [BLOCK_N, WORDS, 8])  # e2m1 * 2**-126
         if ONE_MULTIPLY:  # as the GPU's: 2**(e - 1) in fp32, +inf from byte 129 on
             capped = tl.minimum(exponent, _ONE_MULTIPLY_LAST) + _ONE_MULTIPLY_BIAS
             scale = (capped << 23).to(tl.float32, bitcast=True)
         else:
             raw = raw * 8.507059173023462e37  # 2**126
             scale = (exponent << 23).to(tl.float32, bitcast=True)
+        scale = _word_scales(scale, BLOCK_N, BLOCK_K, LANE_WORDS)
         w = tl.reshape(raw * scale[:, :, None], [BLOCK_N, BLOCK_K])
     else:
         if ONE_MULTIPLY:
@@ -545,7 +593,7 @@ def _decoded_tile(words, exponent, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
             scale_pairs = tl.minimum(scale_pairs, _INF_PAIR).to(tl.int32, bitcast=True)
         else:
             scale_pairs = exponent * _SCALE_PAIR
-        scale_pairs = tl.reshape(tl.broadcast_to(scale_pairs[:, :, None], [BLOCK_N, BLOCKS, 4]), [BLOCK_N, WORDS])
+        scale_pairs = _word_scales(scale_pairs, BLOCK_N, BLOCK_K, LANE_WORDS)
         p0, p1, p2, p3 = _scaled_pairs_asm(words, scale_pairs, ONE_MULTIPLY)
         pairs = _pairs_to_values(p0, p1, p2, p3, BLOCK_N, BLOCK_K)
         low = pairs.to(tl.int16).to(tl.bfloat16, bitcast=True)
@@ -561,7 +609,7 @@ def _mxfp4_tile(
     a_ptr, w_ptr, s_ptr, out_ptr, redo_ptr, group, first, last, first_column, N, stride_am, stride_om, stride_se,
     stride_sn, stride_sk, K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr, NATURAL_K: tl.constexpr,
-    ONE_MULTIPLY: tl.constexpr, INTERPRET: tl.constexpr,
+    LANE_WORDS: tl.constexpr, ONE_MULTIPLY: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """Rows ``[first, min(first + BLOCK_M, last))`` times columns ``[first_column, + BLOCK_N)`` of ``group``;
     ``w_ptr`` is the packed values read as int32 words (8 nibbles each). The weights are decoded
@@ -593,18 +641,23 @@ def _mxfp4_tile(
     for k in range(0, K, BLOCK_K):
         # K is a multiple of 32, not necessarily of BLOCK_K: the last step may be partial.
         a = tl.load(a_tile + k, mask=row_mask[:, None] & (k + inner < K)[None, :], other=0.0)
-        # A word decodes to columns 0 4 1 5 2 6 3 7. Short tiles (mma.sync) run the dot over K in
-        # that order and permute the activations alike (in registers, as they are loaded: the
-        # permutation builds the MMA's operand registers, which an unpermuted load would copy into
-        # place instead). Tall unswapped tiles (NATURAL_K: a warp-group MMA, whose weight operand
-        # goes through shared memory anyway) put the decoded weights back in column order instead,
-        # and the activations go to the MMA from shared memory as they are.
+        # A word decodes to columns 0 4 1 5 2 6 3 7. Short tiles (mma.sync) run the dot over K in that
+        # order (LANE_WORDS: with the step's words in _lane_word_order's order, in which a lane's words
+        # share scale blocks) and permute the activations alike (in registers, as they are loaded: the
+        # permutation builds the MMA's operand registers, which an unpermuted load would copy into place
+        # instead). Tall unswapped tiles (NATURAL_K: a warp-group MMA, whose weight operand goes through
+        # shared memory anyway) put the decoded weights back in column order instead, and the
+        # activations go to the MMA from shared memory as they are.
+        if LANE_WORDS:
+            a = _lane_word_order(a, BLOCK_M, WORDS, 8)
         if not NATURAL_K:
             a = tl.reshape(tl.permute(tl.reshape(a, [BLOCK_M, WORDS, 2, 4]), (0, 1, 3, 2)), [BLOCK_M, BLOCK_K])
         words = tl.load(w_tile + k // 8, mask=column_mask[:, None] & (k // 8 + word < words_k)[None, :], other=0)
+        if LANE_WORDS:
+            words = _lane_word_order(words, BLOCK_N, WORDS, 1)
         exponent = tl.load(s_tile + (k // 32) * stride_sk, mask=column_mask[:, None] & (k // 32 + block < scales_k)[None, :],
                            other=0)
-        w = _decoded_tile(words, exponent.to(tl.int32), BLOCK_N, BLOCK_K, NATURAL_K, INTERPRET, ONE_MULTIPLY)
+        w = _decoded_tile(words, exponent.to(tl.int32), BLOCK_N, BLOCK_K, NATURAL_K, INTERPRET, ONE_MULTIPLY, LANE_WORDS)
         acc += _tile_dot(a, w, SWAP_AB, INTERPRET)
     # A block with a scale byte past 128 decodes to +-inf or NaN in the one-multiply pass, and
     # every product of the tile that reads it is then not finite (a zero activation times inf is
@@ -767,6 +820,8 @@ def fp8_grouped_mm_triton(
         raise ValueError(f"fp8 block_k must be {_FP8_BLOCK} (one scale block), got {config.block_k}")
     if config.block_n > _FP8_BLOCK or _FP8_BLOCK % config.block_n:
         raise ValueError(f"fp8 block_n must divide {_FP8_BLOCK} (one weight scale block per tile), got {config.block_n}")
+    if config.lane_words:
+        raise ValueError(f"lane_words is an mxfp4 tile option (fp8 has no words to reorder), got {config}")
     rows_above, rows_at_most = _check_group_rows(group_rows)
     out = _output(rows, columns, out)
     if activations is None:
@@ -849,6 +904,9 @@ def mxfp4_grouped_mm_triton(
     if config.rescale:
         raise ValueError(f"rescale is an fp8 tile option (mxfp4 has no per-step scales of the "
                          f"product), got {config}")
+    natural_k = not config.swap_ab and config.block_m >= 64
+    if config.lane_words and natural_k:
+        raise ValueError(f"lane_words is an option of tiles on mma.sync (block_m below 64, or swap_ab), got {config}")
     rows_above, rows_at_most = _check_group_rows(group_rows)
     out = _output(rows, columns, out)
     # Two passes (see the module docstring): the second computes the tiles again, with two
@@ -862,7 +920,7 @@ def mxfp4_grouped_mm_triton(
             rows_at_most, inner,
             BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
             GROUPS=triton.next_power_of_2(groups), SWAP_AB=config.swap_ab,
-            NATURAL_K=not config.swap_ab and config.block_m >= 64, ONE_MULTIPLY=one_multiply, INTERPRET=interpreting(),
+            NATURAL_K=natural_k, LANE_WORDS=config.lane_words, ONE_MULTIPLY=one_multiply, INTERPRET=interpreting(),
             num_warps=config.num_warps, num_stages=config.num_stages,
         )
     return out

@@ -107,6 +107,8 @@ def test_fp8_triton_matches_torch(sizes, out_features, in_features, config):
     ([1, 33, 0, 0], 48, 64, GemmConfig(block_m=32, block_n=32, block_k=32)),
     ([0, 0, 7], 64, 160, None),
     ([5, 0, 19, 2], 96, 96, GemmConfig(block_m=16, block_n=32, block_k=64, swap_ab=True)),
+    ([5, 0, 19, 2], 256, 160, GemmConfig(block_m=16, block_n=64, block_k=64, lane_words=True)),
+    ([3, 21, 0, 9], 64, 288, GemmConfig(block_m=32, block_n=32, block_k=128, lane_words=True)),
 ])
 def test_mxfp4_triton_matches_torch(sizes, out_features, in_features, config):
     rows, packed, offsets = grouped_inputs("mxfp4", sizes, out_features, in_features, seed=len(sizes) + out_features)
@@ -124,6 +126,8 @@ def test_mxfp4_triton_matches_torch(sizes, out_features, in_features, config):
     (lambda r, p, o: fp8_grouped_mm_triton(r, p.values, p.scales, o, GemmConfig(16, 16, 64)), "block_k"),
     (lambda r, p, o: fp8_grouped_mm_triton(r, p.values, p.scales, o, GemmConfig(16, 256, 128)), "block_n must divide"),
     (lambda r, p, o: fp8_grouped_mm_triton(r, p.values, p.scales, o, GemmConfig(16, 96, 128)), "block_n must divide"),
+    (lambda r, p, o: fp8_grouped_mm_triton(r, p.values, p.scales, o, GemmConfig(16, 64, 128, lane_words=True)),
+     "lane_words is an mxfp4"),
     (lambda r, p, o: quantized_grouped_mm(r[:, :128], p, o), "agree on K"),
     (lambda r, p, o: fp8_grouped_mm_triton(r, p.values, p.scales, o, out=torch.empty_like(r)), "out must be"),
 ])
@@ -134,20 +138,30 @@ def test_bad_input_raises(make, message):
 
 
 
-def test_mxfp4_block_k_must_be_a_power_of_two():
+@pytest.mark.parametrize("config, message", [
+    (GemmConfig(16, 16, 96), "power of two"),
+    (GemmConfig(64, 32, 64, lane_words=True), "lane_words is an option of tiles on mma.sync"),
+])
+def test_mxfp4_bad_tiles_raise(config, message):
     rows, packed, offsets = grouped_inputs("mxfp4", [3, 4], 32, 192, seed=4)
-    with pytest.raises(ValueError, match="power of two"):
-        mxfp4_grouped_mm_triton(rows, packed.values, packed.scales, offsets, GemmConfig(16, 16, 96))
+    with pytest.raises(ValueError, match=message):
+        mxfp4_grouped_mm_triton(rows, packed.values, packed.scales, offsets, config)
 
 
 @needs_triton
-@pytest.mark.parametrize("config", [GemmConfig(16, 32, 64), GemmConfig(16, 32, 32, swap_ab=True), None])
-def test_mxfp4_kernel_decodes_every_code_at_any_scale_exactly(config):
+@pytest.mark.parametrize("config, in_features", [
+    (GemmConfig(16, 32, 64), 96), (GemmConfig(16, 32, 32, swap_ab=True), 96), (None, 96),
+    # the lane word order at 1, 2, 4 and 8 scale blocks a K step, partial last steps included
+    (GemmConfig(16, 32, 32, swap_ab=True, lane_words=True), 96), (GemmConfig(16, 32, 64, lane_words=True), 96),
+    (GemmConfig(16, 32, 128, lane_words=True), 288), (GemmConfig(16, 32, 256, lane_words=True), 288),
+])
+def test_mxfp4_kernel_decodes_every_code_at_any_scale_exactly(config, in_features):
     """One-hot rows read the decoded weights back one by one: every nibble (all 16 codes, both
     nibbles of a byte, every position in a word) under scale bytes from 3 to 200 (values from
-    2**-125 to 6 * 2**73, all normal in bf16) must come out exactly, in every column order."""
+    2**-125 to 6 * 2**73, all normal in bf16) must come out exactly, in every column order and
+    word order (a word paired with another's scale block would show)."""
     generator = torch.Generator().manual_seed(11)
-    out_features, in_features = 32, 96  # 96: a partial last K step for 64-wide steps
+    out_features = 32  # 96 and 288 input columns: partial last K steps
     values = torch.randint(0, 256, (1, out_features, in_features // 2), generator=generator, dtype=torch.uint8)
     choices = torch.tensor([3, 60, 120, 126, 127, 128, 129, 140, 200], dtype=torch.uint8)
     scales = choices[torch.randint(0, len(choices), (1, out_features, in_features // 32), generator=generator)]
