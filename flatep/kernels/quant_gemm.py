@@ -66,20 +66,21 @@ each weight tile is read by the band's row tiles back to back.
   activations alike), in which a lane's words are neighbours in one block: 8 scale loads a step
   instead of 16, and 386 instructions per K step instead of 418 for the 16-row tile, 435 instead of
   463 for the 32-row one, whose registers drop from 236 to 216 (local sm_90 compile, Triton 3.6; not
-  yet timed on a GPU). Tall unswapped tiles (a warp-group MMA, whose weight operand goes through
-  shared memory anyway) put the decoded weights back in column order and take the activations as
-  they are (local sm_90 compile of the 128-row tile's K step: 196 instructions in 153 registers a
-  thread, against 246 in 211 with permuted activations). The interpreter runs the same bit
-  placement, word order and multiplies in fp32, with the same cap and flag. The scales may lie in
-  any strides. Pools hold them column-fastest (:func:`flatep.quant.columns_fastest`): a K step's
-  scales of a tile's columns are then contiguous bytes, which Triton copies asynchronously in the
-  software pipeline with the words. In the checkpoint's order a step takes a few bytes per column,
-  too few for an asynchronous copy (4 bytes at least), and the decode, which needs them before the
-  step's dot, waits on a synchronous global load and a shared-memory exchange each step (local sm_90
-  compile, Triton 3.6 and 3.9: the 16- and 32-row tiles of :func:`default_config` then hold no
-  synchronous load in their K loop; the 64-row tile, with 2 scale bytes a thread, keeps one).
-  ``tl.dot_scaled`` (bf16 times e2m1) would be the alternative; on Hopper Triton 3.6 upcasts its
-  e2m1 operand itself and measured no faster, and its interpreter has no ``dot_scaled``.
+  yet timed on a GPU; ``bench/scripts/mxfp4_kloop_sass.py`` counts a tree's tiles with and without).
+  Tall unswapped tiles (a warp-group MMA, whose weight operand goes through shared memory anyway)
+  put the decoded weights back in column order and take the activations as they are (local sm_90
+  compile of the 128-row tile's K step: 196 instructions in 153 registers a thread, against 246 in
+  211 with permuted activations). The interpreter runs the same bit placement, word order and
+  multiplies in fp32, with the same cap and flag. The scales may lie in any strides. Pools hold them
+  column-fastest (:func:`flatep.quant.columns_fastest`): a K step's scales of a tile's columns are
+  then contiguous bytes, which Triton copies asynchronously in the software pipeline with the words.
+  In the checkpoint's order a step takes a few bytes per column, too few for an asynchronous copy (4
+  bytes at least), and the decode, which needs them before the step's dot, waits on a synchronous
+  global load and a shared-memory exchange each step (local sm_90 compile, Triton 3.6 and 3.9: the
+  16- and 32-row tiles of :func:`default_config` then hold no synchronous load in their K loop; the
+  64-row tile, with 2 scale bytes a thread, keeps one). ``tl.dot_scaled`` (bf16 times e2m1) would be
+  the alternative; on Hopper Triton 3.6 upcasts its e2m1 operand itself and measured no faster, and
+  its interpreter has no ``dot_scaled``.
 
 ``K`` is a compile-time constant of the GEMM kernels (one compilation per layer shape): the K loop
 stays a ``for`` loop over constant bounds, which Triton software-pipelines (``num_stages``; it does
