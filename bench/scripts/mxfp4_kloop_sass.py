@@ -29,6 +29,7 @@ import tempfile
 from pathlib import Path
 
 os.environ.pop("TRITON_INTERPRET", None)  # the interpreter has no compiler
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this tree's flatep, installed or not
 
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
@@ -64,8 +65,10 @@ def k_loop(module, config: GemmConfig, inner: int) -> dict:
                      GROUP_M=config.group_m, GROUPS=128, SWAP_AB=config.swap_ab, NATURAL_K=natural,
                      LANE_WORDS=config.lane_words, ONE_MULTIPLY=True, INTERPRET=False, stride_sn=1)
     constants = {name: value for name, value in constants.items() if name in kernel.arg_names}
-    signature = {name: "constexpr" if name in constants else POINTER_TYPES.get(name, "i32") for name in kernel.arg_names}
-    attributes = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in ALIGNED if name in signature}
+    signature = {name: "constexpr" if name in constants else POINTER_TYPES.get(name, "i32")
+                 for name in kernel.arg_names}
+    attributes = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]]
+                  for name in ALIGNED if name in signature}
     compiled = triton.compile(ASTSource(kernel, signature, constants, attributes), target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": config.num_warps, "num_stages": config.num_stages})
     tool = str(Path(get_ptxas(90).path).parent / "cuobjdump")
@@ -84,7 +87,9 @@ def k_loop(module, config: GemmConfig, inner: int) -> dict:
             if any("MMA" in line for line in body):
                 loops.append(body)
     body = min(loops, key=len)
-    tile = config.label if config.lane_words <= ("LANE_WORDS" in kernel.arg_names) else f"{config.label} (not in this kernel)"
+    tile = config.label
+    if config.lane_words and "LANE_WORDS" not in kernel.arg_names:  # an older kernel, which ignores the option
+        tile += " (not in this kernel)"
     return {"tile": tile, "instructions": len(body),
             "per_weight": round(len(body) * 32 * config.num_warps / (config.block_n * config.block_k), 2),
             "scale_byte_loads": sum("LDS.U8" in line for line in body),
@@ -102,8 +107,9 @@ def main() -> None:
     configs = [default_config(rows, 1, "mxfp4") for rows in (16, 32, 64)]
     if args.candidates:
         configs += [config for config in CANDIDATES["mxfp4"] if config not in configs]
-    configs = [variant for config in configs
-               for variant in ([config, dataclasses.replace(config, lane_words=False)] if config.lane_words else [config])]
+    with_twins = [variant for config in configs for variant in
+                  ([config, dataclasses.replace(config, lane_words=False)] if config.lane_words else [config])]
+    configs = list(dict.fromkeys(with_twins))  # a twin may be a candidate too
     if not args.json:
         print(f"Triton {triton.__version__}, sm_90, K = {args.inner}, {args.module or 'this tree'}")
     for config in configs:

@@ -172,8 +172,9 @@ def _launch(rows, weights, slots, slot_base, route_weights, out, offsets, column
     groups = offsets.shape[0]
     rows_above, rows_at_most = _check_group_rows(group_rows)
     config = config or decode_config(rows.shape[0], groups)
-    if config.rescale or config.lane_words:
-        raise ValueError(f"rescale and lane_words are options of the fp8 and mxfp4 tiles, not of bf16 ones, got {config}")
+    for option, format in (("rescale", "fp8"), ("lane_words", "mxfp4")):
+        if getattr(config, option):
+            raise ValueError(f"{option} is an {format} tile option, not one of the bf16 decode kernels, got {config}")
     out = _output(rows, columns, out)
     if rows.shape[0] == 0:
         return out

@@ -136,11 +136,14 @@ class GemmConfig:
     way up to fp32 rounding of the ratios, but it divides by the weight block scales: a zero one
     (which neither the checkpoints nor :func:`flatep.quant.quantize_fp8_block` hold) makes the
     tile's rows NaN, where the plain form gives its block's weights as 0. A tile-sweep candidate,
-    not a default. ``lane_words`` (mxfp4 only, tiles on ``mma.sync``: shorter than 64 rows or
-    swapped): take each K step's words in :func:`_lane_word_order`'s order, in which the words a
-    lane decodes share their e8m0 scale blocks, where Triton's operand layout gives a lane one word
-    of each 32-column chunk of the step (so far, 64-wide K steps on 2 warps of 128 columns or 4 of
-    256); elsewhere the reorder only costs register moves.
+    not a default. ``lane_words`` (mxfp4 only, tiles whose decoded weights stay in registers as
+    an MMA operand: ``block_m`` below 64, or ``swap_ab``; ``block_k`` of 64 or more): take each K
+    step's words in :func:`_lane_word_order`'s order, in which the words a lane decodes share their
+    e8m0 scale blocks where Triton's operand layout gives a lane one word of each 32-column chunk
+    of the step (in a local sm_90 compile: the 64-wide steps of 16- and 32-row tiles on 2 warps of
+    128 or 256 columns or 4 of 256, and the swapped 16 x 128 x 128 tile); elsewhere the reorder can
+    cost register moves instead (``bench/scripts/mxfp4_kloop_sass.py`` compares a tile with and
+    without).
     """
 
     block_m: int
@@ -658,7 +661,8 @@ def _mxfp4_tile(
             words = _lane_word_order(words, BLOCK_N, WORDS, 1)
         exponent = tl.load(s_tile + (k // 32) * stride_sk, mask=column_mask[:, None] & (k // 32 + block < scales_k)[None, :],
                            other=0)
-        w = _decoded_tile(words, exponent.to(tl.int32), BLOCK_N, BLOCK_K, NATURAL_K, INTERPRET, ONE_MULTIPLY, LANE_WORDS)
+        w = _decoded_tile(words, exponent.to(tl.int32), BLOCK_N, BLOCK_K, NATURAL_K, INTERPRET, ONE_MULTIPLY,
+                          LANE_WORDS)
         acc += _tile_dot(a, w, SWAP_AB, INTERPRET)
     # A block with a scale byte past 128 decodes to +-inf or NaN in the one-multiply pass, and
     # every product of the tile that reads it is then not finite (a zero activation times inf is
@@ -906,8 +910,9 @@ def mxfp4_grouped_mm_triton(
         raise ValueError(f"rescale is an fp8 tile option (mxfp4 has no per-step scales of the "
                          f"product), got {config}")
     natural_k = not config.swap_ab and config.block_m >= 64
-    if config.lane_words and natural_k:
-        raise ValueError(f"lane_words is an option of tiles on mma.sync (block_m below 64, or swap_ab), got {config}")
+    if config.lane_words and (natural_k or config.block_k < 64):
+        raise ValueError(f"lane_words needs a tile whose weights are a register operand (block_m below 64, or "
+                         f"swap_ab) and block_k of 64 or more (one 32-column chunk a step has one order), got {config}")
     rows_above, rows_at_most = _check_group_rows(group_rows)
     out = _output(rows, columns, out)
     # Two passes (see the module docstring): the second computes the tiles again, with two

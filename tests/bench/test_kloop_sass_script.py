@@ -11,9 +11,22 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "scripts" / "mxfp4_kloop_sass.py"
-pytest.importorskip("triton.backends.nvidia.compiler", reason="Triton without its NVIDIA backend cannot compile for sm_90")
 
 
+def compiles_for_sm90() -> bool:
+    """Whether this Triton can build and disassemble sm_90 code here: its NVIDIA backend, with a
+    ``ptxas`` and a ``cuobjdump`` beside it, and the compiler entry points the script uses."""
+    try:
+        import triton.backends.compiler as backend
+        import triton.compiler as compiler
+        from triton.backends.nvidia.compiler import get_ptxas
+        return (hasattr(backend, "GPUTarget") and hasattr(compiler, "ASTSource")
+                and (Path(get_ptxas(90).path).parent / "cuobjdump").is_file())
+    except (ImportError, AttributeError, RuntimeError, TypeError):
+        return False
+
+
+@pytest.mark.skipif(not compiles_for_sm90(), reason="this Triton cannot compile and disassemble sm_90 code")
 def test_the_lane_word_order_halves_the_short_tiles_scale_loads():
     """default_config's short tiles take lane_words because, compiled, a lane then loads one scale byte
     per two words: the script compiles each such tile with and without it. In its own process: the

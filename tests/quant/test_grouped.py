@@ -140,7 +140,8 @@ def test_bad_input_raises(make, message):
 
 @pytest.mark.parametrize("config, message", [
     (GemmConfig(16, 16, 96), "power of two"),
-    (GemmConfig(64, 32, 64, lane_words=True), "lane_words is an option of tiles on mma.sync"),
+    (GemmConfig(64, 32, 64, lane_words=True), "lane_words needs a tile whose weights are a register operand"),
+    (GemmConfig(16, 32, 32, lane_words=True), "block_k of 64 or more"),
 ])
 def test_mxfp4_bad_tiles_raise(config, message):
     rows, packed, offsets = grouped_inputs("mxfp4", [3, 4], 32, 192, seed=4)
@@ -151,8 +152,8 @@ def test_mxfp4_bad_tiles_raise(config, message):
 @needs_triton
 @pytest.mark.parametrize("config, in_features", [
     (GemmConfig(16, 32, 64), 96), (GemmConfig(16, 32, 32, swap_ab=True), 96), (None, 96),
-    # the lane word order at 1, 2, 4 and 8 scale blocks a K step, partial last steps included
-    (GemmConfig(16, 32, 32, swap_ab=True, lane_words=True), 96), (GemmConfig(16, 32, 64, lane_words=True), 96),
+    # the lane word order at 2, 4 and 8 scale blocks a K step, partial last steps included
+    (GemmConfig(16, 32, 64, swap_ab=True, lane_words=True), 96), (GemmConfig(16, 32, 64, lane_words=True), 96),
     (GemmConfig(16, 32, 128, lane_words=True), 288), (GemmConfig(16, 32, 256, lane_words=True), 288),
 ])
 def test_mxfp4_kernel_decodes_every_code_at_any_scale_exactly(config, in_features):
