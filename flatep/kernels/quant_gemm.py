@@ -66,7 +66,7 @@ each weight tile is read by the band's row tiles back to back.
   activations alike), in which a lane's words are neighbours in one block: 8 scale loads a step
   instead of 16, and 386 instructions per K step instead of 418 for the 16-row tile, 435 instead of
   463 for the 32-row one, whose registers drop from 236 to 216 (local sm_90 compile, Triton 3.6; not
-  yet timed on a GPU; ``bench/scripts/mxfp4_kloop_sass.py`` counts a tree's tiles with and without).
+  yet timed on a GPU; ``bench/scripts/gemm_kloop_sass.py`` counts a tree's tiles with and without).
   Tall unswapped tiles (a warp-group MMA, whose weight operand goes through shared memory anyway)
   put the decoded weights back in column order and take the activations as they are (local sm_90
   compile of the 128-row tile's K step: 196 instructions in 153 registers a thread, against 246 in
@@ -142,7 +142,7 @@ class GemmConfig:
     e8m0 scale blocks where Triton's operand layout gives a lane one word of each 32-column chunk
     of the step (in a local sm_90 compile: the 64-wide steps of 16- and 32-row tiles on 2 warps of
     128 or 256 columns or 4 of 256, and the swapped 16 x 128 x 128 tile); elsewhere the reorder can
-    cost register moves instead (``bench/scripts/mxfp4_kloop_sass.py`` compares a tile with and
+    cost register moves instead (``bench/scripts/gemm_kloop_sass.py`` compares a tile with and
     without).
     """
 

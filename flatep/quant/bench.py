@@ -52,8 +52,11 @@ CANDIDATES = {
         GemmConfig(16, 128, 128, num_warps=4, num_stages=5, swap_ab=True),
         GemmConfig(32, 128, 128, num_warps=4, num_stages=5, swap_ab=True),
         GemmConfig(64, 128, 128, num_warps=4, num_stages=4),
-        GemmConfig(128, 128, 128, num_warps=8, num_stages=4),
-        GemmConfig(128, 128, 128, num_warps=8, num_stages=4, group_m=16),
+        # One 8-warp 128-row program fits an SM (243 registers a thread, 128 KiB of shared memory at
+        # four stages; bench/scripts/gemm_kloop_sass.py), so one is launched per SM: a second would
+        # only wait for the first's whole tile loop.
+        GemmConfig(128, 128, 128, num_warps=8, num_stages=4, programs_per_sm=1),
+        GemmConfig(128, 128, 128, num_warps=8, num_stages=4, group_m=16, programs_per_sm=1),
         # The accumulator rescaled per K step (``rescale``): one accumulator in registers, not two.
         # Local sm_90 compile (Triton 3.6), registers a thread: 64 x 128 on 4 warps 173 (252
         # unrescaled), 128 x 128 on 8 warps 180 (243), 256 x 128 on 8 warps 252 (255 and 320
@@ -109,15 +112,18 @@ CANDIDATES = {
         # 256 columns take 4, which it copies asynchronously with the words (249 registers).
         GemmConfig(64, 128, 128, num_warps=4, num_stages=2),
         GemmConfig(64, 256, 64, num_warps=4, num_stages=3),
-        GemmConfig(128, 128, 64, num_warps=8, num_stages=3),
+        # The 8-warp 128-row tiles fit one program an SM (bench/scripts/gemm_kloop_sass.py, Triton
+        # 3.6: 167-255 registers a thread), and one is launched.
+        GemmConfig(128, 128, 64, num_warps=8, num_stages=3, programs_per_sm=1),
         # 4.9 instructions per weight and thread in its K loop against 6.1 for 128 x 128 (local sm_90 compile).
-        GemmConfig(128, 256, 64, num_warps=8, num_stages=3),
+        GemmConfig(128, 256, 64, num_warps=8, num_stages=3, programs_per_sm=1),
         # Tall tiles transposed: the decoded weights take the warp-group MMA's 64-row side (local
         # sm_90 compile, K step of the 128-row tile: 183 instructions against 246 unswapped; the
-        # 64-row tile 270 against 352, in 167 registers, so three programs fit an SM).
-        GemmConfig(64, 128, 64, num_warps=4, num_stages=4, swap_ab=True, programs_per_sm=3),
-        GemmConfig(128, 128, 64, num_warps=8, num_stages=3, swap_ab=True),
-        GemmConfig(128, 128, 128, num_warps=8, num_stages=3),
+        # 64-row tile 270 against 352). The 64-row tile takes 203 registers a thread with one
+        # multiply per pair (Triton 3.6), so two programs fit an SM, not three.
+        GemmConfig(64, 128, 64, num_warps=4, num_stages=4, swap_ab=True, programs_per_sm=2),
+        GemmConfig(128, 128, 64, num_warps=8, num_stages=3, swap_ab=True, programs_per_sm=1),
+        GemmConfig(128, 128, 128, num_warps=8, num_stages=3, programs_per_sm=1),
     ),
 }
 SKIP_FACTOR = 5.0  # --quick: a config whose probe call exceeds this times the best so far is not timed
