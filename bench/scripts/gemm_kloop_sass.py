@@ -117,8 +117,8 @@ def k_loop(module, format: str, config: GemmConfig, inner: int) -> dict:
     if config.lane_words and "LANE_WORDS" not in kernel.arg_names:  # an older kernel, which ignores the option
         tile += " (not in this kernel)"
     registers = int(re.search(r"REG:(\d+)", usage).group(1))
-    return {"tile": tile, "instructions": len(body),
-            "per_weight": round(len(body) * 32 * config.num_warps / (config.block_n * config.block_k), 2),
+    weights = config.block_n * config.block_k * (2 if format == "bf16" else 1)  # gated: a gate and an up tile
+    return {"tile": tile, "instructions": len(body), "per_weight": round(len(body) * 32 * config.num_warps / weights, 2),
             "scale_byte_loads": sum("LDS.U8" in line for line in body), "registers": registers,
             "shared_bytes": compiled.metadata.shared, "programs_per_sm": config.programs_per_sm,
             "resident_per_sm": resident(registers, compiled.metadata.shared, config.num_warps)}
