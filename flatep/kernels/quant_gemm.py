@@ -234,17 +234,19 @@ def packed_launches(rows: int, groups: int, format: str) -> list[tuple[GemmConfi
     bench/results/2026-12-05-h200-d) 32 rows per expert took 0.49x bf16 in 32-row tiles against
     0.65x in 16-row ones, and the 64-row tile came within 5% of the 32-row one there (0.50-0.52x
     against 0.49-0.50x), so a group of 33-64 rows, which takes two 32-row tiles, is better off in
-    one 64-row tile (on an H100 at 64 rows per expert: 0.45x against 0.80x for the gate/up GEMM). At Kimi-K3, s = 128, a rank's
-    experts hold about 18 rows each, so about a third of them hold 16 or fewer. Otherwise one
-    launch of every group.
+    one 64-row tile (on an H100 at 64 rows per expert: 0.45x against 0.80x for the gate/up GEMM).
+    At Kimi-K3, s = 128, a rank's experts hold about 18 rows each, so about a third of them hold 16
+    or fewer. Otherwise one launch of every group.
     """
     tiles = default_config(rows, groups, format)
     if tiles.block_m > 32:
         return [(tiles, None)]
     hot = default_config(2 * HOT_ROWS * max(groups, 1), groups, format)
     if format == "mxfp4":
-        short, middle = (default_config(size * max(groups, 1), groups, format) for size in (_SHORT_ROWS, 2 * _SHORT_ROWS))
-        return [(short, (0, _SHORT_ROWS)), (middle, (_SHORT_ROWS, 2 * _SHORT_ROWS)), (hot, (2 * _SHORT_ROWS, _ALL_ROWS))]
+        short, middle = (default_config(size * max(groups, 1), groups, format)
+                         for size in (_SHORT_ROWS, 2 * _SHORT_ROWS))
+        return [(short, (0, _SHORT_ROWS)), (middle, (_SHORT_ROWS, 2 * _SHORT_ROWS)),
+                (hot, (2 * _SHORT_ROWS, _ALL_ROWS))]
     return [(tiles, (0, HOT_ROWS)), (hot, (HOT_ROWS, _ALL_ROWS))]
 
 
@@ -518,13 +520,9 @@ def _scaled_pairs_asm(words, scale_pairs, ONE_MULTIPLY: tl.constexpr):
     """:func:`_e2m1_bf16_pairs` times ``2**126`` (0x7E80 in bf16) times ``scale_pairs`` (bf16x2), or
     with ``ONE_MULTIPLY`` times ``scale_pairs`` alone, in PTX: the multiplies are packed bf16x2
     FMAs, one instruction per two weights, exact (powers of two)."""
-    if ONE_MULTIPLY:
-        pairs = tl.inline_asm_elementwise(_ONE_MULTIPLY_PTX, "=r,=r,=r,=r,r,r", [words, scale_pairs],
-                                          dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
-    else:
-        pairs = tl.inline_asm_elementwise(_SCALED_PAIRS_PTX, "=r,=r,=r,=r,r,r", [words, scale_pairs],
-                                          dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
-    return pairs
+    ptx: tl.constexpr = _ONE_MULTIPLY_PTX if ONE_MULTIPLY else _SCALED_PAIRS_PTX
+    return tl.inline_asm_elementwise(ptx, "=r,=r,=r,=r,r,r", [words, scale_pairs],
+                                     dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
 
 
 @triton.jit
@@ -918,9 +916,10 @@ def mxfp4_grouped_mm_triton(
     # Two passes (see the module docstring): the second computes the tiles again, with two
     # multiplies per pair, only if the first flagged a product that is not finite.
     redo = torch.zeros(1, dtype=torch.int32, device=rows.device)
+    grid = persistent_grid(rows.shape[0], groups, columns, config, rows.device)
     for one_multiply in (True, False):
         # K/2 is a multiple of 16 bytes: int32 words.
-        _mxfp4_grouped_kernel[persistent_grid(rows.shape[0], groups, columns, config, rows.device)](
+        _mxfp4_grouped_kernel[grid](
             rows, values.view(torch.int32), scales, slot_values.view(torch.int32), slot_scales, out, offsets, redo,
             groups, values.shape[0], slot_base, columns, rows.stride(0), out.stride(0), *scales.stride(), rows_above,
             rows_at_most, inner,
