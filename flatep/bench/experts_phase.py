@@ -13,8 +13,10 @@ are this tree's packed GEMMs (``packed``), another revision's (``against``: its
 ``fp8_grouped_mm_triton`` and ``mxfp4_grouped_mm_triton`` called where this tree calls its own),
 then the bf16 pool (``bf16``), whose times divide the others' (``ratio``). The bf16 pool is made
 after the packed one is freed, so a variant's ratio compares times not taken interleaved, while
-``packed`` and ``against`` run interleaved. Bytes: the slowest rank's experts read their weights
-once (packed: values and scales), which the sweep's ``read%`` counts; this tool reports times only.
+``packed`` and ``against`` run interleaved. Bytes: the slowest rank's experts read each expert
+with rows once, its packed values and scales (bf16: its bf16 weights), as the sweep's ``read%``
+counts them; each variant's read rate is shown beside the device's read ceiling measured in the
+same run (:func:`flatep.bench.timing.read_ceiling_gbps`; GPU only).
 ``--profile`` adds the slowest rank's time per kernel (eager calls under :mod:`torch.profiler`: the
 kernels' own times, without the launch gaps that the graph replays include).
 """
@@ -37,7 +39,7 @@ import torch
 
 import flatep.experts.grouped as grouped
 from flatep.bench.sweep import Cell, Sweep, _random_weights, _set_up_arm, arm_policy, known_arms, resolve_backend
-from flatep.bench.timing import device_name, time_interleaved
+from flatep.bench.timing import device_name, read_ceiling_gbps, time_interleaved
 from flatep.layer import dispatch_step, experts_step
 from flatep.plan.reference import make_plan
 from flatep.plan.triton import make_plan_triton, supports_triton_planner
@@ -119,11 +121,15 @@ def time_cells(
     backend: str, profile: bool = False,
 ) -> list[dict[str, Any]]:
     """Per cell ``(tokens, maxvio target)``: ``experts_us`` (per variant, every rank's median µs),
-    ``experts_us_max`` (per variant, the slowest rank's) and ``ratio`` (per packed variant, its
+    ``experts_us_max`` (per variant, the slowest rank's), ``weight_bytes_read`` and
+    ``read_fraction`` (per variant, the slowest rank's weight bytes and their rate over
+    ``read_ceiling_gbps``, None off the GPU) and ``ratio`` (per packed variant, its
     ``experts_us_max`` over bf16's); with ``profile``, ``kernels_us`` (per variant, the slowest
     rank's :func:`kernel_times`)."""
     timing = dict(device=device, warmup=sweep.warmup, iters=sweep.iters, graph=device.type == "cuda",
                   calls=sweep.graph_calls)
+    ceiling = read_ceiling_gbps(device) if device.type == "cuda" else None
+
     config = sweep.ep_config(max(sweep.tokens))
     planner = make_plan_triton if device.type == "cuda" and supports_triton_planner(config) else make_plan
     results = {cell: {"tokens": cell[0], "maxvio_target": cell[1], "experts_us": {}} for cell in cells}
@@ -142,10 +148,16 @@ def time_cells(
                        for rank in range(config.ranks)]
             row = results[(tokens, target)]
             row["maxvio"] = cell.maxvio
+            row["read_ceiling_gbps"] = ceiling
+            active_groups = setup.plan.active_groups().tolist()  # once per cell, outside the timing
             for index, variant in enumerate(variants):
                 row["experts_us"][variant] = [times[index].median for times in by_rank]
+                slowest = max(range(config.ranks), key=lambda rank: by_rank[rank][index].median)
+                read = active_groups[slowest] * pool.expert_nbytes()
+                row.setdefault("weight_bytes_read", {})[variant] = read
+                row.setdefault("read_fraction", {})[variant] = (
+                    read / by_rank[slowest][index].median / 1e3 / ceiling if ceiling else None)
                 if profile:
-                    slowest = max(range(config.ranks), key=lambda rank: by_rank[rank][index].median)
                     row.setdefault("kernels_us", {})[variant] = kernel_times(
                         _experts_calls(shard, shard_weights, pool, setup, slowest, backend, variants[variant]), device)
             setup.group.close()
@@ -191,9 +203,12 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     rows = [{**identity, **row} for row in rows]
     for row in rows:
         shown = ", ".join(f"{variant} {us:.1f}" + (f" ({row['ratio'][variant]:.3f}x)" if "ratio" in row else "")
-                          for variant, us in row["experts_us_max"].items())
+                          + f" [{row['weight_bytes_read'][variant] / 1e9:.2f} GB"
+                          + (f", {100 * row['read_fraction'][variant]:.0f}% of read" if row["read_ceiling_gbps"] else "")
+                          + "]" for variant, us in row["experts_us_max"].items())
+        ceiling = f"; read ceiling {row['read_ceiling_gbps']:.0f} GB/s" if row["read_ceiling_gbps"] else ""
         print(f"{sweep.model_name} {sweep.weights} s={row['tokens']} maxvio={row['maxvio_target']:g} {args.arm}: "
-              f"slowest rank's experts, us: {shown}", flush=True)
+              f"slowest rank's experts, us [weight bytes read]: {shown}{ceiling}", flush=True)
         for variant, kernels in row.get("kernels_us", {}).items():
             print(f"  {variant} kernels, us per call: " + ", ".join(f"{name[:40]} {us:.1f}" for name, us in kernels.items()))
     if args.out:

@@ -77,6 +77,15 @@ def test_cells_time_every_variant_on_every_rank(tmp_path, monkeypatch):
         assert all(len(times) == 2 and min(times) > 0 for times in row["experts_us"].values())
         assert row["experts_us_max"]["packed"] == max(row["experts_us"]["packed"])
         assert row["ratio"]["bf16"] == 1.0 and row["against"] == "HEAD" and row["weights"] == "mxfp4"
+        # Bytes: whole experts of the variant's slowest rank (each variant's own), a packed mxfp4
+        # expert 17/64 of a bf16 one (values and scales against 2 bytes a weight; the tiny model's
+        # experts have no biases), and a read rate against the ceiling on a GPU.
+        expert_bf16 = 2 * 3 * 64 * 64  # w13 [2I, H] and w2 [H, I], bf16
+        expert_bytes = {"packed": expert_bf16 * 17 // 64, "against": expert_bf16 * 17 // 64, "bf16": expert_bf16}
+        for variant, read in row["weight_bytes_read"].items():
+            assert read % expert_bytes[variant] == 0 and 0 < read // expert_bytes[variant] <= 8, (variant, read)
+        assert (row["read_ceiling_gbps"] is None) == (DEVICE.type != "cuda")
+        assert all((fraction is None) == (DEVICE.type != "cuda") for fraction in row["read_fraction"].values())
         # Per kernel on a GPU (the experts' GEMMs among them); the profiler is not run on the CPU.
         assert set(row["kernels_us"]) == {"packed", "against", "bf16"}
         assert all(bool(kernels) == (DEVICE.type == "cuda") for kernels in row["kernels_us"].values())
