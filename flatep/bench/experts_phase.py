@@ -16,7 +16,8 @@ after the packed one is freed, so a variant's ratio compares times not taken int
 ``packed`` and ``against`` run interleaved. Bytes: the slowest rank's experts read each expert
 with rows once, its packed values and scales (bf16: its bf16 weights), as the sweep's ``read%``
 counts them; each variant's read rate is shown beside the device's read ceiling measured in the
-same run (:func:`flatep.bench.timing.read_ceiling_gbps`; GPU only).
+same run (:func:`flatep.bench.timing.read_ceiling_gbps`; GPU only). The shard's padding rows
+hold NaN (:func:`poison_padding`), as a reused buffer may.
 ``--profile`` adds the slowest rank's time per kernel (eager calls under :mod:`torch.profiler`: the
 kernels' own times, without the launch gaps that the graph replays include).
 """
@@ -98,6 +99,17 @@ def _experts_calls(shard, shard_weights, pool, setup, rank: int, backend: str, g
     return call
 
 
+def poison_padding(shard: torch.Tensor, plan, group) -> None:
+    """Fill the padding rows of ``shard`` (``[n, rows, H]``, or ``[rows, H]`` on a per-process
+    transport) with NaN. Dispatch never writes them, so a reused buffer holds whatever was there
+    (NaN included: a freed packed pool's bytes read as bf16 hold some); the experts must not spend
+    time on them, which the phase is timed to show. Once per cell, outside the timing."""
+    for local_index, rank in enumerate(group.local_ranks):
+        rows = shard[local_index] if group.stacked else shard
+        for first, count in plan.padding[rank].tolist():
+            rows[first:first + count] = float("nan")
+
+
 def kernel_times(call: Callable[[], None], device: torch.device, calls: int = 3) -> dict[str, float]:
     """GPU time per kernel name of one ``call()`` (µs; :mod:`torch.profiler` over ``calls`` eager
     calls after one untimed), slowest first; empty off CUDA. Kernels of one name add up."""
@@ -143,6 +155,7 @@ def time_cells(
             cell = Cell(formatted, config, tokens, target, device)
             setup = _set_up_arm(config, cell, arm, planner, device, backend, cost, {**timing, "iters": 1}, None, False)
             shard, shard_weights = dispatch_step(cell.x, cell.weights, setup.plan, setup.group, backend)
+            poison_padding(shard, setup.plan, setup.group)
             by_rank = [time_interleaved([_experts_calls(shard, shard_weights, pool, setup, rank, backend, gemms)
                                          for gemms in variants.values()], **timing)
                        for rank in range(config.ranks)]

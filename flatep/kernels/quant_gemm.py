@@ -50,23 +50,30 @@ each weight tile is read by the band's row tiles back to back.
   exact, including the subnormal inputs, which bf16 arithmetic keeps). That factor is a bf16 only up
   to scale byte 128 (weights up to 12, which real checkpoints stay well under); from byte 129 on it
   is capped at +inf, which makes every product of the tile that reads such a block +-inf or NaN. A
-  tile whose products are not all finite sets a flag, and a second launch, which returns at once
-  while the flag is clear, computes the launch's tiles again with two multiplies per pair (by
-  ``2**126``, then by ``2**(e - 127)``: exact at every byte), so the result is exact for any scales.
-  One multiply instead of two takes 386 instructions per K step of the 16 x 128 x 64 tile on 2 warps
-  against 434 (168 registers a thread either way), and 435 against 483 for the 32 x 256 x 64 tile
-  (216 registers either way; local sm_90 compile, Triton 3.6, in the lane word order below). Byte 0
+  tile that reads a byte past 128 sets a flag (each thread keeps the largest byte it read: one
+  integer maximum per scale value), and a second launch, which returns at once while the flag is
+  clear, computes the launch's tiles again with two multiplies per pair (by ``2**126``, then by
+  ``2**(e - 127)``: exact at every byte), so the result is exact for any scales. The flag follows
+  the scale bytes, not the products: the padding rows of a layer's shard are never written
+  (:mod:`flatep.kernels.dispatch`) and may hold NaN, which makes their own products non-finite; a
+  flag on non-finite products sent such steps through both passes, twice the time (Kimi-K3 experts
+  phase on an H200, bench/results/2026-12-05-f). One multiply instead of two takes 392
+  instructions per K step of the 16 x 128 x 64 tile on 2 warps against 434 (168 registers a thread
+  either way), and 443 against 483 for the 32 x 256 x 64 tile (214 and 216 registers; local sm_90
+  compile, Triton 3.6, in the lane word order below). Byte 0
   (``2**-127``) decodes to its values (bf16 subnormals) in the first pass and to 0 in the second
   (they are below ``6 * 2**-127`` anyway). A word yields columns in the order 0 4 1 5 2 6 3 7. Short
   tiles run the dot over K in that order and permute the activations alike as they are loaded (in
   registers). Triton's ``mma.sync`` operand layout gives each lane one word of each 32-column chunk
   of a K step: in column order a lane's two words of a 64-wide step lie in different scale blocks,
-  and it loads and converts one scale byte per word. :func:`default_config`'s short tiles take each
-  step's words in another order (``GemmConfig.lane_words``, :func:`_lane_word_order`; the
+  and it loads and converts one scale byte per word. Short tiles may take each step's words in
+  another order (``GemmConfig.lane_words``, :func:`_lane_word_order`; the
   activations alike), in which a lane's words are neighbours in one block: 8 scale loads a step
-  instead of 16, and 386 instructions per K step instead of 418 for the 16-row tile, 435 instead of
-  463 for the 32-row one, whose registers drop from 236 to 216 (local sm_90 compile, Triton 3.6; not
-  yet timed on a GPU; ``bench/scripts/gemm_kloop_sass.py`` counts a tree's tiles with and without).
+  instead of 16, and 392 instructions per K step instead of 423 for the 16-row tile (168 registers
+  instead of 188), 443 instead of 472 for the 32-row one (214 instead of 234; local sm_90 compile,
+  Triton 3.6; ``bench/scripts/gemm_kloop_sass.py`` counts a tree's tiles with and without).
+  :func:`default_config`'s 16-row tile takes it; on an H100 neither order was faster there, and
+  the plain 32-row tile was 1-3% faster than its lane-order twin.
   Tall unswapped tiles (a warp-group MMA, whose weight operand goes through shared memory anyway)
   put the decoded weights back in column order and take the activations as they are (local sm_90
   compile of the 128-row tile's K step: 196 instructions in 153 registers a thread, against 246 in
@@ -192,8 +199,11 @@ def default_config(rows: int, groups: int, format: str) -> GemmConfig:
       Hopper has no FP4 MMA, and the decode bounds the tall tiles. From
       :data:`flatep.kernels.mxfp4_dequant.THROUGH_BF16_ROWS` rows per group on, the experts are
       decoded whole into bf16 instead (1.08-1.25x bf16 at 1024 rows).
-      The 16- and 32-row tiles also take ``lane_words``, chosen by the fewer instructions per K
-      step of a local sm_90 compile (see the module docstring), not yet timed on a GPU.
+      The 16-row tile takes ``lane_words`` (see the module docstring): on an H100 it took the
+      same time as the plain order (0.408x against 0.407x bf16 for gate/up at 16 rows per expert,
+      bench/results/2026-12-05-f), and it keeps the tile at 168 registers a thread, which six
+      programs per SM need (the plain order takes 188 with the second-pass flag). The 32-row
+      tile keeps the plain order, which was 1-3% faster there (0.418x against 0.430x).
     """
     if format not in ("fp8", "mxfp4"):
         raise ValueError(f"format must be fp8 or mxfp4, got {format!r}")
@@ -205,7 +215,7 @@ def default_config(rows: int, groups: int, format: str) -> GemmConfig:
     if per_group <= 16:
         return GemmConfig(16, 128, 64, num_warps=2, num_stages=4, programs_per_sm=6, lane_words=True)
     if per_group <= 32:
-        return GemmConfig(32, 256, 64, num_warps=4, num_stages=3, lane_words=True)
+        return GemmConfig(32, 256, 64, num_warps=4, num_stages=3)
     return GemmConfig(64, 256, 64, num_warps=4, num_stages=3)
 
 
@@ -511,7 +521,6 @@ _SCALE_PAIR = tl.constexpr(0x800080)
 # two up to byte 128; bytes from 129 on are capped to field 255, +inf (see _mxfp4_tile).
 _ONE_MULTIPLY_BIAS = tl.constexpr(126)
 _ONE_MULTIPLY_LAST = tl.constexpr(129)
-_INF = tl.constexpr(float("inf"))
 _INF_PAIR = tl.constexpr(0x7F807F80)
 
 
@@ -640,6 +649,7 @@ def _mxfp4_tile(
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    largest = tl.zeros([BLOCK_N, BLOCKS], dtype=tl.int32)  # the largest scale byte read, per position
     for k in range(0, K, BLOCK_K):
         # K is a multiple of 32, not necessarily of BLOCK_K: the last step may be partial.
         a = tl.load(a_tile + k, mask=row_mask[:, None] & (k + inner < K)[None, :], other=0.0)
@@ -659,14 +669,17 @@ def _mxfp4_tile(
             words = _lane_word_order(words, BLOCK_N, WORDS, 1)
         exponent = tl.load(s_tile + (k // 32) * stride_sk, mask=column_mask[:, None] & (k // 32 + block < scales_k)[None, :],
                            other=0)
-        w = _decoded_tile(words, exponent.to(tl.int32), BLOCK_N, BLOCK_K, NATURAL_K, INTERPRET, ONE_MULTIPLY,
-                          LANE_WORDS)
+        exponent = exponent.to(tl.int32)
+        if ONE_MULTIPLY:
+            largest = tl.maximum(largest, exponent)
+        w = _decoded_tile(words, exponent, BLOCK_N, BLOCK_K, NATURAL_K, INTERPRET, ONE_MULTIPLY, LANE_WORDS)
         acc += _tile_dot(a, w, SWAP_AB, INTERPRET)
-    # A block with a scale byte past 128 decodes to +-inf or NaN in the one-multiply pass, and
-    # every product of the tile that reads it is then not finite (a zero activation times inf is
-    # NaN, so even the masked rows'): the flag has the second pass compute it again.
+    # A block with a scale byte past 128 decodes to +-inf or NaN in the one-multiply pass: the flag
+    # has the second pass compute the tile again. The flag follows the scale bytes, not the
+    # products: padding rows, which dispatch leaves unwritten (NaN included), make their own
+    # products non-finite, and would otherwise send every step through both passes.
     if ONE_MULTIPLY:
-        if tl.min((tl.abs(acc) < _INF).to(tl.int32)) == 0:
+        if tl.max(largest) > _ONE_MULTIPLY_LAST - 1:
             tl.store(redo_ptr, 1)
     if SWAP_AB:
         acc = tl.trans(acc)

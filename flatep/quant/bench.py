@@ -79,17 +79,19 @@ CANDIDATES = {
         # K loop: 3.80 for 16 x 128 x 64 on 4 warps; 3.41 for 16 x 256 x 64, 3.60 for
         # 16 x 128 x 128, 3.45 for 16 x 128 x 64 on 2 warps; 150, 131 and 147 registers a thread).
         GemmConfig(16, 256, 64, num_warps=4, num_stages=4, programs_per_sm=3),
-        # The lane word order (``lane_words``; default_config's short tiles take it) where it cuts
-        # a lane's scale loads, K-loop instructions in a local sm_90 compile (Triton 3.6): 368
-        # against 408 for 16 x 256 x 64 on 4 warps, 464 against 484 for 32 x 128 x 64 on 2, 375
-        # against 389 for the swapped 16 x 128 x 128 (386 against 418 for the default 16-row tile,
-        # 435 against 463 for the 32-row one). With 128-wide unswapped K steps it adds register
-        # moves instead (476 against 425 for 16 x 128 x 128 on 4 warps).
+        # The lane word order (``lane_words``; default_config's 16-row tile takes it) where it cuts
+        # a lane's scale loads, K-loop instructions in a local sm_90 compile (Triton 3.6): 385
+        # against 413 for 16 x 256 x 64 on 4 warps, 471 against 493 for 32 x 128 x 64 on 2, 374
+        # against 386 for the swapped 16 x 128 x 128 (392 against 423 for the default 16-row tile,
+        # 443 against 472 for the 32-row one). With 128-wide unswapped K steps it adds register
+        # moves instead (476 against 425 for 16 x 128 x 128 on 4 warps, before the second-pass
+        # flag followed the scale bytes).
         GemmConfig(16, 256, 64, num_warps=4, num_stages=4, programs_per_sm=3, lane_words=True),
         GemmConfig(32, 128, 64, num_warps=2, num_stages=3, programs_per_sm=3, lane_words=True),
+        GemmConfig(32, 256, 64, num_warps=4, num_stages=3, lane_words=True),
         GemmConfig(16, 128, 128, num_warps=4, num_stages=3, swap_ab=True, lane_words=True),
-        # The fewest instructions per weight of the 16-row tiles (2.70 a thread in its K loop against
-        # 3.02 for the default), in 214 registers a thread: four programs fit an SM, not six.
+        # The fewest instructions per weight of the 16-row tiles (2.79 a thread in its K loop against
+        # 3.06 for the default), in 183 registers a thread: five programs fit an SM, not six.
         GemmConfig(16, 256, 64, num_warps=2, num_stages=3, programs_per_sm=4, lane_words=True),
         GemmConfig(16, 128, 128, num_warps=4, num_stages=3, programs_per_sm=3),
         GemmConfig(16, 128, 64, num_warps=2, num_stages=4, programs_per_sm=6),

@@ -5,12 +5,13 @@ import json
 import shutil
 import subprocess
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 import flatep.experts.grouped as grouped
-from flatep.bench.experts_phase import PACKED_GEMMS, gemms_in_use, main, revision_gemms
+from flatep.bench.experts_phase import PACKED_GEMMS, gemms_in_use, main, poison_padding, revision_gemms
 from flatep.kernels.backend import use_triton
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -89,6 +90,22 @@ def test_cells_time_every_variant_on_every_rank(tmp_path, monkeypatch):
         # Per kernel on a GPU (the experts' GEMMs among them); the profiler is not run on the CPU.
         assert set(row["kernels_us"]) == {"packed", "against", "bf16"}
         assert all(bool(kernels) == (DEVICE.type == "cuda") for kernels in row["kernels_us"].values())
+
+
+@pytest.mark.parametrize("stacked", [True, False])
+def test_poison_padding_fills_each_ranks_padding_rows_and_nothing_else(stacked):
+    """Stacked shards (virtual ranks) take each rank's own padding rows; a per-process shard its rank's."""
+    padding = torch.tensor([[[2, 1], [0, 0], [7, 2]], [[5, 3], [0, 0], [0, 0]]], dtype=torch.int32)
+    plan = SimpleNamespace(padding=padding)
+    group = SimpleNamespace(local_ranks=(0, 1) if stacked else (1,), stacked=stacked)
+    shard = torch.randn((2, 10, 4) if stacked else (10, 4))
+    poison_padding(shard, plan, group)
+    expected = torch.zeros_like(shard, dtype=torch.bool)
+    if stacked:
+        expected[0, [2, 7, 8]] = expected[1, 5:8] = True
+    else:
+        expected[5:8] = True
+    assert torch.equal(shard.isnan(), expected)
 
 
 @pytest.mark.parametrize("options, message", [

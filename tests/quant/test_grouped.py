@@ -173,6 +173,53 @@ def test_mxfp4_kernel_decodes_every_code_at_any_scale_exactly(config, in_feature
     assert torch.equal(out.float(), packed.dequantize()[0].T)
 
 
+def second_pass_flags(monkeypatch) -> list[torch.Tensor]:
+    """Patches the mxfp4 kernel to record each launch's one-element second-pass flag."""
+    import flatep.kernels.quant_gemm as quant_gemm
+
+    kernel, flags = quant_gemm._mxfp4_grouped_kernel, []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                if kwargs["ONE_MULTIPLY"]:  # the second pass reads the same flag
+                    flags.extend(a for a in args if isinstance(a, torch.Tensor) and a.dtype == torch.int32
+                                 and a.numel() == 1)
+                return kernel[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(quant_gemm, "_mxfp4_grouped_kernel", Recorder())
+    return flags
+
+
+@needs_triton
+@pytest.mark.parametrize("config", [GemmConfig(16, 32, 64, lane_words=True), GemmConfig(64, 32, 64),
+                                    GemmConfig(16, 32, 64, swap_ab=True)])
+def test_mxfp4_second_pass_follows_the_scale_bytes_not_the_rows(config, monkeypatch):
+    """Rows holding NaN inside groups (the padding rows dispatch leaves unwritten) do not send the
+    launch through the two-multiply pass: only their own outputs are NaN, and the other rows equal
+    the same launch over zeroed padding, bit for bit. A scale byte past 128 does flag it, and
+    the result is exact."""
+    sizes, out_features, in_features = [5, 70, 3], 64, 128
+    rows, packed, offsets = grouped_inputs("mxfp4", sizes, out_features, in_features, seed=17)
+    padding = torch.zeros(rows.shape[0], dtype=torch.bool, device=DEVICE)
+    padding[[1, 4, 5 + 66, 5 + 69, 75]] = True  # the 64-row tile's second row tile holds 6 rows, 2 NaN
+    clean = mxfp4_grouped_mm_triton(rows, packed.values, packed.scales, offsets, config)
+    flags = second_pass_flags(monkeypatch)
+    poisoned = rows.clone()
+    poisoned[padding] = float("nan")
+    out = mxfp4_grouped_mm_triton(poisoned, packed.values, packed.scales, offsets, config)
+    assert [int(flag) for flag in flags] == [0]
+    end = sum(sizes)
+    assert out[:end][padding[:end]].isnan().all()
+    assert torch.equal(out[:end][~padding[:end]], clean[:end][~padding[:end]])
+    flags.clear()
+    packed.scales[1, 7, 2] = 131
+    out = mxfp4_grouped_mm_triton(rows, packed.values, packed.scales, offsets, config)
+    assert [int(flag) for flag in flags] == [1]
+    assert relative_error(out[:end], per_group_reference(rows, packed, offsets)[:end]) < 4e-3
+
+
 def run_decode_ptx(ptx: str, word: int, scale_pair: int) -> list[int]:
     """The GPU decode's PTX (``_SCALED_PAIRS_PTX`` or ``_ONE_MULTIPLY_PTX``) run instruction by
     instruction on one word: its integer ops on 32-bit registers, its bf16x2 FMAs in fp32 rounded
