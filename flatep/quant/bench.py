@@ -106,8 +106,6 @@ CANDIDATES = {
         # 156 registers a thread in a local sm_90 compile (the 32 x 256 tile takes 210): three fit an SM.
         GemmConfig(32, 128, 64, num_warps=4, num_stages=3, programs_per_sm=3),
         GemmConfig(64, 128, 64, num_warps=4, num_stages=3),
-        # 159 registers a thread since tall tiles keep the activations in column order: three fit an SM.
-        GemmConfig(64, 128, 64, num_warps=4, num_stages=3, programs_per_sm=3),
         # A 64 x 128 tile's K step of 64 takes 2 scale bytes a thread, too few for Triton to
         # pipeline their load (each step waits for it); 128-wide steps take 4, which Triton loads
         # ahead into registers (local sm_90 compile: 227 registers a thread at two stages), and
