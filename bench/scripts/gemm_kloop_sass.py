@@ -15,7 +15,8 @@ scale byte from shared memory (``LDS.U8``, mxfp4), the registers a thread (``REG
 ``programs_per_sm`` the persistent grid launches: the programs that do not fit start only when
 resident ones have finished their whole tile loops, a second wave with fewer programs beside each
 other (where the tiles are latency-bound, up to those programs' whole loops more). An mxfp4 tile with
-``lane_words`` is followed by the same tile without, for comparison. Instruction counts are not
+``lane_words`` is followed by the same tile without, for comparison (``"listed": false`` in the
+JSON where that twin is neither a default tile nor a candidate). Instruction counts are not
 time: a change they favour still needs a GPU timing (``python -m flatep.bench.experts_phase
 --against``).
 """
@@ -151,7 +152,7 @@ def main() -> None:
             row = k_loop(module, format, config, args.inner or INNER[format])
             if args.json:
                 print(json.dumps({"format": format, **row, "lane_words": config.lane_words,
-                                  "triton": triton.__version__}))
+                                  "listed": config in configs, "triton": triton.__version__}))
                 continue
             scale_loads = f", {row['scale_byte_loads']:2d} LDS.U8" if format == "mxfp4" else ""
             print(f"{format:5s} {row['tile']:40s} {row['instructions']:4d} instructions ({row['per_weight']:.2f} a "

@@ -53,8 +53,9 @@ def test_the_lane_word_order_halves_the_short_tiles_scale_loads(default_tiles):
 def test_every_default_tile_fits_the_programs_its_grid_launches(default_tiles):
     """A persistent launch's programs loop over tiles; one that does not fit an SM beside the others
     waits for a resident one's whole loop. The registers and shared memory of the compiled default
-    tiles must let every launched program be resident."""
+    tiles must let every launched program be resident (not their plain-order twins, which the
+    script adds for comparison)."""
     assert {row["format"] for row in default_tiles} == {"mxfp4", "fp8"}
-    for row in default_tiles:
+    for row in (row for row in default_tiles if row["listed"]):
         assert row["registers"] <= 255 and row["per_weight"] > 0, row
         assert row["resident_per_sm"] >= row["programs_per_sm"], row
