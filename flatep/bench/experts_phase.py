@@ -16,8 +16,8 @@ after the packed one is freed, so a variant's ratio compares times not taken int
 ``packed`` and ``against`` run interleaved. Bytes: the slowest rank's experts read each expert
 with rows once, its packed values and scales (bf16: its bf16 weights), as the sweep's ``read%``
 counts them; each variant's read rate is shown beside the device's read ceiling measured in the
-same run (:func:`flatep.bench.timing.read_ceiling_gbps`; GPU only). The shard's padding rows
-hold NaN (:func:`poison_padding`), as a reused buffer may.
+same run (:func:`flatep.bench.timing.read_ceiling_gbps`; GPU only). The shard's rows that
+dispatch does not write hold NaN (:func:`dispatch_into_nan`), as a reused buffer may.
 ``--profile`` adds the slowest rank's time per kernel (eager calls under :mod:`torch.profiler`: the
 kernels' own times, without the launch gaps that the graph replays include).
 """
@@ -43,6 +43,8 @@ from flatep.bench.sweep import Cell, Sweep, _random_weights, _set_up_arm, arm_po
 from flatep.bench.timing import device_name, read_ceiling_gbps, time_interleaved
 from flatep.layer import dispatch_step, experts_step
 from flatep.plan.reference import make_plan
+from flatep.plan.types import Layout
+from flatep.transport.base import Group
 from flatep.plan.triton import make_plan_triton, supports_triton_planner
 
 PACKED_GEMMS = ("fp8_grouped_mm_triton", "mxfp4_grouped_mm_triton")
@@ -99,15 +101,25 @@ def _experts_calls(shard, shard_weights, pool, setup, rank: int, backend: str, g
     return call
 
 
-def poison_padding(shard: torch.Tensor, plan, group) -> None:
-    """Fill the padding rows of ``shard`` (``[n, rows, H]``, or ``[rows, H]`` on a per-process
-    transport) with NaN. Dispatch never writes them, so a reused buffer holds whatever was there
-    (NaN included: a freed packed pool's bytes read as bf16 hold some); the experts must not spend
-    time on them, which the phase is timed to show. Once per cell, outside the timing."""
-    for local_index, rank in enumerate(group.local_ranks):
-        rows = shard[local_index] if group.stacked else shard
-        for first, count in plan.padding[rank].tolist():
-            rows[first:first + count] = float("nan")
+def dispatch_into_nan(
+    x: torch.Tensor, weights: torch.Tensor, plan: Layout, group: Group, backend: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`flatep.layer.dispatch_step` into the step's shard buffers filled with NaN first.
+
+    Dispatch writes only the real rows: a group's padding rows, the rows between home and slot
+    rows of the split layout and the rows past the last group keep whatever a reused buffer held,
+    NaN included (a freed packed pool's bytes read as bf16 hold some). The experts must not spend
+    time on them, which the phase is timed to show. The first call finds the buffers (the group
+    keeps them), the second writes the real rows into them after the fill. Once per cell, outside
+    the timing.
+
+    Returns:
+        ``(shard [n, rows, H], shard_weights [n, rows] fp32)`` as ``dispatch_step`` does.
+    """
+    shard, shard_weights = dispatch_step(x, weights, plan, group, backend)
+    shard.fill_(float("nan"))
+    shard_weights.fill_(float("nan"))
+    return dispatch_step(x, weights, plan, group, backend)
 
 
 def kernel_times(call: Callable[[], None], device: torch.device, calls: int = 3) -> dict[str, float]:
@@ -154,8 +166,7 @@ def time_cells(
         for tokens, target in cells:
             cell = Cell(formatted, config, tokens, target, device)
             setup = _set_up_arm(config, cell, arm, planner, device, backend, cost, {**timing, "iters": 1}, None, False)
-            shard, shard_weights = dispatch_step(cell.x, cell.weights, setup.plan, setup.group, backend)
-            poison_padding(shard, setup.plan, setup.group)
+            shard, shard_weights = dispatch_into_nan(cell.x, cell.weights, setup.plan, setup.group, backend)
             by_rank = [time_interleaved([_experts_calls(shard, shard_weights, pool, setup, rank, backend, gemms)
                                          for gemms in variants.values()], **timing)
                        for rank in range(config.ranks)]

@@ -201,7 +201,7 @@ def default_config(rows: int, groups: int, format: str) -> GemmConfig:
       decoded whole into bf16 instead (1.08-1.25x bf16 at 1024 rows).
       The 16-row tile takes ``lane_words`` (see the module docstring): on an H100 it took the
       same time as the plain order (0.408x against 0.407x bf16 for gate/up at 16 rows per expert,
-      bench/results/2026-12-05-f), and it keeps the tile at 168 registers a thread, which six
+      bench/results/2026-12-05-f, before the second-pass flag followed the scale bytes), and it keeps the tile at 168 registers a thread, which six
       programs per SM need (the plain order takes 188 with the second-pass flag). The 32-row
       tile keeps the plain order, which was 1-3% faster there (0.418x against 0.430x).
     """
@@ -433,8 +433,8 @@ def _mxfp4_grouped_kernel(
     INTERPRET: tl.constexpr,
 ):
     """Groups ``[0, split)`` read ``w``, groups ``[split, groups)`` read ``slot_w`` from row ``split_start``.
-    ``ONE_MULTIPLY``: the first pass, which sets ``redo_ptr[0]`` to 1 where a tile's products are not
-    all finite; else the second pass, which computes every tile again if ``redo_ptr[0]`` is set and
+    ``ONE_MULTIPLY``: the first pass, which sets ``redo_ptr[0]`` to 1 where a tile reads a scale
+    byte past 128; else the second pass, which computes every tile again if ``redo_ptr[0]`` is set and
     none otherwise (see :func:`mxfp4_grouped_mm_triton`)."""
     starts, ends, tiles, passed, total = tile_table(offsets_ptr, groups, split, split_start, N, rows_above,
                                                     rows_at_most, BLOCK_M, BLOCK_N, GROUPS)
@@ -520,7 +520,8 @@ _SCALE_PAIR = tl.constexpr(0x800080)
 # The one-multiply decode's factor 2**(byte - 1) has exponent field byte + 126, a bf16 power of
 # two up to byte 128; bytes from 129 on are capped to field 255, +inf (see _mxfp4_tile).
 _ONE_MULTIPLY_BIAS = tl.constexpr(126)
-_ONE_MULTIPLY_LAST = tl.constexpr(129)
+_ONE_MULTIPLY_LAST = tl.constexpr(129)  # the first capped byte
+_ONE_MULTIPLY_MAX_BYTE = tl.constexpr(128)  # the largest byte the one-multiply decode gets right
 _INF_PAIR = tl.constexpr(0x7F807F80)
 
 
@@ -624,8 +625,8 @@ def _mxfp4_tile(
 ):
     """Rows ``[first, min(first + BLOCK_M, last))`` times columns ``[first_column, + BLOCK_N)`` of ``group``;
     ``w_ptr`` is the packed values read as int32 words (8 nibbles each). The weights are decoded
-    with one multiply per pair (``ONE_MULTIPLY``, which sets ``redo_ptr[0]`` to 1 if a product is
-    not finite) or two (see :func:`_decoded_tile`)."""
+    with one multiply per pair (``ONE_MULTIPLY``, which sets ``redo_ptr[0]`` to 1 if the tile reads
+    a scale byte past 128) or two (see :func:`_decoded_tile`)."""
     WORDS: tl.constexpr = BLOCK_K // 8
     BLOCKS: tl.constexpr = BLOCK_K // 32
     words_k = K // 8
@@ -679,7 +680,7 @@ def _mxfp4_tile(
     # products: padding rows, which dispatch leaves unwritten (NaN included), make their own
     # products non-finite, and would otherwise send every step through both passes.
     if ONE_MULTIPLY:
-        if tl.max(largest) > _ONE_MULTIPLY_LAST - 1:
+        if tl.max(largest) > _ONE_MULTIPLY_MAX_BYTE:
             tl.store(redo_ptr, 1)
     if SWAP_AB:
         acc = tl.trans(acc)
@@ -876,8 +877,9 @@ def mxfp4_grouped_mm_triton(
     """``out[i] = rows[i] @ W[g(i)].T`` with mxfp4 ``W`` decoded in registers.
 
     Two launches: the first decodes with one multiply per pair of weights and flags (in a
-    one-element device tensor) any tile whose products are not all finite, which a scale byte past
-    128 makes them; the second returns at once unless flagged, and then computes every tile again
+    one-element device tensor) any tile that reads a scale byte past 128, whose one-multiply
+    products are then not finite (rows that hold NaN, such as a shard's unwritten padding rows, do
+    not flag it); the second returns at once unless flagged, and then computes every tile again
     with two multiplies per pair, exact at any scale (see the module docstring). Both read the flag
     on the device: nothing syncs with the host.
 
@@ -927,7 +929,7 @@ def mxfp4_grouped_mm_triton(
     rows_above, rows_at_most = _check_group_rows(group_rows)
     out = _output(rows, columns, out)
     # Two passes (see the module docstring): the second computes the tiles again, with two
-    # multiplies per pair, only if the first flagged a product that is not finite.
+    # multiplies per pair, only if the first flagged a tile that read a scale byte past 128.
     redo = torch.zeros(1, dtype=torch.int32, device=rows.device)
     grid = persistent_grid(rows.shape[0], groups, columns, config, rows.device)
     for one_multiply in (True, False):

@@ -81,8 +81,9 @@ class Layout:
             experts ascending, then its slots (``-1`` empty).
         offsets: ``[R, 2*epn]`` inclusive padded end row of each group (the ``offs`` of
             ``torch._grouped_mm``); empty groups take no rows.
-        padding: ``[R, 2*epn, 2]`` ``(first row, count)`` of the zero rows that pad each group to a
-            multiple of ``align``; ``(0, 0)`` when none.
+        padding: ``[R, 2*epn, 2]`` ``(first row, count)`` of the rows that pad each group to a
+            multiple of ``align`` (dispatch never writes them: they hold whatever the buffer held,
+            NaN included); ``(0, 0)`` when none.
         received: ``[R]`` real rows each rank computes (``cap[d]`` under ``exact``).
         group_start: ``[R, E]`` first row of expert ``e``'s group on rank ``d``, ``-1`` if absent.
         made_for: what :func:`flatep.plan_step` made the plan for (``None`` from the planner

@@ -76,8 +76,8 @@ CANDIDATES = {
         GemmConfig(16, 128, 64, num_warps=4, num_stages=4, programs_per_sm=4),
         # Wider, deeper or two-warp 16-row tiles share the activations' permutation and a step's
         # fixed cost over more weights a warp (local sm_90 compile, instructions per weight in the
-        # K loop: 3.80 for 16 x 128 x 64 on 4 warps; 3.41 for 16 x 256 x 64, 3.60 for
-        # 16 x 128 x 128, 3.45 for 16 x 128 x 64 on 2 warps; 150, 131 and 147 registers a thread).
+        # K loop, Triton 3.6: 3.80 for 16 x 128 x 64 on 4 warps; 3.23 for 16 x 256 x 64, 3.44 for
+        # 16 x 128 x 128, 3.30 for 16 x 128 x 64 on 2 warps; 168, 168 and 188 registers a thread).
         GemmConfig(16, 256, 64, num_warps=4, num_stages=4, programs_per_sm=3),
         # The lane word order (``lane_words``; default_config's 16-row tile takes it) where it cuts
         # a lane's scale loads, K-loop instructions in a local sm_90 compile (Triton 3.6): 385
@@ -92,9 +92,10 @@ CANDIDATES = {
         GemmConfig(16, 128, 128, num_warps=4, num_stages=3, swap_ab=True, lane_words=True),
         # The fewest instructions per weight of the 16-row tiles (2.79 a thread in its K loop against
         # 3.06 for the default), in 183 registers a thread: five programs fit an SM, not six.
-        GemmConfig(16, 256, 64, num_warps=2, num_stages=3, programs_per_sm=4, lane_words=True),
+        GemmConfig(16, 256, 64, num_warps=2, num_stages=3, programs_per_sm=5, lane_words=True),
         GemmConfig(16, 128, 128, num_warps=4, num_stages=3, programs_per_sm=3),
-        GemmConfig(16, 128, 64, num_warps=2, num_stages=4, programs_per_sm=6),
+        # The default 16-row tile in column order: 188 registers a thread, five fit an SM.
+        GemmConfig(16, 128, 64, num_warps=2, num_stages=4, programs_per_sm=5),
         GemmConfig(16, 64, 128, num_warps=2, num_stages=3, programs_per_sm=6),
         GemmConfig(16, 128, 128, num_warps=4, num_stages=3, swap_ab=True),
         GemmConfig(32, 256, 64, num_warps=4, num_stages=3),
@@ -103,7 +104,7 @@ CANDIDATES = {
         # their layout through shared memory behind a barrier (local sm_90 compile).
         GemmConfig(32, 128, 128, num_warps=4, num_stages=3),
         GemmConfig(32, 128, 64, num_warps=2, num_stages=3, programs_per_sm=3),
-        # 156 registers a thread in a local sm_90 compile (the 32 x 256 tile takes 210): three fit an SM.
+        # 166 registers a thread in a local sm_90 compile (the 32 x 256 tile takes 234): three fit an SM.
         GemmConfig(32, 128, 64, num_warps=4, num_stages=3, programs_per_sm=3),
         GemmConfig(64, 128, 64, num_warps=4, num_stages=3),
         # A 64 x 128 tile's K step of 64 takes 2 scale bytes a thread, too few for Triton to

@@ -5,14 +5,17 @@ import json
 import shutil
 import subprocess
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 import flatep.experts.grouped as grouped
-from flatep.bench.experts_phase import PACKED_GEMMS, gemms_in_use, main, poison_padding, revision_gemms
+from flatep import EPConfig, init_group
+from flatep.bench.experts_phase import PACKED_GEMMS, dispatch_into_nan, gemms_in_use, main, revision_gemms
 from flatep.kernels.backend import use_triton
+from flatep.kernels.dispatch import real_rows_torch
+from flatep.layer import dispatch_step, plan_step
+from tests.helpers import make_inputs
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 REPOSITORY = Path(__file__).resolve().parents[2]
@@ -92,20 +95,23 @@ def test_cells_time_every_variant_on_every_rank(tmp_path, monkeypatch):
         assert all(bool(kernels) == (DEVICE.type == "cuda") for kernels in row["kernels_us"].values())
 
 
-@pytest.mark.parametrize("stacked", [True, False])
-def test_poison_padding_fills_each_ranks_padding_rows_and_nothing_else(stacked):
-    """Stacked shards (virtual ranks) take each rank's own padding rows; a per-process shard its rank's."""
-    padding = torch.tensor([[[2, 1], [0, 0], [7, 2]], [[5, 3], [0, 0], [0, 0]]], dtype=torch.int32)
-    plan = SimpleNamespace(padding=padding)
-    group = SimpleNamespace(local_ranks=(0, 1) if stacked else (1,), stacked=stacked)
-    shard = torch.randn((2, 10, 4) if stacked else (10, 4))
-    poison_padding(shard, plan, group)
-    expected = torch.zeros_like(shard, dtype=torch.bool)
-    if stacked:
-        expected[0, [2, 7, 8]] = expected[1, 5:8] = True
-    else:
-        expected[5:8] = True
-    assert torch.equal(shard.isnan(), expected)
+@pytest.mark.parametrize("policy", ["exact", "none"])
+def test_dispatch_into_nan_leaves_only_the_unwritten_rows_nan(policy):
+    """The real rows hold what a plain dispatch writes; every other row of the step's buffers
+    (group padding, the split layout's gap between home and slot rows, rows past the last group)
+    holds NaN, in the same buffers the experts read."""
+    config = EPConfig(ranks=4, experts=16, top_k=4, hidden=32, intermediate=16, capacity=9, align=4)
+    x, ids, weights, _, _ = make_inputs(config, 9, 2.0, torch.bfloat16, seed=5)
+    clean_group, group = (init_group("local", ranks=config.ranks, device=DEVICE) for _ in range(2))
+    plan = plan_step(ids, config, group, policy)
+    clean, clean_weights = dispatch_step(x, weights, plan, clean_group, "torch")
+    shard, shard_weights = dispatch_into_nan(x, weights, plan, group, "torch")
+    real = real_rows_torch(plan.offsets, plan.padding, plan.slot_base, shard.shape[-2])
+    assert 0 < int(real.sum()) < real.numel()
+    assert torch.equal(shard[real], clean[real]) and torch.equal(shard_weights[real], clean_weights[real])
+    assert bool(shard[~real].isnan().all()) and bool(shard_weights[~real].isnan().all())
+    again, _ = dispatch_step(x, weights, plan, group, "torch")
+    assert again.data_ptr() == shard.data_ptr()
 
 
 @pytest.mark.parametrize("options, message", [
