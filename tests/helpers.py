@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
+import flatep.kernels.quant_gemm as quant_gemm
 from flatep import EPConfig
 from flatep.routing import adversarial_topk, skewed_topk
 
@@ -133,3 +134,21 @@ class HostReadGuard(TorchFunctionMode):
             if any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in index):
                 raise RuntimeError("host read: indexing with a boolean mask")
         return func(*args, **kwargs)
+
+
+def second_pass_flags(monkeypatch) -> list[torch.Tensor]:
+    """Patches the mxfp4 GEMM kernel (``monkeypatch``) to record each launch's one-element
+    second-pass flag (int32 on the device; read it after the launches)."""
+    kernel, flags = quant_gemm._mxfp4_grouped_kernel, []
+    flag_index = kernel.arg_names.index("redo_ptr")
+
+    class Recorder:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                if kwargs["ONE_MULTIPLY"]:  # the second pass reads the same flag
+                    flags.append(args[flag_index])
+                return kernel[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(quant_gemm, "_mxfp4_grouped_kernel", Recorder())
+    return flags

@@ -35,7 +35,7 @@ from flatep.quant import (
     quantize_fp8_activations,
     to_word_layout,
 )
-from tests.helpers import DEVICE, relative_error
+from tests.helpers import DEVICE, relative_error, second_pass_flags
 
 triton_available = DEVICE.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 needs_triton = pytest.mark.skipif(not triton_available, reason="needs CUDA or TRITON_INTERPRET=1")
@@ -171,25 +171,6 @@ def test_mxfp4_kernel_decodes_every_code_at_any_scale_exactly(config, in_feature
     offsets = torch.tensor([in_features], dtype=torch.int32, device=DEVICE)
     out = mxfp4_grouped_mm_triton(rows, packed.values, packed.scales, offsets, config)
     assert torch.equal(out.float(), packed.dequantize()[0].T)
-
-
-def second_pass_flags(monkeypatch) -> list[torch.Tensor]:
-    """Patches the mxfp4 kernel to record each launch's one-element second-pass flag."""
-    import flatep.kernels.quant_gemm as quant_gemm
-
-    kernel, flags = quant_gemm._mxfp4_grouped_kernel, []
-    flag_index = kernel.arg_names.index("redo_ptr")
-
-    class Recorder:
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                if kwargs["ONE_MULTIPLY"]:  # the second pass reads the same flag
-                    flags.append(args[flag_index])
-                return kernel[grid](*args, **kwargs)
-            return launch
-
-    monkeypatch.setattr(quant_gemm, "_mxfp4_grouped_kernel", Recorder())
-    return flags
 
 
 @needs_triton

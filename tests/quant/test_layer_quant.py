@@ -10,7 +10,8 @@ import torch
 from flatep import EPConfig, ExpertPool, dense_moe, ep_moe, init_group, make_plan, plan_step
 from flatep.quant import QuantizedTensor, dequantize_fp8_activations, expert_weight_nbytes, pool_layout, quantize_fp8_activations
 from flatep.routing import skewed_topk
-from tests.helpers import DEVICE, TRITON_BACKENDS, relative_error
+from flatep.layer import shard_buffers
+from tests.helpers import DEVICE, TRITON_BACKENDS, relative_error, second_pass_flags
 
 # Relative error of the layer against the dense fp32 MoE over the dequantized weights (bf16 x):
 # bf16 and mxfp4 weights are exact in bf16, so only bf16 roundings of the activations remain;
@@ -82,6 +83,31 @@ def test_layer_equals_dense_over_dequantized_weights(format, policy, backend):
         # moves some activations across e4m3 rounding boundaries; the hardware rounds to nearest.
         interpreted = backend == "triton" and DEVICE.type == "cpu"
         assert relative_error(out, dense_fp8_activations(x, ids, route_weights, d13, d2)) < (2.5e-2 if interpreted else 1e-2)
+
+
+@pytest.mark.parametrize("policy", ["exact", "none"])
+def test_mxfp4_steps_over_nan_buffers_take_one_pass(policy, monkeypatch):
+    """The step's shard buffers filled with NaN first, as a reused buffer may hold them: dispatch
+    writes only the real rows, and the padding rows it leaves must not send the mxfp4 GEMMs
+    through their second pass (which a tile reading a scale byte past 128 needs, and these
+    weights have none); the layer still equals the dense MoE."""
+    if DEVICE.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs CUDA or TRITON_INTERPRET=1")
+    group = init_group("local", ranks=CONFIG.ranks, device=DEVICE)
+    x, ids, route_weights, w13, w2 = quantized_inputs(CONFIG, 12, skew=4.0, seed=23)
+    q13, q2 = packed(w13, "mxfp4"), packed(w2, "mxfp4")
+    assert int(q13.scales.max()) <= 128 and int(q2.scales.max()) <= 128
+    pool = ExpertPool.from_weights(q13, q2, CONFIG, group, dtype=torch.bfloat16)
+    plan = make_plan(ids, CONFIG, policy)
+    assert int(plan.padding[..., 1].sum()) > 0, "the step must pad groups"
+    for buffer in shard_buffers(group, CONFIG, policy, torch.bfloat16):
+        buffer.fill_(float("nan"))
+    flags = second_pass_flags(monkeypatch)
+    out = ep_moe(x, ids, route_weights, config=CONFIG, group=group, policy=policy, pool=pool, plan=plan,
+                 backend="triton")
+    assert flags and [int(flag) for flag in flags] == [0] * len(flags)
+    reference = dense_moe(x, ids, route_weights, dequantized(q13, "mxfp4"), dequantized(q2, "mxfp4"))
+    assert relative_error(out, reference) < LAYER_ERROR["mxfp4"]
 
 
 @pytest.mark.parametrize("backend", TRITON_BACKENDS)
