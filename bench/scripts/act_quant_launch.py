@@ -3,16 +3,19 @@ on one GPU, K = 7168 (Kimi-K2's hidden size), at 1024, 8192 and 65536 rows (a Ki
 and prefill shards): per (rows per block, programs per SM, warps), the CUDA-graph time of one call
 (flatep.bench.timing.time_us: 5 calls per graph, median of 10 replays) and whether its values and scales equal the first
 launch's bit for bit. Bytes moved per call: rows x K x 3 (bf16 read, e4m3 written; the scales are
-1/128 of that).
+1/128 of that), shown as GB/s beside the device's copy ceiling measured in the same run
+(flatep.bench.timing.copy_ceiling_gbps).
     python3 bench/scripts/act_quant_launch.py        (from the repository root, on a GPU)
 """
 import torch
 
 import flatep.kernels.quant_gemm as quant_gemm
-from flatep.bench.timing import time_us
+from flatep.bench.timing import copy_ceiling_gbps, time_us
 
 LAUNCHES = [(16, 8, 4), (16, 32, 4), (32, 16, 4), (32, 32, 4), (64, 8, 4), (64, 16, 8), (16, 64, 2), (8, 64, 2)]
 device = torch.device("cuda")
+ceiling = copy_ceiling_gbps(device)
+print(f"copy ceiling {ceiling:.0f} GB/s", flush=True)
 
 
 for rows in (1024, 8192, 65536):
@@ -27,5 +30,6 @@ for rows in (1024, 8192, 65536):
             first = (values.view(torch.uint8).clone(), scales.clone())
         same = torch.equal(values.view(torch.uint8), first[0]) and torch.equal(scales, first[1])
         us = time_us(lambda: quant_gemm.quantize_fp8_activations_triton(x, end), device, warmup=1, iters=10, graph=True, calls=5)
-        line.append(f"m{block_m} p{per_sm} w{warps}: {us:.1f}{'' if same else ' MISMATCH'}")
+        gbps = rows * 7168 * 3 / us / 1e3
+        line.append(f"m{block_m} p{per_sm} w{warps}: {us:.1f} us ({gbps:.0f} GB/s){'' if same else ' MISMATCH'}")
     print(f"act quant rows={rows} ({rows * 7168 * 3 / 1e6:.0f} MB moved): " + "; ".join(line), flush=True)

@@ -43,9 +43,9 @@ from flatep.bench.sweep import Cell, Sweep, _random_weights, _set_up_arm, arm_po
 from flatep.bench.timing import device_name, read_ceiling_gbps, time_interleaved
 from flatep.layer import dispatch_step, experts_step
 from flatep.plan.reference import make_plan
+from flatep.plan.triton import make_plan_triton, supports_triton_planner
 from flatep.plan.types import Layout
 from flatep.transport.base import Group
-from flatep.plan.triton import make_plan_triton, supports_triton_planner
 
 PACKED_GEMMS = ("fp8_grouped_mm_triton", "mxfp4_grouped_mm_triton")
 """The functions of :mod:`flatep.kernels.quant_gemm` that ``--against`` swaps for another revision's."""

@@ -48,16 +48,19 @@ def resident_programs(device: torch.device, per_sm: int = PROGRAMS_PER_SM) -> in
     return per_sm * torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def row_programs(rows: int, block_m: int, columns: int, device: torch.device, programs: int | None = None) -> int:
+def row_programs(
+    rows: int, block_m: int, columns: int, device: torch.device, programs: int | None = None, per_sm: int = 8
+) -> int:
     """Programs along the rows of a grid-strided row kernel (its rows end at a count read on the
     device, so a buffer sized for the worst case launches no program per unused row block):
-    ``programs``, else enough for 8 per SM over all ``columns`` column blocks on CUDA (every block
-    when the interpreter runs them), never more than there are row blocks of ``block_m`` rows."""
+    ``programs``, else enough for ``per_sm`` per SM over all ``columns`` column blocks on CUDA
+    (every block when the interpreter runs them), never more than there are row blocks of
+    ``block_m`` rows."""
     blocks = triton.cdiv(rows, block_m)
     if programs is None:
         if device.type != "cuda":
             return max(blocks, 1)
-        programs = triton.cdiv(8 * torch.cuda.get_device_properties(device).multi_processor_count, columns)
+        programs = triton.cdiv(resident_programs(device, per_sm), columns)
     if isinstance(programs, bool) or not isinstance(programs, int) or programs < 1:
         raise ValueError(f"programs must be a positive integer, got {programs!r}")
     return max(min(programs, blocks), 1)

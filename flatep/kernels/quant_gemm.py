@@ -520,7 +520,6 @@ _SCALE_PAIR = tl.constexpr(0x800080)
 # The one-multiply decode's factor 2**(byte - 1) has exponent field byte + 126, a bf16 power of
 # two up to byte 128; bytes from 129 on are capped to field 255, +inf (see _mxfp4_tile).
 _ONE_MULTIPLY_BIAS = tl.constexpr(126)
-_ONE_MULTIPLY_LAST = tl.constexpr(129)  # the first capped byte
 _ONE_MULTIPLY_MAX_BYTE = tl.constexpr(128)  # the largest byte the one-multiply decode gets right
 _INF_PAIR = tl.constexpr(0x7F807F80)
 
@@ -592,7 +591,7 @@ def _decoded_tile(words, exponent, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         high = (pairs & -0x10000).to(tl.float32, bitcast=True)
         raw = tl.reshape(tl.join(low, high), [BLOCK_N, WORDS, 8])  # e2m1 * 2**-126
         if ONE_MULTIPLY:  # as the GPU's: 2**(e - 1) in fp32, +inf from byte 129 on
-            capped = tl.minimum(exponent, _ONE_MULTIPLY_LAST) + _ONE_MULTIPLY_BIAS
+            capped = tl.minimum(exponent, _ONE_MULTIPLY_MAX_BYTE + 1) + _ONE_MULTIPLY_BIAS
             scale = (capped << 23).to(tl.float32, bitcast=True)
         else:
             raw = raw * 8.507059173023462e37  # 2**126
@@ -776,9 +775,7 @@ def quantize_fp8_activations_triton(
     block_m, groups = ACT_QUANT_ROWS, columns // _FP8_BLOCK
     # Grid-strided over the rows before end[0]: a shard sized for the step's worst case (tens of
     # thousands of row blocks at decode) launches no program per unused block.
-    programs = None if rows.device.type != "cuda" else triton.cdiv(
-        ACT_QUANT_PROGRAMS_PER_SM * torch.cuda.get_device_properties(rows.device).multi_processor_count, groups)
-    _act_quant_kernel[(row_programs(count, block_m, groups, rows.device, programs), groups)](
+    _act_quant_kernel[(row_programs(count, block_m, groups, rows.device, per_sm=ACT_QUANT_PROGRAMS_PER_SM), groups)](
         rows, values, scales, end, skip_start, count, skip_stop, rows.stride(0), columns, groups, columns,
         BLOCK_M=block_m, GROUP=_FP8_BLOCK, ROUND_FIRST=interpreting(), num_warps=ACT_QUANT_WARPS,
     )

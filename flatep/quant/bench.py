@@ -120,7 +120,7 @@ CANDIDATES = {
         GemmConfig(128, 256, 64, num_warps=8, num_stages=3, programs_per_sm=1),
         # Tall tiles transposed: the decoded weights take the warp-group MMA's 64-row side (local
         # sm_90 compile, K step of the 128-row tile: 183 instructions against 246 unswapped; the
-        # 64-row tile 270 against 352). The 64-row tile takes 203 registers a thread with one
+        # 64-row tile 270 against 352). The 64-row tile takes 207 registers a thread with one
         # multiply per pair (Triton 3.6), so two programs fit an SM, not three.
         GemmConfig(64, 128, 64, num_warps=4, num_stages=4, swap_ab=True, programs_per_sm=2),
         GemmConfig(128, 128, 64, num_warps=8, num_stages=3, swap_ab=True, programs_per_sm=1),
