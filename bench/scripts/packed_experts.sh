@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Result set: a rank's packed experts against bf16 on one GPU, without the layer around them
+# (python -m flatep.bench.experts_phase: every rank's experts phase of a sweep config's cells, the
+# packed pool and its bf16 twin in the same run, the slowest rank's time reported beside the
+# device's read ceiling measured in the run), and cuBLAS's block-scaled fp8 GEMM as a reference.
+#   bash bench/scripts/packed_experts.sh                      (from the repository root)
+#   AGAINST=qg_old.py bash bench/scripts/packed_experts.sh    (also time another copy of
+#                      flatep/kernels/quant_gemm.py on the Kimi-K3 decode cells, e.g.
+#                      `git show REV:flatep/kernels/quant_gemm.py > qg_old.py`)
+# Writes to $OUT (default ./bench-out), each with its .log:
+#   experts_k3_mxfp4_ab.json    Kimi-K3 decode (mxfp4), s in {32, 128}, maxvio {0, 10}, classic;
+#                               per-kernel times of the slowest rank (--profile)
+#   experts_k2_fp8.json         Kimi-K2 decode (fp8), the same cells
+#   experts_k2_fp8_prefill.json, experts_k3_mxfp4_prefill.json   s = 8192, maxvio 0
+#   fp8_blockwise_cublas.log    bench/scripts/fp8_blockwise_cublas.py
+#   act_quant_launch.log        bench/scripts/act_quant_launch.py
+# Exit status 0 iff every step passed.
+cd "$(dirname "$0")/../.."
+source bench/scripts/gpu_env.sh
+status=0
+step() {  # step NAME COMMAND...: run with its log in $OUT/NAME.log, report its exit status
+  local name=$1
+  shift
+  "$@" > "$OUT/$name.log" 2>&1
+  local code=$?
+  echo "$name: exit $code"
+  [ $code -eq 0 ] || status=1
+}
+step experts_k3_mxfp4_ab python3 -m flatep.bench.experts_phase bench/scripts/h200-decode-k3-mxfp4.yaml \
+  ${AGAINST:+--against "$AGAINST"} --profile --out "$OUT/experts_k3_mxfp4_ab.json"
+step experts_k2_fp8 python3 -m flatep.bench.experts_phase bench/scripts/h200-decode-k2-fp8.yaml \
+  --out "$OUT/experts_k2_fp8.json"
+step fp8_blockwise_cublas python3 bench/scripts/fp8_blockwise_cublas.py
+step experts_k2_fp8_prefill python3 -m flatep.bench.experts_phase bench/scripts/h200-prefill-k2-fp8.yaml \
+  --maxvio 0 --out "$OUT/experts_k2_fp8_prefill.json"
+step experts_k3_mxfp4_prefill python3 -m flatep.bench.experts_phase bench/scripts/h200-prefill-k3-mxfp4.yaml \
+  --maxvio 0 --out "$OUT/experts_k3_mxfp4_prefill.json"
+step act_quant_launch python3 bench/scripts/act_quant_launch.py
+exit $status
