@@ -391,11 +391,19 @@ def _fp8_tile(
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if RESCALE:
         previous = tl.full([BLOCK_M], 1.0, tl.float32)  # the scales acc is in units of
+    # Each step's scales are loaded a step ahead. Triton pipelines only the loads that feed the
+    # MMA; loaded in their own step, these plain loads (the weight scale a miss to memory: no
+    # other tile reads it) would be waited for right after the step's MMA, every step.
+    next_a_scale = tl.load(a_scales, mask=row_mask, other=1.0)
+    next_w_scale = tl.load(w_scales)
     for step in range(0, k_blocks):
         a = tl.load(a_tile + step * BLOCK_K, mask=row_mask[:, None], other=0.0)
         w = tl.load(w_tile + step * BLOCK_K, mask=column_mask[:, None], other=0.0)
         # One K step is one scale block of both operands: scale the block's partial product.
-        scale = tl.load(a_scales + step, mask=row_mask, other=1.0) * tl.load(w_scales + step)
+        scale = next_a_scale * next_w_scale
+        ahead = tl.minimum(step + 1, k_blocks - 1)  # the last step loads its own again, unused
+        next_a_scale = tl.load(a_scales + ahead, mask=row_mask, other=1.0)
+        next_w_scale = tl.load(w_scales + ahead)
         if RESCALE:
             # acc * previous is the sum so far: in units of this step's scales it is acc * ratio,
             # and the MMA adds the step's product to it in place.
