@@ -30,7 +30,10 @@ each weight tile is read by the band's row tiles back to back.
   is one scalar per step and folds into the row scales: one FMA per output element and step (a
   local sm_90 compile of the 128 x 128 tile: 203 instructions per K step against 314 with a weight
   scale per column, most of the difference per-column scale loads and their predicates).
-  Each step's product waits for its warp-group MMA before it is scaled, and it takes registers
+  The scales of each step are loaded one step ahead: Triton pipelines only the loads that feed
+  the MMA, and in a local sm_90 compile the row and weight scale loads were issued in their own
+  step and waited for right after its MMA (the weight scale a miss to memory, as no other tile
+  reads it); loaded ahead, a whole step hides them. Each step's product waits for its warp-group MMA before it is scaled, and it takes registers
   of its own beside the accumulator: tiles taller than 64 x 128 on 4 warps (252 registers a
   thread in a local sm_90 compile) or 128 x 128 on 8 (243) do not fit. ``GemmConfig.rescale``
   instead scales the accumulator into the step's units and lets the MMA add in place (one
