@@ -11,8 +11,8 @@ pytest.importorskip("transformers")
 from flatep.integrations.tiny_models import TINY_FAMILIES  # noqa: E402
 from tests.helpers import launch_workers  # noqa: E402
 
-# The two workers take about 100 s on CI's two cores alone; with the other xdist worker busy
-# beside them they passed 240 s once. A hang still ends here, with the workers' output.
+# The two workers take about 60 s on two cores alone (16 new tokens); with the other xdist worker busy
+# beside them they took up to 2.4 times that. A hang still ends here, with the workers' output.
 WORKER_TIMEOUT = 480
 WORLD = 2
 
