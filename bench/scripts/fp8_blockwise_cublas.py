@@ -25,17 +25,11 @@ import torch
 from flatep.bench.timing import time_us
 from flatep.experts.grouped import quantized_grouped_mm
 from flatep.kernels.quant_gemm import fp8_grouped_mm_triton, quantize_fp8_activations_triton
-from flatep.quant.tensor import QuantizedTensor, pool_layout
+from flatep.quant.bench import model_weights
+from flatep.quant.tensor import QuantizedTensor
 
-HIDDEN, INTERMEDIATE, EXPERTS = 7168, 2048, 48
 device = torch.device("cuda")
 torch.manual_seed(0)
-
-
-def quantized(weights: torch.Tensor) -> QuantizedTensor:
-    parts = [QuantizedTensor.quantize(expert, "fp8").in_layout(pool_layout("fp8")) for expert in weights]
-    return QuantizedTensor("fp8", torch.stack([part.values for part in parts]),
-                           torch.stack([part.scales for part in parts]), pool_layout("fp8"))
 
 
 def cublas_loop(rows: torch.Tensor, packed: QuantizedTensor, per_expert: int):
@@ -61,9 +55,7 @@ def cublas_dense(rows: torch.Tensor, weight: torch.Tensor):
     return lambda: torch._scaled_mm(row_values, weight_values.t(), row_scales, weight_scales.t(), out_dtype=torch.bfloat16)
 
 
-w13 = (torch.randn(EXPERTS, 2 * INTERMEDIATE, HIDDEN, device=device) * HIDDEN**-0.5).bfloat16()
-w2 = (torch.randn(EXPERTS, HIDDEN, INTERMEDIATE, device=device) * INTERMEDIATE**-0.5).bfloat16()
-q13, q2 = quantized(w13), quantized(w2)
+HIDDEN, INTERMEDIATE, EXPERTS, w13, w2, q13, q2 = model_weights("kimi-k2", "fp8", device)
 print(torch.__version__, torch.cuda.get_device_name(), flush=True)
 for per_expert in (128, 1024):
     rows_total = EXPERTS * per_expert

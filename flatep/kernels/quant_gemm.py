@@ -33,12 +33,13 @@ each weight tile is read by the band's row tiles back to back.
   The scales of each step are loaded one step ahead: Triton pipelines only the loads that feed
   the MMA, and in a local sm_90 compile the row and weight scale loads were issued in their own
   step and waited for right after its MMA (the weight scale a miss to memory, as no other tile
-  reads it); loaded ahead, a whole step hides them. Each step's product waits for its warp-group MMA before it is scaled, and it takes registers
-  of its own beside the accumulator: tiles taller than 64 x 128 on 4 warps (252 registers a
-  thread in a local sm_90 compile) or 128 x 128 on 8 (243) do not fit. ``GemmConfig.rescale``
-  instead scales the accumulator into the step's units and lets the MMA add in place (one
-  accumulator: 256 x 128 on 8 warps in 252 registers), for tiles that load fewer bytes per
-  product at prefill sizes; a tile-sweep candidate.
+  reads it); loaded ahead, a whole step hides them (not yet timed on a GPU). Each step's product
+  waits for its warp-group MMA before it is scaled, and it takes registers of its own beside the
+  accumulator: tiles taller than 64 x 128 on 4 warps (254 registers a thread in a local sm_90
+  compile, Triton 3.6) or 128 x 128 on 8 (248) do not fit. ``GemmConfig.rescale`` instead scales
+  the accumulator into the step's units and lets the MMA add in place (one accumulator: 256 x 128
+  on 8 warps in 249 registers), for tiles that load fewer bytes per product at prefill sizes; a
+  tile-sweep candidate.
 - mxfp4 (:func:`mxfp4_grouped_mm_triton`): reads the packed values as int32 words (8 columns each,
   in FlatEP's word layout, :data:`flatep.quant.mxfp4.WORD_PAIRS`) and their e8m0 scales, and decodes
   them in registers into bf16, exactly (e2m1 times a power of two), for bf16 tensor-core dots. The
@@ -204,8 +205,9 @@ def default_config(rows: int, groups: int, format: str) -> GemmConfig:
       decoded whole into bf16 instead (1.08-1.25x bf16 at 1024 rows).
       The 16-row tile takes ``lane_words`` (see the module docstring): on an H100 it took the
       same time as the plain order (0.408x against 0.407x bf16 for gate/up at 16 rows per expert,
-      bench/results/2026-12-05-f, before the second-pass flag followed the scale bytes), and it keeps the tile at 168 registers a thread, which six
-      programs per SM need (the plain order takes 188 with the second-pass flag). The 32-row
+      bench/results/2026-12-05-f, before the second-pass flag followed the scale bytes), and it
+      keeps the tile at 168 registers a thread, which six programs per SM need (the plain order
+      takes 188 with the second-pass flag). The 32-row
       tile keeps the plain order, which was 1-3% faster there (0.418x against 0.430x).
     """
     if format not in ("fp8", "mxfp4"):

@@ -52,15 +52,15 @@ CANDIDATES = {
         GemmConfig(16, 128, 128, num_warps=4, num_stages=5, swap_ab=True),
         GemmConfig(32, 128, 128, num_warps=4, num_stages=5, swap_ab=True),
         GemmConfig(64, 128, 128, num_warps=4, num_stages=4),
-        # One 8-warp 128-row program fits an SM (243 registers a thread, 128 KiB of shared memory at
+        # One 8-warp 128-row program fits an SM (248 registers a thread, 128 KiB of shared memory at
         # four stages; bench/scripts/gemm_kloop_sass.py), so one is launched per SM: a second would
         # only wait for the first's whole tile loop.
         GemmConfig(128, 128, 128, num_warps=8, num_stages=4, programs_per_sm=1),
         GemmConfig(128, 128, 128, num_warps=8, num_stages=4, group_m=16, programs_per_sm=1),
         # The accumulator rescaled per K step (``rescale``): one accumulator in registers, not two.
-        # Local sm_90 compile (Triton 3.6), registers a thread: 64 x 128 on 4 warps 173 (252
-        # unrescaled), 128 x 128 on 8 warps 180 (243), 256 x 128 on 8 warps 252 (255 and 320
-        # bytes of spills unrescaled). 128 x 128 and 256 x 128 load 1.5 and 2 times fewer
+        # Local sm_90 compile (Triton 3.6), registers a thread: 64 x 128 on 4 warps 219 (254
+        # unrescaled), 128 x 128 on 8 warps 179 (248), 256 x 128 on 8 warps 249 (255, the
+        # limit, unrescaled). 128 x 128 and 256 x 128 load 1.5 and 2 times fewer
         # activation and weight bytes per product than 64 x 128 (more rows share each weight
         # tile), which matters where the loads into shared memory, not the MMA, bound a step at
         # prefill sizes; 64 x 128 rescaled tells the rescaling's own cost.
@@ -134,7 +134,7 @@ def _random_bf16(shape: tuple[int, ...], scale: float, device: torch.device) -> 
     return (torch.randn(shape, device=device) * scale).bfloat16()
 
 
-def _quantize_by_expert(weights: torch.Tensor, format: str) -> QuantizedTensor:
+def quantize_by_expert(weights: torch.Tensor, format: str) -> QuantizedTensor:
     """Quantize ``[G, N, K]`` one expert at a time (bounded temporaries at real sizes)."""
     # In the layout a pool holds them in, which the kernels read.
     parts = [QuantizedTensor.quantize(weights[expert], format).in_layout(pool_layout(format))
@@ -239,18 +239,21 @@ def experts_cell(
     return result
 
 
-def _model_weights(model: str, format: str, device: torch.device):
+def model_weights(
+    model: str, format: str, device: torch.device,
+) -> tuple[int, int, int, torch.Tensor, torch.Tensor, QuantizedTensor, QuantizedTensor]:
     """``(hidden, intermediate, experts, w13, w2, q13, q2)`` of one rank of ``model`` at EP8: random
-    bf16 weights and their ``format`` packing."""
+    bf16 weights (``w13 [experts, 2*intermediate, hidden]``, ``w2 [experts, hidden, intermediate]``,
+    N(0, 1/fan_in)) and their ``format`` packing in the pools' layout."""
     config = preset(model, ranks=8)
     hidden, intermediate, experts = config.hidden, config.intermediate, config.experts_per_rank
     w13 = _random_bf16((experts, 2 * intermediate, hidden), hidden**-0.5, device)
     w2 = _random_bf16((experts, hidden, intermediate), intermediate**-0.5, device)
-    return hidden, intermediate, experts, w13, w2, _quantize_by_expert(w13, format), _quantize_by_expert(w2, format)
+    return hidden, intermediate, experts, w13, w2, quantize_by_expert(w13, format), quantize_by_expert(w2, format)
 
 
 def model_cells(model: str, format: str, device: torch.device, rounds: int) -> list[dict]:
-    hidden, intermediate, experts, w13, w2, q13, q2 = _model_weights(model, format, device)
+    hidden, intermediate, experts, w13, w2, q13, q2 = model_weights(model, format, device)
     cells = []
     for rows_per_expert in ROWS_PER_EXPERT:
         cell = experts_cell(model, format, hidden, intermediate, experts, rows_per_expert, w13, w2, q13, q2, device, rounds)
@@ -420,7 +423,7 @@ def main(argv: list[str] | None = None) -> None:
         for model, format in (("kimi-k2", "fp8"), ("kimi-k3", "mxfp4")):
             if format not in args.formats:
                 continue
-            weights = _model_weights(model, format, device)
+            weights = model_weights(model, format, device)
             entries += quick_cells(model, format, *weights, device, tuple(args.rows), deadline=started + args.budget)
             del weights
             torch.cuda.empty_cache()

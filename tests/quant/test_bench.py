@@ -14,7 +14,7 @@ def test_bench_cells_at_tiny_sizes(monkeypatch):
     for format in ("fp8", "mxfp4"):
         w13 = bench._random_bf16((2, 2 * intermediate, hidden), hidden**-0.5, DEVICE)
         w2 = bench._random_bf16((2, hidden, intermediate), intermediate**-0.5, DEVICE)
-        q13, q2 = bench._quantize_by_expert(w13, format), bench._quantize_by_expert(w2, format)
+        q13, q2 = bench.quantize_by_expert(w13, format), bench.quantize_by_expert(w2, format)
         cell = bench.experts_cell("tiny", format, hidden, intermediate, 2, 16, w13, w2, q13, q2, DEVICE, rounds=1)
         assert cell["w13_relative_error"] < 4e-3 and cell["w2_relative_error"] < 4e-3
         assert cell["w13"]["ratio"] > 0 and cell["experts_step"]["ratio"] > 0
@@ -34,7 +34,7 @@ def test_quick_cells_at_tiny_sizes(monkeypatch):
     for format in ("fp8", "mxfp4"):
         w13 = bench._random_bf16((2, 2 * intermediate, hidden), hidden**-0.5, DEVICE)
         w2 = bench._random_bf16((2, hidden, intermediate), intermediate**-0.5, DEVICE)
-        q13, q2 = bench._quantize_by_expert(w13, format), bench._quantize_by_expert(w2, format)
+        q13, q2 = bench.quantize_by_expert(w13, format), bench.quantize_by_expert(w2, format)
         entries = bench.quick_cells("tiny", format, hidden, intermediate, 2, w13, w2, q13, q2, DEVICE, (16,))
         arms = [("bf16", None)] + [("through_bf16", None)] * (format == "mxfp4")
         arms += [("tiles", vars(config)) for config in bench._candidates(format, 16)]
@@ -60,7 +60,7 @@ def test_quick_cells_run_the_tall_fp8_candidates(monkeypatch):
     hidden = intermediate = 128
     w13 = bench._random_bf16((2, 2 * intermediate, hidden), hidden**-0.5, DEVICE)
     w2 = bench._random_bf16((2, hidden, intermediate), intermediate**-0.5, DEVICE)
-    q13, q2 = bench._quantize_by_expert(w13, "fp8"), bench._quantize_by_expert(w2, "fp8")
+    q13, q2 = bench.quantize_by_expert(w13, "fp8"), bench.quantize_by_expert(w2, "fp8")
     entries = bench.quick_cells("tiny", "fp8", hidden, intermediate, 2, w13, w2, q13, q2, DEVICE, (128,))
     packed = [entry for entry in entries if entry["path"] == "tiles"]
     assert sum(entry["config"]["rescale"] for entry in packed) == 2 * len(tall)  # both GEMMs, beside the default
