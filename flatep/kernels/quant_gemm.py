@@ -34,8 +34,11 @@ each weight tile is read by the band's row tiles back to back.
   the MMA, and in a local sm_90 compile the row and weight scale loads were issued in their own
   step and waited for right after its MMA (the weight scale a miss to memory, as no other tile
   reads it); loaded ahead, a whole step hides them (not yet timed on a GPU). Each step's product
-  waits for its warp-group MMA before it is scaled, and it takes registers of its own beside the
-  accumulator: tiles taller than 64 x 128 on 4 warps (254 registers a thread in a local sm_90
+  waits for its warp-group MMA before it is scaled (Triton 3.6 waits for a ``tl.dot`` whose result
+  feeds anything but the next dot's accumulator right after issuing it: scaling the previous
+  step's product after issuing this step's, or two 64-row halves as two dots, still compiled to
+  a wait for no outstanding MMA after each, in local sm_90 compiles), and it takes registers of
+  its own beside the accumulator: tiles taller than 64 x 128 on 4 warps (254 registers a thread in a local sm_90
   compile, Triton 3.6) or 128 x 128 on 8 (248) do not fit. ``GemmConfig.rescale`` instead scales
   the accumulator into the step's units and lets the MMA add in place (one accumulator: 256 x 128
   on 8 warps in 249 registers), for tiles that load fewer bytes per product at prefill sizes; a
