@@ -106,6 +106,16 @@ CANDIDATES = {
         GemmConfig(16, 128, 64, num_warps=2, num_stages=4, programs_per_sm=5),
         GemmConfig(16, 64, 128, num_warps=2, num_stages=3, programs_per_sm=6),
         GemmConfig(16, 128, 128, num_warps=4, num_stages=3, swap_ab=True),
+        # 32-wide K steps: more instructions per weight, fewer registers, more warps an SM, for a
+        # decode that waits on latency rather than on issue (the default 16-row tile issues about
+        # a third of an SM's instruction slots at Kimi-K3, s = 128, by its K loop's count and
+        # time). Local sm_90 compile (Triton 3.6), instructions per weight and thread, registers:
+        # 16 x 128 on 2 warps 3.61, 128 (eight fit: 16 warps against the default's 12); 32 x 256
+        # on 4 warps 4.00, 168 (three: 12 warps against the 32-row default's 8); 32 x 128 on 4
+        # warps 4.81, 122 (four).
+        GemmConfig(16, 128, 32, num_warps=2, num_stages=4, programs_per_sm=8),
+        GemmConfig(32, 256, 32, num_warps=4, num_stages=4, programs_per_sm=3),
+        GemmConfig(32, 128, 32, num_warps=4, num_stages=4, programs_per_sm=4),
         GemmConfig(32, 256, 64, num_warps=4, num_stages=3),
         # 128-wide K steps load each column's four scale bytes of a step as one cp.async, which
         # Triton pipelines; at 64 it loads two bytes a column synchronously each step and converts
