@@ -16,6 +16,8 @@
 #   act_quant_launch.log        bench/scripts/act_quant_launch.py
 #   quant_quick_fp8.json        python -m flatep.quant.bench --quick: every fp8 tile candidate at
 #                               21 rows per expert (Kimi-K2 decode, s = 128) and 1024 (prefill)
+#   quant_quick_mxfp4.json      the same for every mxfp4 tile candidate at 16 and 32 rows per
+#                               expert (Kimi-K3 decode: the 16- and 32-row launches' groups)
 # Exit status 0 iff every step passed.
 cd "$(dirname "$0")/../.."
 source bench/scripts/gpu_env.sh
@@ -41,4 +43,6 @@ step experts_k3_mxfp4_prefill python3 -m flatep.bench.experts_phase bench/script
 step act_quant_launch python3 bench/scripts/act_quant_launch.py
 step quant_quick_fp8 python3 -m flatep.quant.bench --quick --budget 90 --formats fp8 --rows 21 1024 \
   --out "$OUT/quant_quick_fp8.json"
+step quant_quick_mxfp4 python3 -m flatep.quant.bench --quick --budget 160 --formats mxfp4 --rows 16 32 \
+  --out "$OUT/quant_quick_mxfp4.json"
 exit $status

@@ -71,14 +71,6 @@ CANDIDATES = {
         # memory at 3 stages): two programs fit an SM, and while one scales its accumulator the
         # other's MMA can run (the 8-warp tiles' two warp groups wait for each other every K step).
         GemmConfig(128, 128, 128, num_warps=4, num_stages=3, rescale=True, programs_per_sm=2),
-        # Decode shards with 17-64 rows per expert (Kimi-K2 at s = 128: about 21) stream the weights
-        # through 64-column tiles: more programs per SM and more column tiles to even out the last
-        # round of the persistent grid (the down GEMM's 2688 64 x 128 tiles at 48 experts make 10.2
-        # rounds of 264 programs on 132 SMs). Local sm_90 compile (Triton 3.6): 64 x 64 on 4 warps
-        # 168 registers a thread, 64 KiB of shared memory at 4 stages (three fit an SM); the
-        # swapped 32 x 64 on 4 warps 116 registers, 72 KiB at 6 stages (three fit).
-        GemmConfig(64, 64, 128, num_warps=4, num_stages=4, programs_per_sm=3),
-        GemmConfig(32, 64, 128, num_warps=4, num_stages=6, swap_ab=True, programs_per_sm=3),
     ),
     "mxfp4": (
         GemmConfig(16, 128, 64, num_warps=4, num_stages=4, programs_per_sm=4),
@@ -106,16 +98,6 @@ CANDIDATES = {
         GemmConfig(16, 128, 64, num_warps=2, num_stages=4, programs_per_sm=5),
         GemmConfig(16, 64, 128, num_warps=2, num_stages=3, programs_per_sm=6),
         GemmConfig(16, 128, 128, num_warps=4, num_stages=3, swap_ab=True),
-        # 32-wide K steps: more instructions per weight, fewer registers, more warps an SM, for a
-        # decode that waits on latency rather than on issue (the default 16-row tile issues about
-        # a third of an SM's instruction slots at Kimi-K3, s = 128, by its K loop's count and
-        # time). Local sm_90 compile (Triton 3.6), instructions per weight and thread, registers:
-        # 16 x 128 on 2 warps 3.61, 128 (eight fit: 16 warps against the default's 12); 32 x 256
-        # on 4 warps 4.00, 168 (three: 12 warps against the 32-row default's 8); 32 x 128 on 4
-        # warps 4.81, 122 (four).
-        GemmConfig(16, 128, 32, num_warps=2, num_stages=4, programs_per_sm=8),
-        GemmConfig(32, 256, 32, num_warps=4, num_stages=4, programs_per_sm=3),
-        GemmConfig(32, 128, 32, num_warps=4, num_stages=4, programs_per_sm=4),
         GemmConfig(32, 256, 64, num_warps=4, num_stages=3),
         # 128-wide K steps load each column's four scale bytes of a step as one cp.async, which
         # Triton pipelines; at 64 it loads two bytes a column synchronously each step and converts
