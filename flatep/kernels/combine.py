@@ -200,7 +200,8 @@ def sum_runs_triton(
             at Kimi-K2, s = 128, one row per item took 133-139 us for classic's combine: most
             items lie past the rank's groups in buffers sized for a full step and only read two
             offsets; four rows per item, as the expansion takes (about 19 us there), make a
-            quarter as many (not yet timed on the GPU).
+            quarter as many (not timed against one row per item; with four, dispatch and combine
+            together took 9.96-10.06 us per rank there, bench/results/2026-12-04-h200-f).
     """
     count, hidden = rows.shape[-2:]
     ranks_here = rows.numel() // (count * hidden)
