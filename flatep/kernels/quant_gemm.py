@@ -24,27 +24,27 @@ each weight tile is read by the band's row tiles back to back.
 
 - fp8 (:func:`fp8_grouped_mm_triton`): the rows are first quantized per token per 128 columns
   (``scale = max(amax, 1e-10) / 448``, e4m3 rounded to nearest and saturated), as DeepSeek-V3 runs
-  its FP8 experts; the GEMM then multiplies e4m3 tiles (fp32 accumulation on the tensor cores) and
-  applies the row's activation scale and the column's weight block scale per 128-wide K step. A
-  tile's columns lie in one 128-column scale block (``block_n`` divides 128), so the weight scale
-  is one scalar per step and folds into the row scales: one FMA per output element and step (a
-  local sm_90 compile of the 128 x 128 tile: 203 instructions per K step against 314 with a weight
-  scale per column, most of the difference per-column scale loads and their predicates).
-  The scales of each step are loaded one step ahead: Triton pipelines only the loads that feed
-  the MMA, and in a local sm_90 compile the row and weight scale loads were issued in their own
-  step and waited for right after its MMA (the weight scale a miss to memory, as no other tile
-  reads it); loaded ahead, a whole step hides them (on an H100, against the kernel before, in
-  one run: Kimi-K2 experts at s = 8192 0.992x bf16 against 1.035x, at decode 1-2% faster at
-  s = 32 and the same at s = 128; bench/results/2026-12-06-h100). Each step's product
-  waits for its warp-group MMA before it is scaled (Triton 3.6 waits for a ``tl.dot`` whose result
-  feeds anything but the next dot's accumulator right after issuing it: scaling the previous
-  step's product after issuing this step's, or two 64-row halves as two dots, still compiled to
-  a wait for no outstanding MMA after each, in local sm_90 compiles), and it takes registers of
-  its own beside the accumulator: tiles taller than 64 x 128 on 4 warps (254 registers a thread in a local sm_90
-  compile, Triton 3.6) or 128 x 128 on 8 (248) do not fit. ``GemmConfig.rescale`` instead scales
-  the accumulator into the step's units and lets the MMA add in place (one accumulator: 256 x 128
-  on 8 warps in 249 registers), for tiles that load fewer bytes per product at prefill sizes; a
-  tile-sweep candidate.
+  its FP8 experts; the GEMM then multiplies e4m3 tiles (the tensor cores sum within a K step, fp32
+  registers across steps: see ``GemmConfig.rescale`` on their precision) and applies the row's
+  activation scale and the column's weight block scale per 128-wide K step. A tile's columns lie in
+  one 128-column scale block (``block_n`` divides 128), so the weight scale is one scalar per step
+  and folds into the row scales: one FMA per output element and step (a local sm_90 compile of the
+  128 x 128 tile: 203 instructions per K step against 314 with a weight scale per column, most of
+  the difference per-column scale loads and their predicates). The scales of each step are loaded
+  one step ahead: Triton pipelines only the loads that feed the MMA, and in a local sm_90 compile
+  the row and weight scale loads were issued in their own step and waited for right after its MMA
+  (the weight scale a miss to memory, as no other tile reads it); loaded ahead, a whole step hides
+  them (on an H100, against the kernel before, in one run: Kimi-K2 experts at s = 8192 0.992x bf16
+  against 1.035x, at decode 1-2% faster at s = 32 and the same at s = 128;
+  bench/results/2026-12-06-h100). Each step's product waits for its warp-group MMA before it is
+  scaled (Triton 3.6 waits for a ``tl.dot`` whose result feeds anything but the next dot's
+  accumulator right after issuing it: scaling the previous step's product after issuing this step's,
+  or two 64-row halves as two dots, still compiled to a wait for no outstanding MMA after each, in
+  local sm_90 compiles), and it takes registers of its own beside the accumulator: tiles taller than
+  64 x 128 on 4 warps (254 registers a thread in a local sm_90 compile, Triton 3.6) or 128 x 128 on
+  8 (248) do not fit. ``GemmConfig.rescale`` instead scales the accumulator into the step's units
+  and lets the MMA add in place (one accumulator: 256 x 128 on 8 warps in 249 registers), for tiles
+  that load fewer bytes per product at prefill sizes; a tile-sweep candidate.
 - mxfp4 (:func:`mxfp4_grouped_mm_triton`): reads the packed values as int32 words (8 columns each,
   in FlatEP's word layout, :data:`flatep.quant.mxfp4.WORD_PAIRS`) and their e8m0 scales, and decodes
   them in registers into bf16, exactly (e2m1 times a power of two), for bf16 tensor-core dots. The
@@ -138,36 +138,34 @@ class GemmConfig:
     """Tile sizes and program order of a grouped GEMM launch (tuning; correctness does not depend on them).
 
     ``block_m``, ``block_n``: output rows and columns per program (powers of two, at least 16);
-    ``block_k``: input columns per step (fp8: 128, one scale block; mxfp4: a power of two, at least
-    32); ``group_m``: row tiles of a group that take the column blocks together (see the module
-    docstring); ``swap_ab``: compute the transposed tile, ``W_tile @ A_tile.T``, so that the weight's
-    columns fill the MMA's M side (a Hopper warp-group MMA is 64 rows tall, while short row tiles
-    of decode shards are 16 or 32 rows); ``num_warps``, ``num_stages``: Triton's launch options;
-    ``programs_per_sm``: the persistent grid's programs per SM (more hide more latency, if their
-    registers and shared memory fit). fp8 tiles need ``block_n`` to divide 128 (one weight scale
-    block per tile). ``rescale`` (fp8 only): keep the accumulator in units of the current K step's
-    scales, ``acc = dot(a, w, acc * s_previous / s)`` then ``acc * s_last``, rather than adding
-    each step's separate product times its scales: one accumulator in registers instead of two
-    (the tensor-core MMA accumulates in place), which tall tiles need to fit. It is less
-    precise on Hopper: the sum over all K then stays in the warp-group MMA's accumulator, and fp8
-    MMAs add with fewer bits than fp32 (about 14, DeepSeek-V3 technical report, arXiv:2412.19437,
-    section 3.3.2), where the plain form adds each 128-wide step's product into fp32 registers,
-    as DeepSeek-V3 does. Relative error against the fp32 product of the dequantized operands, one
-    Kimi-K2 rank at 1024 rows per expert, H100 and H200 alike: 3.4e-3 rescaled against 6.9e-4
-    plain for gate/up (K = 7168), 2.0e-3 against 6.9e-4 for down (K = 2048), where the 16- and
-    32-row tiles on ``mma.sync`` (e4m3 converted to fp16 for it, fp32 sums) give 8e-5: the plain
-    warp-group tiles' error is that of the four MMAs within a step
-    (bench/results/2026-12-06-h100, ``quant_quick_fp8.json``). It also divides by the weight block scales: a zero one
-    (which neither the checkpoints nor :func:`flatep.quant.quantize_fp8_block` hold) makes the
-    tile's rows NaN, where the plain form gives its block's weights as 0. A tile-sweep candidate,
-    not a default. ``lane_words`` (mxfp4 only, tiles whose decoded weights stay in registers as
-    an MMA operand: ``block_m`` below 64, or ``swap_ab``; ``block_k`` of 64 or more): take each K
-    step's words in :func:`_lane_word_order`'s order, in which the words a lane decodes share their
-    e8m0 scale blocks where Triton's operand layout gives a lane one word of each 32-column chunk
-    of the step (in a local sm_90 compile: the 64-wide steps of 16- and 32-row tiles on 2 warps of
-    128 or 256 columns or 4 of 256, and the swapped 16 x 128 x 128 tile); elsewhere the reorder can
-    cost register moves instead (``bench/scripts/gemm_kloop_sass.py`` compares a tile with and
-    without).
+    ``block_k``: input columns per step (fp8: 128, one scale block; mxfp4: a power of two, at least 32);
+    ``group_m``: row tiles of a group that take the column blocks together (see the module docstring);
+    ``swap_ab``: compute the transposed tile, ``W_tile @ A_tile.T``, so that the weight's columns fill
+    the MMA's M side (a Hopper warp-group MMA is 64 rows tall, while short row tiles of decode shards
+    are 16 or 32 rows); ``num_warps``, ``num_stages``: Triton's launch options; ``programs_per_sm``: the
+    persistent grid's programs per SM (more hide more latency, if their registers and shared memory
+    fit). fp8 tiles need ``block_n`` to divide 128 (one weight scale block per tile). ``rescale`` (fp8
+    only): keep the accumulator in units of the current K step's scales, ``acc = dot(a, w, acc *
+    s_previous / s)`` then ``acc * s_last``, rather than adding each step's separate product times its
+    scales: one accumulator in registers instead of two (the tensor-core MMA accumulates in place),
+    which tall tiles need to fit. It is less precise on Hopper: the sum over all K then stays in the
+    warp-group MMA's accumulator, and fp8 MMAs add with fewer bits than fp32 (about 14, DeepSeek-V3
+    technical report, arXiv:2412.19437, section 3.3.2), where the plain form adds each 128-wide step's
+    product into fp32 registers, as DeepSeek-V3 does. Relative error against the fp32 product of the
+    dequantized operands, one Kimi-K2 rank at 1024 rows per expert, H100 and H200 alike: 3.4e-3 rescaled
+    against 6.9e-4 plain for gate/up (K = 7168), 2.0e-3 against 6.9e-4 for down (K = 2048), where the
+    16- and 32-row tiles on ``mma.sync`` (e4m3 converted to fp16 for it, fp32 sums) give 8e-5: the plain
+    warp-group tiles' error is that of the four MMAs within a step (bench/results/2026-12-06-h100,
+    ``quant_quick_fp8.json``). It also divides by the weight block scales: a zero one (which neither the
+    checkpoints nor :func:`flatep.quant.quantize_fp8_block` hold) makes the tile's rows NaN, where the
+    plain form gives its block's weights as 0. A tile-sweep candidate, not a default. ``lane_words``
+    (mxfp4 only, tiles whose decoded weights stay in registers as an MMA operand: ``block_m`` below 64,
+    or ``swap_ab``; ``block_k`` of 64 or more): take each K step's words in :func:`_lane_word_order`'s
+    order, in which the words a lane decodes share their e8m0 scale blocks where Triton's operand layout
+    gives a lane one word of each 32-column chunk of the step (in a local sm_90 compile: the 64-wide
+    steps of 16- and 32-row tiles on 2 warps of 128 or 256 columns or 4 of 256, and the swapped 16 x 128
+    x 128 tile); elsewhere the reorder can cost register moves instead
+    (``bench/scripts/gemm_kloop_sass.py`` compares a tile with and without).
     """
 
     block_m: int
