@@ -35,7 +35,7 @@ each weight tile is read by the band's row tiles back to back.
   the row and weight scale loads were issued in their own step and waited for right after its MMA
   (the weight scale a miss to memory, as no other tile reads it); loaded ahead, a whole step hides
   them (on an H100, against the kernel before, in one run: Kimi-K2 experts at s = 8192 0.992x bf16
-  against 1.035x, at decode 1-2% faster at s = 32 and the same at s = 128;
+  against 1.035x; at decode within 2%, no gain a single run can separate from noise;
   bench/results/2026-12-06-h100). Each step's product waits for its warp-group MMA before it is
   scaled (Triton 3.6 waits for a ``tl.dot`` whose result feeds anything but the next dot's
   accumulator right after issuing it: scaling the previous step's product after issuing this step's,
