@@ -24,13 +24,21 @@ def tile_table(
     offsets_ptr, groups, split, split_start, N, rows_above, rows_at_most,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
 ):
-    """Per group (vectors over ``GROUPS`` = ``groups`` rounded up to a power of two): first row,
-    end row, row tiles and their running sum; and the launch's tiles in all (row tiles times
+    """:func:`group_tiles` over ``g = arange(0, GROUPS)``, ``GROUPS`` = ``groups`` rounded up to a power of two."""
+    return group_tiles(offsets_ptr, tl.arange(0, GROUPS), groups, split, split_start, N, rows_above, rows_at_most,
+                       BLOCK_M, BLOCK_N)
+
+
+@triton.jit
+def group_tiles(
+    offsets_ptr, g, groups, split, split_start, N, rows_above, rows_at_most, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Per group (vectors over ``g``, the group indices ``0 .. GROUPS - 1``, made by the caller: a
+    Gluon kernel's ``arange`` takes a layout, and it calls this as it is): first row, end row, row tiles and their running sum; and the launch's tiles in all (row tiles times
     column blocks), read from the offsets on the device. Group ``split`` (if ``< groups``) starts
     at row ``split_start`` instead of the previous group's end (a second run of groups). Only
     groups of more than ``rows_above`` and at most ``rows_at_most`` rows get tiles (a launch of
     a step's hot groups, or of the others: :func:`packed_launches`)."""
-    g = tl.arange(0, GROUPS)
     real = g < groups
     ends = tl.load(offsets_ptr + g, mask=real, other=0)
     starts = tl.load(offsets_ptr + g - 1, mask=real & (g > 0), other=0)
@@ -46,14 +54,22 @@ def locate_tile(
     tile, starts, ends, tiles, passed, N,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, GROUPS: tl.constexpr,
 ):
-    """``(group, first_row, end_row, first_column)`` of tile ``tile < total`` (see :func:`tile_table`).
+    """:func:`find_tile` over ``g = arange(0, GROUPS)``."""
+    return find_tile(tile, tl.arange(0, GROUPS), starts, ends, tiles, passed, N, BLOCK_M, BLOCK_N, GROUP_M)
+
+
+@triton.jit
+def find_tile(
+    tile, g, starts, ends, tiles, passed, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """``(group, first_row, end_row, first_column)`` of tile ``tile < total`` (see :func:`group_tiles`,
+    whose ``g`` it takes too).
 
     Group ``g`` owns tiles ``[base_g, base_g + tiles_g) * column_blocks``, so ``tile //
     column_blocks`` finds the group; within the group, bands of ``GROUP_M`` row tiles (the last band
     may be shorter) each take all column blocks, row tiles fastest.
     """
     column_blocks = tl.cdiv(N, BLOCK_N)
-    g = tl.arange(0, GROUPS)
     group = tl.sum((passed <= tile // column_blocks).to(tl.int32), axis=0)
     mine = g == group
     count = tl.sum(tl.where(mine, tiles, 0), axis=0)

@@ -124,6 +124,7 @@ from flatep.kernels.backend import (
     run_block_count,
     skip_arguments,
 )
+from flatep.kernels import fp8_wgmma
 from flatep.kernels.grouped_tiles import locate_tile, persistent_grid, tile_table
 from flatep.quant.fp8 import E4M3_MAX, E4M3_RECIPROCAL
 from flatep.quant.mxfp4 import WORD_PAIRS, _as_int32
@@ -165,7 +166,10 @@ class GemmConfig:
     gives a lane one word of each 32-column chunk of the step (in a local sm_90 compile: the 64-wide
     steps of 16- and 32-row tiles on 2 warps of 128 or 256 columns or 4 of 256, and the swapped 16 x 128
     x 128 tile); elsewhere the reorder can cost register moves instead
-    (``bench/scripts/gemm_kloop_sass.py`` compares a tile with and without).
+    (``bench/scripts/gemm_kloop_sass.py`` compares a tile with and without). ``wgmma`` (fp8 only,
+    Hopper GPUs): run the Gluon kernel of :mod:`flatep.kernels.fp8_wgmma`, which scales each K step's
+    product while the next step's warp-group MMA runs; its tile is fixed (``block_m`` and ``block_n``
+    128, ``num_warps`` 8, not swapped or rescaled), ``num_stages`` its shared-memory stages.
     """
 
     block_m: int
@@ -178,13 +182,14 @@ class GemmConfig:
     programs_per_sm: int = 2
     rescale: bool = False
     lane_words: bool = False
+    wgmma: bool = False
 
     @property
     def label(self) -> str:
         """A short name for benchmark arms: ``m16 n128 k128 w4 s3 g8 p2`` and the options set
         (``swap``, ``rescale``, ``lanewords``)."""
         options = [name for name, on in (("swap", self.swap_ab), ("rescale", self.rescale),
-                                         ("lanewords", self.lane_words)) if on]
+                                         ("lanewords", self.lane_words), ("wgmma", self.wgmma)) if on]
         return " ".join([f"m{self.block_m} n{self.block_n} k{self.block_k} w{self.num_warps} s{self.num_stages} "
                          f"g{self.group_m} p{self.programs_per_sm}", *options])
 
@@ -713,6 +718,21 @@ def _mxfp4_tile(
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & column_mask[None, :])
 
 
+def _check_wgmma(config: GemmConfig, inner: int, device: torch.device) -> None:
+    fixed = (fp8_wgmma.BLOCK_M, fp8_wgmma.BLOCK_N, fp8_wgmma.NUM_WARPS)
+    if (config.block_m, config.block_n, config.num_warps) != fixed or config.swap_ab or config.rescale:
+        raise ValueError(f"a wgmma config takes block_m, block_n, num_warps = {fixed}, unswapped and not rescaled, "
+                         f"got {config}")
+    if not 2 <= config.num_stages <= 6:
+        raise ValueError(f"a wgmma config's num_stages (32 KiB of shared memory each) must be in [2, 6], got "
+                         f"{config.num_stages}")
+    if inner // _FP8_BLOCK < config.num_stages:
+        raise ValueError(f"a wgmma config's num_stages must not exceed the K steps, K / 128 = {inner // _FP8_BLOCK}, "
+                         f"got {config.num_stages}")
+    if not fp8_wgmma.available(device):
+        raise ValueError(f"a wgmma config needs a Hopper (sm_90) CUDA GPU and Triton's Gluon, got {device}")
+
+
 def _check_rows(rows: torch.Tensor) -> None:
     if rows.dim() != 2 or rows.dtype != torch.bfloat16 or rows.stride(1) != 1:
         raise ValueError(f"rows must be [M, K] bfloat16 with unit column stride, got {rows.dtype} {list(rows.shape)}")
@@ -860,6 +880,8 @@ def fp8_grouped_mm_triton(
         raise ValueError(f"fp8 block_n must divide {_FP8_BLOCK} (one weight scale block per tile), got {config.block_n}")
     if config.lane_words:
         raise ValueError(f"lane_words is an mxfp4 tile option (fp8 has no words to reorder), got {config}")
+    if config.wgmma:
+        _check_wgmma(config, inner, rows.device)
     rows_above, rows_at_most = _check_group_rows(group_rows)
     out = _output(rows, columns, out)
     if activations is None:
@@ -872,7 +894,17 @@ def fp8_grouped_mm_triton(
             raise ValueError(f"activations must be [M, K] float8_e4m3fn and [M, K/128] float32 with unit column "
                              f"strides for rows {list(rows.shape)}, got {quantized.dtype} {list(quantized.shape)} and "
                              f"{row_scales.dtype} {list(row_scales.shape)}")
-    _fp8_grouped_kernel[persistent_grid(rows.shape[0], groups, columns, config, rows.device)](
+    programs = persistent_grid(rows.shape[0], groups, columns, config, rows.device)
+    if config.wgmma:
+        if not fp8_wgmma.descriptors_fit(quantized, values) or not fp8_wgmma.descriptors_fit(quantized, slot_values):
+            raise ValueError("the wgmma kernel's TMA copies need 16-byte aligned fp8 rows and weights (row strides "
+                             f"included), got rows of stride {quantized.stride()} at {quantized.data_ptr() % 16} "
+                             "bytes past alignment")
+        fp8_wgmma.fp8_wgmma_launch(quantized, row_scales, values, scales, slot_values, slot_scales, out, offsets,
+                                   values.shape[0], slot_base, rows_above, rows_at_most, config.group_m,
+                                   config.num_stages, programs[0])
+        return out
+    _fp8_grouped_kernel[programs](
         quantized, row_scales, values, scales, slot_values, slot_scales, out, offsets, groups, values.shape[0],
         slot_base, columns, out.stride(0), quantized.stride(0), row_scales.stride(0), rows_above, rows_at_most, inner,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=_FP8_BLOCK, GROUP_M=config.group_m,
@@ -940,9 +972,9 @@ def mxfp4_grouped_mm_triton(
     config = config or default_config(rows.shape[0], groups, "mxfp4")
     if config.block_k < 32 or config.block_k & (config.block_k - 1):
         raise ValueError(f"mxfp4 block_k must be a power of two, at least 32, got {config.block_k}")
-    if config.rescale:
-        raise ValueError(f"rescale is an fp8 tile option (mxfp4 has no per-step scales of the "
-                         f"product), got {config}")
+    if config.rescale or config.wgmma:
+        raise ValueError(f"rescale and wgmma are fp8 tile options (mxfp4 has no per-step scales of the "
+                         f"product, and no Gluon kernel), got {config}")
     natural_k = not config.swap_ab and config.block_m >= 64
     if config.lane_words and (natural_k or config.block_k < 64):
         raise ValueError(f"lane_words needs a tile whose weights are a register operand (block_m below 64, or "

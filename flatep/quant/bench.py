@@ -34,6 +34,7 @@ from flatep.bench.timing import copy_ceiling_gbps, device_name, time_interleaved
 from flatep.config import EPConfig, preset
 from flatep.experts.grouped import grouped_swiglu, quantized_grouped_mm
 from flatep.experts.pool import ExpertPool
+from flatep.kernels import fp8_wgmma
 from flatep.kernels.mxfp4_dequant import mxfp4_grouped_mm_bf16
 from flatep.kernels.quant_gemm import GemmConfig, default_config, fp8_grouped_mm_triton, mxfp4_grouped_mm_triton
 from flatep.quant.tensor import QuantizedTensor, pool_layout
@@ -71,6 +72,10 @@ CANDIDATES = {
         # memory at 3 stages): two programs fit an SM, and while one scales its accumulator the
         # other's MMA can run (the 8-warp tiles' two warp groups wait for each other every K step).
         GemmConfig(128, 128, 128, num_warps=4, num_stages=3, rescale=True, programs_per_sm=2),
+        # The Gluon kernel (flatep.kernels.fp8_wgmma; Hopper only): each step's product scaled while
+        # the next step's MMA runs; one 8-warp program an SM (254 registers a thread).
+        *(GemmConfig(128, 128, 128, num_warps=8, num_stages=stages, programs_per_sm=1, wgmma=True)
+          for stages in (3, 4, 5)),
     ),
     "mxfp4": (
         GemmConfig(16, 128, 64, num_warps=4, num_stages=4, programs_per_sm=4),
@@ -173,12 +178,13 @@ def _kernel(format: str):
     return fp8_grouped_mm_triton if format == "fp8" else mxfp4_grouped_mm_triton
 
 
-def _candidates(format: str, rows_per_expert: int) -> list[GemmConfig]:
-    """The format's candidates (and its default config), without row tiles taller than twice a
-    group (mostly padding)."""
+def _candidates(format: str, rows_per_expert: int, device: torch.device) -> list[GemmConfig]:
+    """The format's candidates (and its default config) that run on ``device``, without row tiles
+    taller than twice a group (mostly padding)."""
     configs = [*CANDIDATES[format], default_config(rows_per_expert, 1, format)]
     return [config for index, config in enumerate(configs)
-            if config.block_m <= max(16, 2 * rows_per_expert) and config not in configs[:index]]
+            if config.block_m <= max(16, 2 * rows_per_expert) and config not in configs[:index]
+            and (not config.wgmma or fp8_wgmma.available(device))]
 
 
 def experts_cell(
@@ -204,7 +210,7 @@ def experts_cell(
         arms: dict[str, Callable[[], object]] = {
             "bf16": lambda rows_in=rows_in, plain=plain: torch._grouped_mm(rows_in, plain.transpose(-2, -1), offs=offsets),
         }
-        for config in _candidates(format, rows_per_expert):
+        for config in _candidates(format, rows_per_expert, device):
             arms[f"{format} {config.label}"] = (lambda rows_in=rows_in, packed=packed, config=config:
                                                 _kernel(format)(rows_in, packed.values, packed.scales, offsets, config))
         rowwise = None
@@ -300,7 +306,7 @@ def quick_cells(
             timed = []
             arms = [("tiles", config, (lambda rows_in=rows_in, packed=packed, config=config:
                                        _kernel(format)(rows_in, packed.values, packed.scales, offsets, config)))
-                    for config in _candidates(format, per_expert)]
+                    for config in _candidates(format, per_expert, device)]
             if format == "mxfp4":  # first, so that a deadline leaves it timed
                 arms.insert(0, ("through_bf16", None, lambda rows_in=rows_in, packed=packed:
                                 mxfp4_grouped_mm_bf16(rows_in, packed.values, packed.scales, offsets)))

@@ -37,7 +37,7 @@ def test_quick_cells_at_tiny_sizes(monkeypatch):
         q13, q2 = bench.quantize_by_expert(w13, format), bench.quantize_by_expert(w2, format)
         entries = bench.quick_cells("tiny", format, hidden, intermediate, 2, w13, w2, q13, q2, DEVICE, (16,))
         arms = [("bf16", None)] + [("through_bf16", None)] * (format == "mxfp4")
-        arms += [("tiles", vars(config)) for config in bench._candidates(format, 16)]
+        arms += [("tiles", vars(config)) for config in bench._candidates(format, 16, DEVICE)]
         assert [(entry["gemm"], entry["path"], entry["config"]) for entry in entries] == [
             (gemm, *arm) for gemm in ("w13", "w2") for arm in arms]
         packed = [entry for entry in entries if entry["path"] != "bf16"]

@@ -27,6 +27,7 @@ from flatep.kernels.quant_gemm import (
     packed_launches,
     quantize_fp8_activations_triton,
 )
+from flatep.kernels import fp8_wgmma
 from flatep.quant import (
     E2M1_VALUES,
     QuantizedTensor,
@@ -128,6 +129,10 @@ def test_mxfp4_triton_matches_torch(sizes, out_features, in_features, config):
     (lambda r, p, o: fp8_grouped_mm_triton(r, p.values, p.scales, o, GemmConfig(16, 96, 128)), "block_n must divide"),
     (lambda r, p, o: fp8_grouped_mm_triton(r, p.values, p.scales, o, GemmConfig(16, 64, 128, lane_words=True)),
      "lane_words is an mxfp4"),
+    (lambda r, p, o: fp8_grouped_mm_triton(r, p.values, p.scales, o, GemmConfig(64, 128, num_warps=4, wgmma=True)),
+     "wgmma config takes block_m"),
+    (lambda r, p, o: fp8_grouped_mm_triton(r, p.values, p.scales, o, GemmConfig(128, 128, num_warps=8, num_stages=3,
+                                                                                wgmma=True)), "must not exceed the K steps"),
     (lambda r, p, o: quantized_grouped_mm(r[:, :128], p, o), "agree on K"),
     (lambda r, p, o: fp8_grouped_mm_triton(r, p.values, p.scales, o, out=torch.empty_like(r)), "out must be"),
 ])
@@ -138,10 +143,19 @@ def test_bad_input_raises(make, message):
 
 
 
+@pytest.mark.skipif(fp8_wgmma.available(DEVICE), reason="the kernel runs here")
+def test_wgmma_config_off_hopper_raises():
+    rows, packed, offsets = grouped_inputs("fp8", [3, 4], 128, 512, seed=3)
+    config = GemmConfig(128, 128, num_warps=8, num_stages=2, programs_per_sm=1, wgmma=True)
+    with pytest.raises(ValueError, match="needs a Hopper"):
+        fp8_grouped_mm_triton(rows, packed.values, packed.scales, offsets, config)
+
+
 @pytest.mark.parametrize("config, message", [
     (GemmConfig(16, 16, 96), "power of two"),
     (GemmConfig(64, 32, 64, lane_words=True), "lane_words needs a tile whose weights are a register operand"),
     (GemmConfig(16, 32, 32, lane_words=True), "block_k of 64 or more"),
+    (GemmConfig(128, 128, 128, num_warps=8, wgmma=True), "wgmma are fp8 tile options"),
 ])
 def test_mxfp4_bad_tiles_raise(config, message):
     rows, packed, offsets = grouped_inputs("mxfp4", [3, 4], 32, 192, seed=4)
@@ -617,7 +631,7 @@ def test_fp8_rescaled_accumulator_holds_scales_far_apart_across_k(swap_ab):
 
 def test_rescale_is_an_fp8_option():
     rows, packed, offsets = grouped_inputs("mxfp4", [2, 3], 32, 64, seed=2)
-    with pytest.raises(ValueError, match="rescale is an fp8 tile option"):
+    with pytest.raises(ValueError, match="rescale and wgmma are fp8 tile options"):
         mxfp4_grouped_mm_triton(rows, packed.values, packed.scales, offsets, GemmConfig(16, 32, 32, rescale=True))
 
 

@@ -111,16 +111,33 @@ def test_fp8_rescaled_tall_tiles_at_kimi_k2_size(tiles):
     assert relative_error(got[:end], reference[:end]) < 4e-3
 
 
-@pytest.mark.parametrize("rescale", [False, True])
+PREFILL_TILES = {
+    "plain": dict(block_m=64, block_n=128, num_warps=4, num_stages=4),
+    "rescale": dict(block_m=128, block_n=128, num_warps=4, num_stages=3, rescale=True),
+    "wgmma": dict(block_m=128, block_n=128, num_warps=8, num_stages=4, programs_per_sm=1, wgmma=True),
+    "wgmma-3": dict(block_m=128, block_n=128, num_warps=8, num_stages=3, programs_per_sm=1, wgmma=True),
+}
+
+
+def _skip_without_wgmma(tiles: str) -> None:
+    from flatep.kernels import fp8_wgmma
+
+    if tiles.startswith("wgmma") and not fp8_wgmma.available(torch.device("cuda")):
+        pytest.skip("the Gluon wgmma kernel needs a Hopper (sm_90) GPU")
+
+
+@pytest.mark.parametrize("tiles", list(PREFILL_TILES))
 @pytest.mark.parametrize("columns, hidden", [(4096, 7168), (7168, 2048)])
-def test_fp8_prefill_tiles_with_slots_in_a_graph(rescale, columns, hidden):
-    """The fp8 GEMM's prefill tiles (the default 64 x 128, and 128 x 128 rescaled on 4 warps) on the
-    GPU at Kimi-K2's gate/up and down shapes, home experts and slots in one call captured in a CUDA
-    graph, against the torch path; rows of no group stay as they were."""
+def test_fp8_prefill_tiles_with_slots_in_a_graph(tiles, columns, hidden):
+    """The fp8 GEMM's prefill tiles (the default 64 x 128, 128 x 128 rescaled on 4 warps, and the
+    Gluon wgmma kernel) on the GPU at Kimi-K2's gate/up and down shapes, home experts and slots in
+    one call captured in a CUDA graph, against the torch path; rows of no group stay as they were
+    (the padding rows, which the 128-row tiles copy into shared memory, hold NaN)."""
     from flatep.kernels.quant_gemm import GemmConfig, fp8_grouped_mm_triton
 
+    _skip_without_wgmma(tiles)
     home_sizes, slot_sizes, gap = [1024, 0, 700, 1500], [300, 5], 77
-    generator = torch.Generator(device="cuda").manual_seed(int(rescale) + columns)
+    generator = torch.Generator(device="cuda").manual_seed(len(tiles) + columns)
 
     def experts(count):
         weights = torch.randn(count, columns, hidden, device="cuda", generator=generator) * hidden**-0.5
@@ -130,10 +147,11 @@ def test_fp8_prefill_tiles_with_slots_in_a_graph(rescale, columns, hidden):
     slot_base = sum(home_sizes) + gap
     rows = slot_base + sum(slot_sizes) + 3
     x = torch.randn(rows, hidden, device="cuda", generator=generator).bfloat16()
+    x[sum(home_sizes):slot_base] = float("nan")
+    x[slot_base + sum(slot_sizes):] = float("nan")
     ends = torch.tensor(home_sizes).cumsum(0).tolist() + (slot_base + torch.tensor(slot_sizes).cumsum(0)).tolist()
     offsets = torch.tensor(ends, dtype=torch.int32, device="cuda")
-    config = (GemmConfig(128, 128, num_warps=4, num_stages=3, rescale=True) if rescale
-              else GemmConfig(64, 128, num_warps=4, num_stages=4))
+    config = GemmConfig(**PREFILL_TILES[tiles])
     out = torch.full((rows, columns), float("inf"), dtype=torch.bfloat16, device="cuda")
 
     def call():
@@ -154,3 +172,37 @@ def test_fp8_prefill_tiles_with_slots_in_a_graph(rescale, columns, hidden):
     assert relative_error(out[slot_base:slot_base + sum(slot_sizes)], slot_reference[:sum(slot_sizes)]) < 4e-3
     assert (out[home_end:slot_base] == float("inf")).all() and (out[slot_base + sum(slot_sizes):] == float("inf")).all()
 
+
+
+@pytest.mark.parametrize("hidden", [512, 1664, 2048])
+@pytest.mark.parametrize("group_rows", [None, (200, 2**31 - 1)])
+def test_fp8_wgmma_kernel_against_the_triton_tiles(hidden, group_rows):
+    """The Gluon kernel at K steps that fill its unrolled chunks and leave a partial one (4, 13 and
+    16 steps of 128), over groups of 0 to 1500 rows and a launch of only the larger groups, against
+    the torch path and against the Triton 64 x 128 tile; rows it does not compute stay as they were."""
+    from flatep.kernels.quant_gemm import GemmConfig, fp8_grouped_mm_triton
+
+    _skip_without_wgmma("wgmma")
+    sizes, columns = [1500, 0, 129, 1, 300, 128], 384
+    generator = torch.Generator(device="cuda").manual_seed(hidden + (group_rows is None))
+    weights = QuantizedTensor.quantize(torch.randn(len(sizes), columns, hidden, device="cuda", generator=generator)
+                                       * hidden**-0.5, "fp8")
+    end = sum(sizes)
+    x = torch.randn(end + 5, hidden, device="cuda", generator=generator).bfloat16()
+    offsets = torch.tensor(sizes, device="cuda").cumsum(0).to(torch.int32)
+    results = []
+    for config in (GemmConfig(**PREFILL_TILES["wgmma"]), GemmConfig(64, 128, num_warps=4, num_stages=4)):
+        out = torch.full((end + 5, columns), float("inf"), dtype=torch.bfloat16, device="cuda")
+        results.append(fp8_grouped_mm_triton(x, weights.values, weights.scales, offsets, config, out=out,
+                                             group_rows=group_rows))
+    got, triton_tiles = results
+    reference = quantized_grouped_mm(x, weights, offsets, backend="torch")
+    starts = [0, *offsets.tolist()[:-1]]
+    for start, size in zip(starts, sizes):
+        rows = slice(start, start + size)
+        if group_rows is not None and size <= group_rows[0]:
+            assert (got[rows] == float("inf")).all()
+        elif size:
+            assert relative_error(got[rows], reference[rows]) < 4e-3
+            assert relative_error(got[rows], triton_tiles[rows]) < 4e-3
+    assert (got[end:] == float("inf")).all()

@@ -1,0 +1,263 @@
+"""The fp8 block-scaled grouped GEMM at prefill sizes, for Hopper (sm_90), in Gluon.
+
+Same contract and tile numbering as :func:`flatep.kernels.quant_gemm.fp8_grouped_mm_triton` (it calls
+this kernel for :class:`flatep.kernels.quant_gemm.GemmConfig` tiles with ``wgmma=True``), with
+each K step's product scaled while the next step's MMA runs, which Triton's own ``tl.dot``
+does not do on Hopper (Triton 3.6 waits for a warp-group MMA right after issuing it when its
+result feeds anything but the next MMA's accumulator; see :mod:`flatep.kernels.quant_gemm`).
+
+Per tile of ``BLOCK_M`` rows (two warp groups of 64 rows on 8 warps) and ``BLOCK_N`` columns:
+
+- TMA copies each 128-wide K step's activation and weight tiles into a ring of ``NUM_STAGES``
+  shared-memory stages, each with an mbarrier that the copy's bytes complete;
+- step ``k``'s warp-group MMA is issued asynchronously into a product of its own (the MMA's
+  accumulator starts from zero: ``use_acc=False``); then the kernel waits until only that MMA is
+  outstanding, so step ``k - 1``'s product is complete, refills step ``k - 1``'s stage with step
+  ``k + NUM_STAGES - 1``, and adds step ``k - 1``'s product times its row and weight block scales
+  into the fp32 accumulator while step ``k``'s MMA runs (DeepSeek-V3's fine-grained quantization
+  with its promotion to fp32 registers per 128-wide K step; the tensor cores' own sums stay within
+  one step, as in FlatEP's Triton tiles);
+- the bf16 result is stored row-masked to the tile's group (a tile's rows past its group, which
+  TMA also copies, are other groups' or unused rows: a GEMM's output row reads only its own row).
+
+Gluon (``triton.experimental.gluon``) is Triton's lower-level language with explicit layouts,
+shared memory, barriers and asynchronous MMAs; it has no interpreter, so this kernel runs on
+Hopper GPUs only (:func:`available`), and the CPU tests check the Triton kernel of the same contract.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+
+from flatep.kernels.grouped_tiles import find_tile, group_tiles
+
+try:  # Gluon is experimental: its module paths moved between Triton releases.
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+except ImportError:  # pragma: no cover - depends on the installed Triton
+    gluon = None
+
+FP8_BLOCK = 128
+BLOCK_M = 128
+BLOCK_N = 128
+NUM_WARPS = 8
+CHUNK = 4
+"""The tile: 128 x 128 outputs on two warp groups (each 64 x 128, the warp-group MMA's 64 rows), 128-wide
+K steps (one scale block); the stages (32 KiB each: activation plus weight tiles) come from
+:class:`flatep.kernels.quant_gemm.GemmConfig`'s ``num_stages``. ``CHUNK``: K steps unrolled between
+points with no MMA outstanding (see ``_chunk``): in a local sm_90 compile (Triton 3.6) 4 steps at
+3 or 5 stages took 254 registers a thread, and 8 steps ran out of registers (ptxas then
+serialized the MMAs)."""
+
+
+def available(device: torch.device) -> bool:
+    """Whether this kernel can run on ``device``: a CUDA sm_90 GPU (H100, H200) and a Triton with
+    Gluon's Hopper API."""
+    return (gluon is not None and device.type == "cuda" and torch.cuda.is_available()
+            and torch.cuda.get_device_capability(device) == (9, 0))
+
+
+if gluon is not None:
+    _group_tiles = gluon.jit(group_tiles.fn)
+    _find_tile = gluon.jit(find_tile.fn)
+
+    @gluon.jit
+    def _load_step(a_desc, w_desc, slot_w_desc, is_slot, first, weight_row, step, stage, a_bufs, w_bufs, bars,
+                   BLOCK_K: gl.constexpr):
+        """Copy K step ``step`` of the tile's activation rows and weight columns into ``stage``."""
+        bar = bars.index(stage)
+        mbarrier.expect(bar, a_desc.block_type.nbytes + w_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(a_desc, [first, step * BLOCK_K], bar, a_bufs.index(stage))
+        if is_slot:
+            tma.async_copy_global_to_shared(slot_w_desc, [weight_row, step * BLOCK_K], bar, w_bufs.index(stage))
+        else:
+            tma.async_copy_global_to_shared(w_desc, [weight_row, step * BLOCK_K], bar, w_bufs.index(stage))
+
+    @gluon.jit
+    def _refill(a_desc, w_desc, slot_w_desc, is_slot, first, weight_row, used, step, a_bufs, w_bufs, bars,
+                K_STEPS: gl.constexpr, NUM_STAGES: gl.constexpr, BLOCK_K: gl.constexpr):
+        """Once step ``step - 1``'s MMA is done, its stage takes step ``step + NUM_STAGES - 1``'s tiles
+        (if the tile has that step; ``used``: the program's steps before this tile)."""
+        if step + NUM_STAGES - 1 < K_STEPS:
+            _load_step(a_desc, w_desc, slot_w_desc, is_slot, first, weight_row, step + NUM_STAGES - 1,
+                       (used + step - 1) % NUM_STAGES, a_bufs, w_bufs, bars, BLOCK_K)
+
+    @gluon.jit
+    def _wait_tiles(bars, count, NUM_STAGES: gl.constexpr):
+        """Wait for the tiles of the program's step ``count``; returns their stage."""
+        stage = count % NUM_STAGES
+        mbarrier.wait(bars.index(stage), (count // NUM_STAGES) & 1)
+        return stage
+
+    @gluon.jit
+    def _issue_half(a_bufs, w_bufs, stage, HALF: gl.constexpr, into):
+        """Issue the MMA of ``stage``'s activation tile and half ``HALF`` (0: the first 64 columns, 1:
+        the last) of its weight tile asynchronously into ``into``'s registers (values unused: the MMA
+        starts from zero)."""
+        HALF_N: gl.constexpr = w_bufs.type.shape[1] // 2
+        weights = w_bufs.index(stage).slice(HALF * HALF_N, HALF_N, dim=0)
+        return warpgroup_mma(a_bufs.index(stage), weights.permute((1, 0)), into, use_acc=False, is_async=True)
+
+    @gluon.jit
+    def _chunk(a_desc, w_desc, slot_w_desc, is_slot, first, weight_row, used, base, a_bufs, w_bufs, bars, a_scales,
+               row_mask, w_scales, low, high, low_product, high_product, STEPS: gl.constexpr, K_STEPS: gl.constexpr,
+               NUM_STAGES: gl.constexpr, BLOCK_K: gl.constexpr):
+        """Steps ``[base, base + STEPS)`` of a tile, added into its two column halves' fp32 sums
+        ``low`` and ``high``; ``low_product`` and ``high_product``: the registers each half's step
+        products take. Returns the four, for the next chunk.
+
+        Each step issues the MMA of its first half, waits until only that one is outstanding (the
+        previous step is done: its stage takes a later step's tiles, and its second half's product
+        is scaled into ``high`` while this MMA runs), then issues its second half and scales its
+        first half's product while that one runs. Halves keep three products' registers to 64 a
+        thread each for two sets (a whole 64 x 128 product is 64 registers a thread: the sums and two
+        products took all 255 registers, and ptxas then serialized the MMAs, its C7512 notice).
+        The chunk is unrolled and ends with no MMA outstanding: with an MMA in flight across a
+        loop's back edge, ptxas (CUDA 12.8) serialized every MMA of the kernel (C7514: reads of
+        the other product's registers that it could not place)."""
+        next_scale = _step_scales(a_scales, row_mask, w_scales, base)
+        previous = next_scale  # the scale of the step before; first read at i = 1
+        for i in gl.static_range(STEPS):
+            scale = next_scale
+            if i + 1 < STEPS:
+                next_scale = _step_scales(a_scales, row_mask, w_scales, base + i + 1)
+            stage = _wait_tiles(bars, used + base + i, NUM_STAGES)
+            low_product = _issue_half(a_bufs, w_bufs, stage, 0, low_product)
+            if i > 0:
+                high_product = warpgroup_mma_wait(num_outstanding=1, deps=(high_product, ))
+            # The stage of step base + i - 1 is free (at i = 0: the previous chunk ended with none
+            # outstanding, and before a tile's first step its previous tile did).
+            _refill(a_desc, w_desc, slot_w_desc, is_slot, first, weight_row, used, base + i, a_bufs, w_bufs, bars,
+                    K_STEPS, NUM_STAGES, BLOCK_K)
+            if i > 0:
+                high += high_product * previous[:, None]
+            high_product = _issue_half(a_bufs, w_bufs, stage, 1, high_product)
+            low_product = warpgroup_mma_wait(num_outstanding=1, deps=(low_product, ))
+            low += low_product * scale[:, None]
+            previous = scale
+        high_product = warpgroup_mma_wait(num_outstanding=0, deps=(high_product, ))
+        high += high_product * previous[:, None]
+        return low, high, low_product, high_product
+
+    @gluon.jit
+    def _step_scales(a_scales, row_mask, w_scales, step):
+        """Step ``step``'s row scales times its weight block scale: ``[BLOCK_M]`` fp32."""
+        return gl.load(a_scales + step, mask=row_mask, other=1.0) * gl.load(w_scales + step)
+
+    @gluon.jit
+    def _fp8_wgmma_kernel(
+        a_desc, w_desc, slot_w_desc, a_scale_ptr, w_scale_ptr, slot_w_scale_ptr, out_ptr, offsets_ptr, groups, split,
+        split_start, N, stride_om, stride_as, rows_above, rows_at_most,
+        K: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
+        GROUPS: gl.constexpr, NUM_STAGES: gl.constexpr, CHUNK: gl.constexpr, num_warps: gl.constexpr,
+    ):
+        """Groups ``[0, split)`` read ``w_desc``, groups ``[split, groups)`` read ``slot_w_desc`` from row
+        ``split_start``; the descriptors view the weights as ``[experts * N, K]``."""
+        K_STEPS: gl.constexpr = K // BLOCK_K
+        gl.static_assert(K_STEPS >= NUM_STAGES, "K must hold at least NUM_STAGES steps")
+        HALF_N: gl.constexpr = BLOCK_N // 2  # each step's MMA in two column halves (see _chunk)
+        mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                             instr_shape=[16, HALF_N, 32])
+        row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
+        column_layout: gl.constexpr = gl.SliceLayout(0, mma_layout)
+        a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
+        w_bufs = gl.allocate_shared_memory(w_desc.dtype, [NUM_STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
+        bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(NUM_STAGES):
+            mbarrier.init(bars.index(i), count=1)
+        n_blocks = gl.cdiv(N, BLOCK_K)  # BLOCK_K is the 128-wide scale block
+
+        g = gl.arange(0, GROUPS, layout=gl.BlockedLayout([1], [32], [num_warps], [0]))
+        starts, ends, tiles, passed, total = _group_tiles(offsets_ptr, g, groups, split, split_start, N, rows_above,
+                                                         rows_at_most, BLOCK_M, BLOCK_N)
+        tile = gl.program_id(0)
+        used = 0  # steps this program ran before the current tile: the stages' barrier phases follow it
+        while tile < total:
+            group, first, last, first_column = _find_tile(tile, g, starts, ends, tiles, passed, N, BLOCK_M, BLOCK_N,
+                                                            GROUP_M)
+            is_slot = group >= split
+            expert = gl.where(is_slot, group - split, group).to(gl.int64)
+            weight_row = (expert * N + first_column).to(gl.int32)
+            w_scale_base = w_scale_ptr
+            if is_slot:
+                w_scale_base = slot_w_scale_ptr
+            w_scales = w_scale_base + (expert * n_blocks + first_column // BLOCK_K) * K_STEPS
+            row = first + gl.arange(0, BLOCK_M, layout=row_layout)
+            row_mask = row < last
+            a_scales = a_scale_ptr + row.to(gl.int64) * stride_as
+
+            for ahead in gl.static_range(NUM_STAGES - 1):
+                _load_step(a_desc, w_desc, slot_w_desc, is_slot, first, weight_row, ahead, (used + ahead) % NUM_STAGES,
+                           a_bufs, w_bufs, bars, BLOCK_K)
+            low = gl.zeros([BLOCK_M, HALF_N], gl.float32, mma_layout)
+            high = gl.zeros([BLOCK_M, HALF_N], gl.float32, mma_layout)
+            low_product = gl.zeros([BLOCK_M, HALF_N], gl.float32, mma_layout)
+            high_product = gl.zeros([BLOCK_M, HALF_N], gl.float32, mma_layout)
+            for chunk in range(0, K_STEPS // CHUNK):
+                low, high, low_product, high_product = _chunk(
+                    a_desc, w_desc, slot_w_desc, is_slot, first, weight_row, used, chunk * CHUNK, a_bufs, w_bufs, bars,
+                    a_scales, row_mask, w_scales, low, high, low_product, high_product, CHUNK, K_STEPS, NUM_STAGES,
+                    BLOCK_K)
+            if K_STEPS % CHUNK:
+                low, high, low_product, high_product = _chunk(
+                    a_desc, w_desc, slot_w_desc, is_slot, first, weight_row, used, K_STEPS - K_STEPS % CHUNK, a_bufs,
+                    w_bufs, bars, a_scales, row_mask, w_scales, low, high, low_product, high_product, K_STEPS % CHUNK,
+                    K_STEPS, NUM_STAGES, BLOCK_K)
+            used += K_STEPS
+
+            column = first_column + gl.arange(0, HALF_N, layout=column_layout)
+            out = out_ptr + row.to(gl.int64)[:, None] * stride_om + column[None, :]
+            mask = row_mask[:, None] & (column < N)[None, :]
+            gl.store(out, low.to(out_ptr.dtype.element_ty), mask=mask)
+            mask = row_mask[:, None] & (column + HALF_N < N)[None, :]
+            gl.store(out + HALF_N, high.to(out_ptr.dtype.element_ty), mask=mask)
+            tile += gl.num_programs(0)
+        for i in gl.static_range(NUM_STAGES):
+            mbarrier.invalidate(bars.index(i))
+
+
+@functools.cache
+def _shared_layout():
+    return gl.NVMMASharedLayout.get_default_for([BLOCK_M, FP8_BLOCK], gl.float8e4nv)
+
+
+def descriptors_fit(quantized: torch.Tensor, values: torch.Tensor) -> bool:
+    """Whether TMA can copy these operands: 16-byte aligned bases and row strides (fp8 rows
+    ``[M, K]`` with unit column stride; contiguous ``[G, N, K]`` weights)."""
+    return (quantized.data_ptr() % 16 == 0 and quantized.stride(0) % 16 == 0 and quantized.stride(1) == 1
+            and values.data_ptr() % 16 == 0 and values.shape[-1] % 16 == 0)
+
+
+def _weight_descriptor(values: torch.Tensor):
+    flat = values.view(-1, values.shape[-1])
+    return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [BLOCK_N, FP8_BLOCK], _shared_layout())
+
+
+def fp8_wgmma_launch(
+    quantized: torch.Tensor, row_scales: torch.Tensor, values: torch.Tensor, scales: torch.Tensor,
+    slot_values: torch.Tensor, slot_scales: torch.Tensor, out: torch.Tensor, offsets: torch.Tensor, split: int,
+    slot_base: int, rows_above: int, rows_at_most: int, group_m: int, num_stages: int, programs: int,
+) -> None:
+    """Launch the kernel on operands :func:`flatep.kernels.quant_gemm.fp8_grouped_mm_triton` has
+    checked (and :func:`descriptors_fit` accepted): ``quantized [M, K]`` fp8 rows, ``row_scales
+    [M, K/128]`` fp32, weights ``values [G, N, K]`` fp8 with ``scales [G, N/128, K/128]`` fp32 (and
+    the slots' alike), ``out [M, N]`` bf16, ``offsets [groups]`` int32, over ``programs`` programs."""
+    rows, inner = quantized.shape
+    a_desc = TensorDescriptor(quantized, [rows, inner], list(quantized.stride()), [BLOCK_M, FP8_BLOCK],
+                              _shared_layout())
+    groups = offsets.shape[0]
+    _fp8_wgmma_kernel[(programs, )](
+        a_desc, _weight_descriptor(values), _weight_descriptor(slot_values), row_scales, scales, slot_scales, out,
+        offsets, groups, split, slot_base, values.shape[1], out.stride(0), row_scales.stride(0), rows_above,
+        rows_at_most, K=inner, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=FP8_BLOCK, GROUP_M=group_m,
+        GROUPS=triton.next_power_of_2(groups), NUM_STAGES=num_stages, CHUNK=CHUNK, num_warps=NUM_WARPS,
+    )
