@@ -145,7 +145,7 @@ def quantized_grouped_mm(
             skip = _between_sets(offsets, weights.shape[0], slot_base)
         groups = offsets.shape[0]
         launches = [(None, None)] if rows_per_group is None else packed_launches(rows_per_group * groups, groups,
-                                                                                 weights.format)
+                                                                                 weights.format, rows.device)
         if weights.format == "fp8":
             given = (quantize_fp8_activations_triton(rows, offsets[-1:], skip) if activations is None
                      else (activations.values, activations.scales))

@@ -71,9 +71,10 @@ if gluon is not None:
     _find_tile = gluon.jit(find_tile.fn)
 
     @gluon.jit
-    def _load_step(a_desc, w_desc, slot_w_desc, is_slot, first, weight_row, step, stage, a_bufs, w_bufs, bars,
-                   BLOCK_K: gl.constexpr):
-        """Copy K step ``step`` of the tile's activation rows and weight columns into ``stage``."""
+    def _load_step(a_desc, w_desc, slot_w_desc, source, step, stage, a_bufs, w_bufs, bars, BLOCK_K: gl.constexpr):
+        """Copy K step ``step`` of a tile's activation rows and weight columns into ``stage``; ``source``:
+        the tile's ``(is_slot, first_row, weight_row)`` (:func:`_tile_source`)."""
+        is_slot, first, weight_row = source
         bar = bars.index(stage)
         mbarrier.expect(bar, a_desc.block_type.nbytes + w_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(a_desc, [first, step * BLOCK_K], bar, a_bufs.index(stage))
@@ -83,13 +84,18 @@ if gluon is not None:
             tma.async_copy_global_to_shared(w_desc, [weight_row, step * BLOCK_K], bar, w_bufs.index(stage))
 
     @gluon.jit
-    def _refill(a_desc, w_desc, slot_w_desc, is_slot, first, weight_row, used, step, a_bufs, w_bufs, bars,
+    def _refill(a_desc, w_desc, slot_w_desc, here, after, has_next, used, step, a_bufs, w_bufs, bars,
                 K_STEPS: gl.constexpr, NUM_STAGES: gl.constexpr, BLOCK_K: gl.constexpr):
-        """Once step ``step - 1``'s MMA is done, its stage takes step ``step + NUM_STAGES - 1``'s tiles
-        (if the tile has that step; ``used``: the program's steps before this tile)."""
-        if step + NUM_STAGES - 1 < K_STEPS:
-            _load_step(a_desc, w_desc, slot_w_desc, is_slot, first, weight_row, step + NUM_STAGES - 1,
-                       (used + step - 1) % NUM_STAGES, a_bufs, w_bufs, bars, BLOCK_K)
+        """Once step ``step - 1``'s MMA is done, its stage takes step ``step + NUM_STAGES - 1``'s tiles:
+        this tile's (``here``), or past its last step the program's next tile's first steps
+        (``after``, if ``has_next``), so that the pipeline stays full across tiles and their
+        epilogues (``used``: the program's steps before this tile)."""
+        ahead = step + NUM_STAGES - 1
+        stage = (used + ahead) % NUM_STAGES
+        if ahead < K_STEPS:
+            _load_step(a_desc, w_desc, slot_w_desc, here, ahead, stage, a_bufs, w_bufs, bars, BLOCK_K)
+        elif has_next:
+            _load_step(a_desc, w_desc, slot_w_desc, after, ahead - K_STEPS, stage, a_bufs, w_bufs, bars, BLOCK_K)
 
     @gluon.jit
     def _wait_tiles(bars, count, NUM_STAGES: gl.constexpr):
@@ -108,7 +114,7 @@ if gluon is not None:
         return warpgroup_mma(a_bufs.index(stage), weights.permute((1, 0)), into, use_acc=False, is_async=True)
 
     @gluon.jit
-    def _chunk(a_desc, w_desc, slot_w_desc, is_slot, first, weight_row, used, base, a_bufs, w_bufs, bars, a_scales,
+    def _chunk(a_desc, w_desc, slot_w_desc, here, after, has_next, used, base, a_bufs, w_bufs, bars, a_scales,
                row_mask, w_scales, low, high, low_product, high_product, STEPS: gl.constexpr, K_STEPS: gl.constexpr,
                NUM_STAGES: gl.constexpr, BLOCK_K: gl.constexpr):
         """Steps ``[base, base + STEPS)`` of a tile, added into its two column halves' fp32 sums
@@ -134,9 +140,9 @@ if gluon is not None:
             low_product = _issue_half(a_bufs, w_bufs, stage, 0, low_product)
             if i > 0:
                 high_product = warpgroup_mma_wait(num_outstanding=1, deps=(high_product, ))
-            # The stage of step base + i - 1 is free (at i = 0: the previous chunk ended with none
-            # outstanding, and before a tile's first step its previous tile did).
-            _refill(a_desc, w_desc, slot_w_desc, is_slot, first, weight_row, used, base + i, a_bufs, w_bufs, bars,
+            # The stage of step base + i - 1 is free (at i = 0: the previous chunk, or the previous
+            # tile, ended with none outstanding; before a program's first tile it is unused).
+            _refill(a_desc, w_desc, slot_w_desc, here, after, has_next, used, base + i, a_bufs, w_bufs, bars,
                     K_STEPS, NUM_STAGES, BLOCK_K)
             if i > 0:
                 high += high_product * previous[:, None]
@@ -147,6 +153,18 @@ if gluon is not None:
         high_product = warpgroup_mma_wait(num_outstanding=0, deps=(high_product, ))
         high += high_product * previous[:, None]
         return low, high, low_product, high_product
+
+    @gluon.jit
+    def _tile_source(tile, g, starts, ends, tiles, passed, N, split, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                     GROUP_M: gl.constexpr):
+        """``(group, end_row, first_column, (is_slot, first_row, weight_row))`` of tile ``tile``: the last
+        three locate its TMA copies (``weight_row``: its first column's row in the ``[experts * N, K]``
+        view of its weight set)."""
+        group, first, last, first_column = _find_tile(tile, g, starts, ends, tiles, passed, N, BLOCK_M, BLOCK_N,
+                                                      GROUP_M)
+        is_slot = group >= split
+        expert = gl.where(is_slot, group - split, group)
+        return group, last, first_column, (is_slot, first, expert * N + first_column)
 
     @gluon.jit
     def _step_scales(a_scales, row_mask, w_scales, step):
@@ -181,12 +199,19 @@ if gluon is not None:
                                                          rows_at_most, BLOCK_M, BLOCK_N)
         tile = gl.program_id(0)
         used = 0  # steps this program ran before the current tile: the stages' barrier phases follow it
+        if tile < total:  # the first tile's first steps; each later tile's are loaded during the tile before
+            _, _, _, source = _tile_source(tile, g, starts, ends, tiles, passed, N, split, BLOCK_M, BLOCK_N, GROUP_M)
+            for ahead in gl.static_range(NUM_STAGES - 1):
+                _load_step(a_desc, w_desc, slot_w_desc, source, ahead, ahead, a_bufs, w_bufs, bars, BLOCK_K)
         while tile < total:
-            group, first, last, first_column = _find_tile(tile, g, starts, ends, tiles, passed, N, BLOCK_M, BLOCK_N,
-                                                            GROUP_M)
-            is_slot = group >= split
+            group, last, first_column, here = _tile_source(tile, g, starts, ends, tiles, passed, N, split, BLOCK_M,
+                                                           BLOCK_N, GROUP_M)
+            is_slot, first, _ = here
+            next_tile = tile + gl.num_programs(0)
+            has_next = next_tile < total
+            _, _, _, after = _tile_source(gl.minimum(next_tile, total - 1), g, starts, ends, tiles, passed, N, split,
+                                          BLOCK_M, BLOCK_N, GROUP_M)
             expert = gl.where(is_slot, group - split, group).to(gl.int64)
-            weight_row = (expert * N + first_column).to(gl.int32)
             w_scale_base = w_scale_ptr
             if is_slot:
                 w_scale_base = slot_w_scale_ptr
@@ -195,21 +220,18 @@ if gluon is not None:
             row_mask = row < last
             a_scales = a_scale_ptr + row.to(gl.int64) * stride_as
 
-            for ahead in gl.static_range(NUM_STAGES - 1):
-                _load_step(a_desc, w_desc, slot_w_desc, is_slot, first, weight_row, ahead, (used + ahead) % NUM_STAGES,
-                           a_bufs, w_bufs, bars, BLOCK_K)
             low = gl.zeros([BLOCK_M, HALF_N], gl.float32, mma_layout)
             high = gl.zeros([BLOCK_M, HALF_N], gl.float32, mma_layout)
             low_product = gl.zeros([BLOCK_M, HALF_N], gl.float32, mma_layout)
             high_product = gl.zeros([BLOCK_M, HALF_N], gl.float32, mma_layout)
             for chunk in range(0, K_STEPS // CHUNK):
                 low, high, low_product, high_product = _chunk(
-                    a_desc, w_desc, slot_w_desc, is_slot, first, weight_row, used, chunk * CHUNK, a_bufs, w_bufs, bars,
+                    a_desc, w_desc, slot_w_desc, here, after, has_next, used, chunk * CHUNK, a_bufs, w_bufs, bars,
                     a_scales, row_mask, w_scales, low, high, low_product, high_product, CHUNK, K_STEPS, NUM_STAGES,
                     BLOCK_K)
             if K_STEPS % CHUNK:
                 low, high, low_product, high_product = _chunk(
-                    a_desc, w_desc, slot_w_desc, is_slot, first, weight_row, used, K_STEPS - K_STEPS % CHUNK, a_bufs,
+                    a_desc, w_desc, slot_w_desc, here, after, has_next, used, K_STEPS - K_STEPS % CHUNK, a_bufs,
                     w_bufs, bars, a_scales, row_mask, w_scales, low, high, low_product, high_product, K_STEPS % CHUNK,
                     K_STEPS, NUM_STAGES, BLOCK_K)
             used += K_STEPS
@@ -220,7 +242,7 @@ if gluon is not None:
             gl.store(out, low.to(out_ptr.dtype.element_ty), mask=mask)
             mask = row_mask[:, None] & (column + HALF_N < N)[None, :]
             gl.store(out + HALF_N, high.to(out_ptr.dtype.element_ty), mask=mask)
-            tile += gl.num_programs(0)
+            tile = next_tile
         for i in gl.static_range(NUM_STAGES):
             mbarrier.invalidate(bars.index(i))
 

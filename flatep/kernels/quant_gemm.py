@@ -109,6 +109,7 @@ not the hardware's: it truncates); the products are exact either way. The output
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -169,7 +170,9 @@ class GemmConfig:
     (``bench/scripts/gemm_kloop_sass.py`` compares a tile with and without). ``wgmma`` (fp8 only,
     Hopper GPUs): run the Gluon kernel of :mod:`flatep.kernels.fp8_wgmma`, which scales each K step's
     product while the next step's warp-group MMA runs; its tile is fixed (``block_m`` and ``block_n``
-    128, ``num_warps`` 8, not swapped or rescaled), ``num_stages`` its shared-memory stages.
+    128, ``num_warps`` 8, not swapped or rescaled), ``num_stages`` its shared-memory stages. Its TMA
+    copies need 16-byte aligned operands: where the fp8 rows' base address or row stride is not (rows
+    of a strided view, say), the launch runs the Triton 64 x 128 tile instead.
     """
 
     block_m: int
@@ -194,8 +197,21 @@ class GemmConfig:
                          f"g{self.group_m} p{self.programs_per_sm}", *options])
 
 
-def default_config(rows: int, groups: int, format: str) -> GemmConfig:
-    """Tiles for ``rows`` shard rows over ``groups`` groups of ``format`` (``fp8`` or ``mxfp4``) weights.
+_FP8_TALL = GemmConfig(64, 128, 128, num_warps=4, num_stages=4)  # fp8 Triton tiles from 17 rows per group
+
+WGMMA_ROWS = 128
+"""Rows per group from which :func:`default_config` takes the Gluon fp8 kernel
+(:mod:`flatep.kernels.fp8_wgmma`) on a Hopper GPU."""
+WGMMA_STAGES = 5
+"""Shared-memory stages of that default (32 KiB each)."""
+
+
+def default_config(rows: int, groups: int, format: str, device: torch.device | None = None) -> GemmConfig:
+    """Tiles for ``rows`` shard rows over ``groups`` groups of ``format`` (``fp8`` or ``mxfp4``) weights
+    on ``device`` (None: the Triton tiles, which run anywhere).
+
+    On a Hopper GPU (:func:`flatep.kernels.fp8_wgmma.available`) fp8 takes the Gluon kernel from
+    :data:`WGMMA_ROWS` rows per group on (``GemmConfig.wgmma``).
 
     Row tiles are no taller than a group's average (decode shards hold a few rows per expert), except
     that fp8 takes 64-row tiles from 17 rows per group on. Measured on the H200 (Triton 3.6; one
@@ -230,9 +246,12 @@ def default_config(rows: int, groups: int, format: str) -> GemmConfig:
         raise ValueError(f"format must be fp8 or mxfp4, got {format!r}")
     per_group = max(1, rows // max(groups, 1))
     if format == "fp8":
+        if per_group >= WGMMA_ROWS and device is not None and fp8_wgmma.available(device):
+            return GemmConfig(fp8_wgmma.BLOCK_M, fp8_wgmma.BLOCK_N, 128, num_warps=fp8_wgmma.NUM_WARPS,
+                              num_stages=WGMMA_STAGES, programs_per_sm=1, wgmma=True)
         if per_group <= 16:
             return GemmConfig(16, 128, 128, num_warps=4, num_stages=5, swap_ab=True)
-        return GemmConfig(64, 128, 128, num_warps=4, num_stages=4)
+        return _FP8_TALL
     if per_group <= 16:
         return GemmConfig(16, 128, 64, num_warps=2, num_stages=4, programs_per_sm=6, lane_words=True)
     if per_group <= 32:
@@ -250,10 +269,12 @@ _ALL_ROWS = 2**31 - 1
 _SHORT_ROWS = 16  # the shortest row tile
 
 
-def packed_launches(rows: int, groups: int, format: str) -> list[tuple[GemmConfig, tuple[int, int] | None]]:
+def packed_launches(
+    rows: int, groups: int, format: str, device: torch.device | None = None,
+) -> list[tuple[GemmConfig, tuple[int, int] | None]]:
     """The launches of a packed (``fp8``, ``mxfp4``) grouped GEMM over ``rows`` real rows in
-    ``groups`` groups: ``(tiles, group_rows)`` each (see :func:`fp8_grouped_mm_triton`), run one
-    after another into the same output.
+    ``groups`` groups on ``device``: ``(tiles, group_rows)`` each (see :func:`fp8_grouped_mm_triton`),
+    run one after another into the same output.
 
     Where a group's average fits short tiles (:func:`default_config`'s, at most 32 rows), the
     groups of more than :data:`HOT_ROWS` rows run in a second launch with the tall tiles
@@ -269,7 +290,7 @@ def packed_launches(rows: int, groups: int, format: str) -> list[tuple[GemmConfi
     At Kimi-K3, s = 128, a rank's experts hold about 18 rows each, so about a third of them hold 16
     or fewer. Otherwise one launch of every group.
     """
-    tiles = default_config(rows, groups, format)
+    tiles = default_config(rows, groups, format, device)
     if tiles.block_m > 32:
         return [(tiles, None)]
     hot = default_config(2 * HOT_ROWS * max(groups, 1), groups, format)
@@ -873,7 +894,7 @@ def fp8_grouped_mm_triton(
         raise ValueError(f"scales must be a contiguous {list(expected)} float32 tensor, got {scales.dtype} {list(scales.shape)}")
     slot_values, slot_scales = _check_groups(rows, values, scales, offsets, slots, slot_base)
     groups = offsets.shape[0]
-    config = config or default_config(rows.shape[0], groups, "fp8")
+    config = config or default_config(rows.shape[0], groups, "fp8", rows.device)
     if config.block_k != _FP8_BLOCK:
         raise ValueError(f"fp8 block_k must be {_FP8_BLOCK} (one scale block), got {config.block_k}")
     if config.block_n > _FP8_BLOCK or _FP8_BLOCK % config.block_n:
@@ -895,11 +916,11 @@ def fp8_grouped_mm_triton(
                              f"strides for rows {list(rows.shape)}, got {quantized.dtype} {list(quantized.shape)} and "
                              f"{row_scales.dtype} {list(row_scales.shape)}")
     programs = persistent_grid(rows.shape[0], groups, columns, config, rows.device)
+    if config.wgmma and not (fp8_wgmma.descriptors_fit(quantized, values)
+                             and fp8_wgmma.descriptors_fit(quantized, slot_values)):
+        config = dataclasses.replace(_FP8_TALL, group_m=config.group_m)
+        programs = persistent_grid(rows.shape[0], groups, columns, config, rows.device)
     if config.wgmma:
-        if not fp8_wgmma.descriptors_fit(quantized, values) or not fp8_wgmma.descriptors_fit(quantized, slot_values):
-            raise ValueError("the wgmma kernel's TMA copies need 16-byte aligned fp8 rows and weights (row strides "
-                             f"included), got rows of stride {quantized.stride()} at {quantized.data_ptr() % 16} "
-                             "bytes past alignment")
         fp8_wgmma.fp8_wgmma_launch(quantized, row_scales, values, scales, slot_values, slot_scales, out, offsets,
                                    values.shape[0], slot_base, rows_above, rows_at_most, config.group_m,
                                    config.num_stages, programs[0])

@@ -145,6 +145,7 @@ def test_bad_input_raises(make, message):
 
 @pytest.mark.skipif(fp8_wgmma.available(DEVICE), reason="the kernel runs here")
 def test_wgmma_config_off_hopper_raises():
+    assert not default_config(4 * 1024, 4, "fp8", DEVICE).wgmma  # the default takes the Triton tiles here
     rows, packed, offsets = grouped_inputs("fp8", [3, 4], 128, 512, seed=3)
     config = GemmConfig(128, 128, num_warps=8, num_stages=2, programs_per_sm=1, wgmma=True)
     with pytest.raises(ValueError, match="needs a Hopper"):

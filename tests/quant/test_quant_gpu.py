@@ -206,3 +206,33 @@ def test_fp8_wgmma_kernel_against_the_triton_tiles(hidden, group_rows):
             assert relative_error(got[rows], reference[rows]) < 4e-3
             assert relative_error(got[rows], triton_tiles[rows]) < 4e-3
     assert (got[end:] == float("inf")).all()
+
+
+def test_fp8_wgmma_default_and_its_fallback_on_unaligned_rows():
+    """On a Hopper GPU the fp8 default takes the Gluon kernel from WGMMA_ROWS rows per group; given
+    fp8 rows whose row stride TMA cannot take (not a multiple of 16 bytes), a wgmma config runs the
+    Triton tile instead, with the same result."""
+    from flatep.kernels.quant_gemm import WGMMA_ROWS, default_config, fp8_grouped_mm_triton, quantize_fp8_activations_triton
+
+    _skip_without_wgmma("wgmma")
+    device = torch.device("cuda")
+    assert default_config(WGMMA_ROWS * 4, 4, "fp8", device).wgmma
+    assert not default_config(WGMMA_ROWS * 4 - 4, 4, "fp8", device).wgmma
+    assert not default_config(WGMMA_ROWS * 4, 4, "fp8").wgmma
+    sizes, columns, hidden = [300, 0, 129], 256, 1024
+    generator = torch.Generator(device="cuda").manual_seed(5)
+    weights = QuantizedTensor.quantize(torch.randn(len(sizes), columns, hidden, device="cuda", generator=generator)
+                                       * hidden**-0.5, "fp8")
+    end = sum(sizes)
+    x = torch.randn(end, hidden, device="cuda", generator=generator).bfloat16()
+    offsets = torch.tensor(sizes, device="cuda").cumsum(0).to(torch.int32)
+    values, scales = quantize_fp8_activations_triton(x, offsets[-1:])
+    unaligned = torch.empty(end, hidden + 8, dtype=values.dtype, device="cuda")[:, :hidden]
+    unaligned.copy_(values)
+    config = default_config(end, len(sizes), "fp8", device)
+    aligned_out = fp8_grouped_mm_triton(x, weights.values, weights.scales, offsets, config, activations=(values, scales))
+    unaligned_out = fp8_grouped_mm_triton(x, weights.values, weights.scales, offsets, config,
+                                          activations=(unaligned, scales))
+    reference = quantized_grouped_mm(x, weights, offsets, backend="torch")
+    assert relative_error(aligned_out, reference) < 4e-3
+    assert relative_error(unaligned_out, reference) < 4e-3
