@@ -172,7 +172,8 @@ class GemmConfig:
     product while the next step's warp-group MMA runs; its tile is fixed (``block_m`` and ``block_n``
     128, ``num_warps`` 8, not swapped or rescaled), ``num_stages`` its shared-memory stages. Its TMA
     copies need 16-byte aligned operands: where the fp8 rows' base address or row stride is not (rows
-    of a strided view, say), the launch runs the Triton 64 x 128 tile instead.
+    of a strided view, say), and where ``K`` holds fewer 128-wide steps than its stages, the launch
+    runs the Triton 64 x 128 tile instead.
     """
 
     block_m: int
@@ -739,17 +740,17 @@ def _mxfp4_tile(
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & column_mask[None, :])
 
 
-def _check_wgmma(config: GemmConfig, inner: int, device: torch.device) -> None:
+def _check_wgmma(config: GemmConfig, device: torch.device) -> None:
     fixed = (fp8_wgmma.BLOCK_M, fp8_wgmma.BLOCK_N, fp8_wgmma.NUM_WARPS)
     if (config.block_m, config.block_n, config.num_warps) != fixed or config.swap_ab or config.rescale:
         raise ValueError(f"a wgmma config takes block_m, block_n, num_warps = {fixed}, unswapped and not rescaled, "
                          f"got {config}")
-    if not 2 <= config.num_stages <= 6:
-        raise ValueError(f"a wgmma config's num_stages (32 KiB of shared memory each) must be in [2, 6], got "
+    if not 5 <= config.num_stages <= 6:
+        # Fewer stages compiled to serialized MMAs or at the register limit (local sm_90 compile,
+        # Triton 3.6: 3 stages 255 registers and ptxas's C7512 notice, 4 stages 254, 5 and 6 234-236);
+        # 7 would not fit the SM's 227 KiB of shared memory.
+        raise ValueError(f"a wgmma config's num_stages (32 KiB of shared memory each) must be 5 or 6, got "
                          f"{config.num_stages}")
-    if inner // _FP8_BLOCK < config.num_stages:
-        raise ValueError(f"a wgmma config's num_stages must not exceed the K steps, K / 128 = {inner // _FP8_BLOCK}, "
-                         f"got {config.num_stages}")
     if not fp8_wgmma.available(device):
         raise ValueError(f"a wgmma config needs a Hopper (sm_90) CUDA GPU and Triton's Gluon, got {device}")
 
@@ -902,7 +903,7 @@ def fp8_grouped_mm_triton(
     if config.lane_words:
         raise ValueError(f"lane_words is an mxfp4 tile option (fp8 has no words to reorder), got {config}")
     if config.wgmma:
-        _check_wgmma(config, inner, rows.device)
+        _check_wgmma(config, rows.device)
     rows_above, rows_at_most = _check_group_rows(group_rows)
     out = _output(rows, columns, out)
     if activations is None:
@@ -917,7 +918,8 @@ def fp8_grouped_mm_triton(
                              f"{row_scales.dtype} {list(row_scales.shape)}")
     programs = persistent_grid(rows.shape[0], groups, columns, config, rows.device)
     if config.wgmma and not (fp8_wgmma.descriptors_fit(quantized, values)
-                             and fp8_wgmma.descriptors_fit(quantized, slot_values)):
+                             and fp8_wgmma.descriptors_fit(quantized, slot_values)
+                             and inner // _FP8_BLOCK >= config.num_stages):
         config = dataclasses.replace(_FP8_TALL, group_m=config.group_m)
         programs = persistent_grid(rows.shape[0], groups, columns, config, rows.device)
     if config.wgmma:

@@ -114,8 +114,8 @@ def test_fp8_rescaled_tall_tiles_at_kimi_k2_size(tiles):
 PREFILL_TILES = {
     "plain": dict(block_m=64, block_n=128, num_warps=4, num_stages=4),
     "rescale": dict(block_m=128, block_n=128, num_warps=4, num_stages=3, rescale=True),
-    "wgmma": dict(block_m=128, block_n=128, num_warps=8, num_stages=4, programs_per_sm=1, wgmma=True),
-    "wgmma-3": dict(block_m=128, block_n=128, num_warps=8, num_stages=3, programs_per_sm=1, wgmma=True),
+    "wgmma": dict(block_m=128, block_n=128, num_warps=8, num_stages=5, programs_per_sm=1, wgmma=True),
+    "wgmma-6": dict(block_m=128, block_n=128, num_warps=8, num_stages=6, programs_per_sm=1, wgmma=True),
 }
 
 
@@ -174,11 +174,11 @@ def test_fp8_prefill_tiles_with_slots_in_a_graph(tiles, columns, hidden):
 
 
 
-@pytest.mark.parametrize("hidden", [512, 1664, 2048])
+@pytest.mark.parametrize("hidden", [640, 1664, 2048])
 @pytest.mark.parametrize("group_rows", [None, (200, 2**31 - 1)])
 def test_fp8_wgmma_kernel_against_the_triton_tiles(hidden, group_rows):
-    """The Gluon kernel at K steps that fill its unrolled chunks and leave a partial one (4, 13 and
-    16 steps of 128), over groups of 0 to 1500 rows and a launch of only the larger groups, against
+    """The Gluon kernel at K steps that fill its unrolled chunks or leave a partial one (5, 13 and
+    16 steps of 128: as few as its stages), over groups of 0 to 1500 rows and a launch of only the larger groups, against
     the torch path and against the Triton 64 x 128 tile; rows it does not compute stay as they were."""
     from flatep.kernels.quant_gemm import GemmConfig, fp8_grouped_mm_triton
 
@@ -210,8 +210,8 @@ def test_fp8_wgmma_kernel_against_the_triton_tiles(hidden, group_rows):
 
 def test_fp8_wgmma_default_and_its_fallback_on_unaligned_rows():
     """On a Hopper GPU the fp8 default takes the Gluon kernel from WGMMA_ROWS rows per group; given
-    fp8 rows whose row stride TMA cannot take (not a multiple of 16 bytes), a wgmma config runs the
-    Triton tile instead, with the same result."""
+    fp8 rows whose row stride TMA cannot take (not a multiple of 16 bytes), or a K of fewer steps
+    than its stages, a wgmma config runs the Triton tile instead, with the same result."""
     from flatep.kernels.quant_gemm import WGMMA_ROWS, default_config, fp8_grouped_mm_triton, quantize_fp8_activations_triton
 
     _skip_without_wgmma("wgmma")
@@ -233,6 +233,11 @@ def test_fp8_wgmma_default_and_its_fallback_on_unaligned_rows():
     aligned_out = fp8_grouped_mm_triton(x, weights.values, weights.scales, offsets, config, activations=(values, scales))
     unaligned_out = fp8_grouped_mm_triton(x, weights.values, weights.scales, offsets, config,
                                           activations=(unaligned, scales))
+    short_k = QuantizedTensor.quantize(torch.randn(len(sizes), columns, 512, device="cuda", generator=generator)
+                                       * 512**-0.5, "fp8")  # 4 K steps: fewer than the config's 5 stages
+    short_out = fp8_grouped_mm_triton(x[:, :512], short_k.values, short_k.scales, offsets, config)
     reference = quantized_grouped_mm(x, weights, offsets, backend="torch")
     assert relative_error(aligned_out, reference) < 4e-3
     assert relative_error(unaligned_out, reference) < 4e-3
+    short_reference = quantized_grouped_mm(x[:, :512].contiguous(), short_k, offsets, backend="torch")
+    assert relative_error(short_out, short_reference) < 4e-3
