@@ -9,16 +9,35 @@ result feeds anything but the next MMA's accumulator; see :mod:`flatep.kernels.q
 Per tile of ``BLOCK_M`` rows (two warp groups of 64 rows on 8 warps) and ``BLOCK_N`` columns:
 
 - TMA copies each 128-wide K step's activation and weight tiles into a ring of ``NUM_STAGES``
-  shared-memory stages, each with an mbarrier that the copy's bytes complete;
-- step ``k``'s warp-group MMA is issued asynchronously into a product of its own (the MMA's
-  accumulator starts from zero: ``use_acc=False``); then the kernel waits until only that MMA is
-  outstanding, so step ``k - 1``'s product is complete, refills step ``k - 1``'s stage with step
-  ``k + NUM_STAGES - 1``, and adds step ``k - 1``'s product times its row and weight block scales
-  into the fp32 accumulator while step ``k``'s MMA runs (DeepSeek-V3's fine-grained quantization
-  with its promotion to fp32 registers per 128-wide K step; the tensor cores' own sums stay within
-  one step, as in FlatEP's Triton tiles);
+  shared-memory stages, each with an mbarrier that the copy's bytes complete. A program's stages
+  run on across its tiles: the last steps of a tile load the next tile's first steps, so the
+  pipeline does not drain and refill at each tile (and those copies overlap the epilogue);
+- each step's MMA runs in two 64-column halves, each issued asynchronously into registers of its
+  own (the MMA starts from zero: ``use_acc=False``). After issuing a half the kernel waits until
+  only it is outstanding, then adds the previous half's product times its row and weight block
+  scales into that half's fp32 sums while this one runs (DeepSeek-V3's fine-grained quantization,
+  its promotion to fp32 registers per 128-wide K step; the tensor cores' own sums stay within one
+  step, as in FlatEP's Triton tiles: the same relative error, 6.9e-4 at Kimi-K2's shapes). When a
+  step's first half is issued, the previous step is done and its stage takes a later step's tiles;
 - the bf16 result is stored row-masked to the tile's group (a tile's rows past its group, which
   TMA also copies, are other groups' or unused rows: a GEMM's output row reads only its own row).
+
+What shaped it (local sm_90 compiles, Triton 3.6 and its ptxas; ``ptxas -v`` prints the notices):
+
+- halves: the sums and two whole 64 x 128 products took all 255 registers a thread, and ptxas then
+  serializes every warp-group MMA of the kernel (notice C7512): halves need 128 registers for
+  the four 64 x 64 sets instead of 192;
+- unrolled chunks of ``CHUNK`` steps that end with no MMA outstanding: with an MMA in flight across
+  a loop's back edge ptxas serialized them all too (C7514, reads of the other product's registers
+  it could not place); 8-step chunks ran out of registers (C7512);
+- 5 or 6 stages: at 3 the kernel took 255 registers and C7512, at 4 254 (and ran 15-25% slower
+  than at 5 on an H100), at 5 and 6 234-236.
+
+On an H100 (``bench/results/2026-12-06-h100-b``, the bf16 arm in the same run), a Kimi-K2 rank's
+experts phase at s = 8192 took 0.814x bf16's time (maxvio 0) and 0.829x (maxvio 10), against
+0.992x and 1.11-1.22x with the Triton 64 x 128 tile in earlier sets. One 8-warp program runs per
+SM; the compiler puts a CTA barrier around each TMA copy (its shared-memory hazard analysis),
+which holds the two warp groups in step.
 
 Gluon (``triton.experimental.gluon``) is Triton's lower-level language with explicit layouts,
 shared memory, barriers and asynchronous MMAs; it has no interpreter, so this kernel runs on
@@ -54,9 +73,9 @@ CHUNK = 4
 """The tile: 128 x 128 outputs on two warp groups (each 64 x 128, the warp-group MMA's 64 rows), 128-wide
 K steps (one scale block); the stages (32 KiB each: activation plus weight tiles) come from
 :class:`flatep.kernels.quant_gemm.GemmConfig`'s ``num_stages``. ``CHUNK``: K steps unrolled between
-points with no MMA outstanding (see ``_chunk``): in a local sm_90 compile (Triton 3.6) 4 steps at
-3 or 5 stages took 254 registers a thread, and 8 steps ran out of registers (ptxas then
-serialized the MMAs)."""
+points with no MMA outstanding (see ``_chunk`` and the module docstring): 5 to 16 steps ran out of
+registers in a local sm_90 compile (Triton 3.6), and on an H100 2-step chunks took the same time
+as 4-step ones within 1-2%."""
 
 
 def available(device: torch.device) -> bool:

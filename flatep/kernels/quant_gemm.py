@@ -44,7 +44,10 @@ each weight tile is read by the band's row tiles back to back.
   64 x 128 on 4 warps (254 registers a thread in a local sm_90 compile, Triton 3.6) or 128 x 128 on
   8 (248) do not fit. ``GemmConfig.rescale`` instead scales the accumulator into the step's units
   and lets the MMA add in place (one accumulator: 256 x 128 on 8 warps in 249 registers), for tiles
-  that load fewer bytes per product at prefill sizes; a tile-sweep candidate.
+  that load fewer bytes per product at prefill sizes; a tile-sweep candidate. On Hopper GPUs
+  ``GemmConfig.wgmma`` runs a Gluon kernel instead (:mod:`flatep.kernels.fp8_wgmma`), which does
+  overlap the scaling with the next MMA: :func:`default_config` takes it from
+  :data:`WGMMA_ROWS` rows per group.
 - mxfp4 (:func:`mxfp4_grouped_mm_triton`): reads the packed values as int32 words (8 columns each,
   in FlatEP's word layout, :data:`flatep.quant.mxfp4.WORD_PAIRS`) and their e8m0 scales, and decodes
   them in registers into bf16, exactly (e2m1 times a power of two), for bf16 tensor-core dots. The
@@ -224,7 +227,11 @@ def default_config(rows: int, groups: int, format: str, device: torch.device | N
       were fastest or within 3% at every size (32, 128 and 1024 rows per expert; the 8-warp
       128-row tile was 2% slower, the 32-row swapped tile 3% at 32 rows and 1.9x at 1024).
       Against bf16 ``torch._grouped_mm``: 0.39x at 16 rows per expert, 0.38x at 32, 0.66x at
-      128, 0.91x at 1024.
+      128, 0.91x at 1024. From :data:`WGMMA_ROWS` rows per group on a Hopper GPU, the Gluon
+      kernel (:mod:`flatep.kernels.fp8_wgmma`): on an H100, against the 64 x 128 tile in the same
+      run, 0.83x and 0.97x bf16 for gate/up and down at 1024 rows per expert against 1.04x and
+      1.01x, 0.77x and 0.79x against 0.82x and 0.84x at 256, and both at 0.55x at 128 (a
+      development script; at 4 stages it was 15-25% slower than at 5).
     - mxfp4 (timed again since the pools store the scales column-fastest, bench/results/2026-12-05-h200-d):
       short tiles are not swapped. A 16- or 32-row tile then runs on ``mma.sync`` (16 rows
       tall), and Triton decodes the weight words straight into the MMA's operand registers, with
