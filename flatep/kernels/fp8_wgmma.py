@@ -30,8 +30,7 @@ What shaped it (local sm_90 compiles, Triton 3.6 and its ptxas; ``ptxas -v`` pri
 - unrolled chunks of ``CHUNK`` steps that end with no MMA outstanding: with an MMA in flight across
   a loop's back edge ptxas serialized them all too (C7514, reads of the other product's registers
   it could not place); 8-step chunks ran out of registers (C7512);
-- 5 or 6 stages: at 3 the kernel took 255 registers and C7512, at 4 254 (and ran 15-25% slower
-  than at 5 on an H100), at 5 and 6 234-236.
+- 5 or 6 stages: at 3 the kernel took 255 registers and C7512, at 4 254, at 5 and 6 234-236.
 
 On an H100 (``bench/results/2026-12-06-h100-b``, the bf16 arm in the same run), a Kimi-K2 rank's
 experts phase at s = 8192 took 0.814x bf16's time (maxvio 0) and 0.829x (maxvio 10), against
@@ -74,8 +73,7 @@ CHUNK = 4
 K steps (one scale block); the stages (32 KiB each: activation plus weight tiles) come from
 :class:`flatep.kernels.quant_gemm.GemmConfig`'s ``num_stages``. ``CHUNK``: K steps unrolled between
 points with no MMA outstanding (see ``_chunk`` and the module docstring): 5 to 16 steps ran out of
-registers in a local sm_90 compile (Triton 3.6), and on an H100 2-step chunks took the same time
-as 4-step ones within 1-2%."""
+registers in a local sm_90 compile (Triton 3.6)."""
 
 
 def available(device: torch.device) -> bool:
