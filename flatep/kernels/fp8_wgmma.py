@@ -40,7 +40,10 @@ which holds the two warp groups in step.
 
 Gluon (``triton.experimental.gluon``) is Triton's lower-level language with explicit layouts,
 shared memory, barriers and asynchronous MMAs; it has no interpreter, so this kernel runs on
-Hopper GPUs only (:func:`available`), and the CPU tests check the Triton kernel of the same contract.
+Hopper GPUs only (:func:`available`). The CPU tests check the Triton kernel of the same contract,
+and compile this one for sm_90 with the installed Triton (tests/kernels/test_fp8_wgmma.py: its
+MMAs stay overlapped, no spills). It has run on a GPU with Triton 3.6 (torch 2.11); Triton 3.9
+compiles it alike (248 registers a thread, no serialized MMAs), untimed and untested on a GPU.
 """
 from __future__ import annotations
 
@@ -61,6 +64,10 @@ try:  # Gluon is experimental: its module paths moved between Triton releases.
         warpgroup_mma_wait,
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    # Triton 3.6 names the TMA copy into shared memory async_copy_global_to_shared; later
+    # releases name it async_load and raise on the old name.
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 except ImportError:  # pragma: no cover - depends on the installed Triton
     gluon = None
 
@@ -94,11 +101,11 @@ if gluon is not None:
         is_slot, first, weight_row = source
         bar = bars.index(stage)
         mbarrier.expect(bar, a_desc.block_type.nbytes + w_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(a_desc, [first, step * BLOCK_K], bar, a_bufs.index(stage))
+        _tma_load(a_desc, [first, step * BLOCK_K], bar, a_bufs.index(stage))
         if is_slot:
-            tma.async_copy_global_to_shared(slot_w_desc, [weight_row, step * BLOCK_K], bar, w_bufs.index(stage))
+            _tma_load(slot_w_desc, [weight_row, step * BLOCK_K], bar, w_bufs.index(stage))
         else:
-            tma.async_copy_global_to_shared(w_desc, [weight_row, step * BLOCK_K], bar, w_bufs.index(stage))
+            _tma_load(w_desc, [weight_row, step * BLOCK_K], bar, w_bufs.index(stage))
 
     @gluon.jit
     def _refill(a_desc, w_desc, slot_w_desc, here, after, has_next, used, step, a_bufs, w_bufs, bars,

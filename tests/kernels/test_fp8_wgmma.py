@@ -1,0 +1,58 @@
+"""The Gluon fp8 kernel compiled for sm_90 without a GPU (its GPU tests are in tests/quant/test_quant_gpu.py):
+it builds with the installed Triton, and ptxas keeps its MMAs overlapped with the scaling."""
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+import triton
+
+from flatep.kernels import fp8_wgmma
+
+pytestmark = pytest.mark.skipif(fp8_wgmma.gluon is None, reason="this Triton has no Gluon Hopper API")
+
+
+def _compile_for_sm90(inner: int, stages: int):
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    rows = torch.empty(256, inner, dtype=torch.float8_e4m3fn)
+    weights = torch.empty(2, 256, inner, dtype=torch.float8_e4m3fn)
+    row_descriptor = fp8_wgmma.TensorDescriptor(rows, list(rows.shape), list(rows.stride()),
+                                                [fp8_wgmma.BLOCK_M, fp8_wgmma.FP8_BLOCK], fp8_wgmma._shared_layout())
+    weight_type = mangle_type(fp8_wgmma._weight_descriptor(weights))
+    kernel = fp8_wgmma._fp8_wgmma_kernel
+    types = {"a_desc": mangle_type(row_descriptor), "w_desc": weight_type, "slot_w_desc": weight_type,
+             "a_scale_ptr": "*fp32", "w_scale_ptr": "*fp32", "slot_w_scale_ptr": "*fp32", "out_ptr": "*bf16",
+             "offsets_ptr": "*i32"}
+    constants = {"K": inner, "BLOCK_M": fp8_wgmma.BLOCK_M, "BLOCK_N": fp8_wgmma.BLOCK_N, "BLOCK_K": fp8_wgmma.FP8_BLOCK,
+                 "GROUP_M": 8, "GROUPS": 64, "NUM_STAGES": stages, "CHUNK": fp8_wgmma.CHUNK,
+                 "num_warps": fp8_wgmma.NUM_WARPS}
+    signature = {name: "constexpr" if name in constants else types.get(name, "i32") for name in kernel.arg_names}
+    source = GluonASTSource(fn=kernel, signature=signature,
+                            constexprs={(kernel.arg_names.index(name),): value for name, value in constants.items()})
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": fp8_wgmma.NUM_WARPS})
+
+
+@pytest.mark.parametrize("inner", [2048, 7168])
+def test_compiles_for_sm90_with_overlapped_mmas(inner, tmp_path, monkeypatch):
+    """Kimi-K2's down and gate/up K at the default 5 stages: the PTX waits for all but the last issued
+    MMA before it scales a product, and (where Triton's bundled cuobjdump can read the cubin) the
+    SASS keeps that wait: ptxas did not serialize the MMAs, which it does where a product's
+    registers cross a loop's back edge in flight or registers run short (the module docstring)."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    compiled = _compile_for_sm90(inner, stages=5)
+    assert "wgmma.wait_group.sync.aligned 1;" in compiled.asm["ptx"]
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not os.access(cuobjdump, os.X_OK):
+        pytest.skip("no cuobjdump bundled with this Triton")
+    cubin = tmp_path / "kernel.cubin"
+    cubin.write_bytes(compiled.asm["cubin"])
+    sass = subprocess.run([str(cuobjdump), "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+    assert sass.count("WARPGROUP.DEPBAR.LE gsb0, 0x1") >= fp8_wgmma.CHUNK
+    usage = subprocess.run([str(cuobjdump), "-res-usage", str(cubin)], capture_output=True, text=True, check=True).stdout
+    assert "STACK:0" in usage  # no spills
