@@ -278,8 +278,9 @@ def _shared_layout():
 
 def descriptors_fit(quantized: torch.Tensor, values: torch.Tensor) -> bool:
     """Whether TMA can copy these operands: 16-byte aligned bases and row strides (fp8 rows
-    ``[M, K]`` with unit column stride; contiguous ``[G, N, K]`` weights)."""
-    return (quantized.data_ptr() % 16 == 0 and quantized.stride(0) % 16 == 0 and quantized.stride(1) == 1
+    ``[M, K]`` with unit column stride; contiguous ``[G, N, K]`` weights), none of them empty."""
+    return (quantized.numel() > 0 and values.numel() > 0
+            and quantized.data_ptr() % 16 == 0 and quantized.stride(0) % 16 == 0 and quantized.stride(1) == 1
             and values.data_ptr() % 16 == 0 and values.shape[-1] % 16 == 0)
 
 
