@@ -923,6 +923,8 @@ def fp8_grouped_mm_triton(
                              f"strides for rows {list(rows.shape)}, got {quantized.dtype} {list(quantized.shape)} and "
                              f"{row_scales.dtype} {list(row_scales.shape)}")
     programs = persistent_grid(rows.shape[0], groups, columns, config, rows.device)
+    if config.wgmma and slot_values.numel() == 0:  # no slot groups: the kernel never reads the slot set
+        slot_values, slot_scales = values, scales
     if config.wgmma and not (fp8_wgmma.descriptors_fit(quantized, values)
                              and fp8_wgmma.descriptors_fit(quantized, slot_values)
                              and inner // _FP8_BLOCK >= config.num_stages):

@@ -236,6 +236,9 @@ def test_fp8_wgmma_default_and_its_fallback_on_unaligned_rows():
     short_k = QuantizedTensor.quantize(torch.randn(len(sizes), columns, 512, device="cuda", generator=generator)
                                        * 512**-0.5, "fp8")  # 4 K steps: fewer than the config's 5 stages
     short_out = fp8_grouped_mm_triton(x[:, :512], short_k.values, short_k.scales, offsets, config)
+    no_slots = fp8_grouped_mm_triton(x, weights.values, weights.scales, offsets, config, activations=(values, scales),
+                                     slots=(weights.values[:0], weights.scales[:0]), slot_base=end)
+    assert torch.equal(no_slots, aligned_out)  # an empty slot set: the same launch
     reference = quantized_grouped_mm(x, weights, offsets, backend="torch")
     assert relative_error(aligned_out, reference) < 4e-3
     assert relative_error(unaligned_out, reference) < 4e-3
