@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -38,20 +39,30 @@ def _compile_for_sm90(inner: int, stages: int):
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": fp8_wgmma.NUM_WARPS})
 
 
+def _write_compiled(inner: int, stages: int, directory: str) -> None:
+    compiled = _compile_for_sm90(inner, stages)
+    Path(directory, "kernel.ptx").write_text(compiled.asm["ptx"])
+    Path(directory, "kernel.cubin").write_bytes(compiled.asm["cubin"])
+
+
 @pytest.mark.parametrize("inner", [2048, 7168])
-def test_compiles_for_sm90_with_overlapped_mmas(inner, tmp_path, monkeypatch):
+def test_compiles_for_sm90_with_overlapped_mmas(inner, tmp_path):
     """Kimi-K2's down and gate/up K at the default 5 stages: the PTX waits for all but the last issued
     MMA before it scales a product, and (where Triton's bundled cuobjdump can read the cubin) the
     SASS keeps that wait: ptxas did not serialize the MMAs, which it does where a product's
-    registers cross a loop's back edge in flight or registers run short (the module docstring)."""
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    compiled = _compile_for_sm90(inner, stages=5)
-    assert "wgmma.wait_group.sync.aligned 1;" in compiled.asm["ptx"]
+    registers cross a loop's back edge in flight or registers run short (the module docstring).
+
+    The compile runs in a process of its own without ``TRITON_INTERPRET``: the CPU test session's
+    interpreter replaces Triton's functions, which a compile for a real target cannot call."""
+    environment = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    code = f"from tests.kernels.test_fp8_wgmma import _write_compiled; _write_compiled({inner}, 5, {str(tmp_path)!r})"
+    subprocess.run([sys.executable, "-c", code], env=environment, cwd=Path(__file__).parents[2], check=True,
+                   capture_output=True, timeout=300)
+    assert "wgmma.wait_group.sync.aligned 1;" in (tmp_path / "kernel.ptx").read_text()
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     if not os.access(cuobjdump, os.X_OK):
         pytest.skip("no cuobjdump bundled with this Triton")
     cubin = tmp_path / "kernel.cubin"
-    cubin.write_bytes(compiled.asm["cubin"])
     sass = subprocess.run([str(cuobjdump), "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
     assert sass.count("WARPGROUP.DEPBAR.LE gsb0, 0x1") >= fp8_wgmma.CHUNK
     usage = subprocess.run([str(cuobjdump), "-res-usage", str(cubin)], capture_output=True, text=True, check=True).stdout
