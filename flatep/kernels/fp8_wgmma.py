@@ -79,7 +79,7 @@ CHUNK = 4
 """The tile: 128 x 128 outputs on two warp groups (each 64 x 128, the warp-group MMA's 64 rows), 128-wide
 K steps (one scale block); the stages (32 KiB each: activation plus weight tiles) come from
 :class:`flatep.kernels.quant_gemm.GemmConfig`'s ``num_stages``. ``CHUNK``: K steps unrolled between
-points with no MMA outstanding (see ``_chunk`` and the module docstring): 5 to 16 steps ran out of
+points with no MMA outstanding (see ``_chunk`` and the module docstring): 5, 6, 8 and 16 steps ran out of
 registers in a local sm_90 compile (Triton 3.6)."""
 
 
@@ -148,12 +148,12 @@ if gluon is not None:
         Each step issues the MMA of its first half, waits until only that one is outstanding (the
         previous step is done: its stage takes a later step's tiles, and its second half's product
         is scaled into ``high`` while this MMA runs), then issues its second half and scales its
-        first half's product while that one runs. Halves keep three products' registers to 64 a
-        thread each for two sets (a whole 64 x 128 product is 64 registers a thread: the sums and two
-        products took all 255 registers, and ptxas then serialized the MMAs, its C7512 notice).
+        first half's product while that one runs. In halves the sums and the two products take 32
+        registers a thread each, 128 in all (with whole 64 x 128 products, 64 each and 192 in all,
+        the kernel took all 255 registers and ptxas then serialized the MMAs: its C7512 notice).
         The chunk is unrolled and ends with no MMA outstanding: with an MMA in flight across a
-        loop's back edge, ptxas (CUDA 12.8) serialized every MMA of the kernel (C7514: reads of
-        the other product's registers that it could not place)."""
+        loop's back edge, ptxas (CUDA 12.8, bundled with Triton 3.6) serialized every MMA of the
+        kernel (C7514: reads of the other product's registers that it could not place)."""
         next_scale = _step_scales(a_scales, row_mask, w_scales, base)
         previous = next_scale  # the scale of the step before; first read at i = 1
         for i in gl.static_range(STEPS):
