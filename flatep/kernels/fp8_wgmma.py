@@ -181,14 +181,14 @@ if gluon is not None:
     @gluon.jit
     def _tile_source(tile, g, starts, ends, tiles, passed, N, split, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                      GROUP_M: gl.constexpr):
-        """``(group, end_row, first_column, (is_slot, first_row, weight_row))`` of tile ``tile``: the last
-        three locate its TMA copies (``weight_row``: its first column's row in the ``[experts * N, K]``
-        view of its weight set)."""
+        """``(expert, end_row, first_column, (is_slot, first_row, weight_row))`` of tile ``tile``: ``expert``
+        indexes its weight set (home experts, or slots if ``is_slot``); the last three locate its TMA
+        copies (``weight_row``: its first column's row in the ``[experts * N, K]`` view of that set)."""
         group, first, last, first_column = _find_tile(tile, g, starts, ends, tiles, passed, N, BLOCK_M, BLOCK_N,
                                                       GROUP_M)
         is_slot = group >= split
         expert = gl.where(is_slot, group - split, group)
-        return group, last, first_column, (is_slot, first, expert * N + first_column)
+        return expert, last, first_column, (is_slot, first, expert * N + first_column)
 
     @gluon.jit
     def _step_scales(a_scales, row_mask, w_scales, step):
@@ -228,18 +228,17 @@ if gluon is not None:
             for ahead in gl.static_range(NUM_STAGES - 1):
                 _load_step(a_desc, w_desc, slot_w_desc, source, ahead, ahead, a_bufs, w_bufs, bars, BLOCK_K)
         while tile < total:
-            group, last, first_column, here = _tile_source(tile, g, starts, ends, tiles, passed, N, split, BLOCK_M,
-                                                           BLOCK_N, GROUP_M)
+            expert, last, first_column, here = _tile_source(tile, g, starts, ends, tiles, passed, N, split, BLOCK_M,
+                                                            BLOCK_N, GROUP_M)
             is_slot, first, _ = here
             next_tile = tile + gl.num_programs(0)
             has_next = next_tile < total
             _, _, _, after = _tile_source(gl.minimum(next_tile, total - 1), g, starts, ends, tiles, passed, N, split,
                                           BLOCK_M, BLOCK_N, GROUP_M)
-            expert = gl.where(is_slot, group - split, group).to(gl.int64)
             w_scale_base = w_scale_ptr
             if is_slot:
                 w_scale_base = slot_w_scale_ptr
-            w_scales = w_scale_base + (expert * n_blocks + first_column // BLOCK_K) * K_STEPS
+            w_scales = w_scale_base + (expert.to(gl.int64) * n_blocks + first_column // BLOCK_K) * K_STEPS
             row = first + gl.arange(0, BLOCK_M, layout=row_layout)
             row_mask = row < last
             a_scales = a_scale_ptr + row.to(gl.int64) * stride_as

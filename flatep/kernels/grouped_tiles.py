@@ -34,8 +34,9 @@ def group_tiles(
     offsets_ptr, g, groups, split, split_start, N, rows_above, rows_at_most, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Per group (vectors over ``g``, the group indices ``0 .. GROUPS - 1``, made by the caller: a
-    Gluon kernel's ``arange`` takes a layout, and it calls this as it is): first row, end row, row tiles and their running sum; and the launch's tiles in all (row tiles times
-    column blocks), read from the offsets on the device. Group ``split`` (if ``< groups``) starts
+    Gluon kernel's ``arange`` takes a layout, and it calls this as it is): first row, end row, row
+    tiles and their running sum; and the launch's tiles in all (row tiles times column blocks), read
+    from the offsets on the device. Group ``split`` (if ``< groups``) starts
     at row ``split_start`` instead of the previous group's end (a second run of groups). Only
     groups of more than ``rows_above`` and at most ``rows_at_most`` rows get tiles (a launch of
     a step's hot groups, or of the others: :func:`packed_launches`)."""

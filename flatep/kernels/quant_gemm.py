@@ -194,7 +194,7 @@ class GemmConfig:
     @property
     def label(self) -> str:
         """A short name for benchmark arms: ``m16 n128 k128 w4 s3 g8 p2`` and the options set
-        (``swap``, ``rescale``, ``lanewords``)."""
+        (``swap``, ``rescale``, ``lanewords``, ``wgmma``)."""
         options = [name for name, on in (("swap", self.swap_ab), ("rescale", self.rescale),
                                          ("lanewords", self.lane_words), ("wgmma", self.wgmma)) if on]
         return " ".join([f"m{self.block_m} n{self.block_n} k{self.block_k} w{self.num_warps} s{self.num_stages} "
@@ -922,14 +922,13 @@ def fp8_grouped_mm_triton(
             raise ValueError(f"activations must be [M, K] float8_e4m3fn and [M, K/128] float32 with unit column "
                              f"strides for rows {list(rows.shape)}, got {quantized.dtype} {list(quantized.shape)} and "
                              f"{row_scales.dtype} {list(row_scales.shape)}")
-    programs = persistent_grid(rows.shape[0], groups, columns, config, rows.device)
     if config.wgmma and slot_values.numel() == 0:  # no slot groups: the kernel never reads the slot set
         slot_values, slot_scales = values, scales
     if config.wgmma and not (fp8_wgmma.descriptors_fit(quantized, values)
                              and fp8_wgmma.descriptors_fit(quantized, slot_values)
                              and inner // _FP8_BLOCK >= config.num_stages):
         config = dataclasses.replace(_FP8_TALL, group_m=config.group_m)
-        programs = persistent_grid(rows.shape[0], groups, columns, config, rows.device)
+    programs = persistent_grid(rows.shape[0], groups, columns, config, rows.device)
     if config.wgmma:
         fp8_wgmma.fp8_wgmma_launch(quantized, row_scales, values, scales, slot_values, slot_scales, out, offsets,
                                    values.shape[0], slot_base, rows_above, rows_at_most, config.group_m,

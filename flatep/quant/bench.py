@@ -181,7 +181,7 @@ def _kernel(format: str):
 def _candidates(format: str, rows_per_expert: int, device: torch.device) -> list[GemmConfig]:
     """The format's candidates (and its default config) that run on ``device``, without row tiles
     taller than twice a group (mostly padding)."""
-    configs = [*CANDIDATES[format], default_config(rows_per_expert, 1, format)]
+    configs = [*CANDIDATES[format], default_config(rows_per_expert, 1, format, device)]
     return [config for index, config in enumerate(configs)
             if config.block_m <= max(16, 2 * rows_per_expert) and config not in configs[:index]
             and (not config.wgmma or fp8_wgmma.available(device))]
@@ -233,7 +233,7 @@ def experts_cell(
             result[name]["rowwise_scaled_grouped_mm_us"] = times["scaled_grouped_mm rowwise"]
             result[name]["rowwise_ratio"] = times["scaled_grouped_mm rowwise"]["us"] / times["bf16"]["us"]
         del rowwise
-    result["default_config"] = str(default_config(rows, experts, format))
+    result["default_config"] = str(default_config(rows, experts, format, device))
     step = _interleaved({
         "bf16": lambda: grouped_swiglu(x, route_weights, w13, w2, offsets, backend="triton"),
         format: lambda: grouped_swiglu(x, route_weights, q13, q2, offsets, backend="triton"),
