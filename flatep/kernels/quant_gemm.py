@@ -924,8 +924,8 @@ def fp8_grouped_mm_triton(
                              f"{row_scales.dtype} {list(row_scales.shape)}")
     if config.wgmma and slot_values.numel() == 0:  # no slot groups: the kernel never reads the slot set
         slot_values, slot_scales = values, scales
-    if config.wgmma and not (fp8_wgmma.descriptors_fit(quantized, values)
-                             and fp8_wgmma.descriptors_fit(quantized, slot_values)
+    if config.wgmma and not (fp8_wgmma.descriptors_fit(quantized, values, out)
+                             and fp8_wgmma.descriptors_fit(quantized, slot_values, out)
                              and inner // _FP8_BLOCK >= config.num_stages):
         config = dataclasses.replace(_FP8_TALL, group_m=config.group_m)
     programs = persistent_grid(rows.shape[0], groups, columns, config, rows.device)

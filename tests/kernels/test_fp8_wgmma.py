@@ -26,8 +26,9 @@ def _compile_for_sm90(inner: int, stages: int):
     row_descriptor = fp8_wgmma.TensorDescriptor(rows, list(rows.shape), list(rows.stride()),
                                                 [fp8_wgmma.BLOCK_M, fp8_wgmma.FP8_BLOCK], fp8_wgmma._shared_layout())
     weight_type = mangle_type(fp8_wgmma._weight_descriptor(weights))
+    out_type = mangle_type(fp8_wgmma._out_descriptor(torch.empty(256, 256, dtype=torch.bfloat16)))
     kernel = fp8_wgmma._fp8_wgmma_kernel
-    types = {"a_desc": mangle_type(row_descriptor), "w_desc": weight_type, "slot_w_desc": weight_type,
+    types = {"a_desc": mangle_type(row_descriptor), "w_desc": weight_type, "slot_w_desc": weight_type, "out_desc": out_type,
              "a_scale_ptr": "*fp32", "w_scale_ptr": "*fp32", "slot_w_scale_ptr": "*fp32", "out_ptr": "*bf16",
              "offsets_ptr": "*i32"}
     constants = {"K": inner, "BLOCK_M": fp8_wgmma.BLOCK_M, "BLOCK_N": fp8_wgmma.BLOCK_N, "BLOCK_K": fp8_wgmma.FP8_BLOCK,
@@ -43,21 +44,25 @@ def _write_compiled(inner: int, stages: int, directory: str) -> None:
     compiled = _compile_for_sm90(inner, stages)
     Path(directory, "kernel.ptx").write_text(compiled.asm["ptx"])
     Path(directory, "kernel.cubin").write_bytes(compiled.asm["cubin"])
+    Path(directory, "shared").write_text(str(compiled.metadata.shared))
 
 
-@pytest.mark.parametrize("inner", [2048, 7168])
-def test_compiles_for_sm90_with_overlapped_mmas(inner, tmp_path):
-    """Kimi-K2's down and gate/up K at the default 5 stages: the PTX waits for all but the last issued
-    MMA before it scales a product, and (where Triton's bundled cuobjdump can read the cubin) the
-    SASS keeps that wait: ptxas did not serialize the MMAs, which it does where a product's
-    registers cross a loop's back edge in flight or registers run short (the module docstring).
+@pytest.mark.parametrize("inner, stages", [(2048, 5), (7168, 5), (7168, 6)])
+def test_compiles_for_sm90_with_overlapped_mmas(inner, stages, tmp_path):
+    """Kimi-K2's down and gate/up K at the 5 and 6 stages ``GemmConfig`` accepts: the kernel's
+    shared memory (stages and the output tile TMA stores from) fits Hopper's 227 KiB a block; the
+    PTX waits for all but the last issued MMA before it scales a product, and (where Triton's
+    bundled cuobjdump can read the cubin) the SASS keeps that wait: ptxas did not serialize the
+    MMAs, which it does where a product's registers cross a loop's back edge in flight or registers
+    run short (the module docstring).
 
     The compile runs in a process of its own without ``TRITON_INTERPRET``: the CPU test session's
     interpreter replaces Triton's functions, which a compile for a real target cannot call."""
     environment = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
-    code = f"from tests.kernels.test_fp8_wgmma import _write_compiled; _write_compiled({inner}, 5, {str(tmp_path)!r})"
+    code = f"from tests.kernels.test_fp8_wgmma import _write_compiled; _write_compiled({inner}, {stages}, {str(tmp_path)!r})"
     subprocess.run([sys.executable, "-c", code], env=environment, cwd=Path(__file__).parents[2], check=True,
                    capture_output=True, timeout=300)
+    assert int((tmp_path / "shared").read_text()) <= 227 * 1024
     assert "wgmma.wait_group.sync.aligned 1;" in (tmp_path / "kernel.ptx").read_text()
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     if not os.access(cuobjdump, os.X_OK):

@@ -210,8 +210,8 @@ def test_fp8_wgmma_kernel_against_the_triton_tiles(hidden, group_rows):
 
 def test_fp8_wgmma_default_and_its_fallback_on_unaligned_rows():
     """On a Hopper GPU the fp8 default takes the Gluon kernel from WGMMA_ROWS rows per group; given
-    fp8 rows whose row stride TMA cannot take (not a multiple of 16 bytes), or a K of fewer steps
-    than its stages, a wgmma config runs the Triton tile instead, with the same result."""
+    fp8 rows or an output whose row stride TMA cannot take (not a multiple of 16 bytes), or a K of
+    fewer steps than its stages, a wgmma config runs the Triton tile instead, with the same result."""
     from flatep.kernels.quant_gemm import WGMMA_ROWS, default_config, fp8_grouped_mm_triton, quantize_fp8_activations_triton
 
     _skip_without_wgmma("wgmma")
@@ -239,8 +239,18 @@ def test_fp8_wgmma_default_and_its_fallback_on_unaligned_rows():
     no_slots = fp8_grouped_mm_triton(x, weights.values, weights.scales, offsets, config, activations=(values, scales),
                                      slots=(weights.values[:0], weights.scales[:0]), slot_base=end)
     assert torch.equal(no_slots, aligned_out)  # an empty slot set: the same launch
+    # Whole tiles leave through TMA stores: into a view whose row stride TMA takes (16-byte
+    # multiples) the kernel writes only the view's columns; a row stride it cannot take (520
+    # bytes) runs the Triton tile.
+    wide = torch.full((end, columns + 8), float("inf"), dtype=torch.bfloat16, device="cuda")
+    fp8_grouped_mm_triton(x, weights.values, weights.scales, offsets, config, out=wide[:, :columns],
+                          activations=(values, scales))
+    assert torch.equal(wide[:, :columns], aligned_out) and (wide[:, columns:] == float("inf")).all()
+    odd = torch.empty(end, columns + 4, dtype=torch.bfloat16, device="cuda")[:, :columns]
+    fp8_grouped_mm_triton(x, weights.values, weights.scales, offsets, config, out=odd, activations=(values, scales))
     reference = quantized_grouped_mm(x, weights, offsets, backend="torch")
     assert relative_error(aligned_out, reference) < 4e-3
     assert relative_error(unaligned_out, reference) < 4e-3
+    assert relative_error(odd, reference) < 4e-3
     short_reference = quantized_grouped_mm(x[:, :512].contiguous(), short_k, offsets, backend="torch")
     assert relative_error(short_out, short_reference) < 4e-3
