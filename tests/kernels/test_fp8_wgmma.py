@@ -33,11 +33,13 @@ def _compile_for_sm90(inner: int, stages: int):
              "offsets_ptr": "*i32"}
     constants = {"K": inner, "BLOCK_M": fp8_wgmma.BLOCK_M, "BLOCK_N": fp8_wgmma.BLOCK_N, "BLOCK_K": fp8_wgmma.FP8_BLOCK,
                  "GROUP_M": 8, "GROUPS": 64, "NUM_STAGES": stages, "CHUNK": fp8_wgmma.CHUNK,
-                 "num_warps": fp8_wgmma.NUM_WARPS}
+                 "CONSUMER_REGISTERS": fp8_wgmma.CONSUMER_REGISTERS, "PRODUCER_REGISTERS": fp8_wgmma.PRODUCER_REGISTERS,
+                 "num_warps": fp8_wgmma.NUM_WARPS // 2}
     signature = {name: "constexpr" if name in constants else types.get(name, "i32") for name in kernel.arg_names}
     source = GluonASTSource(fn=kernel, signature=signature,
                             constexprs={(kernel.arg_names.index(name),): value for name, value in constants.items()})
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": fp8_wgmma.NUM_WARPS})
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": fp8_wgmma.NUM_WARPS // 2, "maxnreg": fp8_wgmma.MAX_REGISTERS})
 
 
 def _write_compiled(inner: int, stages: int, directory: str) -> None:
@@ -50,11 +52,12 @@ def _write_compiled(inner: int, stages: int, directory: str) -> None:
 @pytest.mark.parametrize("inner, stages", [(2048, 5), (7168, 5), (7168, 6)])
 def test_compiles_for_sm90_with_overlapped_mmas(inner, stages, tmp_path):
     """Kimi-K2's down and gate/up K at the 5 and 6 stages ``GemmConfig`` accepts: the kernel's
-    shared memory (stages and the output tile TMA stores from) fits Hopper's 227 KiB a block; the
+    shared memory (stages and the output tiles TMA stores from) fits Hopper's 227 KiB a block; the
     PTX waits for all but the last issued MMA before it scales a product, and (where Triton's
     bundled cuobjdump can read the cubin) the SASS keeps that wait: ptxas did not serialize the
     MMAs, which it does where a product's registers cross a loop's back edge in flight or registers
-    run short (the module docstring).
+    run short (the module docstring); no registers spill, also at the consumers' and the producer's
+    register counts after ``setmaxnreg``.
 
     The compile runs in a process of its own without ``TRITON_INTERPRET``: the CPU test session's
     interpreter replaces Triton's functions, which a compile for a real target cannot call."""
@@ -69,6 +72,7 @@ def test_compiles_for_sm90_with_overlapped_mmas(inner, stages, tmp_path):
         pytest.skip("no cuobjdump bundled with this Triton")
     cubin = tmp_path / "kernel.cubin"
     sass = subprocess.run([str(cuobjdump), "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
-    assert sass.count("WARPGROUP.DEPBAR.LE gsb0, 0x1") >= fp8_wgmma.CHUNK
+    # Each of the two consumer warp groups' code waits with one MMA still running CHUNK - 1 times a chunk.
+    assert sass.count("WARPGROUP.DEPBAR.LE gsb0, 0x1") >= 2 * (fp8_wgmma.CHUNK - 1)
     usage = subprocess.run([str(cuobjdump), "-res-usage", str(cubin)], capture_output=True, text=True, check=True).stdout
     assert "STACK:0" in usage  # no spills
