@@ -20,6 +20,14 @@ same run (:func:`flatep.bench.timing.read_ceiling_gbps`; GPU only). The shard's 
 dispatch does not write hold NaN (:func:`dispatch_into_nan`), as a reused buffer may.
 ``--profile`` adds the slowest rank's time per kernel (eager calls under :mod:`torch.profiler`: the
 kernels' own times, without the launch gaps that the graph replays include).
+
+``--dispatch fp8`` (or the config's ``dispatch: fp8``) dispatches the packed pool's rows as
+``ep_moe(dispatch_dtype=torch.float8_e4m3fn)`` does: quantized per token at the source, so fp8
+experts read the packed rows as they arrive and quantize nothing themselves (mxfp4 experts get
+them unpacked), while the bf16 pool keeps bf16 dispatch, the baseline. The quantization then
+happens in dispatch, once per token instead of once per dispatched row: each variant's dispatch
+step (all ranks) is timed too (``dispatch_us``, CUDA-graph replays), so that both homes of the
+work show.
 """
 from __future__ import annotations
 
@@ -41,7 +49,7 @@ import torch
 import flatep.experts.grouped as grouped
 from flatep.bench.sweep import Cell, Sweep, _random_weights, _set_up_arm, arm_policy, known_arms, resolve_backend
 from flatep.bench.timing import device_name, read_ceiling_gbps, time_interleaved
-from flatep.layer import dispatch_step, experts_step
+from flatep.layer import dispatch_step, experts_step, packed_buffer, packed_rows, reads_packed_rows
 from flatep.plan.reference import make_plan
 from flatep.plan.triton import make_plan_triton, supports_triton_planner
 from flatep.plan.types import Layout
@@ -94,15 +102,18 @@ def gemms_in_use(gemms: dict[str, Callable] | None) -> Iterator[None]:
             setattr(grouped, function, original)
 
 
-def _experts_calls(shard, shard_weights, pool, setup, rank: int, backend: str, gemms: dict[str, Callable] | None):
+def _experts_calls(shard, shard_weights, pool, setup, rank: int, backend: str, gemms: dict[str, Callable] | None,
+                   activations=None):
     def call() -> None:
         with gemms_in_use(gemms):
-            experts_step(shard, shard_weights, pool, setup.plan, setup.group, rank, backend=backend)
+            experts_step(shard, shard_weights, pool, setup.plan, setup.group, rank, backend=backend,
+                         activations=activations)
     return call
 
 
 def dispatch_into_nan(
-    x: torch.Tensor, weights: torch.Tensor, plan: Layout, group: Group, backend: str
+    x: torch.Tensor, weights: torch.Tensor, plan: Layout, group: Group, backend: str,
+    dispatch_dtype: torch.dtype | None = None, unpack: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`flatep.layer.dispatch_step` into the step's shard buffers filled with NaN first.
 
@@ -111,15 +122,18 @@ def dispatch_into_nan(
     NaN included (a freed packed pool's bytes read as bf16 hold some). The experts must not spend
     time on them, which the phase is timed to show. The first call finds the buffers (the group
     keeps them), the second writes the real rows into them after the fill. Once per cell, outside
-    the timing.
+    the timing. ``dispatch_dtype`` and ``unpack`` as :func:`flatep.layer.dispatch_step` takes them;
+    with fp8 rows their packed buffer is filled with all-ones bytes first (NaN values and scales).
 
     Returns:
         ``(shard [n, rows, H], shard_weights [n, rows] fp32)`` as ``dispatch_step`` does.
     """
-    shard, shard_weights = dispatch_step(x, weights, plan, group, backend)
+    shard, shard_weights = dispatch_step(x, weights, plan, group, backend, dispatch_dtype=dispatch_dtype, unpack=unpack)
     shard.fill_(float("nan"))
     shard_weights.fill_(float("nan"))
-    return dispatch_step(x, weights, plan, group, backend)
+    if dispatch_dtype == torch.float8_e4m3fn:
+        packed_buffer(group, shard.shape[-2], shard.shape[-1]).fill_(-1)
+    return dispatch_step(x, weights, plan, group, backend, dispatch_dtype=dispatch_dtype, unpack=unpack)
 
 
 def kernel_times(call: Callable[[], None], device: torch.device, calls: int = 3) -> dict[str, float]:
@@ -147,9 +161,10 @@ def time_cells(
     """Per cell ``(tokens, maxvio target)``: ``experts_us`` (per variant, every rank's median µs),
     ``experts_us_max`` (per variant, the slowest rank's), ``weight_bytes_read`` and
     ``read_fraction`` (per variant, the slowest rank's weight bytes and their rate over
-    ``read_ceiling_gbps``, None off the GPU) and ``ratio`` (per packed variant, its
-    ``experts_us_max`` over bf16's); with ``profile``, ``kernels_us`` (per variant, the slowest
-    rank's :func:`kernel_times`)."""
+    ``read_ceiling_gbps``, None off the GPU), ``ratio`` (per packed variant, its
+    ``experts_us_max`` over bf16's), ``dispatch`` (the packed variants' dispatch format, see the
+    module docstring) and ``dispatch_us`` (per variant, the median time of its dispatch step, all
+    ranks); with ``profile``, ``kernels_us`` (per variant, the slowest rank's :func:`kernel_times`)."""
     timing = dict(device=device, warmup=sweep.warmup, iters=sweep.iters, graph=device.type == "cuda",
                   calls=sweep.graph_calls)
     ceiling = read_ceiling_gbps(device) if device.type == "cuda" else None
@@ -163,18 +178,24 @@ def time_cells(
         pool, _, _ = _random_weights(config, device, [arm], weights)
         cost = formatted.cost_profile().with_expert_bytes(pool.expert_nbytes())
         variants = {"bf16": None} if weights == "bf16" else {"packed": None, **({"against": against} if against else {})}
+        sent = None if weights == "bf16" else sweep.dispatch_dtype()  # the bf16 baseline dispatches bf16 rows
+        direct = reads_packed_rows(pool, sent)
         for tokens, target in cells:
             cell = Cell(formatted, config, tokens, target, device)
-            setup = _set_up_arm(config, cell, arm, planner, device, backend, cost, {**timing, "iters": 1}, None, False)
-            shard, shard_weights = dispatch_into_nan(cell.x, cell.weights, setup.plan, setup.group, backend)
-            by_rank = [time_interleaved([_experts_calls(shard, shard_weights, pool, setup, rank, backend, gemms)
-                                         for gemms in variants.values()], **timing)
+            setup = _set_up_arm(config, cell, arm, planner, device, backend, cost, timing, sent, direct)
+            shard, shard_weights = dispatch_into_nan(cell.x, cell.weights, setup.plan, setup.group, backend, sent,
+                                                     unpack=not direct)
+            activations = packed_rows(setup.group, shard) if direct else None
+            by_rank = [time_interleaved([_experts_calls(shard, shard_weights, pool, setup, rank, backend, gemms,
+                                                        activations) for gemms in variants.values()], **timing)
                        for rank in range(config.ranks)]
             row = results[(tokens, target)]
             row["maxvio"] = cell.maxvio
+            row["dispatch"] = sweep.dispatch
             row["read_ceiling_gbps"] = ceiling
             active_groups = setup.plan.active_groups().tolist()  # once per cell, outside the timing
             for index, variant in enumerate(variants):
+                row.setdefault("dispatch_us", {})[variant] = setup.dispatch_t.median
                 row["experts_us"][variant] = [times[index].median for times in by_rank]
                 slowest = max(range(config.ranks), key=lambda rank: by_rank[rank][index].median)
                 read = active_groups[slowest] * pool.expert_nbytes()
@@ -183,9 +204,10 @@ def time_cells(
                     read / by_rank[slowest][index].median / 1e3 / ceiling if ceiling else None)
                 if profile:
                     row.setdefault("kernels_us", {})[variant] = kernel_times(
-                        _experts_calls(shard, shard_weights, pool, setup, slowest, backend, variants[variant]), device)
+                        _experts_calls(shard, shard_weights, pool, setup, slowest, backend, variants[variant],
+                                       activations), device)
             setup.group.close()
-            del shard, shard_weights, setup
+            del shard, shard_weights, activations, setup
         del pool
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -205,6 +227,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--against", metavar="REV",
                         help="also time the packed GEMMs of this git revision (or of this copy of quant_gemm.py)")
     parser.add_argument("--backend", default="auto", help="kernels: auto, triton or torch")
+    parser.add_argument("--dispatch", choices=["bf16", "fp8"],
+                        help="the packed pool's dispatch format (default: the config's; bf16 experts keep bf16)")
     parser.add_argument("--profile", action="store_true",
                         help="also record the slowest rank's GPU time per kernel (torch.profiler, eager calls)")
     parser.add_argument("--out", type=Path, help="write the cells as JSON here")
@@ -214,6 +238,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     if any(tokens < 1 for tokens in args.tokens or []) or any(target < 0 for target in args.maxvio or []):
         parser.error(f"--tokens must be positive and --maxvio at least 0, got {args.tokens} and {args.maxvio}")
     sweep = Sweep.load(args.config)
+    if args.dispatch:
+        sweep = dataclasses.replace(sweep, dispatch=args.dispatch)
     if args.against and sweep.weights == "bf16":
         parser.error(f"--against swaps the packed GEMMs: {args.config} runs bf16 experts, which have none")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -231,8 +257,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                           + (f", {100 * row['read_fraction'][variant]:.0f}% of read" if row["read_ceiling_gbps"] else "")
                           + "]" for variant, us in row["experts_us_max"].items())
         ceiling = f"; read ceiling {row['read_ceiling_gbps']:.0f} GB/s" if row["read_ceiling_gbps"] else ""
+        dispatched = ", ".join(f"{variant} {us:.1f}" for variant, us in row["dispatch_us"].items())
         print(f"{sweep.model_name} {sweep.weights} s={row['tokens']} maxvio={row['maxvio_target']:g} {args.arm}: "
-              f"slowest rank's experts, us [weight bytes read]: {shown}{ceiling}", flush=True)
+              f"slowest rank's experts, us [weight bytes read]: {shown}{ceiling}; dispatch step (all ranks, "
+              f"{row['dispatch']} rows to the packed pool), us: {dispatched}", flush=True)
         for variant, kernels in row.get("kernels_us", {}).items():
             print(f"  {variant} kernels, us per call: " + ", ".join(f"{name[:40]} {us:.1f}" for name, us in kernels.items()))
     if args.out:

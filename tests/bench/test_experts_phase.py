@@ -14,7 +14,7 @@ from flatep import EPConfig, init_group
 from flatep.bench.experts_phase import PACKED_GEMMS, dispatch_into_nan, gemms_in_use, main, revision_gemms
 from flatep.kernels.backend import use_triton
 from flatep.kernels.dispatch import real_rows_torch
-from flatep.layer import dispatch_step, plan_step
+from flatep.layer import dispatch_step, packed_rows, plan_step
 from tests.helpers import make_inputs
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -112,6 +112,35 @@ def test_dispatch_into_nan_leaves_only_the_unwritten_rows_nan(policy):
     assert bool(shard[~real].isnan().all()) and bool(shard_weights[~real].isnan().all())
     again, _ = dispatch_step(x, weights, plan, group, "torch")
     assert again.data_ptr() == shard.data_ptr()
+
+
+def test_fp8_dispatch_into_nan_keeps_the_real_packed_rows():
+    """With fp8 rows left packed (as fp8 experts read them), the real rows' values and scales are a
+    plain fp8 dispatch's, and the other rows of the packed buffer hold NaN bytes."""
+    config = EPConfig(ranks=2, experts=4, top_k=2, hidden=256, intermediate=128, capacity=9, align=4)
+    x, ids, weights, _, _ = make_inputs(config, 9, 2.0, torch.bfloat16, seed=6)
+    clean_group, group = (init_group("local", ranks=config.ranks, device=DEVICE) for _ in range(2))
+    plan = plan_step(ids, config, group, "exact", dispatch_dtype=torch.float8_e4m3fn)
+    clean, _ = dispatch_step(x, weights, plan, clean_group, "torch", dispatch_dtype=torch.float8_e4m3fn, unpack=False)
+    shard, _ = dispatch_into_nan(x, weights, plan, group, "torch", torch.float8_e4m3fn, unpack=False)
+    real = real_rows_torch(plan.offsets, plan.padding, plan.slot_base, shard.shape[-2])
+    expected, got = packed_rows(clean_group, clean), packed_rows(group, shard)
+    assert torch.equal(got.values[real].view(torch.uint8), expected.values[real].view(torch.uint8))
+    assert torch.equal(got.scales[real], expected.scales[real])
+    assert bool(got.scales[~real].isnan().all()) and bool(got.values[~real].float().isnan().all())
+
+
+def test_fp8_dispatch_cells_time_each_variants_dispatch(tmp_path):
+    """``--dispatch fp8``: the packed fp8 pool's rows come packed (its experts quantize nothing), the
+    bf16 pool keeps bf16 rows, and both dispatch steps are timed."""
+    config = tmp_path / "tiny.yaml"
+    config.write_text(TINY_MXFP4.replace("weights: mxfp4", "weights: fp8").replace("hidden: 64", "hidden: 128")
+                      .replace("intermediate: 64", "intermediate: 128"))
+    rows = main([str(config), "--dispatch", "fp8", "--backend", "triton" if use_triton(DEVICE) else "torch"])
+    for row in rows:
+        assert row["dispatch"] == "fp8" and set(row["dispatch_us"]) == {"packed", "bf16"}
+        assert min(row["dispatch_us"].values()) > 0 and min(row["experts_us_max"].values()) > 0
+        assert row["ratio"]["bf16"] == 1.0
 
 
 @pytest.mark.parametrize("options, message", [
