@@ -228,9 +228,10 @@ def default_config(rows: int, groups: int, format: str, device: torch.device | N
       128-row tile was 2% slower, the 32-row swapped tile 3% at 32 rows and 1.9x at 1024).
       Against bf16 ``torch._grouped_mm``: 0.39x at 16 rows per expert, 0.38x at 32, 0.66x at
       128, 0.91x at 1024. From :data:`WGMMA_ROWS` rows per group on a Hopper GPU, the Gluon
-      kernel (:mod:`flatep.kernels.fp8_wgmma`): a Kimi-K2 rank's experts at s = 8192 (about 1400
-      rows per expert) took 0.814x bf16's time on an H100, against 0.992x with the 64 x 128 tile
-      (bench/results/2026-12-06-h100-b and 2026-12-06-h100).
+      kernel (:mod:`flatep.kernels.fp8_wgmma`, warp-specialized): a Kimi-K2 rank's experts at
+      s = 8192 (about 1400 rows per expert) took 0.67x bf16's time on an H100 (0.59x with fp8
+      dispatch, which leaves the experts no rows to quantize), against 0.992x with the 64 x 128
+      tile (bench/results/2026-12-06-h100-c and 2026-12-06-h100).
     - mxfp4 (timed again since the pools store the scales column-fastest, bench/results/2026-12-05-h200-d):
       short tiles are not swapped. A 16- or 32-row tile then runs on ``mma.sync`` (16 rows
       tall), and Triton decodes the weight words straight into the MMA's operand registers, with
