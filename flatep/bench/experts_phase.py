@@ -28,12 +28,17 @@ them unpacked), while the bf16 pool keeps bf16 dispatch, the baseline. The quant
 happens in dispatch, once per token instead of once per dispatched row: each variant's dispatch
 step (all ranks) is timed too (``dispatch_us``, CUDA-graph replays), so that both homes of the
 work show.
+
+Each JSON row names the code that ran twice: ``commit`` (``git rev-parse`` where the command runs,
+which a copied working tree with an older history misreports) and ``source``
+(:func:`source_digest` of the ``flatep`` package that ran).
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
 import dataclasses
+import hashlib
 import importlib.util
 import json
 import subprocess
@@ -86,6 +91,18 @@ def revision_gemms(revision: str, repository: Path = Path(".")) -> dict[str, Cal
     sys.modules[name] = module  # dataclasses look their module up while the file runs
     spec.loader.exec_module(module)
     return {function: getattr(module, function) for function in PACKED_GEMMS}
+
+
+def source_digest(root: Path = Path(__file__).resolve().parents[1]) -> str:
+    """The first 12 hex digits of the SHA-256 of the ``.py`` files under ``root`` (default: the
+    ``flatep`` package that runs), each file's path relative to ``root`` and its bytes, in path
+    order: it names the code that made a result where the git history at hand is not that code's
+    (a copied working tree). ``python -c "from flatep.bench.experts_phase import source_digest;
+    print(source_digest())"`` in a checkout tells whether a result's ``"source"`` is that tree's."""
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(str(path.relative_to(root).as_posix()).encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:12]
 
 
 @contextlib.contextmanager
@@ -249,7 +266,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip() or None
     rows = time_cells(sweep, args.arm, cells, device, against, backend, args.profile)
     identity = dict(config=args.config, model=sweep.model_name, weights=sweep.weights, arm=args.arm, device=device_name(device),
-                    backend=backend, commit=commit, against=args.against, timing="cuda_graph" if device.type == "cuda" else "eager")
+                    backend=backend, commit=commit, source=source_digest(), against=args.against, timing="cuda_graph" if device.type == "cuda" else "eager")
     rows = [{**identity, **row} for row in rows]
     for row in rows:
         shown = ", ".join(f"{variant} {us:.1f}" + (f" ({row['ratio'][variant]:.3f}x)" if "ratio" in row else "")

@@ -11,7 +11,7 @@ import torch
 
 import flatep.experts.grouped as grouped
 from flatep import EPConfig, init_group
-from flatep.bench.experts_phase import PACKED_GEMMS, dispatch_into_nan, gemms_in_use, main, revision_gemms
+from flatep.bench.experts_phase import PACKED_GEMMS, dispatch_into_nan, gemms_in_use, main, revision_gemms, source_digest
 from flatep.kernels.backend import use_triton
 from flatep.kernels.dispatch import real_rows_torch
 from flatep.layer import dispatch_step, packed_rows, plan_step
@@ -139,8 +139,26 @@ def test_fp8_dispatch_cells_time_each_variants_dispatch(tmp_path):
     rows = main([str(config), "--dispatch", "fp8", "--backend", "triton" if use_triton(DEVICE) else "torch"])
     for row in rows:
         assert row["dispatch"] == "fp8" and set(row["dispatch_us"]) == {"packed", "bf16"}
+        assert row["source"] == source_digest()
         assert min(row["dispatch_us"].values()) > 0 and min(row["experts_us_max"].values()) > 0
         assert row["ratio"]["bf16"] == 1.0
+
+
+def test_source_digest_follows_the_python_files(tmp_path):
+    """The digest names the .py files' paths and bytes: the same tree gives the same digest, a
+    changed or moved file another one, other files none."""
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "a.py").write_text("x = 1\n")
+    (tmp_path / "sub" / "b.py").write_text("y = 2\n")
+    first = source_digest(tmp_path)
+    assert len(first) == 12 and int(first, 16) >= 0 and source_digest(tmp_path) == first
+    (tmp_path / "notes.txt").write_text("not code")
+    assert source_digest(tmp_path) == first
+    (tmp_path / "sub" / "b.py").write_text("y = 3\n")
+    changed = source_digest(tmp_path)
+    assert changed != first
+    (tmp_path / "sub" / "b.py").rename(tmp_path / "b.py")
+    assert source_digest(tmp_path) not in (first, changed)
 
 
 @pytest.mark.parametrize("options, message", [
