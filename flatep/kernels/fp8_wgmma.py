@@ -103,11 +103,16 @@ program), which ``setmaxnreg`` moves to ``CONSUMER_REGISTERS`` for the worker co
 ``PRODUCER_REGISTERS`` for the producer warp; the default partition keeps the rest."""
 
 
+MIN_TRITON = (3, 6)
+"""The first Triton release whose Gluon takes ``warp_specialize`` as this kernel calls it (a list of
+partitions and their arguments); earlier ones get the Triton tiles."""
+
+
 def available(device: torch.device) -> bool:
     """Whether this kernel can run on ``device``: a CUDA sm_90 GPU (H100, H200) and a Triton with
-    Gluon's Hopper API."""
-    return (gluon is not None and device.type == "cuda" and torch.cuda.is_available()
-            and torch.cuda.get_device_capability(device) == (9, 0))
+    Gluon's Hopper API, from :data:`MIN_TRITON` on."""
+    return (gluon is not None and _TRITON_VERSION >= MIN_TRITON and device.type == "cuda"
+            and torch.cuda.is_available() and torch.cuda.get_device_capability(device) == (9, 0))
 
 
 if gluon is not None:

@@ -76,3 +76,18 @@ def test_compiles_for_sm90_with_overlapped_mmas(inner, stages, tmp_path):
     assert sass.count("WARPGROUP.DEPBAR.LE gsb0, 0x1") >= 2 * (fp8_wgmma.CHUNK - 1)
     usage = subprocess.run([str(cuobjdump), "-res-usage", str(cubin)], capture_output=True, text=True, check=True).stdout
     assert "STACK:0" in usage  # no spills
+
+
+def test_available_needs_a_hopper_gpu_and_triton_3_6(monkeypatch):
+    """The kernel runs on sm_90 CUDA devices only, and only with a Triton whose Gluon takes
+    warp_specialize as it calls it; elsewhere the Triton tiles run (default_config's fallback)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(fp8_wgmma, "_TRITON_VERSION", fp8_wgmma.MIN_TRITON)
+    assert fp8_wgmma.available(torch.device("cuda"))
+    assert not fp8_wgmma.available(torch.device("cpu"))
+    monkeypatch.setattr(fp8_wgmma, "_TRITON_VERSION", (3, 5))
+    assert not fp8_wgmma.available(torch.device("cuda"))
+    monkeypatch.setattr(fp8_wgmma, "_TRITON_VERSION", fp8_wgmma.MIN_TRITON)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
+    assert not fp8_wgmma.available(torch.device("cuda"))
