@@ -54,6 +54,7 @@ import torch
 import flatep.experts.grouped as grouped
 from flatep.bench.sweep import Cell, Sweep, _random_weights, _set_up_arm, arm_policy, known_arms, resolve_backend
 from flatep.bench.timing import device_name, read_ceiling_gbps, time_interleaved
+from flatep.kernels.fp8_rows import packs_rows
 from flatep.layer import dispatch_step, experts_step, packed_buffer, packed_rows, reads_packed_rows
 from flatep.plan.reference import make_plan
 from flatep.plan.triton import make_plan_triton, supports_triton_planner
@@ -148,7 +149,7 @@ def dispatch_into_nan(
     shard, shard_weights = dispatch_step(x, weights, plan, group, backend, dispatch_dtype=dispatch_dtype, unpack=unpack)
     shard.fill_(float("nan"))
     shard_weights.fill_(float("nan"))
-    if dispatch_dtype == torch.float8_e4m3fn:
+    if packs_rows(dispatch_dtype):
         packed_buffer(group, shard.shape[-2], shard.shape[-1]).fill_(-1)
     return dispatch_step(x, weights, plan, group, backend, dispatch_dtype=dispatch_dtype, unpack=unpack)
 

@@ -173,10 +173,11 @@ class GemmConfig:
     (``bench/scripts/gemm_kloop_sass.py`` compares a tile with and without). ``wgmma`` (fp8 only,
     Hopper GPUs): run the Gluon kernel of :mod:`flatep.kernels.fp8_wgmma`, which scales each K step's
     product while the next step's warp-group MMA runs; its tile is fixed (``block_m`` and ``block_n``
-    128, ``num_warps`` 8, not swapped or rescaled), ``num_stages`` its shared-memory stages. Its TMA
-    copies need 16-byte aligned operands: where the fp8 rows' base address or row stride is not (rows
-    of a strided view, say), and where ``K`` holds fewer 128-wide steps than its stages, the launch
-    runs the Triton 64 x 128 tile instead.
+    128, ``num_warps`` 8: its two consumer warp groups, beside which a producer warp issues the
+    copies; not swapped or rescaled), ``num_stages`` its shared-memory stages. Its TMA copies need
+    16-byte aligned operands: where the fp8 rows' or the output's base address or row stride is not
+    (rows of a strided view, say), and where ``K`` holds fewer 128-wide steps than its stages, the
+    launch runs the Triton 64 x 128 tile instead.
     """
 
     block_m: int
@@ -753,9 +754,10 @@ def _check_wgmma(config: GemmConfig, device: torch.device) -> None:
         raise ValueError(f"a wgmma config takes block_m, block_n, num_warps = {fixed}, unswapped and not rescaled, "
                          f"got {config}")
     if not 5 <= config.num_stages <= 6:
-        # Fewer stages compiled to serialized MMAs or at the register limit (local sm_90 compile,
-        # Triton 3.6: 3 stages 255 registers and ptxas's C7512 notice, 4 stages 254, 5 and 6 234-236);
-        # 7 would not fit the SM's 227 KiB of shared memory.
+        # 5 and 6 were timed (6 slower for gate/up on an H100) and compile without spills or
+        # serialized MMAs (tests/kernels/test_fp8_wgmma.py); 7 would not fit the SM's 227 KiB of
+        # shared memory beside the output tiles. Fewer have not run since the kernel was
+        # warp-specialized (before, 3 and 4 ran its registers out).
         raise ValueError(f"a wgmma config's num_stages (32 KiB of shared memory each) must be 5 or 6, got "
                          f"{config.num_stages}")
     if not fp8_wgmma.available(device):

@@ -73,7 +73,8 @@ CANDIDATES = {
         # other's MMA can run (the 8-warp tiles' two warp groups wait for each other every K step).
         GemmConfig(128, 128, 128, num_warps=4, num_stages=3, rescale=True, programs_per_sm=2),
         # The Gluon kernel (flatep.kernels.fp8_wgmma; Hopper only): each step's product scaled while
-        # the next step's MMA runs; one 8-warp program an SM (234 registers a thread at 5 stages).
+        # the next step's MMA runs; one warp-specialized program an SM (a TMA producer warp, two
+        # consumer warp groups).
         *(GemmConfig(128, 128, 128, num_warps=8, num_stages=stages, programs_per_sm=1, wgmma=True)
           for stages in (5, 6)),
     ),

@@ -178,8 +178,9 @@ def test_fp8_prefill_tiles_with_slots_in_a_graph(tiles, columns, hidden):
 @pytest.mark.parametrize("group_rows", [None, (200, 2**31 - 1)])
 def test_fp8_wgmma_kernel_against_the_triton_tiles(hidden, group_rows):
     """The Gluon kernel at K steps that fill its unrolled chunks or leave a partial one (5, 13 and
-    16 steps of 128: as few as its stages), over groups of 0 to 1500 rows and a launch of only the larger groups, against
-    the torch path and against the Triton 64 x 128 tile; rows it does not compute stay as they were."""
+    16 steps of 128: as few as its stages), over groups of 0 to 1500 rows and a launch of only the
+    larger groups, against the torch path and against the Triton 64 x 128 tile; rows it does not
+    compute stay as they were."""
     from flatep.kernels.quant_gemm import GemmConfig, fp8_grouped_mm_triton
 
     _skip_without_wgmma("wgmma")
@@ -246,7 +247,7 @@ def test_fp8_wgmma_default_and_its_fallback_on_unaligned_rows():
     fp8_grouped_mm_triton(x, weights.values, weights.scales, offsets, config, out=wide[:, :columns],
                           activations=(values, scales))
     assert torch.equal(wide[:, :columns], aligned_out) and (wide[:, columns:] == float("inf")).all()
-    odd = torch.empty(end, columns + 4, dtype=torch.bfloat16, device="cuda")[:, :columns]
+    odd = torch.full((end, columns + 4), float("nan"), dtype=torch.bfloat16, device="cuda")[:, :columns]
     fp8_grouped_mm_triton(x, weights.values, weights.scales, offsets, config, out=odd, activations=(values, scales))
     reference = quantized_grouped_mm(x, weights, offsets, backend="torch")
     assert relative_error(aligned_out, reference) < 4e-3
