@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Result set: issue #15's experts-phase timing targets on one GPU, each against bf16 in the same run
+# (python -m flatep.bench.experts_phase: every rank's experts phase, the packed pool and its bf16
+# twin, the slowest rank's time beside the device's read ceiling measured in the run):
+#   - Kimi-K2 fp8 at s = 8192 and s = 128, maxvio 0 and 10, bf16 and fp8 dispatch (fp8_experts.sh);
+#   - Kimi-K3 mxfp4 at s = 128, maxvio 0 and 10 (with the slowest rank's time per kernel).
+#   bash bench/scripts/issue15_targets.sh          (from the repository root, on a GPU)
+# Writes to $OUT (default ./bench-out) fp8_experts.sh's files and experts_k3_mxfp4_decode.json, .log.
+# Exit status 0 iff every step passed.
+cd "$(dirname "$0")/../.."
+source bench/scripts/gpu_env.sh
+bash bench/scripts/fp8_experts.sh
+status=$?
+python3 -m flatep.bench.experts_phase bench/scripts/h200-decode-k3-mxfp4.yaml --tokens 128 --maxvio 0 10 --profile \
+  --out "$OUT/experts_k3_mxfp4_decode.json" > "$OUT/experts_k3_mxfp4_decode.log" 2>&1
+code=$?
+echo "experts_k3_mxfp4_decode: exit $code"
+grep "slowest rank" "$OUT/experts_k3_mxfp4_decode.log"
+[ $code -eq 0 ] || status=1
+exit $status
