@@ -46,8 +46,8 @@ from flatep.kernels.quant_gemm import GemmConfig, default_config  # noqa: E402
 from flatep.quant.bench import CANDIDATES  # noqa: E402
 
 POINTER_TYPES = {  # per format: the kernels' pointer arguments (the others are int32 or constexpr)
-    "mxfp4": {"a_ptr": "*bf16", "out_ptr": "*bf16", "w_ptr": "*i32", "slot_w_ptr": "*i32", "s_ptr": "*u8",
-              "slot_s_ptr": "*u8", "offsets_ptr": "*i32", "redo_ptr": "*i32"},
+    "mxfp4": {"a_src": "*bf16", "out_ptr": "*bf16", "w_src": "*i32", "slot_w_src": "*i32", "s_src": "*u8",
+              "slot_s_src": "*u8", "offsets_ptr": "*i32", "redo_ptr": "*i32"},
     "fp8": {"a_ptr": "*fp8e4nv", "a_scale_ptr": "*fp32", "w_ptr": "*fp8e4nv", "w_scale_ptr": "*fp32",
             "slot_w_ptr": "*fp8e4nv", "slot_w_scale_ptr": "*fp32", "out_ptr": "*bf16", "offsets_ptr": "*i32"},
     "bf16": {"a_ptr": "*bf16", "w_ptr": "*bf16", "slot_ptr": "*bf16", "weight_ptr": "*fp32", "out_ptr": "*bf16",
@@ -57,7 +57,7 @@ INNER = {"mxfp4": 3584, "fp8": 7168, "bf16": 7168}  # K of the gate/up GEMMs: Ki
 FORMATS = ("mxfp4", "fp8", "bf16")
 SM_REGISTERS, SM_SHARED_BYTES, SM_WARPS, SM_PROGRAMS = 65536, 233472, 64, 32  # sm_90 (H100, H200)
 RESERVED_SHARED_BYTES = 1024  # per program, by the driver
-ALIGNED = ("a_ptr", "w_ptr", "s_ptr", "slot_w_ptr", "slot_s_ptr", "a_scale_ptr", "w_scale_ptr", "slot_w_scale_ptr",
+ALIGNED = ("a_ptr", "a_src", "w_src", "s_src", "slot_w_src", "slot_s_src", "a_scale_ptr", "w_scale_ptr", "slot_w_scale_ptr",
            "slot_ptr", "out_ptr", "offsets_ptr", "N", "stride_am", "stride_om", "stride_se", "stride_sk", "stride_wg",
            "stride_sg", "stride_wn")  # as the layer gives them
 
@@ -90,10 +90,15 @@ def k_loop(module, format: str, config: GemmConfig, inner: int) -> dict:
     constants = dict(K=inner, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
                      GROUP_M=config.group_m, GROUPS=128, SWAP_AB=config.swap_ab, RESCALE=config.rescale, GATED=True,
                      NATURAL_K=not config.swap_ab and config.block_m >= 64, LANE_WORDS=config.lane_words,
-                     ONE_MULTIPLY=True, INTERPRET=False, stride_sn=1)
+                     ONE_MULTIPLY=True, INTERPRET=False, stride_sn=1, TMA=not config.swap_ab)
     constants = {name: value for name, value in constants.items() if name in kernel.arg_names}
-    signature = {name: "constexpr" if name in constants else POINTER_TYPES[format].get(name, "i32")
-                 for name in kernel.arg_names}
+    types = dict(POINTER_TYPES[format])
+    if constants.get("TMA"):  # mxfp4's unswapped tiles copy by tensor descriptor (the layer's scales fit)
+        words, blocks = config.block_k // 8, config.block_k // 32
+        types.update(a_src=f"tensordesc<bf16[{config.block_m},{config.block_k}]>",
+                     **dict.fromkeys(("w_src", "slot_w_src"), f"tensordesc<i32[1,{config.block_n},{words}]>"),
+                     **dict.fromkeys(("s_src", "slot_s_src"), f"tensordesc<u8[1,{blocks},{config.block_n}]>"))
+    signature = {name: "constexpr" if name in constants else types.get(name, "i32") for name in kernel.arg_names}
     attributes = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]]
                   for name in ALIGNED if name in signature}
     compiled = triton.compile(ASTSource(kernel, signature, constants, attributes), target=GPUTarget("cuda", 90, 32),

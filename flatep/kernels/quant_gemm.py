@@ -84,8 +84,9 @@ each weight tile is read by the band's row tiles back to back.
   instead of 16, and 392 instructions per K step instead of 423 for the 16-row tile (168 registers
   instead of 188), 443 instead of 472 for the 32-row one (214 instead of 234; local sm_90 compile,
   Triton 3.6; ``bench/scripts/gemm_kloop_sass.py`` counts a tree's tiles with and without).
-  :func:`default_config`'s 16-row tile takes it; on an H100 neither order was faster there, and
-  the plain 32-row tile was 1-3% faster than its lane-order twin.
+  :func:`default_config`'s short tiles take it: with pointer copies neither order was faster for
+  the 16-row tile on an H100 and the plain 32-row tile was 1-3% faster, but with TMA copies (below)
+  the lane order took 10-12% less time than the plain one for the 32-row tile.
   Tall unswapped tiles (a warp-group MMA, whose weight operand goes through shared memory anyway)
   put the decoded weights back in column order and take the activations as they are (local sm_90
   compile of the 128-row tile's K step: 196 instructions in 153 registers a thread, against 246 in
@@ -97,7 +98,15 @@ each weight tile is read by the band's row tiles back to back.
   bytes at least), and the decode, which needs them before the step's dot, waits on a synchronous
   global load and a shared-memory exchange each step (local sm_90 compile, Triton 3.6 and 3.9: the
   16- and 32-row tiles of :func:`default_config` then hold no synchronous load in their K loop; the
-  64-row tile, with 2 scale bytes a thread, keeps one). ``tl.dot_scaled`` (bf16 times e2m1) would be
+  64-row tile, with 2 scale bytes a thread, keeps one). On Hopper GPUs unswapped tiles copy the
+  rows, the words and column-fastest scales by tensor descriptor (TMA, :func:`_mxfp4_descriptors`):
+  one thread issues a step's copies, where the pointer copies (``cp.async``) kept addresses in every
+  thread's registers until each copy had read them. In Nsight Compute on an H100 those registers'
+  reuse held 13-17% of the short tiles' warp stalls (bench/results/2026-12-06-h100-d); with
+  descriptors the 16-row tile takes 142 registers instead of 168 and about 28% less time, the
+  32-row tile in the lane order 200 instead of 214 and 9% less (bench/results/2026-12-06-h100-e).
+  Other inputs (scales in the checkpoint's order, unaligned rows, older GPUs) keep the pointer
+  copies, with the same bits. ``tl.dot_scaled`` (bf16 times e2m1) would be
   the alternative; on Hopper Triton 3.6 upcasts its e2m1 operand itself and measured no faster, and
   its interpreter has no ``dot_scaled``.
 
@@ -244,12 +253,12 @@ def default_config(rows: int, groups: int, format: str, device: torch.device | N
       Hopper has no FP4 MMA, and the decode bounds the tall tiles. From
       :data:`flatep.kernels.mxfp4_dequant.THROUGH_BF16_ROWS` rows per group on, the experts are
       decoded whole into bf16 instead (1.08-1.25x bf16 at 1024 rows).
-      The 16-row tile takes ``lane_words`` (see the module docstring): on an H100 it took the
-      same time as the plain order (0.408x against 0.407x bf16 for gate/up at 16 rows per expert,
-      bench/results/2026-12-05-f, before the second-pass flag followed the scale bytes), and it
-      keeps the tile at 168 registers a thread, which six programs per SM need (the plain order
-      takes 188 with the second-pass flag). The 32-row
-      tile keeps the plain order, which was 1-3% faster there (0.418x against 0.430x).
+      Both short tiles take ``lane_words`` (see the module docstring). Since the unswapped tiles
+      copy by tensor descriptor (TMA) on Hopper, one Kimi-K3 rank's experts on an H100
+      (bench/results/2026-12-06-h100-e) took 510 and 263 us at 16 rows per expert (gate/up, down)
+      against 713 and 357 us with pointer copies, and 670 and 327 us at 32 rows in the lane order
+      against 733 and 363 us for the pointer copies' plain-order default (748 and 369 us in the
+      plain order with TMA); at 128 and 256 rows the 64-row tile took 1-5% less with TMA.
     """
     if format not in ("fp8", "mxfp4"):
         raise ValueError(f"format must be fp8 or mxfp4, got {format!r}")
@@ -264,7 +273,7 @@ def default_config(rows: int, groups: int, format: str, device: torch.device | N
     if per_group <= 16:
         return GemmConfig(16, 128, 64, num_warps=2, num_stages=4, programs_per_sm=6, lane_words=True)
     if per_group <= 32:
-        return GemmConfig(32, 256, 64, num_warps=4, num_stages=3)
+        return GemmConfig(32, 256, 64, num_warps=4, num_stages=3, lane_words=True)
     return GemmConfig(64, 256, 64, num_warps=4, num_stages=3)
 
 
@@ -485,16 +494,18 @@ def _fp8_tile(
 
 @triton.jit
 def _mxfp4_grouped_kernel(
-    a_ptr, w_ptr, s_ptr, slot_w_ptr, slot_s_ptr, out_ptr, offsets_ptr, redo_ptr, groups, split, split_start, N,
+    a_src, w_src, s_src, slot_w_src, slot_s_src, out_ptr, offsets_ptr, redo_ptr, groups, split, split_start, N,
     stride_am, stride_om, stride_se, stride_sn, stride_sk, rows_above, rows_at_most, K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, GROUPS: tl.constexpr,
     SWAP_AB: tl.constexpr, NATURAL_K: tl.constexpr, LANE_WORDS: tl.constexpr, ONE_MULTIPLY: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    TMA: tl.constexpr, INTERPRET: tl.constexpr,
 ):
-    """Groups ``[0, split)`` read ``w``, groups ``[split, groups)`` read ``slot_w`` from row ``split_start``.
-    ``ONE_MULTIPLY``: the first pass, which sets ``redo_ptr[0]`` to 1 where a tile reads a scale
-    byte past 128; else the second pass, which computes every tile again if ``redo_ptr[0]`` is set and
-    none otherwise (see :func:`mxfp4_grouped_mm_triton`)."""
+    """Groups ``[0, split)`` read ``w`` and ``s``, groups ``[split, groups)`` read ``slot_w`` and
+    ``slot_s`` from row ``split_start``: pointers, or with ``TMA`` tensor descriptors (the rows
+    ``[M, K]``, the words ``[G, N, K/8]`` and the scales ``[G, K/32, N]``; see
+    :func:`_mxfp4_descriptors`). ``ONE_MULTIPLY``: the first pass, which sets ``redo_ptr[0]`` to 1
+    where a tile reads a scale byte past 128; else the second pass, which computes every tile again
+    if ``redo_ptr[0]`` is set and none otherwise (see :func:`mxfp4_grouped_mm_triton`)."""
     starts, ends, tiles, passed, total = tile_table(offsets_ptr, groups, split, split_start, N, rows_above,
                                                     rows_at_most, BLOCK_M, BLOCK_N, GROUPS)
     tile = tl.program_id(0)
@@ -503,12 +514,22 @@ def _mxfp4_grouped_kernel(
             tile = total
     while tile < total:
         group, first, last, first_column = locate_tile(tile, starts, ends, tiles, passed, N, BLOCK_M, BLOCK_N, GROUP_M, GROUPS)
-        expert, words, exponents = group, w_ptr, s_ptr  # the group's weights, as in _fp8_grouped_kernel
-        if group >= split:
-            expert, words, exponents = group - split, slot_w_ptr, slot_s_ptr
-        _mxfp4_tile(a_ptr, words, exponents, out_ptr, redo_ptr, expert, first, last, first_column, N, stride_am,
-                    stride_om, stride_se, stride_sn, stride_sk, K,
-                    BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, NATURAL_K, LANE_WORDS, ONE_MULTIPLY, INTERPRET)
+        if TMA:  # a descriptor is not a value that a branch can choose: one call per weight set
+            if group < split:
+                _mxfp4_tile(a_src, w_src, s_src, out_ptr, redo_ptr, group, first, last, first_column, N, stride_am,
+                            stride_om, stride_se, stride_sn, stride_sk, K, BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB,
+                            NATURAL_K, LANE_WORDS, ONE_MULTIPLY, TMA, INTERPRET)
+            else:
+                _mxfp4_tile(a_src, slot_w_src, slot_s_src, out_ptr, redo_ptr, group - split, first, last, first_column,
+                            N, stride_am, stride_om, stride_se, stride_sn, stride_sk, K, BLOCK_M, BLOCK_N, BLOCK_K,
+                            SWAP_AB, NATURAL_K, LANE_WORDS, ONE_MULTIPLY, TMA, INTERPRET)
+        else:
+            expert, words, exponents = group, w_src, s_src  # the group's weights, as in _fp8_grouped_kernel
+            if group >= split:
+                expert, words, exponents = group - split, slot_w_src, slot_s_src
+            _mxfp4_tile(a_src, words, exponents, out_ptr, redo_ptr, expert, first, last, first_column, N, stride_am,
+                        stride_om, stride_se, stride_sn, stride_sk, K, BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, NATURAL_K,
+                        LANE_WORDS, ONE_MULTIPLY, TMA, INTERPRET)
         tile += tl.num_programs(0)
 
 
@@ -676,15 +697,16 @@ def _decoded_tile(words, exponent, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 
 @triton.jit
 def _mxfp4_tile(
-    a_ptr, w_ptr, s_ptr, out_ptr, redo_ptr, group, first, last, first_column, N, stride_am, stride_om, stride_se,
+    a_src, w_src, s_src, out_ptr, redo_ptr, group, first, last, first_column, N, stride_am, stride_om, stride_se,
     stride_sn, stride_sk, K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr, NATURAL_K: tl.constexpr,
-    LANE_WORDS: tl.constexpr, ONE_MULTIPLY: tl.constexpr, INTERPRET: tl.constexpr,
+    LANE_WORDS: tl.constexpr, ONE_MULTIPLY: tl.constexpr, TMA: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """Rows ``[first, min(first + BLOCK_M, last))`` times columns ``[first_column, + BLOCK_N)`` of ``group``;
-    ``w_ptr`` is the packed values read as int32 words (8 nibbles each). The weights are decoded
-    with one multiply per pair (``ONE_MULTIPLY``, which sets ``redo_ptr[0]`` to 1 if the tile reads
-    a scale byte past 128) or two (see :func:`_decoded_tile`)."""
+    ``w_src`` is the packed values read as int32 words (8 nibbles each), by pointer or (``TMA``) by
+    descriptor, as are the rows ``a_src`` and the scales ``s_src``. The weights are decoded with one
+    multiply per pair (``ONE_MULTIPLY``, which sets ``redo_ptr[0]`` to 1 if the tile reads a scale
+    byte past 128) or two (see :func:`_decoded_tile`)."""
     WORDS: tl.constexpr = BLOCK_K // 8
     BLOCKS: tl.constexpr = BLOCK_K // 32
     words_k = K // 8
@@ -696,14 +718,15 @@ def _mxfp4_tile(
     inner = tl.arange(0, BLOCK_K)
     word = tl.arange(0, WORDS)
     block = tl.arange(0, BLOCKS)
-    expert = group.to(tl.int64)
-    a_tile = a_ptr + row.to(tl.int64)[:, None] * stride_am + inner[None, :]
-    w_tile = w_ptr + expert * N * words_k + column.to(tl.int64)[:, None] * words_k + word[None, :]
-    # Scales in any strides; with the columns' stride 1 (pools hold them so) a step's scales of the
-    # tile's columns are contiguous bytes, which Triton loads asynchronously in the pipeline with the
-    # words. With the checkpoint's order (a column's blocks contiguous) a step takes a few bytes per
-    # column, too few for an asynchronous copy: a synchronous load that the step's decode waits for.
-    s_tile = s_ptr + expert * stride_se + column.to(tl.int64)[:, None] * stride_sn + block[None, :] * stride_sk
+    if not TMA:
+        expert = group.to(tl.int64)
+        a_tile = a_src + row.to(tl.int64)[:, None] * stride_am + inner[None, :]
+        w_tile = w_src + expert * N * words_k + column.to(tl.int64)[:, None] * words_k + word[None, :]
+        # Scales in any strides; with the columns' stride 1 (pools hold them so) a step's scales of the
+        # tile's columns are contiguous bytes, which Triton loads asynchronously in the pipeline with the
+        # words. With the checkpoint's order (a column's blocks contiguous) a step takes a few bytes per
+        # column, too few for an asynchronous copy: a synchronous load that the step's decode waits for.
+        s_tile = s_src + expert * stride_se + column.to(tl.int64)[:, None] * stride_sn + block[None, :] * stride_sk
     if SWAP_AB:
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     else:
@@ -711,7 +734,10 @@ def _mxfp4_tile(
     largest = tl.zeros([BLOCK_N, BLOCKS], dtype=tl.int32)  # the largest scale byte read, per position
     for k in range(0, K, BLOCK_K):
         # K is a multiple of 32, not necessarily of BLOCK_K: the last step may be partial.
-        a = tl.load(a_tile + k, mask=row_mask[:, None] & (k + inner < K)[None, :], other=0.0)
+        if TMA:  # out-of-bounds rows and K columns read as zeros; the rows of the next group are not stored
+            a = a_src.load([first, k])
+        else:
+            a = tl.load(a_tile + k, mask=row_mask[:, None] & (k + inner < K)[None, :], other=0.0)
         # A word decodes to columns 0 4 1 5 2 6 3 7. Short tiles (mma.sync) run the dot over K in that
         # order (LANE_WORDS: with the step's words in _lane_word_order's order, in which a lane's words
         # share scale blocks) and permute the activations alike (in registers, as they are loaded: the
@@ -723,11 +749,15 @@ def _mxfp4_tile(
             a = _lane_word_order(a, BLOCK_M, WORDS, 8)
         if not NATURAL_K:
             a = tl.reshape(tl.permute(tl.reshape(a, [BLOCK_M, WORDS, 2, 4]), (0, 1, 3, 2)), [BLOCK_M, BLOCK_K])
-        words = tl.load(w_tile + k // 8, mask=column_mask[:, None] & (k // 8 + word < words_k)[None, :], other=0)
+        if TMA:
+            words = tl.reshape(w_src.load([group, first_column, k // 8]), [BLOCK_N, WORDS])
+            exponent = tl.trans(tl.reshape(s_src.load([group, k // 32, first_column]), [BLOCKS, BLOCK_N]))
+        else:
+            words = tl.load(w_tile + k // 8, mask=column_mask[:, None] & (k // 8 + word < words_k)[None, :], other=0)
+            exponent = tl.load(s_tile + (k // 32) * stride_sk,
+                               mask=column_mask[:, None] & (k // 32 + block < scales_k)[None, :], other=0)
         if LANE_WORDS:
             words = _lane_word_order(words, BLOCK_N, WORDS, 1)
-        exponent = tl.load(s_tile + (k // 32) * stride_sk, mask=column_mask[:, None] & (k // 32 + block < scales_k)[None, :],
-                           other=0)
         exponent = exponent.to(tl.int32)
         if ONE_MULTIPLY:
             largest = tl.maximum(largest, exponent)
@@ -1018,15 +1048,57 @@ def mxfp4_grouped_mm_triton(
     # multiplies per pair, only if the first flagged a tile that read a scale byte past 128.
     redo = torch.zeros(1, dtype=torch.int32, device=rows.device)
     grid = persistent_grid(rows.shape[0], groups, columns, config, rows.device)
+    # K/2 is a multiple of 16 bytes: int32 words.
+    sources = _mxfp4_descriptors(rows, values, scales, slot_values, slot_scales, config) or (
+        rows, values.view(torch.int32), scales, slot_values.view(torch.int32), slot_scales)
+    tma = not isinstance(sources[0], torch.Tensor)
     for one_multiply in (True, False):
-        # K/2 is a multiple of 16 bytes: int32 words.
         _mxfp4_grouped_kernel[grid](
-            rows, values.view(torch.int32), scales, slot_values.view(torch.int32), slot_scales, out, offsets, redo,
-            groups, values.shape[0], slot_base, columns, rows.stride(0), out.stride(0), *scales.stride(), rows_above,
-            rows_at_most, inner,
+            *sources, out, offsets, redo, groups, values.shape[0], slot_base, columns, rows.stride(0), out.stride(0),
+            *scales.stride(), rows_above, rows_at_most, inner,
             BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
-            GROUPS=triton.next_power_of_2(groups), SWAP_AB=config.swap_ab,
-            NATURAL_K=natural_k, LANE_WORDS=config.lane_words, ONE_MULTIPLY=one_multiply, INTERPRET=interpreting(),
+            GROUPS=triton.next_power_of_2(groups), SWAP_AB=config.swap_ab, NATURAL_K=natural_k,
+            LANE_WORDS=config.lane_words, ONE_MULTIPLY=one_multiply, TMA=tma, INTERPRET=interpreting(),
             num_warps=config.num_warps, num_stages=config.num_stages,
         )
     return out
+
+
+def _tma_fits(tensor: torch.Tensor) -> bool:
+    """Whether a tensor descriptor can cover ``tensor``: not empty, a 16-byte aligned base, unit stride
+    along the last dimension and 16-byte aligned strides along the others."""
+    bytes_per_element = tensor.element_size()
+    return (tensor.numel() > 0 and tensor.data_ptr() % 16 == 0 and tensor.stride(-1) == 1
+            and all(stride * bytes_per_element % 16 == 0 for stride in tensor.stride()[:-1]))
+
+
+def _mxfp4_descriptors(
+    rows: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, slot_values: torch.Tensor,
+    slot_scales: torch.Tensor, config: GemmConfig,
+) -> tuple | None:
+    """Tensor descriptors of an mxfp4 GEMM's operands, or None where the copies need pointers: the
+    rows ``[M, K]`` (tiles ``[block_m, block_k]``), the words ``[G, N, K/8]`` int32 (``[1, block_n,
+    block_k/8]``) and the scales as they lie column-fastest, ``[G, K/32, N]`` (``[1, block_k/32,
+    block_n]``), then the slots' words and scales.
+
+    On a Hopper GPU (or later) the copies are then TMA's: no address registers a thread, which the
+    asynchronous copies of the pointer loads hold until the copy has read them (Nsight Compute on an
+    H100: 13-17% of the short tiles' warp stalls). The interpreter runs descriptors too, so CPU tests
+    cover this path. Pointers serve unswapped tiles' other inputs: scales in the checkpoint's order,
+    rows whose stride or base is not 16-byte aligned, and GPUs before Hopper."""
+    if config.swap_ab:
+        return None
+    if not interpreting() and not (rows.is_cuda and torch.cuda.get_device_capability(rows.device)[0] >= 9):
+        return None
+    by_block = [weights_scales.transpose(1, 2) for weights_scales in (scales, slot_scales)]  # [G, K/32, N]
+    operands = (rows, values, slot_values, *by_block)
+    if not all(_tma_fits(operand) for operand in operands) or not all(part.is_contiguous() for part in by_block):
+        return None
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    words, blocks = config.block_k // 8, config.block_k // 32
+    return (TensorDescriptor.from_tensor(rows, [config.block_m, config.block_k]),
+            TensorDescriptor.from_tensor(values.view(torch.int32), [1, config.block_n, words]),
+            TensorDescriptor.from_tensor(by_block[0], [1, blocks, config.block_n]),
+            TensorDescriptor.from_tensor(slot_values.view(torch.int32), [1, config.block_n, words]),
+            TensorDescriptor.from_tensor(by_block[1], [1, blocks, config.block_n]))

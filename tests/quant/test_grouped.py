@@ -27,7 +27,7 @@ from flatep.kernels.quant_gemm import (
     packed_launches,
     quantize_fp8_activations_triton,
 )
-from flatep.kernels import fp8_wgmma
+from flatep.kernels import fp8_wgmma, quant_gemm
 from flatep.quant import (
     E2M1_VALUES,
     QuantizedTensor,
@@ -653,6 +653,34 @@ def test_mxfp4_kernel_takes_scales_in_either_order_bit_for_bit():
     with pytest.raises(ValueError, match="slot scales must be .* in the weights' scales' strides"):
         mxfp4_grouped_mm_triton(rows, home.values, home.scales, offsets, slots=(slots.values, contiguous[1]),
                                 slot_base=9)
+
+
+@needs_triton
+def test_mxfp4_copies_by_descriptor_only_what_a_descriptor_can_cover():
+    """Unswapped tiles over pool-layout operands copy by tensor descriptor (on Hopper; the
+    interpreter runs descriptors too); swapped tiles, scales in the checkpoint's order and rows
+    whose stride is not 16-byte aligned take pointer copies, with the same bits."""
+    if not interpreting() and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("tensor descriptors copy by TMA from Hopper on")
+    rows, packed, offsets = grouped_inputs("mxfp4", [3, 6, 1, 4], 64, 128, seed=22)
+    home, slots = packed[:2], packed[2:]
+    config = GemmConfig(16, 32, 64, lane_words=True)
+    by_descriptor = quant_gemm._mxfp4_descriptors(rows, home.values, home.scales, slots.values, slots.scales, config)
+    shapes = [descriptor.block_shape for descriptor in by_descriptor]
+    assert shapes == [[16, 64], [1, 32, 8], [1, 2, 32], [1, 32, 8], [1, 2, 32]]
+    assert quant_gemm._mxfp4_descriptors(rows, home.values, home.scales, slots.values, slots.scales,
+                                         dataclasses.replace(config, swap_ab=True)) is None
+    assert quant_gemm._mxfp4_descriptors(rows, home.values, home.scales.contiguous(), slots.values,
+                                         slots.scales.contiguous(), config) is None
+    wide = torch.zeros(rows.shape[0], rows.shape[1] + 4, dtype=rows.dtype, device=rows.device)
+    unaligned = wide[:, :rows.shape[1]].copy_(rows)  # a row stride of 132 bf16: 264 bytes
+    assert quant_gemm._mxfp4_descriptors(unaligned, home.values, home.scales, slots.values, slots.scales,
+                                         config) is None
+    expected = mxfp4_grouped_mm_triton(rows, home.values, home.scales, offsets, config,
+                                       slots=(slots.values, slots.scales), slot_base=9)
+    by_pointer = mxfp4_grouped_mm_triton(unaligned, home.values, home.scales, offsets, config,
+                                         slots=(slots.values, slots.scales), slot_base=9)
+    assert torch.equal(expected[:14], by_pointer[:14]) and expected[:14].isfinite().all()
 
 
 @needs_triton
