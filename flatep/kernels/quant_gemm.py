@@ -1084,9 +1084,16 @@ def _mxfp4_descriptors(
     On a Hopper GPU (or later) the copies are then TMA's: no address registers a thread, which the
     asynchronous copies of the pointer loads hold until the copy has read them (Nsight Compute on an
     H100: 13-17% of the short tiles' warp stalls). The interpreter runs descriptors too, so CPU tests
-    cover this path. Pointers serve unswapped tiles' other inputs: scales in the checkpoint's order,
-    rows whose stride or base is not 16-byte aligned, and GPUs before Hopper."""
-    if config.swap_ab:
+    cover this path. Pointers serve the other tiles and inputs: swapped tiles, tiles whose copies
+    are not whole multiples of 128 bytes (the scales of fewer than 128 columns at 64 K columns a
+    step), scales in the checkpoint's order, rows whose stride or base is not 16-byte aligned, and
+    GPUs before Hopper."""
+    words, blocks = config.block_k // 8, config.block_k // 32
+    boxes = (config.block_m * config.block_k * 2, config.block_n * words * 4, config.block_n * blocks)  # bytes
+    # Each stage's copy lands in its own shared-memory buffer, which TMA needs 128-byte aligned: a
+    # box of, say, 64 bytes of scales (32 columns, 2 blocks) put the second stage at a misaligned
+    # address (CUDA "misaligned address" on an H100).
+    if config.swap_ab or any(box % 128 for box in boxes):
         return None
     if not interpreting() and not (rows.is_cuda and torch.cuda.get_device_capability(rows.device)[0] >= 9):
         return None
@@ -1096,7 +1103,6 @@ def _mxfp4_descriptors(
         return None
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    words, blocks = config.block_k // 8, config.block_k // 32
     return (TensorDescriptor.from_tensor(rows, [config.block_m, config.block_k]),
             TensorDescriptor.from_tensor(values.view(torch.int32), [1, config.block_n, words]),
             TensorDescriptor.from_tensor(by_block[0], [1, blocks, config.block_n]),

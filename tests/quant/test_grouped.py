@@ -658,16 +658,19 @@ def test_mxfp4_kernel_takes_scales_in_either_order_bit_for_bit():
 @needs_triton
 def test_mxfp4_copies_by_descriptor_only_what_a_descriptor_can_cover():
     """Unswapped tiles over pool-layout operands copy by tensor descriptor (on Hopper; the
-    interpreter runs descriptors too); swapped tiles, scales in the checkpoint's order and rows
-    whose stride is not 16-byte aligned take pointer copies, with the same bits."""
+    interpreter runs descriptors too); swapped tiles, copies that are not whole multiples of 128
+    bytes (TMA's shared-memory alignment), scales in the checkpoint's order and rows whose stride is
+    not 16-byte aligned take pointer copies, with the same bits."""
     if not interpreting() and torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("tensor descriptors copy by TMA from Hopper on")
     rows, packed, offsets = grouped_inputs("mxfp4", [3, 6, 1, 4], 64, 128, seed=22)
     home, slots = packed[:2], packed[2:]
-    config = GemmConfig(16, 32, 64, lane_words=True)
+    config = GemmConfig(16, 64, 64, lane_words=True)
     by_descriptor = quant_gemm._mxfp4_descriptors(rows, home.values, home.scales, slots.values, slots.scales, config)
     shapes = [descriptor.block_shape for descriptor in by_descriptor]
-    assert shapes == [[16, 64], [1, 32, 8], [1, 2, 32], [1, 32, 8], [1, 2, 32]]
+    assert shapes == [[16, 64], [1, 64, 8], [1, 2, 64], [1, 64, 8], [1, 2, 64]]
+    assert quant_gemm._mxfp4_descriptors(rows, home.values, home.scales, slots.values, slots.scales,
+                                         dataclasses.replace(config, block_n=32)) is None  # 64 bytes of scales
     assert quant_gemm._mxfp4_descriptors(rows, home.values, home.scales, slots.values, slots.scales,
                                          dataclasses.replace(config, swap_ab=True)) is None
     assert quant_gemm._mxfp4_descriptors(rows, home.values, home.scales.contiguous(), slots.values,
