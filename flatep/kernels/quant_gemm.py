@@ -103,8 +103,8 @@ each weight tile is read by the band's row tiles back to back.
   one thread issues a step's copies, where the pointer copies (``cp.async``) kept addresses in every
   thread's registers until each copy had read them. In Nsight Compute on an H100 those registers'
   reuse held 13-17% of the short tiles' warp stalls (bench/results/2026-12-06-h100-d); with
-  descriptors the 16-row tile takes 142 registers instead of 168 and about 28% less time, the
-  32-row tile in the lane order 200 instead of 214 and 9% less (bench/results/2026-12-06-h100-e).
+  descriptors the 16-row tile takes 142 registers instead of 168 and 26-28% less time, the
+  32-row tile in the lane order 198 instead of 214 and 10-11% less (bench/results/2026-12-06-h100-e).
   Other inputs (scales in the checkpoint's order, unaligned rows, older GPUs) keep the pointer
   copies, with the same bits. ``tl.dot_scaled`` (bf16 times e2m1) would be
   the alternative; on Hopper Triton 3.6 upcasts its e2m1 operand itself and measured no faster, and
@@ -255,10 +255,10 @@ def default_config(rows: int, groups: int, format: str, device: torch.device | N
       decoded whole into bf16 instead (1.08-1.25x bf16 at 1024 rows).
       Both short tiles take ``lane_words`` (see the module docstring). Since the unswapped tiles
       copy by tensor descriptor (TMA) on Hopper, one Kimi-K3 rank's experts on an H100
-      (bench/results/2026-12-06-h100-e) took 510 and 263 us at 16 rows per expert (gate/up, down)
-      against 713 and 357 us with pointer copies, and 670 and 327 us at 32 rows in the lane order
-      against 733 and 363 us for the pointer copies' plain-order default (748 and 369 us in the
-      plain order with TMA); at 128 and 256 rows the 64-row tile took 1-5% less with TMA.
+      (bench/results/2026-12-06-h100-e) took 512 and 262 us at 16 rows per expert (gate/up, down)
+      against 713 and 356 us with pointer copies, and 652 and 327 us at 32 rows in the lane order
+      against 736 and 363 us for the pointer copies' plain-order default (758 and 369 us in the
+      plain order with TMA); at 128 and 256 rows the 64-row tile took 3-4% less with TMA.
     """
     if format not in ("fp8", "mxfp4"):
         raise ValueError(f"format must be fp8 or mxfp4, got {format!r}")
