@@ -5,12 +5,16 @@
 #   - Kimi-K2 fp8 at s = 8192 and s = 128, maxvio 0 and 10, bf16 and fp8 dispatch (fp8_experts.sh);
 #   - Kimi-K3 mxfp4 at s = 128, maxvio 0 and 10 (with the slowest rank's time per kernel).
 #   bash bench/scripts/issue15_targets.sh          (from the repository root, on a GPU)
+#   PARTS=mxfp4 bash bench/scripts/issue15_targets.sh     (one part: fp8 or mxfp4)
 # Writes to $OUT (default ./bench-out) fp8_experts.sh's files and experts_k3_mxfp4_decode.json, .log.
 # Exit status 0 iff every step passed.
 cd "$(dirname "$0")/../.."
 source bench/scripts/gpu_env.sh
-bash bench/scripts/fp8_experts.sh
-status=$?
+status=0
+if [[ " ${PARTS:-fp8 mxfp4} " == *" fp8 "* ]]; then
+  bash bench/scripts/fp8_experts.sh || status=1
+fi
+[[ " ${PARTS:-fp8 mxfp4} " == *" mxfp4 "* ]] || exit $status
 python3 -m flatep.bench.experts_phase bench/scripts/h200-decode-k3-mxfp4.yaml --tokens 128 --maxvio 0 10 --profile \
   --out "$OUT/experts_k3_mxfp4_decode.json" > "$OUT/experts_k3_mxfp4_decode.log" 2>&1
 code=$?

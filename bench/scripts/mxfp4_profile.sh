@@ -4,7 +4,8 @@
 # (bench/scripts/mxfp4_profile_target.py, the default tiles), with warp-state sampling per SASS
 # instruction; then bench/scripts/mxfp4_registers.py times the tiles at other register limits and
 # programs per SM. On a GPU whose runtime lets ncu read counters (a Firecracker machine):
-#   bash bench/scripts/mxfp4_profile.sh        (from the repository root)
+#   bash bench/scripts/mxfp4_profile.sh                  (from the repository root; the layer's copies)
+#   COPIES=pointers bash bench/scripts/mxfp4_profile.sh  (pointer copies: bench/results/2026-12-06-h100-d)
 # Writes to $OUT (default ./bench-out): details16.txt, details32.txt (ncu's sections),
 # source16.csv.gz, source32.csv.gz (samples per SASS instruction), mx_registers.json.
 # Summarise the samples with: python bench/scripts/ncu_stalls.py $OUT/source16.csv.gz

@@ -4,8 +4,8 @@ One Kimi-K3 rank's experts (112; gate/up N = 6144, K = 3584; down N = 3584, K = 
 32 rows per expert. For each row count, the default tile (:func:`flatep.kernels.quant_gemm.default_config`)
 and variants launched with ptxas's register limit (``maxnreg``) lowered so that more programs fit an
 SM, or with more stages or warps. Each variant is captured in a CUDA graph of 5 calls (both passes
-of :func:`flatep.kernels.quant_gemm.mxfp4_grouped_mm_triton`; the second returns at once, scale
-bytes 118-128) and replayed interleaved with the others, 6 rounds; the median per call is kept, and
+of :func:`flatep.kernels.quant_gemm.mxfp4_grouped_mm_triton` with pointer copies, as the kernel
+copied before it took tensor descriptors on Hopper; the second returns at once, scale bytes 118-128) and replayed interleaved with the others, 6 rounds; the median per call is kept, and
 each variant's output is compared bit for bit with the default tile's (``same_bits``).
 
     python bench/scripts/mxfp4_registers.py --out mx_registers.json      (on a GPU)
@@ -47,7 +47,7 @@ VARIANTS = {
 
 def launch(rows, values, scales, offsets, config: GemmConfig, out, max_registers: int | None, redo) -> None:
     """Both passes of the mxfp4 GEMM, as :func:`quant_gemm.mxfp4_grouped_mm_triton` launches them
-    (no borrow slots), with ptxas's register limit ``max_registers``."""
+    with pointer copies (no borrow slots), with ptxas's register limit ``max_registers``."""
     grid = persistent_grid(rows.shape[0], EXPERTS, values.shape[1], config, rows.device)
     limit = {"maxnreg": max_registers} if max_registers else {}
     for one_multiply in (True, False):
@@ -56,7 +56,7 @@ def launch(rows, values, scales, offsets, config: GemmConfig, out, max_registers
             EXPERTS, EXPERTS, 0, values.shape[1], rows.stride(0), out.stride(0), *scales.stride(), 0, 2**31 - 1,
             rows.shape[1], BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
             GROUP_M=config.group_m, GROUPS=128, SWAP_AB=False, NATURAL_K=False, LANE_WORDS=config.lane_words,
-            ONE_MULTIPLY=one_multiply, INTERPRET=False, num_warps=config.num_warps, num_stages=config.num_stages,
+            ONE_MULTIPLY=one_multiply, TMA=False, INTERPRET=False, num_warps=config.num_warps, num_stages=config.num_stages,
             **limit)
 
 
