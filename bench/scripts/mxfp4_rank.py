@@ -1,0 +1,60 @@
+"""Shared by the mxfp4 tile scripts (``mxfp4_registers.py``, ``mxfp4_tma_ab.py``): one Kimi-K3 rank's
+packed experts, arms timed against each other, and the JSON they write."""
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+
+import torch
+
+from flatep.bench.timing import device_name, time_interleaved
+
+EXPERTS, HIDDEN, INTERMEDIATE = 112, 3584, 3072  # a Kimi-K3 rank's experts at R = 8
+GEMMS = {"w13": (2 * INTERMEDIATE, HIDDEN), "w2": (HIDDEN, INTERMEDIATE)}  # (N, K) of gate/up and down
+ROUNDS, CALLS = 8, 5
+DEVICE = torch.device("cuda")  # a test runs the scripts on the CPU under the interpreter
+
+
+def rank_operands(rows_per_expert: int, columns: int, inner: int) -> tuple[torch.Tensor, ...]:
+    """Random packed values ``[E, N, K/2]`` uint8, column-fastest scales ``[E, N, K/32]`` (as pools hold
+    them; bytes 118-128, so the second pass returns at once), rows ``[E * rows_per_expert, K]`` bf16
+    and their offsets ``[E]`` int32."""
+    values = torch.randint(0, 256, (EXPERTS, columns, inner // 2), dtype=torch.uint8, device=DEVICE)
+    scales = torch.randint(118, 129, (EXPERTS, inner // 32, columns), dtype=torch.uint8, device=DEVICE).transpose(1, 2)
+    rows = torch.randn(EXPERTS * rows_per_expert, inner, device=DEVICE).to(torch.bfloat16)
+    offsets = torch.arange(1, EXPERTS + 1, device=DEVICE, dtype=torch.int32) * rows_per_expert
+    return values, scales, rows, offsets
+
+
+def time_arms(arms: list[tuple[dict, Callable[[torch.Tensor], None]]], rows: int, columns: int) -> list[dict]:
+    """Each arm ``(fields, run)``: ``run(out)`` writes an ``[rows, columns]`` bf16 output. Every arm
+    runs once into a NaN-poisoned output and is compared bit for bit with the first arm's
+    (``same_bits``); then each is captured in a CUDA graph of :data:`CALLS` calls and replayed
+    interleaved with the others, :data:`ROUNDS` rounds. Returns ``fields`` with ``us``, the median
+    per call, and ``same_bits``, per arm."""
+    outputs = [torch.full((rows, columns), float("nan"), device=DEVICE, dtype=torch.bfloat16) for _ in arms]
+    for (_, run), out in zip(arms, outputs):
+        run(out)
+    timings = time_interleaved([lambda run=run, out=out: run(out) for (_, run), out in zip(arms, outputs)], DEVICE,
+                               warmup=1, iters=ROUNDS, graph=True, calls=CALLS)
+    return [{**fields, "us": round(timing.median, 1), "same_bits": bool(torch.equal(out, outputs[0]))}
+            for (fields, _), out, timing in zip(arms, outputs, timings)]
+
+
+def main(description: str, cells: list[int], time_cell: Callable[[int, str, int, int], list[dict]]) -> None:
+    """A script's command line (``--out FILE``, the first paragraph of ``description`` as its help):
+    ``time_cell(rows_per_expert, gemm, columns, inner)`` for every cell and :data:`GEMMS`, each row
+    printed as it comes, then all written to ``FILE`` as ``{"device", "results"}``."""
+    parser = argparse.ArgumentParser(description=description.split("\n\n")[0])
+    parser.add_argument("--out", required=True, help="JSON file to write")
+    path = parser.parse_args().out
+    torch.manual_seed(0)
+    results = []
+    for rows_per_expert in cells:
+        for gemm, (columns, inner) in GEMMS.items():
+            for row in time_cell(rows_per_expert, gemm, columns, inner):
+                print(json.dumps(row), flush=True)
+                results.append(row)
+    with open(path, "w") as file:
+        json.dump({"device": device_name(DEVICE), "results": results}, file, indent=1)
