@@ -1048,17 +1048,17 @@ def mxfp4_grouped_mm_triton(
     # multiplies per pair, only if the first flagged a tile that read a scale byte past 128.
     redo = torch.zeros(1, dtype=torch.int32, device=rows.device)
     grid = persistent_grid(rows.shape[0], groups, columns, config, rows.device)
+    descriptors = _mxfp4_descriptors(rows, values, scales, slot_values, slot_scales, config)
     # K/2 is a multiple of 16 bytes: int32 words.
-    sources = _mxfp4_descriptors(rows, values, scales, slot_values, slot_scales, config) or (
-        rows, values.view(torch.int32), scales, slot_values.view(torch.int32), slot_scales)
-    tma = not isinstance(sources[0], torch.Tensor)
+    sources = descriptors or (rows, values.view(torch.int32), scales, slot_values.view(torch.int32), slot_scales)
     for one_multiply in (True, False):
         _mxfp4_grouped_kernel[grid](
             *sources, out, offsets, redo, groups, values.shape[0], slot_base, columns, rows.stride(0), out.stride(0),
             *scales.stride(), rows_above, rows_at_most, inner,
             BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
             GROUPS=triton.next_power_of_2(groups), SWAP_AB=config.swap_ab, NATURAL_K=natural_k,
-            LANE_WORDS=config.lane_words, ONE_MULTIPLY=one_multiply, TMA=tma, INTERPRET=interpreting(),
+            LANE_WORDS=config.lane_words, ONE_MULTIPLY=one_multiply, TMA=descriptors is not None,
+            INTERPRET=interpreting(),
             num_warps=config.num_warps, num_stages=config.num_stages,
         )
     return out
@@ -1087,7 +1087,7 @@ def _mxfp4_descriptors(
     cover this path. Pointers serve the other tiles and inputs: swapped tiles, tiles whose copies
     are not whole multiples of 128 bytes (the scales of fewer than 128 columns at 64 K columns a
     step), scales in the checkpoint's order, rows whose stride or base is not 16-byte aligned, and
-    GPUs before Hopper."""
+    GPUs before Hopper (and ROCm's)."""
     words, blocks = config.block_k // 8, config.block_k // 32
     boxes = (config.block_m * config.block_k * 2, config.block_n * words * 4, config.block_n * blocks)  # bytes
     # Each stage's copy lands in its own shared-memory buffer, which TMA needs 128-byte aligned: a
@@ -1095,14 +1095,17 @@ def _mxfp4_descriptors(
     # address (CUDA "misaligned address" on an H100).
     if config.swap_ab or any(box % 128 for box in boxes):
         return None
-    if not interpreting() and not (rows.is_cuda and torch.cuda.get_device_capability(rows.device)[0] >= 9):
+    hopper = rows.is_cuda and torch.version.hip is None and torch.cuda.get_device_capability(rows.device)[0] >= 9
+    if not interpreting() and not hopper:
         return None
     by_block = [weights_scales.transpose(1, 2) for weights_scales in (scales, slot_scales)]  # [G, K/32, N]
     operands = (rows, values, slot_values, *by_block)
     if not all(_tma_fits(operand) for operand in operands) or not all(part.is_contiguous() for part in by_block):
         return None
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+    except ImportError:  # a Triton without host-side descriptors
+        return None
     return (TensorDescriptor.from_tensor(rows, [config.block_m, config.block_k]),
             TensorDescriptor.from_tensor(values.view(torch.int32), [1, config.block_n, words]),
             TensorDescriptor.from_tensor(by_block[0], [1, blocks, config.block_n]),
