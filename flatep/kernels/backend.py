@@ -40,6 +40,14 @@ INTERPRETER_PROGRAMS = 4
 """Programs of those launches under the interpreter: a few, so that each walks several tiles."""
 
 
+def tma_fits(tensor: torch.Tensor) -> bool:
+    """Whether a TMA tensor descriptor can cover ``tensor``: not empty, a 16-byte aligned base, unit
+    stride along the last dimension and 16-byte aligned strides along the others."""
+    bytes_per_element = tensor.element_size()
+    return (tensor.numel() > 0 and tensor.data_ptr() % 16 == 0 and tensor.stride(-1) == 1
+            and all(stride * bytes_per_element % 16 == 0 for stride in tensor.stride()[:-1]))
+
+
 def resident_programs(device: torch.device, per_sm: int = PROGRAMS_PER_SM) -> int:
     """Programs a persistent launch on ``device`` takes: ``per_sm`` per SM on CUDA (each program
     loops over tiles, so more than fit at once would only queue), :data:`INTERPRETER_PROGRAMS` on CPU."""

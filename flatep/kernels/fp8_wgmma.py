@@ -65,6 +65,7 @@ import functools
 import torch
 import triton
 
+from flatep.kernels.backend import tma_fits
 from flatep.kernels.grouped_tiles import find_tile, group_tiles
 
 try:  # Gluon is experimental: its module paths moved between Triton releases.
@@ -296,10 +297,7 @@ def descriptors_fit(quantized: torch.Tensor, values: torch.Tensor, out: torch.Te
     """Whether TMA can copy these operands: 16-byte aligned bases and row strides (fp8 rows
     ``[M, K]`` with unit column stride; contiguous ``[G, N, K]`` weights; bf16 ``out [M, N]`` with
     unit column stride), none of them empty."""
-    return (quantized.numel() > 0 and values.numel() > 0 and out.numel() > 0
-            and quantized.data_ptr() % 16 == 0 and quantized.stride(0) % 16 == 0 and quantized.stride(1) == 1
-            and values.data_ptr() % 16 == 0 and values.shape[-1] % 16 == 0
-            and out.data_ptr() % 16 == 0 and (out.stride(0) * out.element_size()) % 16 == 0)
+    return all(tma_fits(operand) for operand in (quantized, values, out))
 
 
 def _weight_descriptor(values: torch.Tensor):

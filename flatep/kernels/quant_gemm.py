@@ -136,6 +136,7 @@ from flatep.kernels.backend import (
     run_block,
     run_block_count,
     skip_arguments,
+    tma_fits,
 )
 from flatep.kernels import fp8_wgmma
 from flatep.kernels.grouped_tiles import locate_tile, persistent_grid, tile_table
@@ -1064,14 +1065,6 @@ def mxfp4_grouped_mm_triton(
     return out
 
 
-def _tma_fits(tensor: torch.Tensor) -> bool:
-    """Whether a tensor descriptor can cover ``tensor``: not empty, a 16-byte aligned base, unit stride
-    along the last dimension and 16-byte aligned strides along the others."""
-    bytes_per_element = tensor.element_size()
-    return (tensor.numel() > 0 and tensor.data_ptr() % 16 == 0 and tensor.stride(-1) == 1
-            and all(stride * bytes_per_element % 16 == 0 for stride in tensor.stride()[:-1]))
-
-
 def _mxfp4_descriptors(
     rows: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, slot_values: torch.Tensor,
     slot_scales: torch.Tensor, config: GemmConfig,
@@ -1100,7 +1093,7 @@ def _mxfp4_descriptors(
         return None
     by_block = [weights_scales.transpose(1, 2) for weights_scales in (scales, slot_scales)]  # [G, K/32, N]
     operands = (rows, values, slot_values, *by_block)
-    if not all(_tma_fits(operand) for operand in operands) or not all(part.is_contiguous() for part in by_block):
+    if not all(tma_fits(operand) for operand in operands) or not all(part.is_contiguous() for part in by_block):
         return None
     try:
         from triton.tools.tensor_descriptor import TensorDescriptor

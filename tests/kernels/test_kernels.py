@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from flatep import EPConfig, ExpertPool, init_group, make_plan
-from flatep.kernels.backend import MAX_WORK_ITEMS, comm_grid, use_triton
+from flatep.kernels.backend import MAX_WORK_ITEMS, comm_grid, tma_fits, use_triton
 from flatep.kernels.combine import combine_grid, combine_triton
 from flatep.kernels.dispatch import dispatch_grid, dispatch_triton
 from flatep.kernels.push import push_programs
@@ -314,3 +314,13 @@ def test_rows_split_into_column_parts_give_bit_identical_results(dedup):
     for first, again in zip(*results):
         assert torch.equal(first, again)
     assert not torch.equal(results[0][0], torch.full_like(results[0][0], POISON))
+
+
+def test_tma_fits_needs_aligned_bases_and_strides_and_a_unit_last_stride():
+    """The TMA descriptor rules both packed GEMMs check before taking descriptors."""
+    rows = torch.zeros(8, 64, dtype=torch.bfloat16)  # 128-byte rows
+    assert tma_fits(rows) and tma_fits(torch.zeros(2, 16, 32, dtype=torch.uint8))
+    assert not tma_fits(torch.zeros(8, 68, dtype=torch.bfloat16)[:, :64])  # 136-byte row stride
+    assert not tma_fits(rows[:, 1:])  # base 2 bytes past an aligned one
+    assert not tma_fits(rows.T)  # no unit stride along the last dimension
+    assert not tma_fits(rows[:0])  # empty
