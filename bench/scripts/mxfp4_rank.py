@@ -1,5 +1,7 @@
 """Shared by the mxfp4 tile scripts (``mxfp4_registers.py``, ``mxfp4_tma_ab.py``): one Kimi-K3 rank's
-packed experts, arms timed against each other, and the JSON they write."""
+packed experts, arms timed against each other, and the JSON they write: each arm's time beside the
+device's read ceiling measured in the same run (:func:`flatep.bench.timing.read_ceiling_gbps`; GPU
+only), counting the packed weight bytes (values and scales) the GEMM reads once."""
 from __future__ import annotations
 
 import argparse
@@ -8,7 +10,7 @@ from collections.abc import Callable
 
 import torch
 
-from flatep.bench.timing import device_name, time_interleaved
+from flatep.bench.timing import device_name, read_ceiling_gbps, time_interleaved
 
 EXPERTS, HIDDEN, INTERMEDIATE = 112, 3584, 3072  # a Kimi-K3 rank's experts at R = 8
 GEMMS = {"w13": (2 * INTERMEDIATE, HIDDEN), "w2": (HIDDEN, INTERMEDIATE)}  # (N, K) of gate/up and down
@@ -45,16 +47,22 @@ def time_arms(arms: list[tuple[dict, Callable[[torch.Tensor], None]]], rows: int
 def main(description: str, cells: list[int], time_cell: Callable[[int, str, int, int], list[dict]]) -> None:
     """A script's command line (``--out FILE``, the first paragraph of ``description`` as its help):
     ``time_cell(rows_per_expert, gemm, columns, inner)`` for every cell and :data:`GEMMS`, each row
-    printed as it comes, then all written to ``FILE`` as ``{"device", "results"}``."""
+    printed as it comes with its weight bytes and their read rate as a fraction of the read ceiling,
+    then all written to ``FILE`` as ``{"device", "read_ceiling_gbps", "results"}``."""
     parser = argparse.ArgumentParser(description=description.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="JSON file to write")
     path = parser.parse_args().out
+    ceiling = read_ceiling_gbps(DEVICE) if DEVICE.type == "cuda" else None
+    print(f"{device_name(DEVICE)}: read ceiling {ceiling} GB/s", flush=True)
     torch.manual_seed(0)
     results = []
     for rows_per_expert in cells:
         for gemm, (columns, inner) in GEMMS.items():
+            weight_bytes = EXPERTS * columns * (inner // 2 + inner // 32)  # e2m1 values and e8m0 scales
             for row in time_cell(rows_per_expert, gemm, columns, inner):
+                row["weight_bytes"] = weight_bytes
+                row["read_fraction"] = weight_bytes / row["us"] / 1e3 / ceiling if ceiling else None
                 print(json.dumps(row), flush=True)
                 results.append(row)
     with open(path, "w") as file:
-        json.dump({"device": device_name(DEVICE), "results": results}, file, indent=1)
+        json.dump({"device": device_name(DEVICE), "read_ceiling_gbps": ceiling, "results": results}, file, indent=1)
