@@ -102,7 +102,8 @@ def k_loop(module, format: str, config: GemmConfig, inner: int) -> dict:
     attributes = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]]
                   for name in ALIGNED if name in signature}
     compiled = triton.compile(ASTSource(kernel, signature, constants, attributes), target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": config.num_warps, "num_stages": config.num_stages})
+                              options={"num_warps": config.num_warps, "num_stages": config.num_stages,
+                                       "maxnreg": config.max_registers})
     tool = str(Path(get_ptxas(90).path).parent / "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(compiled.asm["cubin"])
@@ -123,9 +124,10 @@ def k_loop(module, format: str, config: GemmConfig, inner: int) -> dict:
     if config.lane_words and "LANE_WORDS" not in kernel.arg_names:  # an older kernel, which ignores the option
         tile += " (not in this kernel)"
     registers = int(re.search(r"REG:(\d+)", usage).group(1))
+    stack = int(re.search(r"STACK:(\d+)", usage).group(1))
     weights = config.block_n * config.block_k * (2 if format == "bf16" else 1)  # gated: a gate and an up tile
     return {"tile": tile, "instructions": len(body), "per_weight": round(len(body) * 32 * config.num_warps / weights, 2),
-            "scale_byte_loads": sum("LDS.U8" in line for line in body), "registers": registers,
+            "scale_byte_loads": sum("LDS.U8" in line for line in body), "registers": registers, "stack_bytes": stack,
             "shared_bytes": compiled.metadata.shared, "programs_per_sm": config.programs_per_sm,
             "resident_per_sm": resident(registers, compiled.metadata.shared, config.num_warps)}
 
@@ -161,7 +163,7 @@ def main() -> None:
                 continue
             scale_loads = f", {row['scale_byte_loads']:2d} LDS.U8" if format == "mxfp4" else ""
             print(f"{format:5s} {row['tile']:40s} {row['instructions']:4d} instructions ({row['per_weight']:.2f} a "
-                  f"weight and thread){scale_loads}, {row['registers']} registers, {row['shared_bytes'] // 1024} KiB "
+                  f"weight and thread){scale_loads}, {row['registers']} registers ({row['stack_bytes']} bytes of stack), {row['shared_bytes'] // 1024} KiB "
                   f"shared, {row['resident_per_sm']} resident a SM for {row['programs_per_sm']} launched")
 
 

@@ -187,7 +187,10 @@ class GemmConfig:
     copies; not swapped or rescaled), ``num_stages`` its shared-memory stages. Its TMA copies need
     16-byte aligned operands: where the fp8 rows' or the output's base address or row stride is not
     (rows of a strided view, say), and where ``K`` holds fewer 128-wide steps than its stages, the
-    launch runs the Triton 64 x 128 tile instead.
+    launch runs the Triton 64 x 128 tile instead. ``max_registers`` (Triton tiles; None: ptxas
+    chooses): ptxas's register limit a thread (``maxnreg``), so that ``programs_per_sm`` programs fit
+    an SM's 64K registers where the tile would otherwise take more; below the tile's need it spills to
+    local memory (``bench/scripts/gemm_kloop_sass.py`` reports registers and stack).
     """
 
     block_m: int
@@ -201,13 +204,16 @@ class GemmConfig:
     rescale: bool = False
     lane_words: bool = False
     wgmma: bool = False
+    max_registers: int | None = None
 
     @property
     def label(self) -> str:
         """A short name for benchmark arms: ``m16 n128 k128 w4 s3 g8 p2`` and the options set
-        (``swap``, ``rescale``, ``lanewords``, ``wgmma``)."""
+        (``swap``, ``rescale``, ``lanewords``, ``wgmma``, ``r168`` for a register limit of 168)."""
         options = [name for name, on in (("swap", self.swap_ab), ("rescale", self.rescale),
                                          ("lanewords", self.lane_words), ("wgmma", self.wgmma)) if on]
+        if self.max_registers:
+            options.append(f"r{self.max_registers}")
         return " ".join([f"m{self.block_m} n{self.block_n} k{self.block_k} w{self.num_warps} s{self.num_stages} "
                          f"g{self.group_m} p{self.programs_per_sm}", *options])
 
@@ -974,7 +980,7 @@ def fp8_grouped_mm_triton(
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=_FP8_BLOCK, GROUP_M=config.group_m,
         GROUPS=triton.next_power_of_2(groups), SWAP_AB=config.swap_ab, RESCALE=config.rescale,
         INTERPRET=interpreting(),
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        num_warps=config.num_warps, num_stages=config.num_stages, maxnreg=config.max_registers,
     )
     return out
 
@@ -1060,7 +1066,7 @@ def mxfp4_grouped_mm_triton(
             GROUPS=triton.next_power_of_2(groups), SWAP_AB=config.swap_ab, NATURAL_K=natural_k,
             LANE_WORDS=config.lane_words, ONE_MULTIPLY=one_multiply, TMA=descriptors is not None,
             INTERPRET=interpreting(),
-            num_warps=config.num_warps, num_stages=config.num_stages,
+            num_warps=config.num_warps, num_stages=config.num_stages, maxnreg=config.max_registers,
         )
     return out
 
