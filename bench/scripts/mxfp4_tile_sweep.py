@@ -32,18 +32,25 @@ CANDIDATES = {
                     max_registers=168),  # 184 unlimited; 48 bytes of stack
          GemmConfig(32, 256, 128, num_warps=4, num_stages=2, lane_words=True),  # 218
          GemmConfig(32, 256, 128, num_warps=4, num_stages=3, lane_words=True),  # 238
+         GemmConfig(32, 256, 128, num_warps=4, num_stages=4, lane_words=True),  # 240
+         GemmConfig(32, 128, 128, num_warps=2, num_stages=4, programs_per_sm=4, lane_words=True),  # 215
+         GemmConfig(32, 128, 128, num_warps=2, num_stages=3, programs_per_sm=3, lane_words=True),
          GemmConfig(32, 256, 64, num_warps=8, num_stages=3, programs_per_sm=2, lane_words=True,
                     max_registers=128),  # 147 unlimited; 48 bytes of stack
          GemmConfig(16, 128, 64, num_warps=2, num_stages=4, programs_per_sm=6, lane_words=True)],  # two row tiles
     16: [GemmConfig(16, 128, 128, num_warps=2, num_stages=3, programs_per_sm=6, lane_words=True),  # 152
          GemmConfig(16, 128, 128, num_warps=2, num_stages=4, programs_per_sm=5, lane_words=True),  # 152
          GemmConfig(16, 256, 128, num_warps=4, num_stages=3, programs_per_sm=3, lane_words=True),  # 139
+         GemmConfig(16, 256, 128, num_warps=4, num_stages=4, programs_per_sm=3, lane_words=True),  # 141
+         GemmConfig(16, 128, 128, num_warps=2, num_stages=2, programs_per_sm=6, lane_words=True),
+         GemmConfig(16, 128, 256, num_warps=2, num_stages=2, programs_per_sm=4, lane_words=True),  # 234
          GemmConfig(16, 128, 64, num_warps=2, num_stages=4, programs_per_sm=7, lane_words=True),  # 142
          GemmConfig(16, 128, 64, num_warps=2, num_stages=4, programs_per_sm=8, lane_words=True,
                     max_registers=128)],  # no stack
     128: [GemmConfig(64, 256, 64, num_warps=4, num_stages=4),  # 240
           GemmConfig(64, 256, 128, num_warps=4, num_stages=2, programs_per_sm=1),  # 255
-          GemmConfig(64, 128, 64, num_warps=4, num_stages=4, programs_per_sm=3)],
+          GemmConfig(64, 128, 64, num_warps=4, num_stages=4, programs_per_sm=3),  # 165
+          GemmConfig(64, 128, 64, num_warps=4, num_stages=5, programs_per_sm=3)],
 }
 
 
