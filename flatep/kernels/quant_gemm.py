@@ -178,8 +178,8 @@ class GemmConfig:
     or ``swap_ab``; ``block_k`` of 64 or more): take each K step's words in :func:`_lane_word_order`'s
     order, in which the words a lane decodes share their e8m0 scale blocks where Triton's operand layout
     gives a lane one word of each 32-column chunk of the step (in a local sm_90 compile: the 64-wide
-    steps of 16- and 32-row tiles on 2 warps of 128 or 256 columns or 4 of 256, and the swapped 16 x 128
-    x 128 tile); elsewhere the reorder can cost register moves instead
+    steps of 16- and 32-row tiles on 2 warps of 128 or 256 columns or 4 of 256, the 128-wide steps of
+    the 16 x 128 tile on 2 warps and the 32 x 256 tile on 4, and the swapped 16 x 128 x 128 tile); elsewhere the reorder can cost register moves instead
     (``bench/scripts/gemm_kloop_sass.py`` compares a tile with and without). ``wgmma`` (fp8 only,
     Hopper GPUs): run the Gluon kernel of :mod:`flatep.kernels.fp8_wgmma`, which scales each K step's
     product while the next step's warp-group MMA runs; its tile is fixed (``block_m`` and ``block_n``
@@ -266,6 +266,14 @@ def default_config(rows: int, groups: int, format: str, device: torch.device | N
       against 713 and 356 us with pointer copies, and 652 and 327 us at 32 rows in the lane order
       against 736 and 363 us for the pointer copies' plain-order default (758 and 369 us in the
       plain order with TMA); at 128 and 256 rows the 64-row tile took 3-4% less with TMA.
+      Then, with TMA copies (``bench/scripts/mxfp4_tile_sweep.py``, bench/results/2026-12-06-h100-f,
+      two runs): 128-wide K steps, which take fewer instructions a weight (2.55 against 3.19 at 16
+      rows, 3.04 against 3.59 at 32, in a local sm_90 compile), took 3-5% less at 16 rows (16 x 128 x
+      128 on 2 warps, 3 stages: 489 and 249 us against 512 and 261) and 7% less at 32 rows (32 x 256
+      x 128 on 4 warps, 3 stages: 609 and 311 us against 656 and 335); a fourth stage for the 64-row
+      tile took 4-5% less at 128 rows (1500 and 722 us against 1570 and 754). Register limits that
+      fit more programs an SM (``max_registers``) gained at most 2-4%, and 7 programs of the 16-row
+      tile were 30% slower than 6 or 8.
     """
     if format not in ("fp8", "mxfp4"):
         raise ValueError(f"format must be fp8 or mxfp4, got {format!r}")
@@ -278,10 +286,10 @@ def default_config(rows: int, groups: int, format: str, device: torch.device | N
             return GemmConfig(16, 128, 128, num_warps=4, num_stages=5, swap_ab=True)
         return _FP8_TALL
     if per_group <= 16:
-        return GemmConfig(16, 128, 64, num_warps=2, num_stages=4, programs_per_sm=6, lane_words=True)
+        return GemmConfig(16, 128, 128, num_warps=2, num_stages=3, programs_per_sm=6, lane_words=True)
     if per_group <= 32:
-        return GemmConfig(32, 256, 64, num_warps=4, num_stages=3, lane_words=True)
-    return GemmConfig(64, 256, 64, num_warps=4, num_stages=3)
+        return GemmConfig(32, 256, 128, num_warps=4, num_stages=3, lane_words=True)
+    return GemmConfig(64, 256, 64, num_warps=4, num_stages=4)
 
 
 HOT_ROWS = 64

@@ -91,7 +91,8 @@ CANDIDATES = {
         # against 386 for the swapped 16 x 128 x 128 (392 against 423 for the default 16-row tile,
         # 443 against 472 for the 32-row one). With 128-wide unswapped K steps it adds register
         # moves instead (476 against 425 for 16 x 128 x 128 on 4 warps, before the second-pass
-        # flag followed the scale bytes).
+        # flag followed the scale bytes); on 2 warps, default_config's tile, it cuts them (654
+        # against 754, and 8 scale byte loads against 32).
         GemmConfig(16, 256, 64, num_warps=4, num_stages=4, programs_per_sm=3, lane_words=True),
         GemmConfig(32, 128, 64, num_warps=2, num_stages=3, programs_per_sm=3, lane_words=True),
         GemmConfig(32, 256, 64, num_warps=4, num_stages=3, lane_words=True),
@@ -102,6 +103,8 @@ CANDIDATES = {
         GemmConfig(16, 128, 128, num_warps=4, num_stages=3, programs_per_sm=3),
         # The default 16-row tile in column order: 188 registers a thread, five fit an SM.
         GemmConfig(16, 128, 64, num_warps=2, num_stages=4, programs_per_sm=5),
+        # The 16-row default before 128-wide K steps (bench/scripts/mxfp4_tile_sweep.py).
+        GemmConfig(16, 128, 64, num_warps=2, num_stages=4, programs_per_sm=6, lane_words=True),
         GemmConfig(16, 64, 128, num_warps=2, num_stages=3, programs_per_sm=6),
         GemmConfig(16, 128, 128, num_warps=4, num_stages=3, swap_ab=True),
         GemmConfig(32, 256, 64, num_warps=4, num_stages=3),

@@ -41,12 +41,13 @@ def default_tiles() -> list[dict]:
 
 def test_the_lane_word_order_halves_the_short_tiles_scale_loads(default_tiles):
     """default_config's 16- and 32-row mxfp4 tiles take lane_words because, compiled, a lane then
-    loads one scale byte per two words: the script compiles each with and without."""
+    loads at most half the scale bytes (a quarter with 128-wide K steps) in fewer instructions: the
+    script compiles each with and without."""
     rows = [row for row in default_tiles if row["format"] == "mxfp4"]
     assert [row["lane_words"] for row in rows] == [True, False, True, False, False]  # 16 and 32 rows twice; 64
     for lane, plain in zip(rows[0:3:2], rows[1:4:2]):
         assert lane["tile"] == plain["tile"] + " lanewords"
-        assert 0 < lane["scale_byte_loads"] * 2 == plain["scale_byte_loads"], (lane, plain)
+        assert 0 < lane["scale_byte_loads"] * 2 <= plain["scale_byte_loads"], (lane, plain)
         assert lane["instructions"] < plain["instructions"], (lane, plain)
 
 
