@@ -2,7 +2,8 @@
 
 One Kimi-K3 rank's experts (112; gate/up N = 6144, K = 3584; down N = 3584, K = 3072). At each row
 count the first arm is :func:`flatep.kernels.quant_gemm.default_config`'s tile, the others are
-candidates: wider K steps (fewer instructions a weight, more registers), fewer columns or warps a
+candidates (the defaults before bench/results/2026-12-06-h100-f among them, where this sweep's
+first two runs put them first): wider K steps (fewer instructions a weight, more registers), fewer columns or warps a
 program, and register limits (``GemmConfig.max_registers``) that let more programs share an SM.
 Every arm runs :func:`flatep.kernels.quant_gemm.mxfp4_grouped_mm_triton` as the layer does (on
 Hopper, copies by tensor descriptor), timed as :func:`mxfp4_rank.time_arms` does; a K step other
@@ -31,14 +32,14 @@ CANDIDATES = {
          GemmConfig(32, 128, 128, num_warps=4, num_stages=3, programs_per_sm=3, lane_words=True,
                     max_registers=168),  # 184 unlimited; 48 bytes of stack
          GemmConfig(32, 256, 128, num_warps=4, num_stages=2, lane_words=True),  # 218
-         GemmConfig(32, 256, 128, num_warps=4, num_stages=3, lane_words=True),  # 238
+         GemmConfig(32, 256, 64, num_warps=4, num_stages=3, lane_words=True),  # the default before 2026-12-06-h100-f
          GemmConfig(32, 256, 128, num_warps=4, num_stages=4, lane_words=True),  # 240
          GemmConfig(32, 128, 128, num_warps=2, num_stages=4, programs_per_sm=4, lane_words=True),  # 215
          GemmConfig(32, 128, 128, num_warps=2, num_stages=3, programs_per_sm=3, lane_words=True),
          GemmConfig(32, 256, 64, num_warps=8, num_stages=3, programs_per_sm=2, lane_words=True,
                     max_registers=128),  # 147 unlimited; 48 bytes of stack
          GemmConfig(16, 128, 64, num_warps=2, num_stages=4, programs_per_sm=6, lane_words=True)],  # two row tiles
-    16: [GemmConfig(16, 128, 128, num_warps=2, num_stages=3, programs_per_sm=6, lane_words=True),  # 152
+    16: [GemmConfig(16, 128, 64, num_warps=2, num_stages=4, programs_per_sm=6, lane_words=True),  # the default before
          GemmConfig(16, 128, 128, num_warps=2, num_stages=4, programs_per_sm=5, lane_words=True),  # 152
          GemmConfig(16, 256, 128, num_warps=4, num_stages=3, programs_per_sm=3, lane_words=True),  # 139
          GemmConfig(16, 256, 128, num_warps=4, num_stages=4, programs_per_sm=3, lane_words=True),  # 141
@@ -47,7 +48,7 @@ CANDIDATES = {
          GemmConfig(16, 128, 64, num_warps=2, num_stages=4, programs_per_sm=7, lane_words=True),  # 142
          GemmConfig(16, 128, 64, num_warps=2, num_stages=4, programs_per_sm=8, lane_words=True,
                     max_registers=128)],  # no stack
-    128: [GemmConfig(64, 256, 64, num_warps=4, num_stages=4),  # 240
+    128: [GemmConfig(64, 256, 64, num_warps=4, num_stages=3),  # the default before
           GemmConfig(64, 256, 128, num_warps=4, num_stages=2, programs_per_sm=1),  # 255
           GemmConfig(64, 128, 64, num_warps=4, num_stages=4, programs_per_sm=3),  # 165
           GemmConfig(64, 128, 64, num_warps=4, num_stages=5, programs_per_sm=3)],
