@@ -1,7 +1,8 @@
-"""Shared by the mxfp4 tile scripts (``mxfp4_registers.py``, ``mxfp4_tma_ab.py``): one Kimi-K3 rank's
-packed experts, arms timed against each other, and the JSON they write: each arm's time beside the
-device's read ceiling measured in the same run (:func:`flatep.bench.timing.read_ceiling_gbps`; GPU
-only), counting the packed weight bytes (values and scales) the GEMM reads once."""
+"""Shared by the tile scripts (``mxfp4_registers.py``, ``mxfp4_tma_ab.py``, ``mxfp4_tile_sweep.py``, and
+``fp8_tile_sweep.py`` with its own rank and byte count): one Kimi-K3 rank's packed experts, arms timed
+against each other, and the JSON they write: each arm's time beside the device's read ceiling
+measured in the same run (:func:`flatep.bench.timing.read_ceiling_gbps`; GPU only), counting the
+packed weight bytes (values and scales) the GEMM reads once."""
 from __future__ import annotations
 
 import argparse
@@ -44,11 +45,19 @@ def time_arms(arms: list[tuple[dict, Callable[[torch.Tensor], None]]], rows: int
             for (fields, _), out, timing in zip(arms, outputs, timings)]
 
 
-def main(description: str, cells: list[int], time_cell: Callable[[int, str, int, int], list[dict]]) -> None:
+def mxfp4_bytes(columns: int, inner: int) -> int:
+    """Packed bytes of :data:`EXPERTS` mxfp4 weights ``[N, K]``: e2m1 values and e8m0 scales."""
+    return EXPERTS * columns * (inner // 2 + inner // 32)
+
+
+def main(description: str, cells: list[int], time_cell: Callable[[int, str, int, int], list[dict]],
+         gemms: dict[str, tuple[int, int]] | None = None, packed_bytes: Callable[[int, int], int] = mxfp4_bytes,
+         ) -> None:
     """A script's command line (``--out FILE``, the first paragraph of ``description`` as its help):
-    ``time_cell(rows_per_expert, gemm, columns, inner)`` for every cell and :data:`GEMMS`, each row
-    printed as it comes with its weight bytes and their read rate as a fraction of the read ceiling,
-    then all written to ``FILE`` as ``{"device", "read_ceiling_gbps", "results"}``."""
+    ``time_cell(rows_per_expert, gemm, columns, inner)`` for every cell and ``gemms`` (default
+    :data:`GEMMS`: name to ``(N, K)``), each row printed as it comes with its weight bytes
+    (``packed_bytes(N, K)``) and their read rate as a fraction of the read ceiling, then all written
+    to ``FILE`` as ``{"device", "read_ceiling_gbps", "results"}``."""
     parser = argparse.ArgumentParser(description=description.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="JSON file to write")
     path = parser.parse_args().out
@@ -57,8 +66,8 @@ def main(description: str, cells: list[int], time_cell: Callable[[int, str, int,
     torch.manual_seed(0)
     results = []
     for rows_per_expert in cells:
-        for gemm, (columns, inner) in GEMMS.items():
-            weight_bytes = EXPERTS * columns * (inner // 2 + inner // 32)  # e2m1 values and e8m0 scales
+        for gemm, (columns, inner) in (gemms or GEMMS).items():
+            weight_bytes = packed_bytes(columns, inner)
             for row in time_cell(rows_per_expert, gemm, columns, inner):
                 row["weight_bytes"] = weight_bytes
                 row["read_fraction"] = weight_bytes / row["us"] / 1e3 / ceiling if ceiling else None

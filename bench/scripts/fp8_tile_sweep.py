@@ -1,0 +1,64 @@
+"""The fp8 Triton tiles against each other at decode sizes: 16, 32 and 64 rows per expert.
+
+One Kimi-K2 rank's experts (48; gate/up N = 4096, K = 7168; down N = 7168, K = 2048; e4m3 values
+with one fp32 scale per 128 x 128 block). At each row count the first arm is
+:func:`flatep.kernels.quant_gemm.default_config`'s tile (the Triton tiles: below
+:data:`flatep.kernels.quant_gemm.WGMMA_ROWS` rows per expert), the others are candidates, chiefly
+other pipeline depths. Every arm runs :func:`flatep.kernels.quant_gemm.fp8_grouped_mm_triton` as
+the layer does with bf16 rows (each call quantizes them, then multiplies), timed as
+:func:`mxfp4_rank.time_arms` does.
+
+    python bench/scripts/fp8_tile_sweep.py --out fp8_tile_sweep.json      (on a GPU)
+"""
+from __future__ import annotations
+
+import torch
+
+from flatep.kernels.quant_gemm import GemmConfig, default_config, fp8_grouped_mm_triton
+import mxfp4_rank
+from mxfp4_rank import main, time_arms
+
+EXPERTS, HIDDEN, INTERMEDIATE = 48, 7168, 2048  # a Kimi-K2 rank's experts at R = 8
+GEMMS = {"w13": (2 * INTERMEDIATE, HIDDEN), "w2": (HIDDEN, INTERMEDIATE)}  # (N, K) of gate/up and down
+
+CANDIDATES = {
+    16: [GemmConfig(16, 128, 128, num_warps=4, num_stages=3, swap_ab=True),
+         GemmConfig(16, 128, 128, num_warps=4, num_stages=4, swap_ab=True),
+         GemmConfig(16, 128, 128, num_warps=4, num_stages=6, swap_ab=True)],
+    32: [GemmConfig(64, 128, 128, num_warps=4, num_stages=3),
+         GemmConfig(64, 128, 128, num_warps=4, num_stages=5),
+         GemmConfig(32, 128, 128, num_warps=4, num_stages=4, swap_ab=True),
+         GemmConfig(32, 128, 128, num_warps=4, num_stages=4)],
+    64: [GemmConfig(64, 128, 128, num_warps=4, num_stages=3),
+         GemmConfig(64, 128, 128, num_warps=4, num_stages=5)],
+}
+
+
+def fp8_bytes(columns: int, inner: int) -> int:
+    """Packed bytes of :data:`EXPERTS` fp8 weights ``[N, K]``: e4m3 values and fp32 block scales."""
+    return EXPERTS * (columns * inner + 4 * -(-columns // 128) * (inner // 128))
+
+
+def rank_operands(rows_per_expert: int, columns: int, inner: int) -> tuple[torch.Tensor, ...]:
+    """Random e4m3 values ``[E, N, K]`` (any byte but NaN's), block scales ``[E, N/128, K/128]``
+    float32, rows ``[E * rows_per_expert, K]`` bf16 and their offsets ``[E]`` int32."""
+    device = mxfp4_rank.DEVICE
+    codes = torch.randint(0, 256, (EXPERTS, columns, inner), dtype=torch.uint8, device=device)
+    codes[(codes & 0x7F) == 0x7F] = 0x7E  # e4m3fn's NaN codes, as a checkpoint never holds them
+    scales = torch.rand(EXPERTS, -(-columns // 128), inner // 128, device=device) * 1e-3 + 1e-4
+    rows = torch.randn(EXPERTS * rows_per_expert, inner, device=device).to(torch.bfloat16)
+    offsets = torch.arange(1, EXPERTS + 1, device=device, dtype=torch.int32) * rows_per_expert
+    return codes.view(torch.float8_e4m3fn), scales, rows, offsets
+
+
+def time_cell(rows_per_expert: int, gemm: str, columns: int, inner: int) -> list[dict]:
+    values, scales, rows, offsets = rank_operands(rows_per_expert, columns, inner)
+    tiles = [default_config(rows.shape[0], EXPERTS, "fp8"), *CANDIDATES[rows_per_expert]]
+    arms = [({"rows_per_expert": rows_per_expert, "gemm": gemm, "tiles": config.label, "default": index == 0},
+             lambda out, config=config: fp8_grouped_mm_triton(rows, values, scales, offsets, config, out))
+            for index, config in enumerate(tiles)]
+    return time_arms(arms, rows.shape[0], columns)
+
+
+if __name__ == "__main__":
+    main(__doc__, list(CANDIDATES), time_cell, GEMMS, fp8_bytes)
