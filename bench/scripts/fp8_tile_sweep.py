@@ -4,7 +4,8 @@ One Kimi-K2 rank's experts (48; gate/up N = 4096, K = 7168; down N = 7168, K = 2
 with one fp32 scale per 128 x 128 block). At each row count the first arm is
 :func:`flatep.kernels.quant_gemm.default_config`'s tile (the Triton tiles: below
 :data:`flatep.kernels.quant_gemm.WGMMA_ROWS` rows per expert), the others are candidates, chiefly
-other pipeline depths. Every arm runs :func:`flatep.kernels.quant_gemm.fp8_grouped_mm_triton` as
+other pipeline depths (the defaults before bench/results/2026-12-06-h100-f among them, where that
+set's run put them first). Every arm runs :func:`flatep.kernels.quant_gemm.fp8_grouped_mm_triton` as
 the layer does with bf16 rows (each call quantizes them, then multiplies), timed as
 :func:`mxfp4_rank.time_arms` does.
 
@@ -22,14 +23,14 @@ EXPERTS, HIDDEN, INTERMEDIATE = 48, 7168, 2048  # a Kimi-K2 rank's experts at R 
 GEMMS = {"w13": (2 * INTERMEDIATE, HIDDEN), "w2": (HIDDEN, INTERMEDIATE)}  # (N, K) of gate/up and down
 
 CANDIDATES = {
-    16: [GemmConfig(16, 128, 128, num_warps=4, num_stages=3, swap_ab=True),
+    16: [GemmConfig(16, 128, 128, num_warps=4, num_stages=5, swap_ab=True),  # the default before
          GemmConfig(16, 128, 128, num_warps=4, num_stages=4, swap_ab=True),
          GemmConfig(16, 128, 128, num_warps=4, num_stages=6, swap_ab=True)],
-    32: [GemmConfig(64, 128, 128, num_warps=4, num_stages=3),
+    32: [GemmConfig(64, 128, 128, num_warps=4, num_stages=4),  # the default before
          GemmConfig(64, 128, 128, num_warps=4, num_stages=5),
          GemmConfig(32, 128, 128, num_warps=4, num_stages=4, swap_ab=True),
          GemmConfig(32, 128, 128, num_warps=4, num_stages=4)],
-    64: [GemmConfig(64, 128, 128, num_warps=4, num_stages=3),
+    64: [GemmConfig(64, 128, 128, num_warps=4, num_stages=4),  # the default before
          GemmConfig(64, 128, 128, num_warps=4, num_stages=5)],
 }
 

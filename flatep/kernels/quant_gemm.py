@@ -248,7 +248,11 @@ def default_config(rows: int, groups: int, format: str, device: torch.device | N
       kernel (:mod:`flatep.kernels.fp8_wgmma`, warp-specialized): a Kimi-K2 rank's experts at
       s = 8192 (about 1400 rows per expert) took 0.67x bf16's time on an H100 (0.59x with fp8
       dispatch, which leaves the experts no rows to quantize), against 0.992x with the 64 x 128
-      tile (bench/results/2026-12-06-h100-c and 2026-12-06-h100).
+      tile (bench/results/2026-12-06-h100-c and 2026-12-06-h100). Below that, three stages: on an
+      H100 (``bench/scripts/fp8_tile_sweep.py``, bench/results/2026-12-06-h100-f; a Kimi-K2 rank)
+      the swapped 16-row tile at 3 stages took 490 and 258 us (gate/up, down) against 500 and 259
+      at 5, and the 64-row tile at 3 stages 513 and 271 us at 32 rows per expert, 545 and 286 at 64,
+      against 525 and 277, 563 and 289 at 4.
     - mxfp4 (timed again since the pools store the scales column-fastest, bench/results/2026-12-05-h200-d):
       short tiles are not swapped. A 16- or 32-row tile then runs on ``mma.sync`` (16 rows
       tall), and Triton decodes the weight words straight into the MMA's operand registers, with
@@ -283,7 +287,9 @@ def default_config(rows: int, groups: int, format: str, device: torch.device | N
             return GemmConfig(fp8_wgmma.BLOCK_M, fp8_wgmma.BLOCK_N, 128, num_warps=fp8_wgmma.NUM_WARPS,
                               num_stages=WGMMA_STAGES, programs_per_sm=1, wgmma=True)
         if per_group <= 16:
-            return GemmConfig(16, 128, 128, num_warps=4, num_stages=5, swap_ab=True)
+            return GemmConfig(16, 128, 128, num_warps=4, num_stages=3, swap_ab=True)
+        if per_group < WGMMA_ROWS:
+            return dataclasses.replace(_FP8_TALL, num_stages=3)
         return _FP8_TALL
     if per_group <= 16:
         return GemmConfig(16, 128, 128, num_warps=2, num_stages=3, programs_per_sm=6, lane_words=True)
