@@ -25,7 +25,7 @@ def test_the_default_tile_comes_first_and_the_fp8_bytes_are_counted(tmp_path, mo
     monkeypatch.setattr(rank, "ROUNDS", 1)
     monkeypatch.setattr(rank, "CALLS", 1)
     monkeypatch.setattr(script, "EXPERTS", 2)
-    candidates = [GemmConfig(16, 128, 128, num_warps=4, num_stages=3, swap_ab=True)]
+    candidates = [GemmConfig(16, 128, 128, num_warps=4, num_stages=5, swap_ab=True)]
     monkeypatch.setattr(script, "CANDIDATES", {16: candidates})
     out = tmp_path / "sweep.json"
     monkeypatch.setattr(sys, "argv", ["fp8_tile_sweep.py", "--out", str(out)])
