@@ -206,6 +206,13 @@ class GemmConfig:
     wgmma: bool = False
     max_registers: int | None = None
 
+    def __post_init__(self) -> None:
+        registers = self.max_registers
+        if registers is not None and (isinstance(registers, bool) or not isinstance(registers, int)
+                                      or not 16 <= registers <= 255):
+            raise ValueError(f"max_registers must be None or an int in [16, 255] (ptxas's register limit a thread), "
+                             f"got {registers!r}")
+
     @property
     def label(self) -> str:
         """A short name for benchmark arms: ``m16 n128 k128 w4 s3 g8 p2`` and the options set

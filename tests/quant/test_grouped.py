@@ -164,6 +164,17 @@ def test_mxfp4_bad_tiles_raise(config, message):
         mxfp4_grouped_mm_triton(rows, packed.values, packed.scales, offsets, config)
 
 
+@pytest.mark.parametrize("registers", [0, 15, 256, 168.0, True, "168"])
+def test_a_register_limit_outside_what_ptxas_takes_is_refused(registers):
+    with pytest.raises(ValueError, match=r"max_registers must be None or an int in \[16, 255\]"):
+        GemmConfig(32, 256, 128, max_registers=registers)
+
+
+def test_a_register_limit_names_itself_in_the_label():
+    assert GemmConfig(32, 256, 128, max_registers=168).label == "m32 n256 k128 w4 s3 g8 p2 r168"
+    assert GemmConfig(32, 256, 128).label == "m32 n256 k128 w4 s3 g8 p2"
+
+
 @needs_triton
 @pytest.mark.parametrize("config, in_features", [
     (GemmConfig(16, 32, 64), 96), (GemmConfig(16, 32, 32, swap_ab=True), 96), (None, 96),
