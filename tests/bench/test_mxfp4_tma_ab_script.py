@@ -2,39 +2,21 @@
 same bits, timed against each other (small shapes, under the interpreter)."""
 from __future__ import annotations
 
-import importlib
 import json
-import sys
-from pathlib import Path
 
-import pytest
-import torch
-
-from flatep.kernels.backend import interpreting
 from flatep.kernels import quant_gemm
 from flatep.kernels.quant_gemm import GemmConfig
 
-SCRIPTS = Path(__file__).resolve().parents[2] / "bench" / "scripts"
 
-
-@pytest.mark.skipif(not interpreting(), reason="runs the script's kernels under TRITON_INTERPRET=1")
-def test_each_tile_runs_with_both_copies_and_gives_the_same_bits(tmp_path, monkeypatch):
-    monkeypatch.syspath_prepend(str(SCRIPTS))
-    rank = importlib.import_module("mxfp4_rank")
-    script = importlib.import_module("mxfp4_tma_ab")
-    monkeypatch.setattr(rank, "DEVICE", torch.device("cpu"))
-    monkeypatch.setattr(rank, "EXPERTS", 2)
-    monkeypatch.setattr(rank, "GEMMS", {"w13": (256, 128)})
-    monkeypatch.setattr(rank, "ROUNDS", 1)
-    monkeypatch.setattr(rank, "CALLS", 1)
+def test_each_tile_runs_with_both_copies_and_gives_the_same_bits(tile_scripts, monkeypatch):
+    script = tile_scripts.load("mxfp4_tma_ab")
     monkeypatch.setattr(script, "TILES", {16: [GemmConfig(16, 128, 64, num_warps=2, lane_words=True)],
                                           32: [GemmConfig(32, 256, 64)]})
     monkeypatch.setattr(quant_gemm, "_mxfp4_descriptors", quant_gemm._mxfp4_descriptors)  # restored after
     described = []  # the descriptor sets the "tma" arms were given
     real = script.DESCRIPTORS
     monkeypatch.setattr(script, "DESCRIPTORS", lambda *operands: described.append(real(*operands)) or described[-1])
-    out = tmp_path / "ab.json"
-    monkeypatch.setattr(sys, "argv", ["mxfp4_tma_ab.py", "--out", str(out)])
+    out = tile_scripts.command_line("mxfp4_tma_ab")
     script.main(script.__doc__, list(script.TILES), script.time_cell)
     result = json.loads(out.read_text())
     assert result["device"].startswith("CPU") and result["read_ceiling_gbps"] is None  # measured on GPUs only
