@@ -163,8 +163,9 @@ def main() -> None:
                 continue
             scale_loads = f", {row['scale_byte_loads']:2d} LDS.U8" if format == "mxfp4" else ""
             print(f"{format:5s} {row['tile']:40s} {row['instructions']:4d} instructions ({row['per_weight']:.2f} a "
-                  f"weight and thread){scale_loads}, {row['registers']} registers ({row['stack_bytes']} bytes of stack), {row['shared_bytes'] // 1024} KiB "
-                  f"shared, {row['resident_per_sm']} resident a SM for {row['programs_per_sm']} launched")
+                  f"weight and thread){scale_loads}, {row['registers']} registers ({row['stack_bytes']} bytes of "
+                  f"stack), {row['shared_bytes'] // 1024} KiB shared, {row['resident_per_sm']} resident a SM for "
+                  f"{row['programs_per_sm']} launched")
 
 
 if __name__ == "__main__":

@@ -179,8 +179,9 @@ class GemmConfig:
     order, in which the words a lane decodes share their e8m0 scale blocks where Triton's operand layout
     gives a lane one word of each 32-column chunk of the step (in a local sm_90 compile: the 64-wide
     steps of 16- and 32-row tiles on 2 warps of 128 or 256 columns or 4 of 256, the 128-wide steps of
-    the 16 x 128 tile on 2 warps and the 32 x 256 tile on 4, and the swapped 16 x 128 x 128 tile); elsewhere the reorder can cost register moves instead
-    (``bench/scripts/gemm_kloop_sass.py`` compares a tile with and without). ``wgmma`` (fp8 only,
+    the 16 x 128 tile on 2 warps and the 32 x 256 tile on 4, and the swapped 16 x 128 x 128 tile);
+    elsewhere the reorder can cost register moves instead (``bench/scripts/gemm_kloop_sass.py``
+    compares a tile with and without). ``wgmma`` (fp8 only,
     Hopper GPUs): run the Gluon kernel of :mod:`flatep.kernels.fp8_wgmma`, which scales each K step's
     product while the next step's warp-group MMA runs; its tile is fixed (``block_m`` and ``block_n``
     128, ``num_warps`` 8: its two consumer warp groups, beside which a producer warp issues the
@@ -212,6 +213,9 @@ class GemmConfig:
                                       or not 16 <= registers <= 255):
             raise ValueError(f"max_registers must be None or an int in [16, 255] (ptxas's register limit a thread), "
                              f"got {registers!r}")
+        if registers is not None and self.wgmma:
+            raise ValueError(f"max_registers is a Triton tile option: the Gluon kernel (wgmma) sets its own "
+                             f"registers, got max_registers={registers} with wgmma")
 
     @property
     def label(self) -> str:

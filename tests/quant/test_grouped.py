@@ -170,6 +170,11 @@ def test_a_register_limit_outside_what_ptxas_takes_is_refused(registers):
         GemmConfig(32, 256, 128, max_registers=registers)
 
 
+def test_a_register_limit_is_refused_for_the_gluon_kernel():
+    with pytest.raises(ValueError, match="max_registers is a Triton tile option"):
+        GemmConfig(128, 128, 128, num_warps=8, programs_per_sm=1, wgmma=True, max_registers=168)
+
+
 def test_a_register_limit_names_itself_in_the_label():
     assert GemmConfig(32, 256, 128, max_registers=168).label == "m32 n256 k128 w4 s3 g8 p2 r168"
     assert GemmConfig(32, 256, 128).label == "m32 n256 k128 w4 s3 g8 p2"
