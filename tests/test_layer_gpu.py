@@ -15,7 +15,7 @@ from tests.helpers import relative_error
 # fixture's first tensor does not fit beside the second. A GPU under 110 GiB skips these cases.
 NEEDED_GPU_BYTES = 110 * 2**30
 
-# xdist_group: these files take tens of GB of GPU memory each; they run one at a time (tests/conftest.py).
+# xdist_group: these files take tens of GB of GPU memory each; they run one at a time (tests/gpu_memory.py).
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
     pytest.mark.xdist_group("gpu-memory"),

@@ -9,7 +9,7 @@ from flatep.experts.grouped import grouped_swiglu, quantized_grouped_mm
 from flatep.quant import QuantizedTensor
 from tests.helpers import relative_error
 
-# xdist_group: these files take tens of GB of GPU memory each; they run one at a time (tests/conftest.py).
+# xdist_group: these files take tens of GB of GPU memory each; they run one at a time (tests/gpu_memory.py).
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
     pytest.mark.xdist_group("gpu-memory"),

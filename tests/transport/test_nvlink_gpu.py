@@ -8,7 +8,7 @@ import torch
 
 from tests.helpers import launch_workers
 
-# xdist_group: these files take tens of GB of GPU memory each; they run one at a time (tests/conftest.py).
+# xdist_group: these files take tens of GB of GPU memory each; they run one at a time (tests/gpu_memory.py).
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
     pytest.mark.xdist_group("gpu-memory"),

@@ -1,4 +1,5 @@
-"""``tests/conftest.py``: the modules of the ``gpu-memory`` xdist group run one at a time across workers."""
+"""``tests/gpu_memory.py`` (through ``tests/conftest.py``): the modules of the ``gpu-memory`` xdist
+group run one at a time across workers."""
 from __future__ import annotations
 
 import os
@@ -34,7 +35,8 @@ def test_gpu_memory_modules_never_run_beside_each_other(tmp_path):
     """Two such modules of two tests each, over two workers: every span of a module's fixture on a
     worker (from setup to teardown) must be disjoint from every other."""
     log = tmp_path / "spans.txt"
-    (tmp_path / "conftest.py").write_text("from tests.conftest import one_gpu_memory_module_at_a_time  # noqa: F401\n")
+    fixture = "from tests.gpu_memory import one_gpu_memory_module_at_a_time  # noqa: F401\n"
+    (tmp_path / "conftest.py").write_text(fixture)
     for name in ("first", "second"):
         (tmp_path / f"test_{name}.py").write_text(MODULE.format(log=str(log)))
     environment = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
