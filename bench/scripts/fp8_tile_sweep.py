@@ -7,7 +7,7 @@ with one fp32 scale per 128 x 128 block). At each row count the first arm is
 other pipeline depths (the defaults before bench/results/2026-12-06-h100-f among them, where that
 set's run put them first). Every arm runs :func:`flatep.kernels.quant_gemm.fp8_grouped_mm_triton` as
 the layer does with bf16 rows (each call quantizes them, then multiplies), timed as
-:func:`mxfp4_rank.time_arms` does.
+:func:`mxfp4_rank.time_tiles` does.
 
     python bench/scripts/fp8_tile_sweep.py --out fp8_tile_sweep.json      (on a GPU)
 """
@@ -17,7 +17,7 @@ import torch
 
 from flatep.kernels.quant_gemm import GemmConfig, default_config, fp8_grouped_mm_triton
 import mxfp4_rank
-from mxfp4_rank import main, time_arms
+from mxfp4_rank import main, time_tiles
 
 EXPERTS, HIDDEN, INTERMEDIATE = 48, 7168, 2048  # a Kimi-K2 rank's experts at R = 8
 GEMMS = {"w13": (2 * INTERMEDIATE, HIDDEN), "w2": (HIDDEN, INTERMEDIATE)}  # (N, K) of gate/up and down
@@ -53,12 +53,9 @@ def rank_operands(rows_per_expert: int, columns: int, inner: int) -> tuple[torch
 
 
 def time_cell(rows_per_expert: int, gemm: str, columns: int, inner: int) -> list[dict]:
-    values, scales, rows, offsets = rank_operands(rows_per_expert, columns, inner)
-    tiles = [default_config(rows.shape[0], EXPERTS, "fp8"), *CANDIDATES[rows_per_expert]]
-    arms = [({"rows_per_expert": rows_per_expert, "gemm": gemm, "tiles": config.label, "default": index == 0},
-             lambda out, config=config: fp8_grouped_mm_triton(rows, values, scales, offsets, config, out))
-            for index, config in enumerate(tiles)]
-    return time_arms(arms, rows.shape[0], columns)
+    operands = rank_operands(rows_per_expert, columns, inner)
+    tiles = [default_config(operands[2].shape[0], EXPERTS, "fp8"), *CANDIDATES[rows_per_expert]]
+    return time_tiles(rows_per_expert, gemm, tiles, fp8_grouped_mm_triton, operands)
 
 
 if __name__ == "__main__":

@@ -45,6 +45,18 @@ def time_arms(arms: list[tuple[dict, Callable[[torch.Tensor], None]]], rows: int
             for (fields, _), out, timing in zip(arms, outputs, timings)]
 
 
+def time_tiles(rows_per_expert: int, gemm: str, tiles: list, run: Callable, operands: tuple[torch.Tensor, ...],
+               ) -> list[dict]:
+    """Each of ``tiles`` (``GemmConfig``; the first, the default, marked ``default``) as an arm
+    ``run(rows, values, scales, offsets, config, out)`` over ``operands = (values [G, N, ...], scales,
+    rows, offsets)``, timed by :func:`time_arms`."""
+    values, scales, rows, offsets = operands
+    arms = [({"rows_per_expert": rows_per_expert, "gemm": gemm, "tiles": config.label, "default": index == 0},
+             lambda out, config=config: run(rows, values, scales, offsets, config, out))
+            for index, config in enumerate(tiles)]
+    return time_arms(arms, rows.shape[0], values.shape[1])
+
+
 def mxfp4_bytes(columns: int, inner: int) -> int:
     """Packed bytes of :data:`EXPERTS` mxfp4 weights ``[N, K]``: e2m1 values and e8m0 scales."""
     return EXPERTS * columns * (inner // 2 + inner // 32)

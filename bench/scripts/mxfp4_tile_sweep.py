@@ -6,7 +6,7 @@ candidates (the defaults before bench/results/2026-12-06-h100-f among them, wher
 first two runs put them first): wider K steps (fewer instructions a weight, more registers), fewer columns or warps a
 program, and register limits (``GemmConfig.max_registers``) that let more programs share an SM.
 Every arm runs :func:`flatep.kernels.quant_gemm.mxfp4_grouped_mm_triton` as the layer does (on
-Hopper, copies by tensor descriptor), timed as :func:`mxfp4_rank.time_arms` does; a K step other
+Hopper, copies by tensor descriptor), timed as :func:`mxfp4_rank.time_tiles` does; a K step other
 than the default's sums in another order, so its bits may differ (``same_bits``).
 Registers, stack and resident programs of each tile: ``bench/scripts/gemm_kloop_sass.py``.
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from flatep.kernels.quant_gemm import GemmConfig, default_config, mxfp4_grouped_mm_triton
 import mxfp4_rank
-from mxfp4_rank import main, rank_operands, time_arms
+from mxfp4_rank import main, rank_operands, time_tiles
 
 # Candidates per row count; registers from a local sm_90 compile (Triton 3.6, copies by descriptor).
 CANDIDATES = {
@@ -56,12 +56,9 @@ CANDIDATES = {
 
 
 def time_cell(rows_per_expert: int, gemm: str, columns: int, inner: int) -> list[dict]:
-    values, scales, rows, offsets = rank_operands(rows_per_expert, columns, inner)
-    tiles = [default_config(rows.shape[0], mxfp4_rank.EXPERTS, "mxfp4"), *CANDIDATES[rows_per_expert]]
-    arms = [({"rows_per_expert": rows_per_expert, "gemm": gemm, "tiles": config.label, "default": index == 0},
-             lambda out, config=config: mxfp4_grouped_mm_triton(rows, values, scales, offsets, config, out))
-            for index, config in enumerate(tiles)]
-    return time_arms(arms, rows.shape[0], columns)
+    operands = rank_operands(rows_per_expert, columns, inner)
+    tiles = [default_config(operands[2].shape[0], mxfp4_rank.EXPERTS, "mxfp4"), *CANDIDATES[rows_per_expert]]
+    return time_tiles(rows_per_expert, gemm, tiles, mxfp4_grouped_mm_triton, operands)
 
 
 if __name__ == "__main__":
