@@ -119,6 +119,27 @@ def test_mxfp4_triton_matches_torch(sizes, out_features, in_features, config):
     assert relative_error(out[:end], reference[:end]) < 4e-3
 
 
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="register limits are a ptxas option: only a GPU compiles under one")
+@pytest.mark.parametrize("format, config", [
+    ("mxfp4", GemmConfig(16, 128, 128, num_warps=2, programs_per_sm=6, lane_words=True)),
+    ("mxfp4", GemmConfig(32, 256, 128, num_warps=4, lane_words=True)),
+    ("fp8", GemmConfig(64, 128, 128, num_warps=4)),
+])
+@pytest.mark.parametrize("registers", [128, 168])
+def test_a_register_limited_tile_writes_the_unlimited_tiles_bits(format, config, registers):
+    """A register limit changes where ptxas keeps values (spilling some), never the arithmetic: the
+    same tile under ``maxnreg`` writes the same bits."""
+    rows, packed, offsets = grouped_inputs(format, [40, 0, 17, 70], 512, 1024, seed=registers)
+    kernel = mxfp4_grouped_mm_triton if format == "mxfp4" else fp8_grouped_mm_triton
+    unlimited, limited = (torch.full((rows.shape[0], 512), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+                          for _ in range(2))  # poisoned: an unwritten row stays NaN
+    kernel(rows, packed.values, packed.scales, offsets, config, out=unlimited)
+    kernel(rows, packed.values, packed.scales, offsets, dataclasses.replace(config, max_registers=registers), out=limited)
+    end = int(offsets[-1])
+    assert torch.isfinite(unlimited[:end].float()).all()
+    assert torch.equal(limited[:end].view(torch.int16), unlimited[:end].view(torch.int16))
+
+
 @pytest.mark.parametrize("make, message", [
     (lambda r, p, o: fp8_grouped_mm_triton(r.float(), p.values, p.scales, o), "bfloat16"),
     (lambda r, p, o: fp8_grouped_mm_triton(r, p.values, p.scales[..., :1], o), "scales must be"),
