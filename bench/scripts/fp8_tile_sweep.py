@@ -1,11 +1,15 @@
-"""The fp8 Triton tiles against each other at decode sizes: 16, 32 and 64 rows per expert.
+"""The fp8 Triton tiles against each other at decode sizes: 16, 32, 64, 96 and 192 rows per expert.
 
 One Kimi-K2 rank's experts (48; gate/up N = 4096, K = 7168; down N = 7168, K = 2048; e4m3 values
 with one fp32 scale per 128 x 128 block). At each row count the first arm is
 :func:`flatep.kernels.quant_gemm.default_config`'s tile (the Triton tiles: below
 :data:`flatep.kernels.quant_gemm.WGMMA_ROWS` rows per expert), the others are candidates, chiefly
 other pipeline depths (the defaults before bench/results/2026-12-06-h100-f among them, where that
-set's run put them first). Every arm runs :func:`flatep.kernels.quant_gemm.fp8_grouped_mm_triton` as
+set's run put them first). The 192-row cell's first arm is the tile of
+:func:`flatep.kernels.quant_gemm.packed_launches`' hot launch (the groups of more than
+:data:`flatep.kernels.quant_gemm.HOT_ROWS` rows in a decode step), which takes
+:func:`flatep.kernels.quant_gemm.default_config` without a device; the 96-row cell times the
+depths of the tile that short launches run at that size. Every arm runs :func:`flatep.kernels.quant_gemm.fp8_grouped_mm_triton` as
 the layer does with bf16 rows (each call quantizes them, then multiplies), timed as
 :func:`mxfp4_rank.time_tiles` does.
 
@@ -32,6 +36,8 @@ CANDIDATES = {
          GemmConfig(32, 128, 128, num_warps=4, num_stages=4)],
     64: [GemmConfig(64, 128, 128, num_warps=4, num_stages=4),  # the default before
          GemmConfig(64, 128, 128, num_warps=4, num_stages=5)],
+    96: [GemmConfig(64, 128, 128, num_warps=4, num_stages=4)],
+    192: [GemmConfig(64, 128, 128, num_warps=4, num_stages=3)],
 }
 
 
