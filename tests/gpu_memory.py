@@ -1,10 +1,14 @@
 """An autouse fixture (imported by ``tests/conftest.py``): the modules of the ``gpu-memory`` xdist
-group run one at a time across pytest-xdist workers. No torch import, so that a small pytest run
-can load it quickly (``tests/test_gpu_memory.py``)."""
+group run one at a time across pytest-xdist workers; and the file lock it takes
+(:func:`worker_lock`), which a fixture computed once for all workers shares too. No torch import,
+so that a small pytest run can load it quickly (``tests/test_gpu_memory.py``)."""
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import time
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -25,7 +29,15 @@ def one_gpu_memory_module_at_a_time(request, tmp_path_factory):
     if group != GPU_MEMORY_GROUP or not hasattr(request.config, "workerinput"):
         yield
         return
-    path = tmp_path_factory.getbasetemp().parent / f"{GPU_MEMORY_GROUP}.lock"  # one directory per run, shared
+    with worker_lock(run_directory(request, tmp_path_factory) / f"{GPU_MEMORY_GROUP}.lock"):
+        yield
+
+
+@contextlib.contextmanager
+def worker_lock(path: Path, timeout_s: float = LOCK_TIMEOUT_S) -> Iterator[None]:
+    """Holds an exclusive lock on the file ``path`` (made if absent) within the block: one
+    pytest-xdist worker at a time (pass a path under ``tmp_path_factory.getbasetemp().parent``,
+    which the workers of one run share). Waiting longer than ``timeout_s`` raises ``TimeoutError``."""
     with open(path, "w") as lock:
         waited = time.monotonic()
         while True:
@@ -33,11 +45,17 @@ def one_gpu_memory_module_at_a_time(request, tmp_path_factory):
                 fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 break
             except BlockingIOError:
-                if time.monotonic() - waited > LOCK_TIMEOUT_S:
-                    raise TimeoutError(f"another xdist worker held the {GPU_MEMORY_GROUP} lock ({path}) for over "
-                                       f"{LOCK_TIMEOUT_S:.0f} s") from None
+                if time.monotonic() - waited > timeout_s:
+                    raise TimeoutError(f"another xdist worker held the lock {path} for over {timeout_s:.0f} s") from None
                 time.sleep(0.5)
         try:
             yield
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def run_directory(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A directory of this pytest run that all its xdist workers share (each worker's base
+    temporary directory sits in it), or the run's own base directory without xdist."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if hasattr(request.config, "workerinput") else base

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.gpu_memory import run_directory, worker_lock
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "scripts" / "gemm_kloop_sass.py"
 
@@ -27,16 +29,21 @@ def compiles_for_sm90() -> bool:
 
 
 @pytest.fixture(scope="module")
-def default_tiles() -> list[dict]:
+def default_tiles(request, tmp_path_factory) -> list[dict]:
     """The script's rows for default_config's mxfp4 and fp8 tiles. In a process of its own: the
-    script turns the interpreter off, which this one may run under."""
+    script turns the interpreter off, which this one may run under. Compiled once a run: the first
+    xdist worker to need them writes them where the others read them."""
     if not compiles_for_sm90():
         pytest.skip("this Triton cannot compile and disassemble sm_90 code")
-    environment = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, str(SCRIPT), "--json", "--inner", "256", "--format", "mxfp4", "fp8"],
-                          capture_output=True, text=True, env=environment, cwd=ROOT, timeout=600)
-    assert done.returncode == 0, done.stderr[-2000:]
-    return [json.loads(line) for line in done.stdout.splitlines()]
+    saved = run_directory(request, tmp_path_factory) / "gemm_kloop_sass_default_tiles.jsonl"
+    with worker_lock(saved.with_suffix(".lock")):
+        if not saved.is_file():
+            environment = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+            done = subprocess.run([sys.executable, str(SCRIPT), "--json", "--inner", "256", "--format", "mxfp4", "fp8"],
+                                  capture_output=True, text=True, env=environment, cwd=ROOT, timeout=600)
+            assert done.returncode == 0, done.stderr[-2000:]
+            saved.write_text(done.stdout)
+        return [json.loads(line) for line in saved.read_text().splitlines()]
 
 
 def test_the_lane_word_order_halves_the_short_tiles_scale_loads(default_tiles):
