@@ -4,7 +4,7 @@ One Kimi-K2 rank's experts (48; gate/up N = 4096, K = 7168; down N = 7168, K = 2
 with one fp32 scale per 128 x 128 block). At each row count the first arm is
 :func:`flatep.kernels.quant_gemm.default_config`'s tile (the Triton tiles: below
 :data:`flatep.kernels.quant_gemm.WGMMA_ROWS` rows per expert), the others are candidates, chiefly
-other pipeline depths (the defaults before bench/results/2026-12-06-h100-f among them, where that
+other pipeline depths and programs an SM (the defaults before bench/results/2026-12-06-h100-f among them, where that
 set's run put them first). The 192-row cell's first arm is the tile of
 :func:`flatep.kernels.quant_gemm.packed_launches`' hot launch (the groups of more than
 :data:`flatep.kernels.quant_gemm.HOT_ROWS` rows in a decode step), which takes
@@ -29,13 +29,19 @@ GEMMS = {"w13": (2 * INTERMEDIATE, HIDDEN), "w2": (HIDDEN, INTERMEDIATE)}  # (N,
 CANDIDATES = {
     16: [GemmConfig(16, 128, 128, num_warps=4, num_stages=5, swap_ab=True),  # the default before
          GemmConfig(16, 128, 128, num_warps=4, num_stages=4, swap_ab=True),
-         GemmConfig(16, 128, 128, num_warps=4, num_stages=6, swap_ab=True)],
+         GemmConfig(16, 128, 128, num_warps=4, num_stages=6, swap_ab=True),
+         GemmConfig(16, 128, 128, num_warps=4, num_stages=3, swap_ab=True, programs_per_sm=3)],
     32: [GemmConfig(64, 128, 128, num_warps=4, num_stages=4),  # the default before
          GemmConfig(64, 128, 128, num_warps=4, num_stages=5),
          GemmConfig(32, 128, 128, num_warps=4, num_stages=4, swap_ab=True),
-         GemmConfig(32, 128, 128, num_warps=4, num_stages=4)],
+         GemmConfig(32, 128, 128, num_warps=4, num_stages=4),
+         GemmConfig(32, 128, 128, num_warps=4, num_stages=3, swap_ab=True),
+         GemmConfig(64, 128, 128, num_warps=4, num_stages=2, programs_per_sm=4),  # more programs, fewer stages
+         GemmConfig(64, 64, 128, num_warps=4, num_stages=3, programs_per_sm=4)],
     64: [GemmConfig(64, 128, 128, num_warps=4, num_stages=4),  # the default before
-         GemmConfig(64, 128, 128, num_warps=4, num_stages=5)],
+         GemmConfig(64, 128, 128, num_warps=4, num_stages=5),
+         GemmConfig(64, 128, 128, num_warps=4, num_stages=2, programs_per_sm=4),
+         GemmConfig(64, 64, 128, num_warps=4, num_stages=3, programs_per_sm=4)],
     96: [GemmConfig(64, 128, 128, num_warps=4, num_stages=4)],
     192: [GemmConfig(64, 128, 128, num_warps=4, num_stages=3)],
 }
