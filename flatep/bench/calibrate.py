@@ -129,15 +129,19 @@ class _Steps:
         return self._pool
 
     def inputs(self, index: int):
-        """Random rows and route weights of step ``index``'s shards (kept while its ranks are timed)."""
+        """Random rows and route weights of step ``index``'s shards, and the experts' output buffer
+        (:func:`flatep.bench.timing.experts_outputs`: every timed call computes on the random
+        rows), kept while its ranks are timed."""
         import torch
+
+        from flatep.bench.timing import experts_outputs
 
         if self._inputs is None or self._inputs[0] != index:
             self._inputs = None  # free the previous step's shards first
             rows = self.plans[index][3].shard_rows  # split plans: home and slot halves
             shard = torch.randn(self.config.ranks, rows, self.config.hidden, device=self.device).to(torch.bfloat16)
             weights = torch.rand(self.config.ranks, rows, device=self.device)
-            self._inputs = (index, shard, weights)
+            self._inputs = (index, shard, weights, *experts_outputs([shard]))
         return self._inputs[1:]
 
     def measurements(self) -> list[Measurement]:
@@ -152,8 +156,8 @@ class _Steps:
 
                 def make(index=index, plan=plan, rank=rank) -> Callable[[], object]:
                     pool = self.pool()
-                    shard, weights = self.inputs(index)
-                    return lambda: experts_step(shard, weights, pool, plan, self.group, rank)
+                    shard, weights, out = self.inputs(index)
+                    return lambda: experts_step(shard, weights, pool, plan, self.group, rank, out=out)
 
                 params = dict(tokens=tokens, sigma=sigma, policy=policy, rank=rank, groups=groups,
                               total_tokens=plan.total_tokens)

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from flatep.bench.accounting import PHASES, carried, link_model_us, rank_link_bytes, rows_to_ranks, static_link_bytes
-from flatep.bench.timing import copy_ceiling_gbps, device_name, gemm_ceiling_tflops, time_us
+from flatep.bench.timing import copy_ceiling_gbps, device_name, experts_outputs, gemm_ceiling_tflops, time_us
 from flatep.config import MODEL_SHAPES, EPConfig, preset
 from flatep.experts.pool import ExpertPool
 from flatep.kernels.fp8_rows import DISPATCH_FORMATS, dispatch_row_bytes
@@ -85,7 +85,8 @@ def _ep_cell(
     dispatch_us = time_us(lambda: dispatch_step(x, weights, plan, group, **sent), **timing)
     push_us = time_us(lambda: pool.push(plan.slot_experts), **timing)
     shard, shard_weights = dispatch_step(x, weights, plan, group, **sent)
-    experts_us = time_us(lambda: experts_step(shard, shard_weights, pool, plan, group, 0), **timing)
+    [out] = experts_outputs([shard])  # every replay computes on the dispatched rows
+    experts_us = time_us(lambda: experts_step(shard, shard_weights, pool, plan, group, 0, out=out), **timing)
     combine_us = time_us(lambda: combine_step(shard, plan, group, x.shape[0], config.top_k, x.dtype), **timing)
     step_us = time_us(lambda: ep_moe(x, ids, weights, config=config, group=group, policy=policy, pool=pool, **sent),
                       **timing)

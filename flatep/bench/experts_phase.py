@@ -6,7 +6,8 @@
 The figure is the sweep's ``experts max`` (:mod:`flatep.bench.sweep`): per cell (s, maxvio) of the
 config, the arm's plan is made and dispatched as there, every rank's
 :func:`flatep.layer.experts_step` is timed (CUDA-graph replays on the GPU, ``graph_calls`` copies
-per graph) with the variants interleaved replay by replay
+per graph, writing into a buffer of its own so that every replay computes on the dispatched rows:
+:func:`flatep.bench.timing.experts_outputs`) with the variants interleaved replay by replay
 (:func:`flatep.bench.timing.time_interleaved`), and the slowest rank's median is kept. The variants
 are this tree's packed GEMMs (``packed``), another revision's (``against``: its
 ``flatep/kernels/quant_gemm.py``, or a copy of that file, loaded beside this one, its
@@ -53,7 +54,7 @@ import torch
 
 import flatep.experts.grouped as grouped
 from flatep.bench.sweep import Cell, Sweep, _random_weights, _set_up_arm, arm_policy, known_arms, resolve_backend
-from flatep.bench.timing import device_name, read_ceiling_gbps, time_interleaved
+from flatep.bench.timing import device_name, experts_outputs, read_ceiling_gbps, time_interleaved
 from flatep.kernels.fp8_rows import packs_rows
 from flatep.layer import dispatch_step, experts_step, packed_buffer, packed_rows, reads_packed_rows
 from flatep.plan.reference import make_plan
@@ -120,11 +121,11 @@ def gemms_in_use(gemms: dict[str, Callable] | None) -> Iterator[None]:
             setattr(grouped, function, original)
 
 
-def _experts_calls(shard, shard_weights, pool, setup, rank: int, backend: str, gemms: dict[str, Callable] | None,
+def _experts_calls(shard, shard_weights, out, pool, setup, rank: int, backend: str, gemms: dict[str, Callable] | None,
                    activations=None):
     def call() -> None:
         with gemms_in_use(gemms):
-            experts_step(shard, shard_weights, pool, setup.plan, setup.group, rank, backend=backend,
+            experts_step(shard, shard_weights, pool, setup.plan, setup.group, rank, backend=backend, out=out,
                          activations=activations)
     return call
 
@@ -204,7 +205,8 @@ def time_cells(
             shard, shard_weights = dispatch_into_nan(cell.x, cell.weights, setup.plan, setup.group, backend, sent,
                                                      unpack=not direct)
             activations = packed_rows(setup.group, shard) if direct else None
-            by_rank = [time_interleaved([_experts_calls(shard, shard_weights, pool, setup, rank, backend, gemms,
+            [out] = experts_outputs([shard])  # every replay computes on the dispatched rows
+            by_rank = [time_interleaved([_experts_calls(shard, shard_weights, out, pool, setup, rank, backend, gemms,
                                                         activations) for gemms in variants.values()], **timing)
                        for rank in range(config.ranks)]
             row = results[(tokens, target)]
@@ -222,10 +224,10 @@ def time_cells(
                     read / by_rank[slowest][index].median / 1e3 / ceiling if ceiling else None)
                 if profile:
                     row.setdefault("kernels_us", {})[variant] = kernel_times(
-                        _experts_calls(shard, shard_weights, pool, setup, slowest, backend, variants[variant],
+                        _experts_calls(shard, shard_weights, out, pool, setup, slowest, backend, variants[variant],
                                        activations), device)
             setup.group.close()
-            del shard, shard_weights, activations, setup
+            del shard, shard_weights, out, activations, setup
         del pool
         if device.type == "cuda":
             torch.cuda.empty_cache()

@@ -32,7 +32,8 @@ import yaml
 from flatep.bench.accounting import carried, link_model_us, plan_link_bytes, push_tables
 from flatep.kernels.fp8_rows import DISPATCH_FORMATS, check_dispatch_dtype, dispatch_row_bytes, entry_link_bytes, packs_rows
 from flatep.bench.timing import (
-    Timing, copy_ceiling_gbps, device_name, gemm_ceiling_tflops, read_ceiling_gbps, time_interleaved, time_stats,
+    Timing, copy_ceiling_gbps, device_name, experts_outputs, gemm_ceiling_tflops, read_ceiling_gbps, time_interleaved,
+    time_stats,
 )
 from flatep.config import MODEL_SHAPES, POLICIES, EPConfig, align_up, preset
 from flatep.experts.grouped import grouped_swiglu
@@ -411,6 +412,7 @@ class _ArmSetup:
     shard: Any = None
     shard_weights: Any = None
     activations: Any = None
+    experts_out: Any = None
 
 
 def _ep_cells(
@@ -442,6 +444,9 @@ def _ep_cells(
         setup.shard, setup.shard_weights = dispatch_step(cell.x, cell.weights, setup.plan, setup.group, backend,
                                                          dispatch_dtype=sent, unpack=not direct)
         setup.activations = packed_rows(setup.group, setup.shard) if direct else None
+    # Every replay of the experts computes on the dispatched rows (see experts_outputs).
+    for setup, out in zip(setups, experts_outputs([setup.shard for setup in setups])):
+        setup.experts_out = out
     short = {**timing, "calls": max(sweep.graph_calls, SHORT_PHASE_CALLS)}
     plan_t = time_interleaved(
         [lambda s=s: split_slot_rows(planner(cell.ids, config, s.policy, **s.planner_cost)) for s in setups],
@@ -452,7 +457,7 @@ def _ep_cells(
     experts_by_rank = [
         time_interleaved(
             [lambda s=s, rank=rank: experts_step(s.shard, s.shard_weights, pool, s.plan, s.group, rank, backend=backend,
-                                                 activations=s.activations)
+                                                 out=s.experts_out, activations=s.activations)
              for s in setups],
             **timing,
         )
@@ -463,7 +468,7 @@ def _ep_cells(
         **timing,
     )
     for setup in setups:
-        setup.shard = setup.shard_weights = setup.activations = None
+        setup.shard = setup.shard_weights = setup.activations = setup.experts_out = None
     step_t = [_time_whole_step(config, cell, setup, pool, backend, timing, sent) for setup in setups]
     return {
         setup.arm: _ep_row(sweep, config, cell, setup, pool, cost, plan_t[index], [by_rank[index] for by_rank in push_by_rank],

@@ -18,6 +18,22 @@ class Timing:
     max: float
 
 
+def experts_outputs(shards: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Output buffers for timing :func:`flatep.layer.experts_step` over each of ``shards``
+    (``[n, rows, H]`` or ``[rows, H]``; the rows may differ) again and again, so that every replay
+    computes on the dispatched rows: views of one buffer shaped like the tallest shard, which the
+    timed calls share (they run one at a time, and nothing reads what they write).
+
+    In place, as the layer runs (each step dispatches fresh rows), a replay would take the previous
+    one's outputs as its rows: a few replays shrink them to values as small as 1e-19, on which the
+    fp8 activation quantization's correctly rounded division takes its slow path. A Kimi-K2
+    rank's rows at s = 8192 (H100) took 1004 us to quantize that way against 618 us for rows of
+    ``torch.randn``."""
+    tallest = max(shards, key=lambda shard: shard.shape[-2])
+    buffer = torch.empty_like(tallest)
+    return [buffer[..., :shard.shape[-2], :] for shard in shards]
+
+
 def time_us(
     fn: Callable[[], object], device: torch.device, warmup: int = 3, iters: int = 10, graph: bool = False, calls: int = 1
 ) -> float:

@@ -183,10 +183,13 @@ def test_every_planned_step_runs_its_ranks_experts_on_their_own_shards():
     assert len(measurements) == len(STEP_SIGMAS) * len(STEP_POLICIES) * config.ranks
     assert any(plan.slot_base for *_, plan in steps.plans)  # some step borrows experts
     for index, measurement in enumerate(measurements):
+        shard, weights, out = steps.inputs(index // config.ranks)
+        rows = shard.clone()
         measurement.make()()
         plan = steps.plans[index // config.ranks][3]
-        shard, weights = steps.inputs(index // config.ranks)
         assert shard.shape == (config.ranks, plan.shard_rows, config.hidden) and weights.shape == shard.shape[:2]
+        # The experts write into their own buffer: every timed call computes on the same random rows.
+        assert torch.equal(shard, rows) and out.shape == shard.shape
         assert sum(measurement.params["groups"]) == int(plan.alloc[:, measurement.params["rank"]].sum())
 
 

@@ -9,12 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
+import flatep.bench.experts_phase as experts_phase
 import flatep.experts.grouped as grouped
 from flatep import EPConfig, init_group
 from flatep.bench.experts_phase import PACKED_GEMMS, dispatch_into_nan, gemms_in_use, main, revision_gemms, source_digest
 from flatep.kernels.backend import use_triton
 from flatep.kernels.dispatch import real_rows_torch
-from flatep.layer import dispatch_step, packed_rows, plan_step
+from flatep.layer import dispatch_step, experts_step, packed_rows, plan_step
 from tests.helpers import make_inputs
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -93,6 +94,22 @@ def test_cells_time_every_variant_on_every_rank(tmp_path, monkeypatch):
         # Per kernel on a GPU (the experts' GEMMs among them); the profiler is not run on the CPU.
         assert set(row["kernels_us"]) == {"packed", "against", "bf16"}
         assert all(bool(kernels) == (DEVICE.type == "cuda") for kernels in row["kernels_us"].values())
+
+
+def test_every_timed_call_computes_on_the_dispatched_rows(tmp_path, monkeypatch):
+    """The experts write into a buffer of their own, never into the shard they read: in place, each
+    replay would compute on the last one's outputs (values shrinking replay by replay)."""
+    config = tmp_path / "tiny.yaml"
+    config.write_text(TINY_MXFP4)
+    calls = []
+
+    def spy(shard, shard_weights, *args, out=None, **options):  # no host sync: CUDA graphs capture it
+        calls.append(out is not None and out.untyped_storage().data_ptr() != shard.untyped_storage().data_ptr())
+        experts_step(shard, shard_weights, *args, out=out, **options)
+
+    monkeypatch.setattr(experts_phase, "experts_step", spy)
+    main([str(config), "--tokens", "8", "--maxvio", "0", "--backend", "torch"])
+    assert calls and all(calls)
 
 
 @pytest.mark.parametrize("policy", ["exact", "none"])

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from flatep.bench.timing import time_interleaved, time_stats
+from flatep.bench.timing import experts_outputs, time_interleaved, time_stats
 
 CPU = torch.device("cpu")
 
@@ -44,3 +44,17 @@ def test_graph_rounds_replay_each_captured_function():
     # one eager call, then (2 warm-up + 5 timed) replays of 3 captured calls
     assert [int(counter) for counter in counters] == [1 + 7 * 3] * 2
     assert all(timing.median > 0 for timing in timings)
+
+
+@pytest.mark.parametrize("stacked", [True, False])
+def test_experts_outputs_are_views_of_one_buffer_shaped_like_each_shard(stacked):
+    """One buffer for the tallest shard, a view of it shaped like each shard, none of them a shard's memory."""
+    lead = (3,) if stacked else ()
+    shards = [torch.randn(*lead, rows, 8).bfloat16() for rows in (5, 12, 7)]
+    outputs = experts_outputs(shards)
+    assert [out.shape for out in outputs] == [shard.shape for shard in shards]
+    assert all(out.dtype == torch.bfloat16 and out.stride(-1) == 1 for out in outputs)
+    assert len({out.untyped_storage().data_ptr() for out in outputs}) == 1
+    assert outputs[0].untyped_storage().nbytes() == shards[1].untyped_storage().nbytes()
+    assert not any(out.untyped_storage().data_ptr() == shard.untyped_storage().data_ptr()
+                   for out in outputs for shard in shards)
