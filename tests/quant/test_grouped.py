@@ -352,6 +352,31 @@ def test_fp8_activation_quantization_kernel_equals_torch():
 
 
 @needs_triton
+def test_fp8_activation_quantization_of_negligible_values_equals_torch():
+    """Values whose quotient by their group's scale lies around 2**-11 .. 2**-9 (the kernel writes a
+    zero of their sign without dividing below 2**-11; e4m3's smallest step is 2**-9), zeros of
+    both signs, and groups of values far below the scale's floor (1e-30): bit for bit as torch."""
+    generator = torch.Generator().manual_seed(11)
+    magnitudes = 2.0 ** (torch.rand(16, 256, generator=generator) * 20 - 24)  # 2**-24 .. 2**-4 of the amax
+    signs = torch.where(torch.rand(16, 256, generator=generator) < 0.5, -1.0, 1.0)
+    x = signs * magnitudes * 448  # the amax column makes the scale 1: quotients 448 * 2**-24 .. 448 * 2**-4
+    x[:, ::128] = 448.0
+    x[:8] /= 448 * 2**12  # quotients around 2**-11 .. 2**-9 for the first rows' groups
+    x[3, 7:60] = 0.0
+    x[4, 7:60] = -0.0
+    x[12] *= 1e-30  # a group far below the 1e-10 amax floor: every quotient negligible
+    x = x.bfloat16().to(DEVICE)
+    end = torch.tensor([16], dtype=torch.int32, device=DEVICE)
+    values, scales = quantize_fp8_activations_triton(x, end)
+    expected_values, expected_scales = quantize_fp8_activations(x)
+    assert torch.equal(scales, expected_scales)
+    assert torch.equal(values.float(), expected_values.float())
+    if DEVICE.type == "cuda":  # the interpreter's rounding drops the sign of a zero; the GPU's cast keeps it
+        assert torch.equal(values.view(torch.uint8), expected_values.view(torch.uint8))
+    assert 0 < int((expected_values.float() == 0).sum()) < values.numel()  # negligible values and others both
+
+
+@needs_triton
 @pytest.mark.parametrize("programs", [1, 2, 3])
 @pytest.mark.parametrize("skip", [None, (9, 40)])
 def test_fp8_activation_quantization_strides_over_the_row_blocks_before_the_end(programs, skip):
