@@ -229,7 +229,7 @@ class GemmConfig:
                          f"g{self.group_m} p{self.programs_per_sm}", *options])
 
 
-_FP8_TALL = GemmConfig(64, 128, 128, num_warps=4, num_stages=4)  # fp8 Triton tiles from 17 rows per group
+_FP8_TALL = GemmConfig(64, 128, 128, num_warps=4, num_stages=4)  # fp8 Triton tiles past HOT_ROWS rows per group (3 stages from 17)
 
 WGMMA_ROWS = 128
 """Rows per group from which :func:`default_config` takes the Gluon fp8 kernel
@@ -263,7 +263,9 @@ def default_config(rows: int, groups: int, format: str, device: torch.device | N
       H100 (``bench/scripts/fp8_tile_sweep.py``, bench/results/2026-12-06-h100-f; a Kimi-K2 rank)
       the swapped 16-row tile at 3 stages took 490 and 258 us (gate/up, down) against 500 and 259
       at 5, and the 64-row tile at 3 stages 513 and 271 us at 32 rows per expert, 545 and 286 at 64,
-      against 525 and 277, 563 and 289 at 4.
+      against 525 and 277, 563 and 289 at 4. Past :data:`HOT_ROWS` rows per group four stages
+      again (bench/results/2026-12-06-h100-g): 594 and 321 us at 96 rows against 634 and 347 at 3,
+      and 801 and 461 at 192 against 860 and 484.
     - mxfp4 (timed again since the pools store the scales column-fastest, bench/results/2026-12-05-h200-d):
       short tiles are not swapped. A 16- or 32-row tile then runs on ``mma.sync`` (16 rows
       tall), and Triton decodes the weight words straight into the MMA's operand registers, with
@@ -299,7 +301,7 @@ def default_config(rows: int, groups: int, format: str, device: torch.device | N
                               num_stages=WGMMA_STAGES, programs_per_sm=1, wgmma=True)
         if per_group <= 16:
             return GemmConfig(16, 128, 128, num_warps=4, num_stages=3, swap_ab=True)
-        if per_group < WGMMA_ROWS:
+        if per_group <= HOT_ROWS:
             return dataclasses.replace(_FP8_TALL, num_stages=3)
         return _FP8_TALL
     if per_group <= 16:
