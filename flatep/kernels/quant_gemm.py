@@ -401,14 +401,13 @@ def _e4m3_rows(x, ROUND_FIRST: tl.constexpr):
     # div_rn, not ``/``: Triton's fp32 ``/`` is the GPU's approximate division (up to 2 ulp off),
     # which put a few values in a million on the next e4m3 code.
     scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-10) * _E4M3_RECIPROCAL
-    # div_rn takes a slow path for a zero, tiny, NaN or infinite operand (rows of 1e-19 quantized
-    # 1.6x slower on an H100), which zero rows (a padded batch's) and a reused buffer's stale rows
-    # hold. It divides only where the quotient is at least 2**-11 with a finite scale; elsewhere
-    # the quotient is a zero of x's sign on the e4m3 grid (its smallest step is 2**-9) or NaN, which
-    # the approximate division gets right too.
-    regular = (tl.abs(x) >= scale[:, None] * 0.00048828125) & (scale < float("inf"))[:, None]  # scale >= 2**-42: exact
-    exact = tl.math.div_rn(tl.where(regular, x, 1.0), tl.where(regular, scale[:, None], 1.0))
-    q = tl.minimum(tl.maximum(tl.where(regular, exact, x / scale[:, None]), -_E4M3_MAX), _E4M3_MAX)
+    # A quotient below 2**-11 rounds to a zero of x's sign on the e4m3 grid (its smallest step is
+    # 2**-9). Those values divide the scale by itself instead: div_rn takes a slow path for a zero
+    # or tiny dividend (rows of 1e-19 quantized 1.6x slower on an H100), and zero rows are common
+    # (a padded batch's).
+    negligible = tl.abs(x) < scale[:, None] * 0.00048828125  # 2**-11 times a scale of at least 2**-42: exact
+    quotient = tl.math.div_rn(tl.where(negligible, scale[:, None], x), scale[:, None])
+    q = tl.minimum(tl.maximum(tl.where(negligible, x * 0.0, quotient), -_E4M3_MAX), _E4M3_MAX)
     if ROUND_FIRST:
         q = _round_to_e4m3(q)
     return q, scale
