@@ -403,8 +403,8 @@ def _e4m3_rows(x, ROUND_FIRST: tl.constexpr):
     scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-10) * _E4M3_RECIPROCAL
     # A quotient below 2**-11 rounds to a zero of x's sign on the e4m3 grid (its smallest step is
     # 2**-9). Those values divide the scale by itself instead: div_rn takes a slow path for a zero
-    # or tiny dividend (rows of 1e-19 quantized 1.6x slower on an H100), and zero rows are common
-    # (a padded batch's).
+    # or tiny dividend, which zero rows (a padded batch's) hold (bench/scripts/act_quant_data.py
+    # times such rows).
     negligible = tl.abs(x) < scale[:, None] * 0.00048828125  # 2**-11 times a scale of at least 2**-42: exact
     quotient = tl.math.div_rn(tl.where(negligible, scale[:, None], x), scale[:, None])
     q = tl.minimum(tl.maximum(tl.where(negligible, x * 0.0, quotient), -_E4M3_MAX), _E4M3_MAX)
