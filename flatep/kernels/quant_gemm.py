@@ -229,7 +229,8 @@ class GemmConfig:
                          f"g{self.group_m} p{self.programs_per_sm}", *options])
 
 
-_FP8_TALL = GemmConfig(64, 128, 128, num_warps=4, num_stages=4)  # fp8 Triton tiles past HOT_ROWS rows per group (3 stages from 17)
+# fp8 Triton tiles past HOT_ROWS rows per group (from 17 rows, the same tile at 3 stages)
+_FP8_TALL = GemmConfig(64, 128, 128, num_warps=4, num_stages=4)
 
 WGMMA_ROWS = 128
 """Rows per group from which :func:`default_config` takes the Gluon fp8 kernel
@@ -260,11 +261,11 @@ def default_config(rows: int, groups: int, format: str, device: torch.device | N
       s = 8192 (about 1400 rows per expert) took 0.67x bf16's time on an H100 (0.59x with fp8
       dispatch, which leaves the experts no rows to quantize), against 0.992x with the 64 x 128
       tile (bench/results/2026-12-06-h100-c and 2026-12-06-h100); 0.689x in
-      bench/results/2026-12-06-h100-g, whose replays compute on the dispatched rows, not in place. Below that, three stages: on an
-      H100 (``bench/scripts/fp8_tile_sweep.py``, bench/results/2026-12-06-h100-f; a Kimi-K2 rank)
-      the swapped 16-row tile at 3 stages took 490 and 258 us (gate/up, down) against 500 and 259
-      at 5, and the 64-row tile at 3 stages 513 and 271 us at 32 rows per expert, 545 and 286 at 64,
-      against 525 and 277, 563 and 289 at 4. Past :data:`HOT_ROWS` rows per group four stages
+      bench/results/2026-12-06-h100-g, whose replays compute on the dispatched rows, not in place.
+      Below that, three stages: on an H100 (``bench/scripts/fp8_tile_sweep.py``,
+      bench/results/2026-12-06-h100-f; a Kimi-K2 rank) the swapped 16-row tile at 3 stages took
+      490 and 258 us (gate/up, down) against 500 and 259 at 5, and the 64-row tile at 3 stages 513
+      and 271 us at 32 rows per expert, 545 and 286 at 64, against 525 and 277, 563 and 289 at 4. Past :data:`HOT_ROWS` rows per group four stages
       again (bench/results/2026-12-06-h100-g): 594 and 321 us at 96 rows against 634 and 347 at 3,
       and 801 and 461 at 192 against 860 and 484.
     - mxfp4 (timed again since the pools store the scales column-fastest, bench/results/2026-12-05-h200-d):
@@ -403,9 +404,9 @@ def _e4m3_rows(x, ROUND_FIRST: tl.constexpr):
     # which put a few values in a million on the next e4m3 code.
     scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-10) * _E4M3_RECIPROCAL
     # A quotient below 2**-11 rounds to a zero of x's sign on the e4m3 grid (its smallest step is
-    # 2**-9). Those values divide the scale by itself instead: div_rn takes a slow path for a zero
-    # or tiny dividend, which zero rows (a padded batch's) hold (bench/scripts/act_quant_data.py
-    # times such rows).
+    # 2**-9). Those values divide the scale by itself instead: div_rn takes a slow path for a tiny
+    # dividend (rows fed through an experts step again and again shrink to 1e-19 and below), and
+    # zeros (a padded batch's rows) skip it too. bench/scripts/act_quant_data.py times such rows.
     negligible = tl.abs(x) < scale[:, None] * 0.00048828125  # 2**-11 times a scale of at least 2**-42: exact
     quotient = tl.math.div_rn(tl.where(negligible, scale[:, None], x), scale[:, None])
     q = tl.minimum(tl.maximum(tl.where(negligible, x * 0.0, quotient), -_E4M3_MAX), _E4M3_MAX)
