@@ -1,9 +1,10 @@
 """Result set: the fp8 activation quantization (flatep.kernels.quant_gemm.quantize_fp8_activations_triton)
 on rows of different data, K = 7168 (Kimi-K2's hidden size): the CUDA-graph time of one call
-(flatep.bench.timing.time_us: 5 calls per graph, median of 10 replays) of the tree's kernel, beside
-the same loop dividing every value with div_rn (the correctly rounded division, which the kernel
-used for every value before it left out the values whose quotient is below 2**-11, a zero on the
-e4m3 grid) and with the approximate division. Rows: torch.randn; randn times 1e-19 (the size that rows fed back
+(flatep.bench.timing.time_us: 5 calls per graph, median of 10 replays) of the tree's kernel (for
+bf16 rows, the product with each row's reciprocal and one fma correction, which rounds as the
+division does for every bf16 value), beside the same loop dividing every value with div_rn (the
+correctly rounded division, the kernel's arithmetic before) and with the approximate division (not
+exact: a reference point). Rows: torch.randn; randn times 1e-19 (the size that rows fed back
 through an experts step in place shrink to); randn with 10% zeros; zeros; randn with 3% NaN rows
 (a reused buffer's stale rows). Bytes moved per call: rows x K x 3 (bf16 read, e4m3 written).
 Each data's values and scales from the tree's kernel are compared with

@@ -76,7 +76,7 @@ def _swiglu_weighted_kernel(
             # The bf16 rows the unquantized path stores, then the fp8 GEMM's own quantization of them.
             GROUPS: tl.constexpr = BLOCK_I // _FP8_GROUP
             rounded = tl.reshape(activated.to(tl.bfloat16).to(tl.float32), [BLOCK_M * GROUPS, _FP8_GROUP])
-            values, scales = _e4m3_rows(rounded, ROUND_FIRST)
+            values, scales = _e4m3_rows(rounded, True, ROUND_FIRST)
             tl.store(out_rows, tl.reshape(values, [BLOCK_M, BLOCK_I]).to(out_ptr.dtype.element_ty), mask=mask)
             group = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
             scale_rows = scale_ptr + row.to(tl.int64)[:, None] * scale_stride + group[None, :]

@@ -394,22 +394,35 @@ def _round_to_e4m3(x):
 
 
 @triton.jit
-def _e4m3_rows(x, ROUND_FIRST: tl.constexpr):
+def _e4m3_rows(x, FROM_BF16: tl.constexpr, ROUND_FIRST: tl.constexpr):
     """DeepSeek-V3's activation quantization of fp32 ``x [N, GROUP]`` (one column group per row):
     ``(values [N, GROUP] fp32 on the e4m3 grid, scales [N] fp32)``, ``scale = max(amax, 1e-10) / 448``
-    (a product with the fp32 reciprocal, as :func:`flatep.quant.quantize_fp8_activations` defines it).
-    ``ROUND_FIRST`` rounds the values to the grid here (the interpreter's fp32 -> e4m3 cast drops
-    carries: 127.2 -> 64); the hardware's cast rounds them itself."""
-    # div_rn, not ``/``: Triton's fp32 ``/`` is the GPU's approximate division (up to 2 ulp off),
-    # which put a few values in a million on the next e4m3 code.
+    (a product with the fp32 reciprocal, as :func:`flatep.quant.quantize_fp8_activations` defines it),
+    values ``x / scale`` correctly rounded to fp32, then to e4m3. ``FROM_BF16``: ``x`` holds bf16
+    values (upcast). ``ROUND_FIRST`` rounds the values to the grid here (the interpreter's fp32 ->
+    e4m3 cast drops carries: 127.2 -> 64); the hardware's cast rounds them itself."""
     scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-10) * _E4M3_RECIPROCAL
-    # A quotient below 2**-11 rounds to a zero of x's sign on the e4m3 grid (its smallest step is
-    # 2**-9). Those values divide the scale by itself instead: div_rn takes a slow path for a tiny
-    # dividend (rows fed through an experts step again and again shrink to 1e-19 and below), and
-    # zeros (a padded batch's rows) skip it too. bench/scripts/act_quant_data.py times such rows.
-    negligible = tl.abs(x) < scale[:, None] * 0.00048828125  # 2**-11 times a scale of at least 2**-42: exact
-    quotient = tl.math.div_rn(tl.where(negligible, scale[:, None], x), scale[:, None])
-    q = tl.minimum(tl.maximum(tl.where(negligible, x * 0.0, quotient), -_E4M3_MAX), _E4M3_MAX)
+    if FROM_BF16 and not ROUND_FIRST:
+        # The quantization is bound by instructions, not memory, and a correctly rounded division
+        # (div_rn) costs a dozen a value, with a slow path for zero dividends. For bf16 values one
+        # product with the row's reciprocal and one Newton step with an exact remainder (two fmas)
+        # give the same e4m3 value as x / scale for every bf16 x and amax: checked exhaustively
+        # (tests/quant/test_grouped.py). The fp32 quotient itself is the correctly rounded one down
+        # to |x| ~ 1e-37, where the remainder underflows, far below e4m3's smallest step.
+        reciprocal = tl.math.div_rn(1.0, scale)
+        # A row holding inf has scale inf and reciprocal 0: leave its finite values' zeros (x / inf)
+        # uncorrected, as inf * 0 would make them NaN.
+        divisor = tl.where(reciprocal == 0.0, 0.0, scale)
+        estimate = x * reciprocal[:, None]
+        # scale * estimate - x, not x - scale * estimate: the step then keeps the sign of a zero.
+        excess = tl.fma(divisor[:, None], estimate, -x)
+        quotient = tl.fma(-excess, reciprocal[:, None], estimate)
+    else:
+        # div_rn, not ``/``: Triton's fp32 ``/`` is the GPU's approximate division (up to 2 ulp
+        # off), which put a few values in a million on the next e4m3 code.
+        quotient = tl.math.div_rn(x, scale[:, None])
+    # NaN stays NaN, as torch's clamp keeps it (min and max alone would make it -448 or 448).
+    q = tl.clamp(quotient, -_E4M3_MAX, _E4M3_MAX, propagate_nan=tl.PropagateNan.ALL)
     if ROUND_FIRST:
         q = _round_to_e4m3(q)
     return q, scale
@@ -426,6 +439,7 @@ def _act_quant_kernel(
     first_end, second_start, end = row_runs(end_ptr, rows, skip_ptr, skip_stop)
     blocks = run_block_count(first_end, second_start, end, BLOCK_M)
     column = tl.program_id(1) * GROUP + tl.arange(0, GROUP)
+    FROM_BF16: tl.constexpr = x_ptr.dtype.element_ty == tl.bfloat16
     block = tl.program_id(0)
     while block < blocks:  # a while loop: Triton 3.6's interpreter takes no loaded value as a range bound
         first, stop = run_block(block, first_end, second_start, end, BLOCK_M)
@@ -433,7 +447,7 @@ def _act_quant_kernel(
         row_mask = row < stop
         mask = row_mask[:, None] & (column < K)[None, :]
         x = tl.load(x_ptr + row[:, None] * stride_x + column[None, :], mask=mask, other=0.0).to(tl.float32)
-        q, scale = _e4m3_rows(x, ROUND_FIRST)
+        q, scale = _e4m3_rows(x, FROM_BF16, ROUND_FIRST)
         tl.store(q_ptr + row[:, None] * stride_q + column[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
         tl.store(s_ptr + row * stride_s + tl.program_id(1), scale, mask=row_mask)
         block += tl.num_programs(0)

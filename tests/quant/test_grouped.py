@@ -36,6 +36,7 @@ from flatep.quant import (
     quantize_fp8_activations,
     to_word_layout,
 )
+from flatep.quant.fp8 import E4M3_RECIPROCAL
 from tests.helpers import DEVICE, relative_error, second_pass_flags
 
 triton_available = DEVICE.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
@@ -353,9 +354,9 @@ def test_fp8_activation_quantization_kernel_equals_torch():
 
 @needs_triton
 def test_fp8_activation_quantization_of_negligible_values_equals_torch():
-    """Values whose quotient by their group's scale lies around 2**-11 .. 2**-9 (the kernel writes a
-    zero of their sign without dividing below 2**-11; e4m3's smallest step is 2**-9), zeros of
-    both signs, and groups of values far below the scale's floor (1e-30): bit for bit as torch."""
+    """Values whose quotient by their group's scale lies around 2**-11 .. 2**-9 (e4m3's smallest
+    step is 2**-9), zeros of both signs, and groups of values far below the scale's floor (1e-30):
+    bit for bit as torch."""
     generator = torch.Generator().manual_seed(11)
     magnitudes = 2.0 ** (torch.rand(16, 256, generator=generator) * 20 - 24)  # 2**-24 .. 2**-4 of the amax
     signs = torch.where(torch.rand(16, 256, generator=generator) < 0.5, -1.0, 1.0)
@@ -374,6 +375,63 @@ def test_fp8_activation_quantization_of_negligible_values_equals_torch():
     if DEVICE.type == "cuda":  # the interpreter's rounding drops the sign of a zero; the GPU's cast keeps it
         assert torch.equal(values.view(torch.uint8), expected_values.view(torch.uint8))
     assert 0 < int((expected_values.float() == 0).sum()) < values.numel()  # negligible values and others both
+
+
+def bf16_amax_and_values(amax_bits: torch.Tensor, binades: int = 24) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each positive bf16 ``amax`` (``amax_bits [A]`` int16 bit patterns) with every bf16 value ``x``
+    from ``amax * 2**-binades`` to ``amax`` (below that, a quotient by the scale is under
+    448 * 2**-24, far below e4m3's smallest step): ``(amax [A] fp32, x [A, 128 * binades + 1] fp32)``."""
+    below = torch.arange(128 * binades + 1, dtype=torch.int32)  # bf16 has 7 mantissa bits: 128 values a binade
+    x_bits = (amax_bits.to(torch.int32)[:, None] - below[None, :]).clamp_min(1)  # positive bf16 bits are monotone
+    to_float = lambda bits: bits.to(torch.int16).view(torch.bfloat16).float()  # noqa: E731
+    return to_float(amax_bits), to_float(x_bits)
+
+
+def test_fp8_quantization_by_reciprocal_equals_the_division_for_every_bf16_value():
+    """The GPU kernel's quotient (``_e4m3_rows`` for bf16 rows): ``e = x * RN(1 / scale)``, then
+    ``e - (scale * e - x) * RN(1 / scale)`` with the remainder exact (an fma), rounds to the same
+    e4m3 value as ``x / scale`` for every positive bf16 amax of these binades (all 128 mantissas:
+    subnormal, around the scale's 1e-10 floor, 1, the largest) and every bf16 x up to 24 binades
+    below it; by symmetry for negative values too. The fmas are emulated in float64: the remainder
+    is exact there, and the sum rounds twice only if float64 lands on an fp32 midpoint (asserted
+    not to happen). The GPU test of the kernel itself runs every bf16 amax."""
+    exponents = torch.tensor([-133, -34, -33, -32, 0, 127])  # 2**-133 subnormal; 1e-10 ~ 2**-33.2
+    amax_bits = ((exponents[:, None] + 127) * 128 + torch.arange(128)[None, :]).clamp(1, 0x7F7F).reshape(-1)
+    amax, x = bf16_amax_and_values(amax_bits.to(torch.int16))
+    scale = (amax.clamp_min(1e-10) * E4M3_RECIPROCAL)[:, None]
+    reciprocal = 1.0 / scale
+    estimate = x * reciprocal
+    excess = (scale.double() * estimate.double() - x.double()).float()  # exact, then rounded once
+    corrected = estimate.double() - excess.double() * reciprocal.double()
+    assert not bool(((corrected.view(torch.int64) & (2**29 - 1)) == 2**28).any())  # no fp32 midpoint in float64
+    to_e4m3 = lambda q: q.clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8)  # noqa: E731
+    expected = to_e4m3(x / scale)
+    assert not torch.equal(to_e4m3(estimate), expected)  # the product alone is off in some cases
+    assert torch.equal(to_e4m3(corrected.float()), expected)
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="every bf16 amax: too large for the interpreter")
+def test_fp8_activation_quantization_of_every_bf16_value_equals_torch():
+    """The kernel over every positive finite bf16 amax, each with every bf16 value up to 24 binades
+    below it (signs alternating) in groups of 128 led by the amax; rows holding +-inf (whose finite
+    values quantize to zeros of their sign) and zeros of both signs: bit for bit as torch."""
+    amax, x = bf16_amax_and_values(torch.arange(1, 0x7F80, dtype=torch.int32).to(torch.int16))
+    width = 127  # values a group besides its amax
+    per_amax = -(-x.shape[1] // width)
+    x = torch.nn.functional.pad(x, (0, per_amax * width - x.shape[1]))  # zeros: a group's padding
+    x = x * torch.where(torch.arange(x.shape[1]) % 2 == 0, 1.0, -1.0)
+    leaders = amax.repeat_interleave(per_amax)[:, None]
+    rows = torch.cat([leaders, x.reshape(-1, width)], dim=1)  # [groups, 128]: one group a row
+    rows[:3, 5] = torch.tensor([float("inf"), -float("inf"), 0.0])
+    rows[2, 6:100] = -0.0
+    rows = rows.bfloat16().to(DEVICE)
+    end = torch.tensor([rows.shape[0]], dtype=torch.int32, device=DEVICE)
+    got_values, got_scales = quantize_fp8_activations_triton(rows, end)
+    want_values, want_scales = quantize_fp8_activations(rows)
+    assert torch.equal(got_scales, want_scales)
+    nan = want_values.float().isnan()  # inf / inf: NaN, whose sign bit may differ
+    assert int(nan.sum()) == 2 and torch.equal(got_values.float().isnan(), nan)
+    assert torch.equal(got_values.view(torch.uint8)[~nan], want_values.view(torch.uint8)[~nan])
 
 
 @needs_triton
