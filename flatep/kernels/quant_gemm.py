@@ -413,11 +413,14 @@ def _e4m3_rows(x, FROM_BF16: tl.constexpr, ROUND_FIRST: tl.constexpr):
         reciprocal = tl.math.div_rn(1.0, scale)
         # A row holding inf has scale inf and reciprocal 0: leave its finite values' zeros (x / inf)
         # uncorrected, as inf * 0 would make them NaN.
-        divisor = tl.where(reciprocal == 0.0, 0.0, scale)
+        divisor = tl.where(reciprocal == 0.0, 0.0, -scale)
         estimate = x * reciprocal[:, None]
-        # scale * estimate - x, not x - scale * estimate: the step then keeps the sign of a zero.
-        excess = tl.fma(divisor[:, None], estimate, -x)
-        quotient = tl.fma(-excess, reciprocal[:, None], estimate)
+        remainder = tl.fma(divisor[:, None], estimate, x)  # x - scale * estimate, exact
+        quotient = tl.fma(remainder, reciprocal[:, None], estimate)
+        # The sum of zeros of both signs is +0: a negative x whose quotient is zero (x = -0) gets
+        # its sign back, as x / scale keeps it. Other quotients already have x's sign.
+        sign = x.to(tl.int32, bitcast=True) & -2147483648
+        quotient = (quotient.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
     else:
         # div_rn, not ``/``: Triton's fp32 ``/`` is the GPU's approximate division (up to 2 ulp
         # off), which put a few values in a million on the next e4m3 code.

@@ -389,7 +389,7 @@ def bf16_amax_and_values(amax_bits: torch.Tensor, binades: int = 24) -> tuple[to
 
 def test_fp8_quantization_by_reciprocal_equals_the_division_for_every_bf16_value():
     """The GPU kernel's quotient (``_e4m3_rows`` for bf16 rows): ``e = x * RN(1 / scale)``, then
-    ``e - (scale * e - x) * RN(1 / scale)`` with the remainder exact (an fma), rounds to the same
+    ``e + (x - scale * e) * RN(1 / scale)`` with the remainder exact (an fma), rounds to the same
     e4m3 value as ``x / scale`` for every positive bf16 amax of these binades (all 128 mantissas:
     subnormal, around the scale's 1e-10 floor, 1, the largest) and every bf16 x up to 24 binades
     below it; by symmetry for negative values too. The fmas are emulated in float64: the remainder
@@ -401,8 +401,8 @@ def test_fp8_quantization_by_reciprocal_equals_the_division_for_every_bf16_value
     scale = (amax.clamp_min(1e-10) * E4M3_RECIPROCAL)[:, None]
     reciprocal = 1.0 / scale
     estimate = x * reciprocal
-    excess = (scale.double() * estimate.double() - x.double()).float()  # exact, then rounded once
-    corrected = estimate.double() - excess.double() * reciprocal.double()
+    remainder = (x.double() - scale.double() * estimate.double()).float()  # exact, then rounded once
+    corrected = estimate.double() + remainder.double() * reciprocal.double()
     assert not bool(((corrected.view(torch.int64) & (2**29 - 1)) == 2**28).any())  # no fp32 midpoint in float64
     to_e4m3 = lambda q: q.clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8)  # noqa: E731
     expected = to_e4m3(x / scale)
