@@ -403,13 +403,13 @@ def _e4m3_rows(x, FROM_BF16: tl.constexpr, ROUND_FIRST: tl.constexpr):
     e4m3 cast drops carries: 127.2 -> 64); the hardware's cast rounds them itself."""
     scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-10) * _E4M3_RECIPROCAL
     if FROM_BF16 and not ROUND_FIRST:
-        # A correctly rounded division (div_rn) a value made this kernel instruction-bound, with a
-        # slow path for zero dividends (bench/scripts/act_quant_data.py). For bf16 values one
-        # product with the row's reciprocal and one Newton step with an exact remainder (two fmas)
-        # give the same e4m3 value as x / scale for every bf16 x and amax: checked exhaustively
-        # (tests/quant/test_grouped.py). The fp32 quotient itself is the correctly rounded one down
-        # to |x| ~ 1e-37, where the remainder underflows, far below e4m3's smallest step. In a
-        # local sm_90 compile a thread's 32 values take 584 instructions, against 1104 with div_rn.
+        # A correctly rounded division (div_rn) a value takes a slow path for zero dividends: all-zero
+        # rows took 977 us against 589 for random ones on an H100 (bench/scripts/act_quant_data.py,
+        # bench/results/2026-12-06-h100-h). For bf16 values one product with the row's reciprocal and
+        # one Newton step with an exact remainder (two fmas) give the same e4m3 value as x / scale
+        # for every bf16 x and amax: checked exhaustively (tests/quant/test_grouped.py). The fp32
+        # quotient itself is the correctly rounded one down to |x| ~ 1e-37, where the remainder
+        # underflows, far below e4m3's smallest step. It runs at div_rn's fast-path speed on any rows.
         reciprocal = tl.math.div_rn(1.0, scale)
         # A row holding inf has scale inf and reciprocal 0: leave its finite values' zeros (x / inf)
         # uncorrected, as inf * 0 would make them NaN.
