@@ -27,9 +27,9 @@ def experts_outputs(shards: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     In place, as the layer runs (each step dispatches fresh rows), a replay would take the previous
     one's outputs as its rows, which shrink replay by replay (to 1e-19 and below after 20 replays
     of a small random pool on the CPU), and on which the fp8 activation quantization's correctly
-    rounded division takes its slow path: in a Kimi-K2 rank's profile at s = 8192 on an H100 it
-    took 1009 us in place (bench/results/2026-12-06-h100-c), and 733 us on the dispatched rows
-    (2026-12-06-h100-g, where the division also skips negligible values)."""
+    rounded division took its slow path (for zero dividends: bench/results/2026-12-06-h100-h): in
+    a Kimi-K2 rank's profile at s = 8192 on an H100 it took 1009 us in place
+    (bench/results/2026-12-06-h100-c), and 733 us on the dispatched rows (2026-12-06-h100-g)."""
     tallest = max(shards, key=lambda shard: shard.shape[-2])
     buffer = torch.empty_like(tallest)
     return [buffer[..., :shard.shape[-2], :] for shard in shards]

@@ -50,7 +50,8 @@ gate/up 0.645x bf16's time against 0.734x before, down 0.607x against 0.766x; at
 expert 0.570x and 0.563x against 0.694x and 0.630x. A Kimi-K2 rank's whole experts phase at s = 8192
 (bench/results/2026-12-06-h100-c, H100): 0.672x bf16's time (0.586x with fp8 dispatch, whose rows
 the experts need not quantize), against 0.814x before warp specialization; 0.689x on another H100
-with every replay computing on the dispatched rows rather than in place (2026-12-06-h100-g).
+with every replay computing on the dispatched rows rather than in place (2026-12-06-h100-g), and
+0.642x once the rows' quantization multiplied by a reciprocal (2026-12-06-h100-h).
 
 Gluon (``triton.experimental.gluon``) is Triton's lower-level language with explicit layouts,
 shared memory, barriers, asynchronous MMAs and warp specialization; it has no interpreter, so this

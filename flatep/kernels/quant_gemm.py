@@ -261,7 +261,8 @@ def default_config(rows: int, groups: int, format: str, device: torch.device | N
       s = 8192 (about 1400 rows per expert) took 0.67x bf16's time on an H100 (0.59x with fp8
       dispatch, which leaves the experts no rows to quantize), against 0.992x with the 64 x 128
       tile (bench/results/2026-12-06-h100-c and 2026-12-06-h100); 0.689x in
-      bench/results/2026-12-06-h100-g, whose replays compute on the dispatched rows, not in place.
+      bench/results/2026-12-06-h100-g, whose replays compute on the dispatched rows, not in place,
+      and 0.642x with the quantization by reciprocal (bench/results/2026-12-06-h100-h).
       Below that, three stages: on an H100 (``bench/scripts/fp8_tile_sweep.py``,
       bench/results/2026-12-06-h100-f; a Kimi-K2 rank) the swapped 16-row tile at 3 stages took
       490 and 258 us (gate/up, down) against 500 and 259 at 5, and the 64-row tile at 3 stages 513
