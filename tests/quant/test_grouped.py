@@ -410,6 +410,48 @@ def test_fp8_quantization_by_reciprocal_equals_the_division_for_every_bf16_value
     assert torch.equal(to_e4m3(corrected.float()), expected)
 
 
+@triton.jit
+def _fma_kernel(out_ptr, a, b, c):
+    tl.store(out_ptr, tl.fma(a, b, c))
+
+
+@triton.jit
+def _quotients_kernel(x_ptr, quotient_ptr, scale_ptr, ROWS: tl.constexpr, GROUP: tl.constexpr):
+    """``_e4m3_rows``' reciprocal branch on bf16 ``x [ROWS, GROUP]``: its fp32 quotients (clamped,
+    not yet rounded to e4m3) and scales."""
+    row, column = tl.arange(0, ROWS), tl.arange(0, GROUP)
+    x = tl.load(x_ptr + row[:, None] * GROUP + column[None, :]).to(tl.float32)
+    quotient, scale = quant_gemm._e4m3_rows(x, True, False)
+    tl.store(quotient_ptr + row[:, None] * GROUP + column[None, :], quotient)
+    tl.store(scale_ptr + row, scale)
+
+
+@needs_triton
+def test_fp8_quantization_by_reciprocal_gives_the_correctly_rounded_quotients():
+    """The reciprocal branch's Triton code (the GPU's path; the interpreter otherwise divides),
+    run where ``tl.fma`` rounds once: the fp32 quotients are ``x / scale``'s, bit for bit, over
+    values spanning 2**-30 .. 2**10 of their amax, zeros of both signs, a row below the scale's
+    1e-10 floor, and rows holding +-inf (finite values give zeros of their sign, inf gives NaN)."""
+    out = torch.empty(1, device=DEVICE)
+    _fma_kernel[(1,)](out, 1 + 2**-12, 1 + 2**-12, -(1 + 2**-11))
+    if float(out) != 2**-24:
+        pytest.skip("this Triton's interpreter rounds tl.fma twice (a product, then a sum)")
+    generator = torch.Generator().manual_seed(23)
+    x = 2.0 ** (torch.rand(16, 128, generator=generator) * 40 - 30) * torch.randn(16, 128, generator=generator).sign()
+    x[3, ::3], x[4, ::3] = 0.0, -0.0
+    x[5] *= 1e-25  # amax below 1e-10: the floor is the scale
+    x[6, 9], x[7, 10] = float("inf"), -float("inf")
+    x = x.bfloat16().to(DEVICE)
+    quotients, scales = torch.empty(16, 128, device=DEVICE), torch.empty(16, device=DEVICE)
+    _quotients_kernel[(1,)](x, quotients, scales, ROWS=16, GROUP=128)
+    want_scales = x.float().abs().amax(dim=1).clamp_min(1e-10) * E4M3_RECIPROCAL
+    want = (x.float() / want_scales[:, None]).clamp(-448, 448)
+    assert torch.equal(scales, want_scales)
+    nan = want.isnan()
+    assert int(nan.sum()) == 2 and torch.equal(quotients.isnan(), nan)
+    assert torch.equal(quotients.view(torch.int32)[~nan], want.view(torch.int32)[~nan])  # zeros' signs included
+
+
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="every bf16 amax: too large for the interpreter")
 def test_fp8_activation_quantization_of_every_bf16_value_equals_torch():
     """The kernel over every positive finite bf16 amax, each with every bf16 value up to 24 binades
