@@ -6,7 +6,9 @@ division does for every bf16 value), beside the same loop dividing every value w
 correctly rounded division, the kernel's arithmetic before) and with the approximate division (not
 exact: a reference point). Rows: torch.randn; randn times 1e-19 (the size that rows fed back
 through an experts step in place shrink to); randn with 10% zeros; zeros; randn with 3% NaN rows
-(a reused buffer's stale rows). Bytes moved per call: rows x K x 3 (bf16 read, e4m3 written).
+(a reused buffer's stale rows). Bytes moved per call: rows x K x 3 (bf16 read, e4m3 written),
+as ``gbps`` beside the device's read ceiling measured in the same run
+(flatep.bench.timing.read_ceiling_gbps).
 Each data's values and scales from the tree's kernel are compared with
 flatep.quant.quantize_fp8_activations (``same``; NaN rows left out).
     python3 bench/scripts/act_quant_data.py --out act_quant_data.json        (from the repository root, on a GPU)
@@ -20,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flatep.bench.timing import device_name, time_us
+from flatep.bench.timing import device_name, read_ceiling_gbps, time_us
 from flatep.kernels.backend import row_programs, row_runs, run_block, run_block_count
 from flatep.kernels.quant_gemm import (
     _E4M3_MAX, _E4M3_RECIPROCAL, ACT_QUANT_PROGRAMS_PER_SM, ACT_QUANT_ROWS, ACT_QUANT_WARPS,
@@ -78,11 +80,14 @@ def data(rows: int, device: torch.device) -> dict[str, torch.Tensor]:
 
 
 def same_as_torch(rows: torch.Tensor, end: torch.Tensor) -> bool:
-    """Whether the tree's kernel gives torch's values and scales on the rows without NaN."""
+    """Whether the tree's kernel gives torch's values and scales on the rows without NaN: bit for bit
+    on a GPU (zeros' signs included), by value under the interpreter (whose e4m3 rounding drops the
+    sign of a zero)."""
     finite = ~rows.isnan().any(dim=1)
     values, scales = quantize_fp8_activations_triton(rows, end)
     expected_values, expected_scales = quantize_fp8_activations(rows[finite])
-    return torch.equal(scales[finite], expected_scales) and torch.equal(values[finite].float(), expected_values.float())
+    view = (lambda q: q.view(torch.uint8)) if rows.is_cuda else (lambda q: q.float())  # noqa: E731
+    return torch.equal(scales[finite], expected_scales) and torch.equal(view(values[finite]), view(expected_values))
 
 
 def main() -> None:
@@ -95,6 +100,9 @@ def main() -> None:
     arms = {"kernel": quantize_fp8_activations_triton,
             "div_rn for every value": lambda rows, end: quantize_dividing_all(rows, end, True),
             "approximate division": lambda rows, end: quantize_dividing_all(rows, end, False)}
+    ceiling = read_ceiling_gbps(device) if device.type == "cuda" else None
+    if ceiling is not None:
+        print(f"read ceiling {ceiling:.0f} GB/s (this run)", flush=True)
     results = []
     for count in args.rows:
         end = torch.tensor([count], dtype=torch.int32, device=device)
@@ -106,7 +114,7 @@ def main() -> None:
             print(f"{count} rows, {name}: " + ", ".join(f"{arm} {time:.1f} us" for arm, time in us.items())
                   + f"; same as torch: {row['same']}", flush=True)
     with open(args.out, "w") as out:
-        json.dump(dict(device=device_name(device), results=results), out, indent=1)
+        json.dump(dict(device=device_name(device), read_ceiling_gbps=ceiling, results=results), out, indent=1)
 
 
 if __name__ == "__main__":
