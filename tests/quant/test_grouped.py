@@ -430,7 +430,7 @@ def _quotients_kernel(x_ptr, quotient_ptr, scale_ptr, ROWS: tl.constexpr, GROUP:
 def test_fp8_quantization_by_reciprocal_gives_the_correctly_rounded_quotients():
     """The reciprocal branch's Triton code (the GPU's path; the interpreter otherwise divides),
     run where ``tl.fma`` rounds once: the fp32 quotients are ``x / scale``'s, bit for bit, over
-    values spanning 2**-30 .. 2**10 of their amax, zeros of both signs, a row below the scale's
+    values from about 2**-40 of their row's amax to the amax, zeros of both signs, a row below the scale's
     1e-10 floor, and rows holding +-inf (finite values give zeros of their sign, inf gives NaN)."""
     out = torch.empty(1, device=DEVICE)
     _fma_kernel[(1,)](out, 1 + 2**-12, 1 + 2**-12, -(1 + 2**-11))
