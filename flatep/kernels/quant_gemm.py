@@ -266,9 +266,9 @@ def default_config(rows: int, groups: int, format: str, device: torch.device | N
       Below that, three stages: on an H100 (``bench/scripts/fp8_tile_sweep.py``,
       bench/results/2026-12-06-h100-f; a Kimi-K2 rank) the swapped 16-row tile at 3 stages took
       490 and 258 us (gate/up, down) against 500 and 259 at 5, and the 64-row tile at 3 stages 513
-      and 271 us at 32 rows per expert, 545 and 286 at 64, against 525 and 277, 563 and 289 at 4. Past :data:`HOT_ROWS` rows per group four stages
-      again (bench/results/2026-12-06-h100-g): 594 and 321 us at 96 rows against 634 and 347 at 3,
-      and 801 and 461 at 192 against 860 and 484.
+      and 271 us at 32 rows per expert, 545 and 286 at 64, against 525 and 277, 563 and 289 at 4.
+      Past :data:`HOT_ROWS` rows per group four stages again (bench/results/2026-12-06-h100-g): 594
+      and 321 us at 96 rows against 634 and 347 at 3, and 801 and 461 at 192 against 860 and 484.
     - mxfp4 (timed again since the pools store the scales column-fastest, bench/results/2026-12-05-h200-d):
       short tiles are not swapped. A 16- or 32-row tile then runs on ``mma.sync`` (16 rows
       tall), and Triton decodes the weight words straight into the MMA's operand registers, with

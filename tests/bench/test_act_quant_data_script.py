@@ -21,6 +21,7 @@ def test_every_data_set_runs_every_arm_and_the_kernel_equals_torch(monkeypatch, 
     monkeypatch.setattr(sys, "argv", ["act_quant_data.py", "--rows", "20", "--out", str(out)])
     script.main()
     rows = json.loads(out.read_text())["results"]
-    assert [row["data"] for row in rows] == ["randn", "randn x 1e-19", "randn, 10% zeros", "zeros", "randn, 3% NaN rows"]
+    assert [row["data"] for row in rows] == ["randn", "randn x 1e-19", "randn, 10% zeros", "zeros",
+                                             "randn, 3% NaN rows"]
     assert all(row["same"] and set(row["us"]) == {"kernel", "div_rn for every value", "approximate division"}
                and min(row["us"].values()) > 0 for row in rows)
