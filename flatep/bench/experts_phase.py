@@ -12,9 +12,11 @@ per graph, writing into a buffer of its own so that every replay computes on the
 are this tree's packed GEMMs (``packed``), another revision's (``against``: its
 ``flatep/kernels/quant_gemm.py``, or a copy of that file, loaded beside this one, its
 ``fp8_grouped_mm_triton`` and ``mxfp4_grouped_mm_triton`` called where this tree calls its own),
-then the bf16 pool (``bf16``), whose times divide the others' (``ratio``). The bf16 pool is made
-after the packed one is freed, so a variant's ratio compares times not taken interleaved, while
-``packed`` and ``against`` run interleaved. Bytes: the slowest rank's experts read each expert
+and, with ``--in-turn``, this tree's with each GEMM's launches one after another on one stream
+instead of side by side (``in_turn``, :mod:`flatep.kernels.streams`), then the bf16 pool
+(``bf16``), whose times divide the others' (``ratio``). The bf16 pool is made after the packed one
+is freed, so a variant's ratio compares times not taken interleaved, while ``packed``,
+``against`` and ``in_turn`` run interleaved. Bytes: the slowest rank's experts read each expert
 with rows once, its packed values and scales (bf16: its bf16 weights), as the sweep's ``read%``
 counts them; each variant's read rate is shown beside the device's read ceiling measured in the
 same run (:func:`flatep.bench.timing.read_ceiling_gbps`; GPU only). The shard's rows that
@@ -56,6 +58,7 @@ import flatep.experts.grouped as grouped
 from flatep.bench.sweep import Cell, Sweep, _random_weights, _set_up_arm, arm_policy, known_arms, resolve_backend
 from flatep.bench.timing import device_name, experts_outputs, read_ceiling_gbps, time_interleaved
 from flatep.kernels.fp8_rows import packs_rows
+from flatep.kernels.streams import in_turn
 from flatep.layer import dispatch_step, experts_step, packed_buffer, packed_rows, reads_packed_rows
 from flatep.plan.reference import make_plan
 from flatep.plan.triton import make_plan_triton, supports_triton_planner
@@ -64,6 +67,11 @@ from flatep.transport.base import Group
 
 PACKED_GEMMS = ("fp8_grouped_mm_triton", "mxfp4_grouped_mm_triton")
 """The functions of :mod:`flatep.kernels.quant_gemm` that ``--against`` swaps for another revision's."""
+
+
+IN_TURN = {"side_by_side": in_turn}
+"""The ``in_turn`` variant's swap: a GEMM's launches one after another on one stream instead of
+side by side (:mod:`flatep.kernels.streams`)."""
 
 
 def revision_gemms(revision: str, repository: Path = Path(".")) -> dict[str, Callable]:
@@ -109,9 +117,10 @@ def source_digest(root: Path = Path(__file__).resolve().parents[1]) -> str:
 
 @contextlib.contextmanager
 def gemms_in_use(gemms: dict[str, Callable] | None) -> Iterator[None]:
-    """Within the block, the experts call ``gemms`` (a :func:`revision_gemms` result) instead of this
-    tree's packed GEMMs; None changes nothing."""
-    saved = {function: getattr(grouped, function) for function in PACKED_GEMMS}
+    """Within the block, the experts call ``gemms`` (a :func:`revision_gemms` result, or
+    :data:`IN_TURN`) instead of the functions of :mod:`flatep.experts.grouped` they name; None
+    changes nothing."""
+    saved = {function: getattr(grouped, function) for function in gemms or {}}
     try:
         for function, replacement in (gemms or {}).items():
             setattr(grouped, function, replacement)
@@ -175,7 +184,7 @@ def kernel_times(call: Callable[[], None], device: torch.device, calls: int = 3)
 
 def time_cells(
     sweep: Sweep, arm: str, cells: list[tuple[int, float]], device: torch.device, against: dict[str, Callable] | None,
-    backend: str, profile: bool = False,
+    backend: str, profile: bool = False, launches_in_turn: bool = False,
 ) -> list[dict[str, Any]]:
     """Per cell ``(tokens, maxvio target)``: ``experts_us`` (per variant, every rank's median µs),
     ``experts_us_max`` (per variant, the slowest rank's), ``weight_bytes_read`` and
@@ -196,7 +205,9 @@ def time_cells(
         formatted = dataclasses.replace(sweep, weights=weights)
         pool, _, _ = _random_weights(config, device, [arm], weights)
         cost = formatted.cost_profile().with_expert_bytes(pool.expert_nbytes())
-        variants = {"bf16": None} if weights == "bf16" else {"packed": None, **({"against": against} if against else {})}
+        variants = ({"bf16": None} if weights == "bf16" else
+                    {"packed": None, **({"against": against} if against else {}),
+                     **({"in_turn": IN_TURN} if launches_in_turn else {})})
         sent = None if weights == "bf16" else sweep.dispatch_dtype()  # the bf16 baseline dispatches bf16 rows
         direct = reads_packed_rows(pool, sent)
         for tokens, target in cells:
@@ -246,6 +257,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--maxvio", type=float, nargs="*", help="maxvio targets (default: the config's)")
     parser.add_argument("--against", metavar="REV",
                         help="also time the packed GEMMs of this git revision (or of this copy of quant_gemm.py)")
+    parser.add_argument("--in-turn", action="store_true",
+                        help="also time this tree's packed GEMMs with each GEMM's launches one after another")
     parser.add_argument("--backend", default="auto", help="kernels: auto, triton or torch")
     parser.add_argument("--dispatch", choices=["bf16", "fp8"],
                         help="the packed pool's dispatch format (default: the config's; bf16 experts keep bf16)")
@@ -260,14 +273,15 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     sweep = Sweep.load(args.config)
     if args.dispatch:
         sweep = dataclasses.replace(sweep, dispatch=args.dispatch)
-    if args.against and sweep.weights == "bf16":
-        parser.error(f"--against swaps the packed GEMMs: {args.config} runs bf16 experts, which have none")
+    if (args.against or args.in_turn) and sweep.weights == "bf16":
+        parser.error(f"--against and --in-turn change the packed GEMMs: {args.config} runs bf16 experts, "
+                     "which have none")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     backend = resolve_backend(args.backend, device)
     cells = [(tokens, float(target)) for tokens in (args.tokens or sweep.tokens) for target in (args.maxvio or sweep.maxvio)]
     against = revision_gemms(args.against) if args.against else None
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip() or None
-    rows = time_cells(sweep, args.arm, cells, device, against, backend, args.profile)
+    rows = time_cells(sweep, args.arm, cells, device, against, backend, args.profile, args.in_turn)
     identity = dict(config=args.config, model=sweep.model_name, weights=sweep.weights, arm=args.arm, device=device_name(device),
                     backend=backend, commit=commit, source=source_digest(), against=args.against, timing="cuda_graph" if device.type == "cuda" else "eager")
     rows = [{**identity, **row} for row in rows]

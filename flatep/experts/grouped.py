@@ -17,6 +17,7 @@ Two roundings of the same function (``precision``):
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -35,6 +36,7 @@ from flatep.kernels.quant_gemm import (
     packed_launches,
     quantize_fp8_activations_triton,
 )
+from flatep.kernels.streams import side_by_side
 from flatep.quant.fp8 import FP8_BLOCK, dequantize_fp8_activations, quantize_fp8_activations
 from flatep.quant.tensor import QuantizedTensor, pool_layout
 
@@ -144,21 +146,25 @@ def quantized_grouped_mm(
             second = (slots.values, slots.scales)
             skip = _between_sets(offsets, weights.shape[0], slot_base)
         groups = offsets.shape[0]
+        if out is None:  # made before the launches, which each write their own groups' rows of it
+            out = rows.new_empty(rows.shape[0], weights.shape[1])
         launches = [(None, None)] if rows_per_group is None else packed_launches(rows_per_group * groups, groups,
                                                                                  weights.format, rows.device)
         if weights.format == "fp8":
             given = (quantize_fp8_activations_triton(rows, offsets[-1:], skip) if activations is None
                      else (activations.values, activations.scales))
-            for config, group_rows in launches:
-                out = fp8_grouped_mm_triton(rows, weights.values, weights.scales, offsets, config=config, out=out,
-                                            activations=given, group_rows=group_rows, slots=second, slot_base=slot_base)
+            side_by_side([functools.partial(fp8_grouped_mm_triton, rows, weights.values, weights.scales, offsets,
+                                            config=config, out=out, activations=given, group_rows=group_rows,
+                                            slots=second, slot_base=slot_base)
+                          for config, group_rows in launches], rows.device)
             return out
         if rows_per_group is not None and rows_per_group >= mxfp4_dequant.THROUGH_BF16_ROWS:
             return mxfp4_dequant.mxfp4_grouped_mm_bf16(rows, weights.values, weights.scales, offsets, out,
                                                        slots=second, slot_base=slot_base)
-        for config, group_rows in launches:
-            out = mxfp4_grouped_mm_triton(rows, weights.values, weights.scales, offsets, config=config, out=out,
-                                          group_rows=group_rows, slots=second, slot_base=slot_base)
+        side_by_side([functools.partial(mxfp4_grouped_mm_triton, rows, weights.values, weights.scales, offsets,
+                                        config=config, out=out, group_rows=group_rows, slots=second,
+                                        slot_base=slot_base)
+                      for config, group_rows in launches], rows.device)
         return out
     if slots is not None or out is not None:
         raise ValueError("slots and out need the Triton kernels (bf16 rows, a backend allowing Triton)")

@@ -12,7 +12,9 @@ import torch
 import flatep.bench.experts_phase as experts_phase
 import flatep.experts.grouped as grouped
 from flatep import EPConfig, init_group
-from flatep.bench.experts_phase import PACKED_GEMMS, dispatch_into_nan, gemms_in_use, main, revision_gemms, source_digest
+from flatep.bench.experts_phase import (
+    IN_TURN, PACKED_GEMMS, dispatch_into_nan, gemms_in_use, main, revision_gemms, source_digest,
+)
 from flatep.kernels.backend import use_triton
 from flatep.kernels.dispatch import real_rows_torch
 from flatep.layer import dispatch_step, experts_step, packed_rows, plan_step
@@ -94,6 +96,26 @@ def test_cells_time_every_variant_on_every_rank(tmp_path, monkeypatch):
         # Per kernel on a GPU (the experts' GEMMs among them); the profiler is not run on the CPU.
         assert set(row["kernels_us"]) == {"packed", "against", "bf16"}
         assert all(bool(kernels) == (DEVICE.type == "cuda") for kernels in row["kernels_us"].values())
+
+
+def test_in_turn_times_the_launches_one_after_another_beside_side_by_side(tmp_path, monkeypatch):
+    """``--in-turn`` adds a variant timed beside ``packed``: the same GEMMs, with grouped's
+    ``side_by_side`` swapped for ``in_turn`` while it runs (and restored after)."""
+    config = tmp_path / "tiny.yaml"
+    config.write_text(TINY_MXFP4)
+    runners = []
+    original = grouped.side_by_side
+
+    def spy(shard, shard_weights, *args, **options):
+        runners.append(grouped.side_by_side)
+        experts_step(shard, shard_weights, *args, **options)
+
+    monkeypatch.setattr(experts_phase, "experts_step", spy)
+    backend = "triton" if use_triton(DEVICE) else "torch"
+    rows = main([str(config), "--tokens", "8", "--maxvio", "2", "--in-turn", "--backend", backend])
+    assert set(rows[0]["experts_us"]) == {"packed", "in_turn", "bf16"}
+    assert original in runners and IN_TURN["side_by_side"] in runners
+    assert grouped.side_by_side is original
 
 
 def test_every_timed_call_computes_on_the_dispatched_rows(tmp_path, monkeypatch):
@@ -182,12 +204,13 @@ def test_source_digest_follows_the_python_files(tmp_path):
 @pytest.mark.parametrize("options, message", [
     (["--arm", "dense"], "--arm must be an EP arm"), (["--arm", "nope"], "arm must be one of"),
     (["--tokens", "0"], "--tokens must be positive"), (["--maxvio", "-1"], "--maxvio at least 0"),
-    (["--against", "HEAD"], "--against swaps the packed GEMMs"),
+    (["--against", "HEAD"], "--against and --in-turn change the packed GEMMs"),
+    (["--in-turn"], "--against and --in-turn change the packed GEMMs"),
 ])
 def test_bad_options_are_refused(tmp_path, options, message, capsys):
     config = tmp_path / "tiny.yaml"
     config.write_text(TINY_MXFP4)
-    if options == ["--against", "HEAD"]:  # nothing to swap in a bf16 pool
+    if options in (["--against", "HEAD"], ["--in-turn"]):  # nothing to swap in a bf16 pool
         config.write_text(TINY_MXFP4.replace("weights: mxfp4", "weights: bf16"))
     with pytest.raises((SystemExit, ValueError)) as raised:
         main([str(config), *options])
