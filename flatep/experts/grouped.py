@@ -116,7 +116,8 @@ def quantized_grouped_mm(
         offsets: ``[G]`` int32 inclusive end row of each group.
         rows_per_group: the real rows a group holds on average (a host int; default ``M / G``): the
             Triton kernels' tiles follow it, and where that is a few rows the groups of many rows
-            run in a launch of their own with tall tiles (:func:`flatep.kernels.quant_gemm.packed_launches`);
+            run in a launch of their own with tall tiles (:func:`flatep.kernels.quant_gemm.packed_launches`;
+            on CUDA the launches run side by side on streams of their own, :mod:`flatep.kernels.streams`);
             mxfp4 from :data:`flatep.kernels.mxfp4_dequant.THROUGH_BF16_ROWS` rows on decodes the
             weights whole into bf16 for ``torch._grouped_mm`` instead
             (:func:`flatep.kernels.mxfp4_dequant.mxfp4_grouped_mm_bf16`).

@@ -329,7 +329,8 @@ def packed_launches(
 ) -> list[tuple[GemmConfig, tuple[int, int] | None]]:
     """The launches of a packed (``fp8``, ``mxfp4``) grouped GEMM over ``rows`` real rows in
     ``groups`` groups on ``device``: ``(tiles, group_rows)`` each (see :func:`fp8_grouped_mm_triton`),
-    run one after another into the same output.
+    over disjoint groups into the same output (:func:`flatep.experts.grouped.quantized_grouped_mm`
+    runs them side by side on CUDA streams: :mod:`flatep.kernels.streams`).
 
     Where a group's average fits short tiles (:func:`default_config`'s, at most 32 rows), the
     groups of more than :data:`HOT_ROWS` rows run in a second launch with the tall tiles
