@@ -1,6 +1,7 @@
 """Result set: the fp8 activation quantization (flatep.kernels.quant_gemm.quantize_fp8_activations_triton)
 on rows of different data, K = 7168 (Kimi-K2's hidden size): the CUDA-graph time of one call
-(flatep.bench.timing.time_us: 5 calls per graph, median of 10 replays) of the tree's kernel (for
+(flatep.bench.timing.time_interleaved: 5 calls per graph, median of 10 replays, the arms' replays
+interleaved, so that the first arm timed does not run on a colder GPU) of the tree's kernel (for
 bf16 rows, the product with each row's reciprocal and one fma correction, which rounds as the
 division does for every bf16 value), beside the same loop dividing every value with div_rn (the
 correctly rounded division, the kernel's arithmetic before) and with the approximate division (not
@@ -22,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flatep.bench.timing import device_name, read_ceiling_gbps, time_us
+from flatep.bench.timing import device_name, read_ceiling_gbps, time_interleaved
 from flatep.kernels.backend import row_programs, row_runs, run_block, run_block_count
 from flatep.kernels.quant_gemm import (
     _E4M3_MAX, _E4M3_RECIPROCAL, ACT_QUANT_PROGRAMS_PER_SM, ACT_QUANT_ROWS, ACT_QUANT_WARPS,
@@ -107,7 +108,8 @@ def main() -> None:
     for count in args.rows:
         end = torch.tensor([count], dtype=torch.int32, device=device)
         for name, rows in data(count, device).items():
-            us = {arm: time_us(lambda run=run: run(rows, end), device, **timing) for arm, run in arms.items()}
+            timings = time_interleaved([lambda run=run: run(rows, end) for run in arms.values()], device, **timing)
+            us = {arm: timed.median for arm, timed in zip(arms, timings)}
             row = dict(rows=count, data=name, us=us, same=same_as_torch(rows, end),
                        gbps={arm: count * HIDDEN * 3 / time / 1e3 for arm, time in us.items()})
             results.append(row)
