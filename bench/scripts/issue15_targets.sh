@@ -3,7 +3,8 @@
 # (python -m flatep.bench.experts_phase: every rank's experts phase, the packed pool and its bf16
 # twin, the slowest rank's time beside the device's read ceiling measured in the run):
 #   - Kimi-K2 fp8 at s = 8192 and s = 128, maxvio 0 and 10, bf16 and fp8 dispatch (fp8_experts.sh);
-#   - Kimi-K3 mxfp4 at s = 128, maxvio 0 and 10 (with the slowest rank's time per kernel).
+#   - Kimi-K3 mxfp4 at s = 128, maxvio 0 and 10 (with the slowest rank's time per kernel, and the
+#     GEMMs' launches one after another as the in_turn variant beside the default side by side).
 #   bash bench/scripts/issue15_targets.sh          (from the repository root, on a GPU)
 #   PARTS=mxfp4 bash bench/scripts/issue15_targets.sh     (one part: fp8 or mxfp4)
 # Writes to $OUT (default ./bench-out) fp8_experts.sh's files and experts_k3_mxfp4_decode.json, .log.
@@ -16,7 +17,7 @@ if [[ " ${PARTS:-fp8 mxfp4} " == *" fp8 "* ]]; then
 fi
 [[ " ${PARTS:-fp8 mxfp4} " == *" mxfp4 "* ]] || exit $status
 python3 -m flatep.bench.experts_phase bench/scripts/h200-decode-k3-mxfp4.yaml --tokens 128 --maxvio 0 10 --profile \
-  --out "$OUT/experts_k3_mxfp4_decode.json" > "$OUT/experts_k3_mxfp4_decode.log" 2>&1
+  --in-turn --out "$OUT/experts_k3_mxfp4_decode.json" > "$OUT/experts_k3_mxfp4_decode.log" 2>&1
 code=$?
 echo "experts_k3_mxfp4_decode: exit $code"
 grep "slowest rank" "$OUT/experts_k3_mxfp4_decode.log"
