@@ -8,8 +8,8 @@ Forked onto streams of their own, the launches' programs take the SMs the others
 
 Measured on an H100 (bench/results/2026-12-06-h100-j, ``bench/scripts/launches_side_by_side.sh``,
 interleaved with the launches in turn): a Kimi-K3 rank's mxfp4 experts took 13.3% less at s = 32
-and 6.6% less at s = 128 under skew (maxvio 10), 0.3% and 1.5% less on uniform routing; a Kimi-K2
-rank's fp8 experts (two launches, the second small) the same time. In development runs (same
+and 6.6% less at s = 128 under skew (maxvio 10), and on uniform routing the same within 1.5% (one
+run); a Kimi-K2 rank's fp8 experts (two launches, the second small) the same time. In development runs (same
 machine, not interleaved) the order mattered: with the first launch enqueued first on the current
 stream, a uniform step (whose groups all sit in the second launch) took 2.5% longer than in turn,
 so the other launches are enqueued first. The bf16 decode kernels' two launches
@@ -27,7 +27,8 @@ _STREAMS: dict[torch.device, list[torch.cuda.Stream]] = {}
 
 def _streams(device: torch.device, count: int) -> list[torch.cuda.Stream]:
     """``count`` streams of ``device``, made once and reused (a CUDA graph captures work on them
-    through the fork and join of :func:`side_by_side`)."""
+    through the fork and join of :func:`side_by_side`). Not the weight push's side stream
+    (``flatep.layer``): a prefetched push may still run on that one while the experts compute."""
     made = _STREAMS.setdefault(device, [])
     while len(made) < count:
         made.append(torch.cuda.Stream(device=device))
