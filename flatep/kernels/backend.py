@@ -211,6 +211,8 @@ def skip_arguments(skip, rows: int) -> tuple[torch.Tensor | None, int]:
 
 @triton.jit
 def round_to_bf16(x):
-    """fp32 ``x`` rounded to nearest even bf16, still in fp32 (the interpreter's cast truncates)."""
+    """fp32 ``x`` rounded to nearest even bf16, still in fp32 (the interpreter's cast truncates);
+    NaN stays NaN (the carry would turn the GPU's NaN, ``0x7FFFFFFF``, into -0)."""
     bits = x.to(tl.int32, bitcast=True)
-    return ((bits + 0x7FFF + ((bits >> 16) & 1)) & -0x10000).to(tl.float32, bitcast=True)
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -0x10000).to(tl.float32, bitcast=True)
+    return tl.where(x == x, rounded, x)

@@ -1,11 +1,15 @@
 """Dispatch, combine and weight push: Triton kernels against the plain-torch paths and the plan."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from flatep import EPConfig, ExpertPool, init_group, make_plan
-from flatep.kernels.backend import MAX_WORK_ITEMS, comm_grid, tma_fits, use_triton
+from flatep.kernels.backend import MAX_WORK_ITEMS, comm_grid, round_to_bf16, tma_fits, use_triton
 from flatep.kernels.combine import combine_grid, combine_triton
 from flatep.kernels.dispatch import dispatch_grid, dispatch_triton
 from flatep.kernels.push import push_programs
@@ -324,3 +328,27 @@ def test_tma_fits_needs_aligned_bases_and_strides_and_a_unit_last_stride():
     assert not tma_fits(rows[:, 1:])  # base 2 bytes past an aligned one
     assert not tma_fits(rows.T)  # no unit stride along the last dimension
     assert not tma_fits(rows[:0])  # empty
+
+
+@triton.jit
+def _rounded_kernel(x_ptr, out_ptr, N: tl.constexpr):
+    offsets = tl.arange(0, N)
+    tl.store(out_ptr + offsets, round_to_bf16(tl.load(x_ptr + offsets)))
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="needs CUDA or TRITON_INTERPRET=1")
+def test_round_to_bf16_rounds_to_nearest_even_and_keeps_nan():
+    """The kernels' fp32 -> bf16 rounding (in fp32) equals torch's cast on finite values, infinities
+    and overflow, and keeps NaN: the GPU's NaN (bits 0x7FFFFFFF) used to carry into the sign bit
+    and come out as -0."""
+    bits = torch.tensor([0x7FFFFFFF, 0x7FC00000, 0xFFFFFFFF, 0x7F800001], dtype=torch.int64).to(torch.int32)
+    nans = bits.view(torch.float32)
+    finite = torch.tensor([1.0, 1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8 + 2**-20), 3.4028235e38, -3.4e38, 1e-40, 0.0,
+                           float("inf"), float("-inf"), -0.0, 2.5e-39])
+    x = torch.cat([nans, finite, torch.randn(16)]).to(DEVICE)
+    out = torch.empty_like(x)
+    _rounded_kernel[(1,)](x, out, N=x.numel())
+    assert out[:4].isnan().all()
+    expected = x[4:].bfloat16().float()
+    assert torch.equal(out[4:].view(torch.int32), expected.view(torch.int32))
