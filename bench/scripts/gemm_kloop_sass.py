@@ -47,7 +47,7 @@ from flatep.quant.bench import CANDIDATES  # noqa: E402
 
 POINTER_TYPES = {  # per format: the kernels' pointer arguments (the others are int32 or constexpr)
     "mxfp4": {"a_src": "*bf16", "out_ptr": "*bf16", "w_src": "*i32", "slot_w_src": "*i32", "s_src": "*u8",
-              "slot_s_src": "*u8", "offsets_ptr": "*i32", "redo_ptr": "*i32", "route_ptr": "*fp32"},
+              "slot_s_src": "*u8", "offsets_ptr": "*i32", "redo_ptr": "*i32"},
     "fp8": {"a_ptr": "*fp8e4nv", "a_scale_ptr": "*fp32", "w_ptr": "*fp8e4nv", "w_scale_ptr": "*fp32",
             "slot_w_ptr": "*fp8e4nv", "slot_w_scale_ptr": "*fp32", "out_ptr": "*bf16", "offsets_ptr": "*i32"},
     "bf16": {"a_ptr": "*bf16", "w_ptr": "*bf16", "slot_ptr": "*bf16", "weight_ptr": "*fp32", "out_ptr": "*bf16",
@@ -84,12 +84,9 @@ def resident(registers: int, shared_bytes: int, warps: int) -> int:
 
 def k_loop(module, format: str, config: GemmConfig, inner: int) -> dict:
     """Compile ``format``'s kernel (mxfp4 and fp8: ``module``'s; bf16: the decode kernels' gate/up
-    form; mxfp4's gate/up form too where the kernel has one, with the SwiGLU in its epilogue, whose
-    tile takes ``block_n / 2`` columns of each half) with ``config`` for sm_90 and count its K loop."""
+    form) with ``config`` for sm_90 and count its K loop."""
     kernel = {"mxfp4": module._mxfp4_grouped_kernel, "fp8": module._fp8_grouped_kernel,
               "bf16": decode_gemm._decode_kernel}[format]
-    if format == "mxfp4" and "GATED" in kernel.arg_names:
-        config = dataclasses.replace(config, block_n=config.block_n // 2)
     constants = dict(K=inner, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
                      GROUP_M=config.group_m, GROUPS=128, SWAP_AB=config.swap_ab, RESCALE=config.rescale, GATED=True,
                      NATURAL_K=not config.swap_ab and config.block_m >= 64, LANE_WORDS=config.lane_words,
@@ -98,12 +95,9 @@ def k_loop(module, format: str, config: GemmConfig, inner: int) -> dict:
     types = dict(POINTER_TYPES[format])
     if constants.get("TMA"):  # mxfp4's unswapped tiles copy by tensor descriptor (the layer's scales fit)
         words, blocks = config.block_k // 8, config.block_k // 32
-        word_box, scale_box = f"1,{config.block_n},{words}", f"1,{blocks},{config.block_n}"
-        if format == "mxfp4" and "GATED" in kernel.arg_names:  # the gate and the up half: [G, 2, N/2, ...]
-            word_box, scale_box = f"1,2,{config.block_n},{words}", f"1,{blocks},2,{config.block_n}"
         types.update(a_src=f"tensordesc<bf16[{config.block_m},{config.block_k}]>",
-                     **dict.fromkeys(("w_src", "slot_w_src"), f"tensordesc<i32[{word_box}]>"),
-                     **dict.fromkeys(("s_src", "slot_s_src"), f"tensordesc<u8[{scale_box}]>"))
+                     **dict.fromkeys(("w_src", "slot_w_src"), f"tensordesc<i32[1,{config.block_n},{words}]>"),
+                     **dict.fromkeys(("s_src", "slot_s_src"), f"tensordesc<u8[1,{blocks},{config.block_n}]>"))
     signature = {name: "constexpr" if name in constants else types.get(name, "i32") for name in kernel.arg_names}
     attributes = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]]
                   for name in ALIGNED if name in signature}
@@ -126,15 +120,12 @@ def k_loop(module, format: str, config: GemmConfig, inner: int) -> dict:
             if any("MMA" in line for line in body):
                 loops.append(body)
     body = min(loops, key=len)
-    gated_halves = format == "mxfp4" and "GATED" in kernel.arg_names
-    if gated_halves:  # the label and the weights a step of the tile the layer configures
-        config = dataclasses.replace(config, block_n=config.block_n * 2)
     tile = config.label
     if config.lane_words and "LANE_WORDS" not in kernel.arg_names:  # an older kernel, which ignores the option
         tile += " (not in this kernel)"
     registers = int(re.search(r"REG:(\d+)", usage).group(1))
     stack = int(re.search(r"STACK:(\d+)", usage).group(1))
-    weights = config.block_n * config.block_k * (2 if format == "bf16" else 1)  # bf16: a gate and an up tile a step
+    weights = config.block_n * config.block_k * (2 if format == "bf16" else 1)  # gated: a gate and an up tile
     return {"tile": tile, "instructions": len(body), "per_weight": round(len(body) * 32 * config.num_warps / weights, 2),
             "scale_byte_loads": sum("LDS.U8" in line for line in body), "registers": registers, "stack_bytes": stack,
             "shared_bytes": compiled.metadata.shared, "programs_per_sm": config.programs_per_sm,

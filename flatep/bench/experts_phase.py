@@ -12,13 +12,11 @@ per graph, writing into a buffer of its own so that every replay computes on the
 are this tree's packed GEMMs (``packed``), another revision's (``against``: its
 ``flatep/kernels/quant_gemm.py``, or a copy of that file, loaded beside this one, its
 ``fp8_grouped_mm_triton`` and ``mxfp4_grouped_mm_triton`` called where this tree calls its own),
-with ``--in-turn``, this tree's with each GEMM's launches one after another on one stream
-instead of side by side (``in_turn``, :mod:`flatep.kernels.streams`), with ``--swiglu-pass``,
-this tree's with mxfp4's SwiGLU as a pass of its own between the GEMMs instead of in the gate/up
-GEMM's epilogue (``swiglu_pass``, :func:`flatep.experts.grouped.fuses_swiglu`), then the bf16 pool
+and, with ``--in-turn``, this tree's with each GEMM's launches one after another on one stream
+instead of side by side (``in_turn``, :mod:`flatep.kernels.streams`), then the bf16 pool
 (``bf16``), whose times divide the others' (``ratio``). The bf16 pool is made after the packed one
-is freed, so a variant's ratio compares times not taken interleaved, while the packed pool's
-variants run interleaved. Bytes: the slowest rank's experts read each expert
+is freed, so a variant's ratio compares times not taken interleaved, while ``packed``,
+``against`` and ``in_turn`` run interleaved. Bytes: the slowest rank's experts read each expert
 with rows once, its packed values and scales (bf16: its bf16 weights), as the sweep's ``read%``
 counts them; each variant's read rate is shown beside the device's read ceiling measured in the
 same run (:func:`flatep.bench.timing.read_ceiling_gbps`; GPU only). The shard's rows that
@@ -45,7 +43,6 @@ import contextlib
 import dataclasses
 import hashlib
 import importlib.util
-import inspect
 import json
 import subprocess
 import sys
@@ -77,24 +74,13 @@ IN_TURN = {"side_by_side": in_turn}
 side by side (:mod:`flatep.kernels.streams`)."""
 
 
-def _never(*args, **kwargs) -> bool:
-    return False
-
-
-SWIGLU_PASS = {"fuses_swiglu": _never}
-"""The ``swiglu_pass`` variant's swap: mxfp4's SwiGLU as a pass of its own between the GEMMs, as
-before the gate/up GEMM's epilogue took it (:func:`flatep.experts.grouped.fuses_swiglu`)."""
-
-
 def revision_gemms(revision: str, repository: Path = Path(".")) -> dict[str, Callable]:
     """The :data:`PACKED_GEMMS` of ``flatep/kernels/quant_gemm.py`` at git ``revision`` of ``repository``,
     or of the file ``revision`` names if it is a ``.py`` file (a copy of that module, for a machine
     whose checkout lacks the history).
 
     The file is written to a temporary directory (Triton compiles a kernel from its source file)
-    and imported under a name of its own; it imports the rest of flatep from this tree. Where its
-    mxfp4 GEMM takes no ``route_weights`` (a revision before the SwiGLU in its epilogue), the
-    SwiGLU runs as a pass of its own with it (:data:`SWIGLU_PASS` is swapped in too).
+    and imported under a name of its own; it imports the rest of flatep from this tree.
 
     Raises:
         ValueError: if git cannot show the file at ``revision``.
@@ -114,10 +100,7 @@ def revision_gemms(revision: str, repository: Path = Path(".")) -> dict[str, Cal
     module: ModuleType = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # dataclasses look their module up while the file runs
     spec.loader.exec_module(module)
-    gemms = {function: getattr(module, function) for function in PACKED_GEMMS}
-    if "route_weights" not in inspect.signature(gemms["mxfp4_grouped_mm_triton"]).parameters:
-        gemms.update(SWIGLU_PASS)
-    return gemms
+    return {function: getattr(module, function) for function in PACKED_GEMMS}
 
 
 def source_digest(root: Path = Path(__file__).resolve().parents[1]) -> str:
@@ -201,7 +184,7 @@ def kernel_times(call: Callable[[], None], device: torch.device, calls: int = 3)
 
 def time_cells(
     sweep: Sweep, arm: str, cells: list[tuple[int, float]], device: torch.device, against: dict[str, Callable] | None,
-    backend: str, profile: bool = False, swaps: dict[str, dict[str, Callable]] | None = None,
+    backend: str, profile: bool = False, launches_in_turn: bool = False,
 ) -> list[dict[str, Any]]:
     """Per cell ``(tokens, maxvio target)``: ``experts_us`` (per variant, every rank's median µs),
     ``experts_us_max`` (per variant, the slowest rank's), ``weight_bytes_read`` and
@@ -209,9 +192,7 @@ def time_cells(
     ``read_ceiling_gbps``, None off the GPU), ``ratio`` (per packed variant, its
     ``experts_us_max`` over bf16's), ``dispatch`` (the packed variants' dispatch format, see the
     module docstring) and ``dispatch_us`` (per variant, the median time of its dispatch step, all
-    ranks); with ``profile``, ``kernels_us`` (per variant, the slowest rank's :func:`kernel_times`).
-    ``swaps``: more variants of the packed pool, by name, each the functions it swaps in
-    (:func:`gemms_in_use`; :data:`IN_TURN`, :data:`SWIGLU_PASS`)."""
+    ranks); with ``profile``, ``kernels_us`` (per variant, the slowest rank's :func:`kernel_times`)."""
     timing = dict(device=device, warmup=sweep.warmup, iters=sweep.iters, graph=device.type == "cuda",
                   calls=sweep.graph_calls)
     ceiling = read_ceiling_gbps(device) if device.type == "cuda" else None
@@ -226,7 +207,7 @@ def time_cells(
         cost = formatted.cost_profile().with_expert_bytes(pool.expert_nbytes())
         variants = ({"bf16": None} if weights == "bf16" else
                     {"packed": None, **({"against": against} if against else {}),
-                     **(swaps or {})})
+                     **({"in_turn": IN_TURN} if launches_in_turn else {})})
         sent = None if weights == "bf16" else sweep.dispatch_dtype()  # the bf16 baseline dispatches bf16 rows
         direct = reads_packed_rows(pool, sent)
         for tokens, target in cells:
@@ -278,8 +259,6 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                         help="also time the packed GEMMs of this git revision (or of this copy of quant_gemm.py)")
     parser.add_argument("--in-turn", action="store_true",
                         help="also time this tree's packed GEMMs with each GEMM's launches one after another")
-    parser.add_argument("--swiglu-pass", action="store_true",
-                        help="also time this tree's packed experts with mxfp4's SwiGLU as a pass of its own")
     parser.add_argument("--backend", default="auto", help="kernels: auto, triton or torch")
     parser.add_argument("--dispatch", choices=["bf16", "fp8"],
                         help="the packed pool's dispatch format (default: the config's; bf16 experts keep bf16)")
@@ -294,20 +273,15 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     sweep = Sweep.load(args.config)
     if args.dispatch:
         sweep = dataclasses.replace(sweep, dispatch=args.dispatch)
-    if (args.against or args.in_turn or args.swiglu_pass) and sweep.weights == "bf16":
-        parser.error(f"--against, --in-turn and --swiglu-pass change the packed GEMMs: {args.config} runs bf16 "
-                     "experts, which have none")
-    if args.swiglu_pass and sweep.weights != "mxfp4":
-        parser.error(f"--swiglu-pass changes mxfp4's experts (fp8's SwiGLU is a pass already): {args.config} runs "
-                     f"{sweep.weights} experts")
+    if (args.against or args.in_turn) and sweep.weights == "bf16":
+        parser.error(f"--against and --in-turn change the packed GEMMs: {args.config} runs bf16 experts, "
+                     "which have none")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     backend = resolve_backend(args.backend, device)
     cells = [(tokens, float(target)) for tokens in (args.tokens or sweep.tokens) for target in (args.maxvio or sweep.maxvio)]
     against = revision_gemms(args.against) if args.against else None
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip() or None
-    swaps = {name: swap for name, swap, wanted in (("in_turn", IN_TURN, args.in_turn),
-                                                   ("swiglu_pass", SWIGLU_PASS, args.swiglu_pass)) if wanted}
-    rows = time_cells(sweep, args.arm, cells, device, against, backend, args.profile, swaps)
+    rows = time_cells(sweep, args.arm, cells, device, against, backend, args.profile, args.in_turn)
     identity = dict(config=args.config, model=sweep.model_name, weights=sweep.weights, arm=args.arm, device=device_name(device),
                     backend=backend, commit=commit, source=source_digest(), against=args.against, timing="cuda_graph" if device.type == "cuda" else "eager")
     rows = [{**identity, **row} for row in rows]

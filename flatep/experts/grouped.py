@@ -97,7 +97,6 @@ def quantized_grouped_mm(
     rows: torch.Tensor, weights: QuantizedTensor, offsets: torch.Tensor, backend: str = "auto",
     rows_per_group: int | None = None, activations: Fp8Rows | None = None, *,
     slots: QuantizedTensor | None = None, slot_base: int = 0, out: torch.Tensor | None = None,
-    route_weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``out[i] = rows[i] @ W[g(i)].T`` with packed ``W``: ``[M, out]`` in ``rows``' dtype.
 
@@ -130,10 +129,6 @@ def quantized_grouped_mm(
             rows start at row ``slot_base``; both sets run in the same launches.
         slot_base: first row of the ``slots`` groups.
         out: Triton only: an ``[M, N]`` bf16 tensor (unit column stride) to write into.
-        route_weights: ``[M]`` float32, mxfp4 weights on the in-register Triton kernels only
-            (:func:`fuses_swiglu`): ``W`` holds gate then up columns, ``[G, 2I, K]``, and the result
-            is ``silu(gate) * up * route_weights``, ``[M, I]``, computed in the GEMM's epilogue
-            (:func:`flatep.kernels.quant_gemm.mxfp4_grouped_mm_triton`).
     """
     if rows.dim() != 2 or weights.shape[-1] != rows.shape[1] or len(weights.shape) != 3:
         raise ValueError(f"rows [M, K] and weights [G, N, K] must agree on K, got {list(rows.shape)} and {list(weights.shape)}")
@@ -144,10 +139,6 @@ def quantized_grouped_mm(
         raise ValueError(f"offsets must be [{groups}] int32, got {list(offsets.shape)} {offsets.dtype}")
     if activations is not None and weights.format != "fp8":
         raise ValueError(f"pre-quantized fp8 activations need fp8 weights, got {weights.format}")
-    if route_weights is not None and not fuses_swiglu(rows, weights, rows_per_group, backend):
-        raise ValueError("route_weights (the SwiGLU in the GEMM's epilogue) need mxfp4 weights, bf16 rows, a backend "
-                         "allowing Triton and the in-register kernels (rows_per_group below "
-                         "flatep.kernels.mxfp4_dequant.THROUGH_BF16_ROWS): see fuses_swiglu")
     if use_triton(rows.device, backend) and rows.dtype == torch.bfloat16:
         weights = weights.in_layout(pool_layout(weights.format))  # converted per call unless a pool's already
         second = skip = None
@@ -157,7 +148,7 @@ def quantized_grouped_mm(
             skip = _between_sets(offsets, weights.shape[0], slot_base)
         groups = offsets.shape[0]
         if out is None:  # made before the launches, which each write their own groups' rows of it
-            out = rows.new_empty(rows.shape[0], weights.shape[1] // (1 if route_weights is None else 2))
+            out = rows.new_empty(rows.shape[0], weights.shape[1])
         launches = [(None, None)] if rows_per_group is None else packed_launches(rows_per_group * groups, groups,
                                                                                  weights.format, rows.device)
         if weights.format == "fp8":
@@ -168,13 +159,12 @@ def quantized_grouped_mm(
                                             slots=second, slot_base=slot_base)
                           for config, group_rows in launches], rows.device)
             return out
-        if not _in_registers(rows_per_group):
+        if rows_per_group is not None and rows_per_group >= mxfp4_dequant.THROUGH_BF16_ROWS:
             return mxfp4_dequant.mxfp4_grouped_mm_bf16(rows, weights.values, weights.scales, offsets, out,
                                                        slots=second, slot_base=slot_base)
-        gated = {} if route_weights is None else {"route_weights": route_weights}
         side_by_side([functools.partial(mxfp4_grouped_mm_triton, rows, weights.values, weights.scales, offsets,
                                         config=config, out=out, group_rows=group_rows, slots=second,
-                                        slot_base=slot_base, **gated)
+                                        slot_base=slot_base)
                       for config, group_rows in launches], rows.device)
         return out
     if slots is not None or out is not None:
@@ -186,21 +176,6 @@ def quantized_grouped_mm(
     else:
         products = rows.float()
     return _grouped_matmul(products, weights.dequantize(torch.float32), offsets).to(rows.dtype)
-
-
-def _in_registers(rows_per_group: int | None) -> bool:
-    """Whether mxfp4 GEMMs of ``rows_per_group`` rows per group run the in-register kernels (else
-    the weights are decoded whole into bf16, :data:`flatep.kernels.mxfp4_dequant.THROUGH_BF16_ROWS`)."""
-    return rows_per_group is None or rows_per_group < mxfp4_dequant.THROUGH_BF16_ROWS
-
-
-def fuses_swiglu(rows: torch.Tensor, w13: QuantizedTensor, rows_per_group: int | None, backend: str = "auto") -> bool:
-    """Whether :func:`quantized_grouped_mm` computes ``w13``'s SwiGLU in its epilogue (``route_weights``):
-    mxfp4 weights, bf16 rows, a backend allowing Triton, and the in-register kernels (host values
-    alone decide). The layer's packed experts then skip the SwiGLU pass: on an H100 it took 22-30 us
-    of a Kimi-K3 rank's experts at s = 128 (bench/results/2026-12-06-h100-i, ``--profile``)."""
-    return (w13.format == "mxfp4" and rows.dtype == torch.bfloat16 and use_triton(rows.device, backend)
-            and _in_registers(rows_per_group))
 
 
 def _between_sets(offsets: torch.Tensor, groups: int, slot_base: int) -> tuple[torch.Tensor, int] | None:
@@ -398,21 +373,16 @@ def _packed_experts(
     slot_base: int, skip: tuple[torch.Tensor, int] | None, out: torch.Tensor | None,
 ) -> torch.Tensor:
     """:func:`grouped_swiglu` on packed experts with the Triton kernels (:func:`takes_packed_kernels`):
-    the gate/up GEMM, the SwiGLU over the real rows (in the GEMM's epilogue where
-    :func:`fuses_swiglu`, else a pass of its own leaving out the rows ``skip`` names, those between
-    the two sets), the down GEMM; a second set of experts (``slots``) in the same launches. Returns
-    ``out`` itself where it is bf16 with unit column stride (the down GEMM writes into it), else a
-    new ``[rows, H]`` bf16 tensor."""
+    the gate/up GEMM, the SwiGLU pass over the real rows, the down GEMM, a second set of experts
+    (``slots``) in the same launches, the SwiGLU pass leaving out the rows ``skip`` names (those
+    between the two sets). Returns ``out`` itself where it is bf16 with unit column
+    stride (the down GEMM writes into it), else a new ``[rows, H]`` bf16 tensor."""
     intermediate = w2.shape[-1]
     slot_w13, slot_w2 = (None, None) if slots is None else slots
-    gate_up = dict(rows_per_group=rows_per_group, slots=slot_w13, slot_base=slot_base, backend="triton")
+    hidden_states = quantized_grouped_mm(shard, w13, offsets, rows_per_group=rows_per_group, activations=activations,
+                                         slots=slot_w13, slot_base=slot_base, backend="triton")
     direct = out if out is not None and out.dtype == torch.bfloat16 and out.stride(1) == 1 else None
     down = dict(rows_per_group=rows_per_group, slots=slot_w2, slot_base=slot_base, out=direct, backend="triton")
-    if fuses_swiglu(shard, w13, rows_per_group, "triton"):
-        activated = torch.empty(shard.shape[0], intermediate, dtype=shard.dtype, device=shard.device)
-        quantized_grouped_mm(shard, w13, offsets, out=activated, route_weights=route_weights, **gate_up)
-        return quantized_grouped_mm(activated, w2, offsets, **down)
-    hidden_states = quantized_grouped_mm(shard, w13, offsets, activations=activations, **gate_up)
     if w2.format != "fp8":
         activated = torch.empty(shard.shape[0], intermediate, dtype=shard.dtype, device=shard.device)
         swiglu_weighted_triton(hidden_states, route_weights, offsets[-1:], activated, skip=skip)

@@ -556,20 +556,18 @@ def _fp8_tile(
 
 @triton.jit
 def _mxfp4_grouped_kernel(
-    a_src, w_src, s_src, slot_w_src, slot_s_src, out_ptr, offsets_ptr, redo_ptr, route_ptr, groups, split,
-    split_start, N, stride_am, stride_om, stride_se, stride_sn, stride_sk, rows_above, rows_at_most, K: tl.constexpr,
+    a_src, w_src, s_src, slot_w_src, slot_s_src, out_ptr, offsets_ptr, redo_ptr, groups, split, split_start, N,
+    stride_am, stride_om, stride_se, stride_sn, stride_sk, rows_above, rows_at_most, K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, GROUPS: tl.constexpr,
     SWAP_AB: tl.constexpr, NATURAL_K: tl.constexpr, LANE_WORDS: tl.constexpr, ONE_MULTIPLY: tl.constexpr,
-    TMA: tl.constexpr, GATED: tl.constexpr, INTERPRET: tl.constexpr,
+    TMA: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """Groups ``[0, split)`` read ``w`` and ``s``, groups ``[split, groups)`` read ``slot_w`` and
     ``slot_s`` from row ``split_start``: pointers, or with ``TMA`` tensor descriptors (the rows
     ``[M, K]``, the words ``[G, N, K/8]`` and the scales ``[G, K/32, N]``; see
     :func:`_mxfp4_descriptors`). ``ONE_MULTIPLY``: the first pass, which sets ``redo_ptr[0]`` to 1
     where a tile reads a scale byte past 128; else the second pass, which computes every tile again
-    if ``redo_ptr[0]`` is set and none otherwise (see :func:`mxfp4_grouped_mm_triton`). ``GATED``: the
-    weights are gate/up pairs of ``2N`` columns, and ``out`` gets the SwiGLU of each pair's ``N``
-    columns weighted by ``route_ptr`` (see :func:`_mxfp4_tile`)."""
+    if ``redo_ptr[0]`` is set and none otherwise (see :func:`mxfp4_grouped_mm_triton`)."""
     starts, ends, tiles, passed, total = tile_table(offsets_ptr, groups, split, split_start, N, rows_above,
                                                     rows_at_most, BLOCK_M, BLOCK_N, GROUPS)
     tile = tl.program_id(0)
@@ -580,20 +578,20 @@ def _mxfp4_grouped_kernel(
         group, first, last, first_column = locate_tile(tile, starts, ends, tiles, passed, N, BLOCK_M, BLOCK_N, GROUP_M, GROUPS)
         if TMA:  # a descriptor is not a value that a branch can choose: one call per weight set
             if group < split:
-                _mxfp4_tile(a_src, w_src, s_src, out_ptr, redo_ptr, route_ptr, group, first, last, first_column, N,
-                            stride_am, stride_om, stride_se, stride_sn, stride_sk, K, BLOCK_M, BLOCK_N, BLOCK_K,
-                            SWAP_AB, NATURAL_K, LANE_WORDS, ONE_MULTIPLY, TMA, GATED, INTERPRET)
+                _mxfp4_tile(a_src, w_src, s_src, out_ptr, redo_ptr, group, first, last, first_column, N, stride_am,
+                            stride_om, stride_se, stride_sn, stride_sk, K, BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB,
+                            NATURAL_K, LANE_WORDS, ONE_MULTIPLY, TMA, INTERPRET)
             else:
-                _mxfp4_tile(a_src, slot_w_src, slot_s_src, out_ptr, redo_ptr, route_ptr, group - split, first, last,
-                            first_column, N, stride_am, stride_om, stride_se, stride_sn, stride_sk, K, BLOCK_M, BLOCK_N,
-                            BLOCK_K, SWAP_AB, NATURAL_K, LANE_WORDS, ONE_MULTIPLY, TMA, GATED, INTERPRET)
+                _mxfp4_tile(a_src, slot_w_src, slot_s_src, out_ptr, redo_ptr, group - split, first, last, first_column,
+                            N, stride_am, stride_om, stride_se, stride_sn, stride_sk, K, BLOCK_M, BLOCK_N, BLOCK_K,
+                            SWAP_AB, NATURAL_K, LANE_WORDS, ONE_MULTIPLY, TMA, INTERPRET)
         else:
             expert, words, exponents = group, w_src, s_src  # the group's weights, as in _fp8_grouped_kernel
             if group >= split:
                 expert, words, exponents = group - split, slot_w_src, slot_s_src
-            _mxfp4_tile(a_src, words, exponents, out_ptr, redo_ptr, route_ptr, expert, first, last, first_column, N,
-                        stride_am, stride_om, stride_se, stride_sn, stride_sk, K, BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB,
-                        NATURAL_K, LANE_WORDS, ONE_MULTIPLY, TMA, GATED, INTERPRET)
+            _mxfp4_tile(a_src, words, exponents, out_ptr, redo_ptr, expert, first, last, first_column, N, stride_am,
+                        stride_om, stride_se, stride_sn, stride_sk, K, BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, NATURAL_K,
+                        LANE_WORDS, ONE_MULTIPLY, TMA, INTERPRET)
         tile += tl.num_programs(0)
 
 
@@ -761,23 +759,18 @@ def _decoded_tile(words, exponent, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 
 @triton.jit
 def _mxfp4_tile(
-    a_src, w_src, s_src, out_ptr, redo_ptr, route_ptr, group, first, last, first_column, N, stride_am, stride_om,
-    stride_se, stride_sn, stride_sk, K: tl.constexpr,
+    a_src, w_src, s_src, out_ptr, redo_ptr, group, first, last, first_column, N, stride_am, stride_om, stride_se,
+    stride_sn, stride_sk, K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr, NATURAL_K: tl.constexpr,
-    LANE_WORDS: tl.constexpr, ONE_MULTIPLY: tl.constexpr, TMA: tl.constexpr, GATED: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    LANE_WORDS: tl.constexpr, ONE_MULTIPLY: tl.constexpr, TMA: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """Rows ``[first, min(first + BLOCK_M, last))`` times columns ``[first_column, + BLOCK_N)`` of ``group``;
     ``w_src`` is the packed values read as int32 words (8 nibbles each), by pointer or (``TMA``) by
     descriptor, as are the rows ``a_src`` and the scales ``s_src``. The weights are decoded with one
     multiply per pair (``ONE_MULTIPLY``, which sets ``redo_ptr[0]`` to 1 if the tile reads a scale
-    byte past 128) or two (see :func:`_decoded_tile`). ``GATED``: the weights hold ``2N`` columns,
-    gate then up; the tile stacks the gate columns ``first_column ..`` and the same up columns into
-    one weight tile of ``2 BLOCK_N`` columns (one copy, decode and MMA a K step, as a plain tile of
-    that width), then stores ``silu(gate) * up * route_ptr[row]`` of its two halves."""
+    byte past 128) or two (see :func:`_decoded_tile`)."""
     WORDS: tl.constexpr = BLOCK_K // 8
     BLOCKS: tl.constexpr = BLOCK_K // 32
-    COLUMNS: tl.constexpr = 2 * BLOCK_N if GATED else BLOCK_N  # the weight tile's columns
     words_k = K // 8
     scales_k = K // 32
     row = first + tl.arange(0, BLOCK_M)
@@ -789,23 +782,18 @@ def _mxfp4_tile(
     block = tl.arange(0, BLOCKS)
     if not TMA:
         expert = group.to(tl.int64)
-        within = tl.arange(0, COLUMNS) % BLOCK_N
-        weight_column = first_column + within + (tl.arange(0, COLUMNS) // BLOCK_N) * N  # gated: the up half + N
-        weight_mask = first_column + within < N
         a_tile = a_src + row.to(tl.int64)[:, None] * stride_am + inner[None, :]
-        w_tile = (w_src + expert * (COLUMNS // BLOCK_N) * N * words_k + weight_column.to(tl.int64)[:, None] * words_k
-                  + word[None, :])
+        w_tile = w_src + expert * N * words_k + column.to(tl.int64)[:, None] * words_k + word[None, :]
         # Scales in any strides; with the columns' stride 1 (pools hold them so) a step's scales of the
         # tile's columns are contiguous bytes, which Triton loads asynchronously in the pipeline with the
         # words. With the checkpoint's order (a column's blocks contiguous) a step takes a few bytes per
         # column, too few for an asynchronous copy: a synchronous load that the step's decode waits for.
-        s_tile = (s_src + expert * stride_se + weight_column.to(tl.int64)[:, None] * stride_sn
-                  + block[None, :] * stride_sk)
+        s_tile = s_src + expert * stride_se + column.to(tl.int64)[:, None] * stride_sn + block[None, :] * stride_sk
     if SWAP_AB:
-        acc = tl.zeros([COLUMNS, BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     else:
-        acc = tl.zeros([BLOCK_M, COLUMNS], dtype=tl.float32)
-    largest = tl.zeros([COLUMNS, BLOCKS], dtype=tl.int32)  # the largest scale byte read, per position
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    largest = tl.zeros([BLOCK_N, BLOCKS], dtype=tl.int32)  # the largest scale byte read, per position
     for k in range(0, K, BLOCK_K):
         # K is a multiple of 32, not necessarily of BLOCK_K: the last step may be partial.
         if TMA:  # out-of-bounds rows and K columns read as zeros; the rows of the next group are not stored
@@ -823,23 +811,19 @@ def _mxfp4_tile(
             a = _lane_word_order(a, BLOCK_M, WORDS, 8)
         if not NATURAL_K:
             a = tl.reshape(tl.permute(tl.reshape(a, [BLOCK_M, WORDS, 2, 4]), (0, 1, 3, 2)), [BLOCK_M, BLOCK_K])
-        if TMA:  # gated: the descriptors see the weights as [G, 2, N, ...] (gate, up) and copy both halves
-            if GATED:
-                words = tl.reshape(w_src.load([group, 0, first_column, k // 8]), [COLUMNS, WORDS])
-                exponent = tl.trans(tl.reshape(s_src.load([group, k // 32, 0, first_column]), [BLOCKS, COLUMNS]))
-            else:
-                words = tl.reshape(w_src.load([group, first_column, k // 8]), [COLUMNS, WORDS])
-                exponent = tl.trans(tl.reshape(s_src.load([group, k // 32, first_column]), [BLOCKS, COLUMNS]))
+        if TMA:
+            words = tl.reshape(w_src.load([group, first_column, k // 8]), [BLOCK_N, WORDS])
+            exponent = tl.trans(tl.reshape(s_src.load([group, k // 32, first_column]), [BLOCKS, BLOCK_N]))
         else:
-            words = tl.load(w_tile + k // 8, mask=weight_mask[:, None] & (k // 8 + word < words_k)[None, :], other=0)
+            words = tl.load(w_tile + k // 8, mask=column_mask[:, None] & (k // 8 + word < words_k)[None, :], other=0)
             exponent = tl.load(s_tile + (k // 32) * stride_sk,
-                               mask=weight_mask[:, None] & (k // 32 + block < scales_k)[None, :], other=0)
+                               mask=column_mask[:, None] & (k // 32 + block < scales_k)[None, :], other=0)
         if LANE_WORDS:
-            words = _lane_word_order(words, COLUMNS, WORDS, 1)
+            words = _lane_word_order(words, BLOCK_N, WORDS, 1)
         exponent = exponent.to(tl.int32)
         if ONE_MULTIPLY:
             largest = tl.maximum(largest, exponent)
-        w = _decoded_tile(words, exponent, COLUMNS, BLOCK_K, NATURAL_K, INTERPRET, ONE_MULTIPLY, LANE_WORDS)
+        w = _decoded_tile(words, exponent, BLOCK_N, BLOCK_K, NATURAL_K, INTERPRET, ONE_MULTIPLY, LANE_WORDS)
         acc += _tile_dot(a, w, SWAP_AB, INTERPRET)
     # A block with a scale byte past 128 decodes to +-inf or NaN in the one-multiply pass: the flag
     # has the second pass compute the tile again. The flag follows the scale bytes, not the
@@ -850,28 +834,10 @@ def _mxfp4_tile(
             tl.store(redo_ptr, 1)
     if SWAP_AB:
         acc = tl.trans(acc)
-    if GATED:
-        gate, up = tl.split(tl.permute(tl.reshape(acc, [BLOCK_M, 2, BLOCK_N]), (0, 2, 1)))
-        # The SwiGLU pass's function and roundings (flatep.kernels.activation.swiglu_weighted_triton
-        # over this GEMM's bf16 output), so that taking it here changes no bit.
-        gate = _bf16_value(gate, INTERPRET)
-        up = _bf16_value(up, INTERPRET)
-        # NaN and +-inf route weights propagate into the row, as in a dense MoE.
-        route_weight = tl.load(route_ptr + row, mask=row_mask, other=0.0).to(tl.float32)
-        acc = gate / (1.0 + tl.exp(-gate)) * up * route_weight[:, None]
-    elif INTERPRET:
+    if INTERPRET:
         acc = round_to_bf16(acc)
     out = out_ptr + row.to(tl.int64)[:, None] * stride_om + column[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & column_mask[None, :])
-
-
-@triton.jit
-def _bf16_value(x, INTERPRET: tl.constexpr):
-    """fp32 ``x`` rounded to bf16, in fp32: the GPU's conversion, or :func:`round_to_bf16` under the
-    interpreter (whose conversion truncates)."""
-    if INTERPRET:
-        return round_to_bf16(x)
-    return x.to(tl.bfloat16).to(tl.float32)
 
 
 def _check_wgmma(config: GemmConfig, device: torch.device) -> None:
@@ -1085,17 +1051,8 @@ def mxfp4_grouped_mm_triton(
     *,
     slots: tuple[torch.Tensor, torch.Tensor] | None = None,
     slot_base: int = 0,
-    route_weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``out[i] = rows[i] @ W[g(i)].T`` with mxfp4 ``W`` decoded in registers; with ``route_weights``,
-    the gated experts' first half, ``out[i] = silu(h[i, :I]) * h[i, I:] * route_weights[i]`` for ``h =
-    rows @ W.T`` of ``2I`` columns (gate then up).
-
-    Gated, each tile computes a gate block and the matching up block (``config.block_n / 2`` columns
-    each, so the accumulators take the registers of the plain tile) and applies the SwiGLU in its
-    epilogue, with :func:`flatep.kernels.activation.swiglu_weighted_triton`'s function and roundings
-    (the products rounded to bf16 first): the same bits as that pass over the plain GEMM's output,
-    without writing and reading the ``[M, 2I]`` bf16 products or launching the pass.
+    """``out[i] = rows[i] @ W[g(i)].T`` with mxfp4 ``W`` decoded in registers.
 
     Two launches: the first decodes with one multiply per pair of weights and flags (in a
     one-element device tensor) any tile that reads a scale byte past 128, whose one-multiply
@@ -1121,12 +1078,10 @@ def mxfp4_grouped_mm_triton(
         slots, slot_base: a second set of experts, ``(values [G2, N, K/2], scales [G2, N, K/32])``
             in the same layout (scales in the same strides), whose groups start at row
             ``slot_base`` (see :func:`fp8_grouped_mm_triton`).
-        route_weights: optional ``[M]`` float32 (contiguous), each row's route weight: the gated
-            form above (``out`` then ``[M, N/2]``; ``config.block_n`` at least 32).
 
     Returns:
-        ``out`` or a new ``[M, N]`` (gated: ``[M, N/2]``) bf16 tensor; rows at and past
-        ``offsets[-1]``, and the rows of groups outside ``group_rows``, are not written.
+        ``out`` or a new ``[M, N]`` bf16 tensor; rows at and past ``offsets[-1]``, and the rows of
+        groups outside ``group_rows``, are not written.
     """
     _check_common(rows, values)
     groups, columns, half = values.shape
@@ -1150,47 +1105,30 @@ def mxfp4_grouped_mm_triton(
         raise ValueError(f"lane_words needs a tile whose weights are a register operand (block_m below 64, or "
                          f"swap_ab) and block_k of 64 or more (one 32-column chunk a step has one order), got {config}")
     rows_above, rows_at_most = _check_group_rows(group_rows)
-    gated = route_weights is not None
-    if gated:
-        _check_route_weights(route_weights, rows, columns, config)
-    # Gated, a tile's output columns are half its weight tile's (its gate half, then its up half).
-    output, block_n = (columns // 2, config.block_n // 2) if gated else (columns, config.block_n)
-    out = _output(rows, output, out)
+    out = _output(rows, columns, out)
     # Two passes (see the module docstring): the second computes the tiles again, with two
     # multiplies per pair, only if the first flagged a tile that read a scale byte past 128.
     redo = torch.zeros(1, dtype=torch.int32, device=rows.device)
-    grid = persistent_grid(rows.shape[0], groups, output, dataclasses.replace(config, block_n=block_n), rows.device)
-    descriptors = _mxfp4_descriptors(rows, values, scales, slot_values, slot_scales, config, gated)
+    grid = persistent_grid(rows.shape[0], groups, columns, config, rows.device)
+    descriptors = _mxfp4_descriptors(rows, values, scales, slot_values, slot_scales, config)
     # K/2 is a multiple of 16 bytes: int32 words.
     sources = descriptors or (rows, values.view(torch.int32), scales, slot_values.view(torch.int32), slot_scales)
     for one_multiply in (True, False):
         _mxfp4_grouped_kernel[grid](
-            *sources, out, offsets, redo, route_weights, groups, values.shape[0], slot_base, output, rows.stride(0),
-            out.stride(0), *scales.stride(), rows_above, rows_at_most, inner,
-            BLOCK_M=config.block_m, BLOCK_N=block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
+            *sources, out, offsets, redo, groups, values.shape[0], slot_base, columns, rows.stride(0), out.stride(0),
+            *scales.stride(), rows_above, rows_at_most, inner,
+            BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
             GROUPS=triton.next_power_of_2(groups), SWAP_AB=config.swap_ab, NATURAL_K=natural_k,
-            LANE_WORDS=config.lane_words, ONE_MULTIPLY=one_multiply, TMA=descriptors is not None, GATED=gated,
+            LANE_WORDS=config.lane_words, ONE_MULTIPLY=one_multiply, TMA=descriptors is not None,
             INTERPRET=interpreting(),
             num_warps=config.num_warps, num_stages=config.num_stages, maxnreg=config.max_registers,
         )
     return out
 
 
-def _check_route_weights(route_weights: torch.Tensor, rows: torch.Tensor, columns: int, config: GemmConfig) -> None:
-    if (route_weights.shape != (rows.shape[0],) or route_weights.dtype != torch.float32
-            or not route_weights.is_contiguous() or route_weights.device != rows.device):
-        raise ValueError(f"route_weights must be a contiguous [{rows.shape[0]}] float32 tensor on {rows.device}, got "
-                         f"{route_weights.dtype} {list(route_weights.shape)} on {route_weights.device}")
-    if columns % 2:
-        raise ValueError(f"gated (route_weights) weights must hold 2I columns, gate then up, got N={columns}")
-    if config.block_n < 32:
-        raise ValueError(f"gated (route_weights) tiles split block_n between gate and up: block_n must be at least "
-                         f"32, got {config.block_n}")
-
-
 def _mxfp4_descriptors(
     rows: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, slot_values: torch.Tensor,
-    slot_scales: torch.Tensor, config: GemmConfig, gated: bool = False,
+    slot_scales: torch.Tensor, config: GemmConfig,
 ) -> tuple | None:
     """Tensor descriptors of an mxfp4 GEMM's operands, or None where the copies need pointers: the
     rows ``[M, K]`` (tiles ``[block_m, block_k]``), the words ``[G, N, K/8]`` int32 (``[1, block_n,
@@ -1215,21 +1153,15 @@ def _mxfp4_descriptors(
     if not interpreting() and not hopper:
         return None
     by_block = [weights_scales.transpose(1, 2) for weights_scales in (scales, slot_scales)]  # [G, K/32, N]
-    if not all(part.is_contiguous() for part in by_block):
-        return None
-    words_of = [part.view(torch.int32) for part in (values, slot_values)]  # [G, N, K/8]
-    word_box, scale_box = [1, config.block_n, words], [1, blocks, config.block_n]
-    if gated:  # each tile copies its gate columns and the same up columns N/2 further: [G, 2, N/2, ...]
-        half = values.shape[1] // 2
-        words_of = [part.view(part.shape[0], 2, half, part.shape[2]) for part in words_of]
-        by_block = [part.view(part.shape[0], part.shape[1], 2, half) for part in by_block]
-        word_box, scale_box = [1, 2, config.block_n // 2, words], [1, blocks, 2, config.block_n // 2]
-    if not all(tma_fits(operand) for operand in (rows, *words_of, *by_block)):
+    operands = (rows, values, slot_values, *by_block)
+    if not all(tma_fits(operand) for operand in operands) or not all(part.is_contiguous() for part in by_block):
         return None
     try:
         from triton.tools.tensor_descriptor import TensorDescriptor
     except ImportError:  # a Triton without host-side descriptors
         return None
     return (TensorDescriptor.from_tensor(rows, [config.block_m, config.block_k]),
-            TensorDescriptor.from_tensor(words_of[0], word_box), TensorDescriptor.from_tensor(by_block[0], scale_box),
-            TensorDescriptor.from_tensor(words_of[1], word_box), TensorDescriptor.from_tensor(by_block[1], scale_box))
+            TensorDescriptor.from_tensor(values.view(torch.int32), [1, config.block_n, words]),
+            TensorDescriptor.from_tensor(by_block[0], [1, blocks, config.block_n]),
+            TensorDescriptor.from_tensor(slot_values.view(torch.int32), [1, config.block_n, words]),
+            TensorDescriptor.from_tensor(by_block[1], [1, blocks, config.block_n]))

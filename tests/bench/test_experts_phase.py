@@ -13,7 +13,7 @@ import flatep.bench.experts_phase as experts_phase
 import flatep.experts.grouped as grouped
 from flatep import EPConfig, init_group
 from flatep.bench.experts_phase import (
-    IN_TURN, PACKED_GEMMS, SWIGLU_PASS, dispatch_into_nan, gemms_in_use, main, revision_gemms, source_digest,
+    IN_TURN, PACKED_GEMMS, dispatch_into_nan, gemms_in_use, main, revision_gemms, source_digest,
 )
 from flatep.kernels.backend import use_triton
 from flatep.kernels.dispatch import real_rows_torch
@@ -54,7 +54,7 @@ def test_gemms_in_use_swaps_the_packed_gemms_and_restores_them():
 def test_revision_gemms_loads_that_revisions_kernels_and_rejects_unknown_ones(monkeypatch):
     monkeypatch.chdir(REPOSITORY)
     gemms = revision_gemms("HEAD")
-    assert set(PACKED_GEMMS) <= set(gemms)
+    assert set(gemms) == set(PACKED_GEMMS)
     assert all(gemms[name] is not getattr(grouped, name) for name in PACKED_GEMMS)
     with pytest.raises(ValueError, match="--against 'no-such-revision'"):
         revision_gemms("no-such-revision")
@@ -66,17 +66,6 @@ def test_revision_gemms_takes_a_copy_of_the_module(tmp_path):
     gemms = revision_gemms(str(copy))
     assert set(gemms) == set(PACKED_GEMMS)
     assert all(gemms[name] is not getattr(grouped, name) for name in PACKED_GEMMS)
-
-
-def test_revision_gemms_of_a_kernel_without_the_swiglu_epilogue_run_the_swiglu_pass(tmp_path):
-    """A revision whose mxfp4 GEMM takes no route weights (before the SwiGLU moved into its
-    epilogue) runs with the SwiGLU as a pass of its own, as it did then."""
-    older = tmp_path / "quant_gemm_older.py"
-    older.write_text("def fp8_grouped_mm_triton(rows, values, scales, offsets, config=None, out=None):\n    pass\n\n\n"
-                     "def mxfp4_grouped_mm_triton(rows, values, scales, offsets, config=None, out=None):\n    pass\n")
-    gemms = revision_gemms(str(older))
-    assert set(gemms) == {*PACKED_GEMMS, "fuses_swiglu"} and gemms["fuses_swiglu"] is SWIGLU_PASS["fuses_swiglu"]
-    assert not gemms["fuses_swiglu"]()
 
 
 @needs_history
@@ -127,26 +116,6 @@ def test_in_turn_times_the_launches_one_after_another_beside_side_by_side(tmp_pa
     assert set(rows[0]["experts_us"]) == {"packed", "in_turn", "bf16"}
     assert original in runners and IN_TURN["side_by_side"] in runners
     assert grouped.side_by_side is original
-
-
-def test_swiglu_pass_times_the_experts_with_the_swiglu_apart_beside_the_epilogue(tmp_path, monkeypatch):
-    """``--swiglu-pass`` adds a variant timed beside ``packed``: the same experts, with grouped's
-    ``fuses_swiglu`` answering no while it runs (and restored after)."""
-    config = tmp_path / "tiny.yaml"
-    config.write_text(TINY_MXFP4)
-    deciders = []
-    original = grouped.fuses_swiglu
-
-    def spy(shard, shard_weights, *args, **options):
-        deciders.append(grouped.fuses_swiglu)
-        experts_step(shard, shard_weights, *args, **options)
-
-    monkeypatch.setattr(experts_phase, "experts_step", spy)
-    backend = "triton" if use_triton(DEVICE) else "torch"
-    rows = main([str(config), "--tokens", "8", "--maxvio", "2", "--swiglu-pass", "--backend", backend])
-    assert set(rows[0]["experts_us"]) == {"packed", "swiglu_pass", "bf16"}
-    assert original in deciders and SWIGLU_PASS["fuses_swiglu"] in deciders
-    assert grouped.fuses_swiglu is original
 
 
 def test_every_timed_call_computes_on_the_dispatched_rows(tmp_path, monkeypatch):
@@ -235,20 +204,14 @@ def test_source_digest_follows_the_python_files(tmp_path):
 @pytest.mark.parametrize("options, message", [
     (["--arm", "dense"], "--arm must be an EP arm"), (["--arm", "nope"], "arm must be one of"),
     (["--tokens", "0"], "--tokens must be positive"), (["--maxvio", "-1"], "--maxvio at least 0"),
-    (["--against", "HEAD"], "--against, --in-turn and --swiglu-pass change the packed GEMMs"),
-    (["--in-turn"], "--against, --in-turn and --swiglu-pass change the packed GEMMs"),
-    (["--swiglu-pass"], "--against, --in-turn and --swiglu-pass change the packed GEMMs"),
-    (["--swiglu-pass", "--dispatch", "fp8"], "--swiglu-pass changes mxfp4's experts"),
+    (["--against", "HEAD"], "--against and --in-turn change the packed GEMMs"),
+    (["--in-turn"], "--against and --in-turn change the packed GEMMs"),
 ])
 def test_bad_options_are_refused(tmp_path, options, message, capsys):
     config = tmp_path / "tiny.yaml"
     config.write_text(TINY_MXFP4)
-    if options in (["--against", "HEAD"], ["--in-turn"], ["--swiglu-pass"]):  # nothing to swap in a bf16 pool
+    if options in (["--against", "HEAD"], ["--in-turn"]):  # nothing to swap in a bf16 pool
         config.write_text(TINY_MXFP4.replace("weights: mxfp4", "weights: bf16"))
-    if "fp8" in options:  # fp8 experts: their SwiGLU pass quantizes the down GEMM's input, no epilogue to undo
-        options = ["--swiglu-pass"]
-        config.write_text(TINY_MXFP4.replace("weights: mxfp4", "weights: fp8").replace("hidden: 64", "hidden: 128")
-                          .replace("intermediate: 64", "intermediate: 128"))
     with pytest.raises((SystemExit, ValueError)) as raised:
         main([str(config), *options])
     shown = capsys.readouterr().err if raised.type is SystemExit else str(raised.value)

@@ -3,7 +3,6 @@ and the torch path against its definition."""
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 
 import pytest
@@ -699,41 +698,6 @@ def test_fp8_experts_quantize_the_down_input_in_the_swiglu_pass_bit_equal_to_two
     assert torch.equal(out[:end], expected[:end])
 
 
-@needs_triton
-@pytest.mark.parametrize("rows_per_group", [None, 4, 24])
-def test_mxfp4_experts_take_the_swiglu_in_the_gate_up_epilogue_bit_equal_to_the_pass(rows_per_group, monkeypatch):
-    """grouped_swiglu with mxfp4 weights launches no SwiGLU pass (the gate/up GEMM's epilogue
-    computes it, in each of a decode step's launches) and gives, bit for bit, the gate/up GEMM, the
-    SwiGLU pass and the down GEMM run apart; where the weights are decoded whole into bf16 first
-    (from THROUGH_BF16_ROWS rows per group) the pass still runs."""
-    from flatep.experts import grouped
-    from flatep.kernels.activation import swiglu_weighted_triton
-    from flatep.kernels.mxfp4_dequant import THROUGH_BF16_ROWS
-
-    sizes, hidden, intermediate = [5, 0, 40, 2, 17], 128, 96
-    generator = torch.Generator().manual_seed(37)
-    shard = torch.randn(sum(sizes) + 3, hidden, generator=generator).bfloat16().to(DEVICE)
-    route_weights = (torch.rand(shard.shape[0], generator=generator) + 0.1).to(DEVICE)
-    w13, w2 = (QuantizedTensor.quantize(torch.randn(5, n, k, generator=generator) * k**-0.5, "mxfp4")
-               .in_layout("words").to(DEVICE) for n, k in ((2 * intermediate, hidden), (hidden, intermediate)))
-    offsets = torch.tensor(sizes, dtype=torch.int32).cumsum(0).to(torch.int32).to(DEVICE)
-    gate_up = quantized_grouped_mm(shard, w13, offsets, rows_per_group=rows_per_group, backend="triton")
-    activated = torch.empty(shard.shape[0], intermediate, dtype=torch.bfloat16, device=DEVICE)
-    swiglu_weighted_triton(gate_up, route_weights, offsets[-1:], activated)
-    expected = quantized_grouped_mm(activated, w2, offsets, rows_per_group=rows_per_group, backend="triton")
-    monkeypatch.setattr(grouped, "swiglu_weighted_triton", lambda *args, **kwargs: pytest.fail("a SwiGLU pass ran"))
-    out = grouped.grouped_swiglu(shard, route_weights, w13, w2, offsets, backend="triton",
-                                 rows_per_group=rows_per_group)
-    end = int(offsets[-1])
-    assert torch.equal(out[:end], expected[:end]) and out[:end].isfinite().all()
-    assert grouped.fuses_swiglu(shard, w13, THROUGH_BF16_ROWS - 1)
-    assert not grouped.fuses_swiglu(shard, w13, THROUGH_BF16_ROWS)
-    assert not grouped.fuses_swiglu(shard.float(), w13, 4) and not grouped.fuses_swiglu(shard, w13, 4, "torch")
-    with pytest.raises(ValueError, match="route_weights .* need mxfp4 weights"):
-        quantized_grouped_mm(shard, w13, offsets, rows_per_group=THROUGH_BF16_ROWS, route_weights=route_weights,
-                             backend="triton")
-
-
 def test_packed_launches_give_hot_groups_tall_tiles_at_decode_sizes():
     (short, cool), (tall, hot) = packed_launches(16 * 112, 112, "fp8")
     assert short.block_m == 16 and cool == (0, HOT_ROWS)
@@ -983,62 +947,3 @@ def test_grouped_swiglu_refuses_slots_in_another_format():
     offsets = torch.tensor([2, 4, 8], dtype=torch.int32, device=DEVICE)
     with pytest.raises(ValueError, match="slots run in the launches"):
         grouped_swiglu(shard, route_weights, *home, offsets, backend="triton", slots=tuple(slots), slot_base=4)
-
-
-@needs_triton
-@pytest.mark.parametrize("sizes, intermediate, hidden, config, slot_base", [
-    ([5, 0, 19, 2], 64, 160, GemmConfig(16, 64, 64, lane_words=True), None),  # 16-row tile, by descriptor
-    ([3, 21, 0, 9], 48, 128, GemmConfig(32, 32, 128, lane_words=True), None),  # I not a multiple of the half tile
-    ([1, 70, 0, 4], 64, 96, GemmConfig(64, 64, 32), None),  # tall tile: column-order decode
-    ([5, 0, 19, 2], 48, 96, GemmConfig(16, 64, 64, swap_ab=True), None),  # swapped: pointer copies
-    ([4, 6, 3, 5], 64, 128, GemmConfig(16, 64, 64, lane_words=True), 14),  # the last two groups are slots
-])
-def test_mxfp4_swiglu_in_the_epilogue_gives_the_swiglu_pass_bits(sizes, intermediate, hidden, config, slot_base):
-    """With route weights the kernel computes each tile's gate and up columns and their weighted
-    SwiGLU: bit for bit what :func:`swiglu_weighted_triton` gives over the plain GEMM's output, for
-    home experts and slots; rows of no group (past the end, between the two sets) stay unwritten."""
-    from flatep.kernels.activation import swiglu_weighted_triton
-
-    rows, packed, offsets = grouped_inputs("mxfp4", sizes, 2 * intermediate, hidden, seed=sum(sizes) + intermediate)
-    slots = skip = None
-    if slot_base is not None:  # groups 2.. become a second set (a layer's borrow slots) from row slot_base
-        home_end = int(offsets[1])
-        gap = torch.full((slot_base - home_end, hidden), float("nan"), dtype=rows.dtype, device=rows.device)
-        rows = torch.cat([rows[:home_end], gap, rows[home_end:]])
-        offsets = torch.cat([offsets[:2], offsets[2:] + slot_base - home_end]).to(torch.int32)
-        packed, second = packed[:2], packed[2:]
-        slots, skip = (second.values, second.scales), (offsets[1:2], slot_base)
-    route_weights = torch.rand(rows.shape[0], device=rows.device)
-    plain = mxfp4_grouped_mm_triton(rows, packed.values, packed.scales, offsets, config, slots=slots,
-                                    slot_base=slot_base or 0)
-    expected = torch.full((rows.shape[0], intermediate), float("nan"), dtype=torch.bfloat16, device=rows.device)
-    swiglu_weighted_triton(plain, route_weights, offsets[-1:], expected, skip=skip)
-    fused = torch.full_like(expected, float("nan"))
-    mxfp4_grouped_mm_triton(rows, packed.values, packed.scales, offsets, config, out=fused, slots=slots,
-                            slot_base=slot_base or 0, route_weights=route_weights)
-    written = torch.zeros(rows.shape[0], dtype=torch.bool, device=rows.device)
-    ends = offsets.tolist()
-    starts = [0] + ends[:-1]
-    if slot_base is not None:
-        starts[2] = slot_base
-    for start, end in zip(starts, ends):
-        written[start:end] = True
-    assert torch.equal(fused[written], expected[written]) and fused[written].isfinite().all()
-    assert fused[~written].isnan().all()
-
-
-def test_mxfp4_swiglu_in_the_epilogue_refuses_bad_input():
-    rows, packed, offsets = grouped_inputs("mxfp4", [3, 4], 64, 64, seed=5)
-    weights = torch.rand(rows.shape[0], device=rows.device)
-    call = functools.partial(mxfp4_grouped_mm_triton, rows, packed.values, packed.scales, offsets)
-    with pytest.raises(ValueError, match=r"route_weights must be a contiguous \[10\] float32"):
-        call(route_weights=weights.double())
-    with pytest.raises(ValueError, match=r"route_weights must be a contiguous \[10\] float32"):
-        call(route_weights=weights[:-1])
-    with pytest.raises(ValueError, match="block_n must be at least 32"):
-        call(GemmConfig(16, 16, 64), route_weights=weights)
-    odd_rows, odd, odd_offsets = grouped_inputs("mxfp4", [3, 4], 33, 64, seed=6)
-    with pytest.raises(ValueError, match="must hold 2I columns, gate then up, got N=33"):
-        mxfp4_grouped_mm_triton(odd_rows, odd.values, odd.scales, odd_offsets, route_weights=weights)
-    with pytest.raises(ValueError, match=r"out must be \[10, 32\] bfloat16"):
-        call(route_weights=weights, out=torch.empty(10, 64, dtype=torch.bfloat16, device=rows.device))

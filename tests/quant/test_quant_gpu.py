@@ -255,29 +255,3 @@ def test_fp8_wgmma_default_and_its_fallback_on_unaligned_rows():
     assert relative_error(odd, reference) < 4e-3
     short_reference = quantized_grouped_mm(x[:, :512].contiguous(), short_k, offsets, backend="torch")
     assert relative_error(short_out, short_reference) < 4e-3
-
-
-@pytest.mark.parametrize("rows_per_group", [16, 32, 128])
-def test_mxfp4_swiglu_epilogue_at_kimi_k3_size_gives_the_pass_bits(rows_per_group):
-    """Kimi-K3's gate/up shape, groups of 3 to 200 rows (each of a decode step's launches): the
-    gate/up GEMM with the SwiGLU in its epilogue gives the bits of the plain GEMM followed by the
-    SwiGLU pass (the GPU's exp and division in both kernels)."""
-    from flatep.kernels.activation import swiglu_weighted_triton
-
-    hidden, intermediate = 3584, 3072
-    sizes = [rows_per_group, 3, 200, 40, 17]
-    generator = torch.Generator(device="cuda").manual_seed(rows_per_group + 1)
-    w13 = QuantizedTensor.quantize(torch.randn(len(sizes), 2 * intermediate, hidden, device="cuda", generator=generator)
-                                   * hidden**-0.5, "mxfp4").in_layout("words")
-    rows, end = sum(sizes) + 5, sum(sizes)
-    x = torch.randn(rows, hidden, device="cuda", generator=generator).bfloat16()
-    route_weights = torch.rand(rows, device="cuda", generator=generator)
-    offsets = torch.tensor(sizes, device="cuda").cumsum(0).to(torch.int32)
-    plain = quantized_grouped_mm(x, w13, offsets, rows_per_group=rows_per_group, backend="triton")
-    expected = torch.full((rows, intermediate), float("nan"), device="cuda", dtype=torch.bfloat16)
-    swiglu_weighted_triton(plain, route_weights, offsets[-1:], expected)
-    fused = torch.full_like(expected, float("nan"))
-    quantized_grouped_mm(x, w13, offsets, rows_per_group=rows_per_group, backend="triton", out=fused,
-                         route_weights=route_weights)
-    assert torch.equal(fused[:end], expected[:end]) and fused[:end].isfinite().all()
-    assert fused[end:].isnan().all()
