@@ -51,6 +51,22 @@ def test_gate_up_swiglu_equals_the_unfused_steps(config):
     assert out[end:].isnan().all()
 
 
+@pytest.mark.parametrize("config", CONFIGS)
+def test_gate_up_swiglu_propagates_nan_rows_as_a_dense_moe(config):
+    """A row holding NaN gives NaN gate and up values, and NaN activations, as the unfused steps
+    give: the epilogue's bf16 rounding used to turn the GPU's NaN (bits 0x7FFFFFFF) into -0, and
+    the row came out finite."""
+    x, w13, _, route_weights, offsets = _operands([5, 9, 0, 2], seed=2)
+    end = int(offsets[-1])
+    x[3, 7] = float("nan")
+    x[8] = float("nan")
+    out = torch.full((x.shape[0], w13.shape[1] // 2), float("inf"), dtype=torch.bfloat16, device=DEVICE)
+    gate_up_swiglu_triton(x, w13, route_weights, offsets, config, out=out)
+    assert out[3].isnan().all() and out[8].isnan().all()
+    finite = [row for row in range(end) if row not in (3, 8)]
+    assert out[finite].isfinite().all()
+
+
 def test_default_tiles_follow_rows_per_group():
     assert decode_config(16, 16).block_m == 16
     assert decode_config(32 * 48, 48).block_m == 32
