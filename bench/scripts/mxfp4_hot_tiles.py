@@ -14,9 +14,8 @@ few minutes before the first timing.
 """
 from __future__ import annotations
 
-from flatep.kernels.quant_gemm import GemmConfig, default_config, mxfp4_grouped_mm_triton
-import mxfp4_rank
-from mxfp4_rank import main, rank_operands, time_tiles
+from flatep.kernels.quant_gemm import GemmConfig
+from mxfp4_rank import default_then, main
 
 TALL = [
     GemmConfig(64, 256, 64, num_warps=8, num_stages=4, programs_per_sm=1),
@@ -33,9 +32,7 @@ CANDIDATES = {64: TALL[:4], 96: TALL, 128: TALL, 192: TALL}  # at 64 rows a 128-
 
 
 def time_cell(rows_per_expert: int, gemm: str, columns: int, inner: int) -> list[dict]:
-    operands = rank_operands(rows_per_expert, columns, inner)
-    tiles = [default_config(operands[2].shape[0], mxfp4_rank.EXPERTS, "mxfp4"), *CANDIDATES[rows_per_expert]]
-    return time_tiles(rows_per_expert, gemm, tiles, mxfp4_grouped_mm_triton, operands)
+    return default_then(rows_per_expert, gemm, columns, inner, CANDIDATES[rows_per_expert])
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from collections.abc import Callable
 import torch
 
 from flatep.bench.timing import device_name, read_ceiling_gbps, time_interleaved
+from flatep.kernels.quant_gemm import default_config, mxfp4_grouped_mm_triton
 
 EXPERTS, HIDDEN, INTERMEDIATE = 112, 3584, 3072  # a Kimi-K3 rank's experts at R = 8
 GEMMS = {"w13": (2 * INTERMEDIATE, HIDDEN), "w2": (HIDDEN, INTERMEDIATE)}  # (N, K) of gate/up and down
@@ -55,6 +56,15 @@ def time_tiles(rows_per_expert: int, gemm: str, tiles: list, run: Callable, oper
              lambda out, config=config: run(rows, values, scales, offsets, config, out))
             for index, config in enumerate(tiles)]
     return time_arms(arms, rows.shape[0], values.shape[1])
+
+
+def default_then(rows_per_expert: int, gemm: str, columns: int, inner: int, candidates: list) -> list[dict]:
+    """A tile script's cell: :func:`flatep.kernels.quant_gemm.default_config`'s mxfp4 tile, then
+    ``candidates``, each through :func:`flatep.kernels.quant_gemm.mxfp4_grouped_mm_triton` over
+    :func:`rank_operands`, timed by :func:`time_tiles`."""
+    operands = rank_operands(rows_per_expert, columns, inner)
+    tiles = [default_config(operands[2].shape[0], EXPERTS, "mxfp4"), *candidates]
+    return time_tiles(rows_per_expert, gemm, tiles, mxfp4_grouped_mm_triton, operands)
 
 
 def mxfp4_bytes(columns: int, inner: int) -> int:

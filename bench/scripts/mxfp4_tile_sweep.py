@@ -14,9 +14,8 @@ Registers, stack and resident programs of each tile: ``bench/scripts/gemm_kloop_
 """
 from __future__ import annotations
 
-from flatep.kernels.quant_gemm import GemmConfig, default_config, mxfp4_grouped_mm_triton
-import mxfp4_rank
-from mxfp4_rank import main, rank_operands, time_tiles
+from flatep.kernels.quant_gemm import GemmConfig
+from mxfp4_rank import default_then, main
 
 # Candidates per row count; registers from a local sm_90 compile (Triton 3.6, copies by descriptor).
 CANDIDATES = {
@@ -56,9 +55,7 @@ CANDIDATES = {
 
 
 def time_cell(rows_per_expert: int, gemm: str, columns: int, inner: int) -> list[dict]:
-    operands = rank_operands(rows_per_expert, columns, inner)
-    tiles = [default_config(operands[2].shape[0], mxfp4_rank.EXPERTS, "mxfp4"), *CANDIDATES[rows_per_expert]]
-    return time_tiles(rows_per_expert, gemm, tiles, mxfp4_grouped_mm_triton, operands)
+    return default_then(rows_per_expert, gemm, columns, inner, CANDIDATES[rows_per_expert])
 
 
 if __name__ == "__main__":
