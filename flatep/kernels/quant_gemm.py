@@ -138,7 +138,8 @@ from flatep.kernels.backend import (
     skip_arguments,
     tma_fits,
 )
-from flatep.kernels import fp8_wgmma
+from flatep.kernels import fp8_wgmma, mxfp4_wgmma
+from flatep.kernels.e2m1_ptx import INF_PAIR, ONE_MULTIPLY_BIAS, ONE_MULTIPLY_MAX_BYTE, SCALE_PAIR, scaled_pairs_ptx
 from flatep.kernels.grouped_tiles import locate_tile, persistent_grid, tile_table
 from flatep.quant.fp8 import E4M3_MAX, E4M3_RECIPROCAL
 from flatep.quant.mxfp4 import WORD_PAIRS, _as_int32
@@ -231,6 +232,8 @@ class GemmConfig:
 
 # fp8 Triton tiles past HOT_ROWS rows per group (from 17 rows, the same tile at 3 stages)
 _FP8_TALL = GemmConfig(64, 128, 128, num_warps=4, num_stages=4)
+# mxfp4 Triton tiles past 32 rows per group (and where the Gluon kernel's copies cannot run)
+_MXFP4_TALL = GemmConfig(64, 256, 64, num_warps=4, num_stages=4)
 
 WGMMA_ROWS = 128
 """Rows per group from which :func:`default_config` takes the Gluon fp8 kernel
@@ -311,7 +314,10 @@ def default_config(rows: int, groups: int, format: str, device: torch.device | N
         return GemmConfig(16, 128, 128, num_warps=2, num_stages=3, programs_per_sm=6, lane_words=True)
     if per_group <= 32:
         return GemmConfig(32, 256, 128, num_warps=4, num_stages=3, lane_words=True)
-    return GemmConfig(64, 256, 64, num_warps=4, num_stages=4)
+    if device is not None and fp8_wgmma.available(device):
+        return GemmConfig(mxfp4_wgmma.WG_M, mxfp4_wgmma.BLOCK_N, mxfp4_wgmma.BLOCK_K, num_warps=mxfp4_wgmma.NUM_WARPS,
+                          num_stages=mxfp4_wgmma.LOAD_STAGES, programs_per_sm=1, wgmma=True)
+    return _MXFP4_TALL
 
 
 HOT_ROWS = 64
@@ -349,13 +355,13 @@ def packed_launches(
     tiles = default_config(rows, groups, format, device)
     if tiles.block_m > 32:
         return [(tiles, None)]
-    hot = default_config(2 * HOT_ROWS * max(groups, 1), groups, format)
     if format == "mxfp4":
+        hot = default_config(2 * HOT_ROWS * max(groups, 1), groups, format, device)
         short, middle = (default_config(size * max(groups, 1), groups, format)
                          for size in (_SHORT_ROWS, 2 * _SHORT_ROWS))
         return [(short, (0, _SHORT_ROWS)), (middle, (_SHORT_ROWS, 2 * _SHORT_ROWS)),
                 (hot, (2 * _SHORT_ROWS, _ALL_ROWS))]
-    return [(tiles, (0, HOT_ROWS)), (hot, (HOT_ROWS, _ALL_ROWS))]
+    return [(tiles, (0, HOT_ROWS)), (default_config(2 * HOT_ROWS * max(groups, 1), groups, format), (HOT_ROWS, _ALL_ROWS))]
 
 
 def _check_group_rows(group_rows) -> tuple[int, int]:
@@ -625,45 +631,12 @@ def _e2m1_bf16_pairs(words):
     return p0, p1, p2, p3
 
 
-def _placement_ptx(pair: int) -> list[str]:
-    """PTX placing pair ``pair`` of word ``$4`` into ``t`` (see :data:`flatep.quant.mxfp4.WORD_PAIRS`):
-    per term a shift (a plain left shift where no kept bit wraps around, which ptxas may issue on
-    the multiply pipe; else a rotation) and a mask; terms ORed."""
-    lines = []
-    for term, (rotation, mask) in enumerate(WORD_PAIRS[pair]):
-        register = "t" if term == 0 else "u"
-        if rotation == 0:
-            lines.append(f"and.b32 {register}, $4, {mask:#010x};")
-        else:
-            kept = [bit for bit in range(32) if mask >> bit & 1]
-            shift = f"shl.b32 {register}, $4," if min(kept) >= rotation else f"shf.l.wrap.b32 {register}, $4, $4,"
-            lines += [f"{shift} {rotation};", f"and.b32 {register}, {register}, {mask:#010x};"]
-        if term:
-            lines.append("or.b32 t, t, u;")
-    return lines
-
-
-def _scaled_pairs_ptx(one_multiply: bool) -> str:
-    """PTX of :func:`_scaled_pairs_asm`: per pair, the placement of :func:`_e2m1_bf16_pairs`, then
-    bf16x2 FMAs with a -0 addend (plain products, signs of zeros kept): by ``2**126`` and by ``$5``,
-    or (``one_multiply``) by ``$5`` alone."""
-    lines = [".reg .b32 t, u, big, nzero;", "mov.b32 big, 0x7E807E80;", "mov.b32 nzero, 0x80008000;"]
-    for pair in range(4):
-        lines += _placement_ptx(pair)
-        lines += ([] if one_multiply else ["fma.rn.bf16x2 t, t, big, nzero;"]) + [f"fma.rn.bf16x2 ${pair}, t, $5, nzero;"]
-    return "{\n" + "\n".join(lines) + "\n}"
-
-
-_SCALED_PAIRS_PTX = tl.constexpr(_scaled_pairs_ptx(False))
-_ONE_MULTIPLY_PTX = tl.constexpr(_scaled_pairs_ptx(True))
-# An e8m0 byte times this is the bf16 pair of 2**(byte - 127) (a bf16 power of two has exponent
-# field = byte; byte 0 gives 0): byte << 7 | byte << 23 in one multiply, the copies not overlapping.
-_SCALE_PAIR = tl.constexpr(0x800080)
-# The one-multiply decode's factor 2**(byte - 1) has exponent field byte + 126, a bf16 power of
-# two up to byte 128; bytes from 129 on are capped to field 255, +inf (see _mxfp4_tile).
-_ONE_MULTIPLY_BIAS = tl.constexpr(126)
-_ONE_MULTIPLY_MAX_BYTE = tl.constexpr(128)  # the largest byte the one-multiply decode gets right
-_INF_PAIR = tl.constexpr(0x7F807F80)
+_SCALED_PAIRS_PTX = tl.constexpr(scaled_pairs_ptx(False))
+_ONE_MULTIPLY_PTX = tl.constexpr(scaled_pairs_ptx(True))
+_SCALE_PAIR = tl.constexpr(SCALE_PAIR)
+_ONE_MULTIPLY_BIAS = tl.constexpr(ONE_MULTIPLY_BIAS)
+_ONE_MULTIPLY_MAX_BYTE = tl.constexpr(ONE_MULTIPLY_MAX_BYTE)
+_INF_PAIR = tl.constexpr(INF_PAIR)
 
 
 @triton.jit
@@ -852,6 +825,19 @@ def _check_wgmma(config: GemmConfig, device: torch.device) -> None:
         # warp-specialized (before, 3 and 4 ran its registers out).
         raise ValueError(f"a wgmma config's num_stages (32 KiB of shared memory each) must be 5 or 6, got "
                          f"{config.num_stages}")
+    if not fp8_wgmma.available(device):
+        raise ValueError(f"a wgmma config needs a Hopper (sm_90) CUDA GPU and Triton's Gluon, got {device}")
+
+
+def _check_mxfp4_wgmma(config: GemmConfig, device: torch.device) -> None:
+    fixed = (mxfp4_wgmma.WG_M, mxfp4_wgmma.BLOCK_N, mxfp4_wgmma.BLOCK_K, mxfp4_wgmma.NUM_WARPS)
+    if (config.block_m, config.block_n, config.block_k, config.num_warps) != fixed or config.swap_ab \
+            or config.lane_words:
+        raise ValueError(f"an mxfp4 wgmma config takes block_m, block_n, block_k, num_warps = {fixed}, unswapped, "
+                         f"in column order (no lane_words), got {config}")
+    if config.num_stages not in mxfp4_wgmma.STAGES:
+        raise ValueError(f"an mxfp4 wgmma config's num_stages (its copies' ring, 16.5 KiB a stage) must be one of "
+                         f"{list(mxfp4_wgmma.STAGES)}, got {config.num_stages}")
     if not fp8_wgmma.available(device):
         raise ValueError(f"a wgmma config needs a Hopper (sm_90) CUDA GPU and Triton's Gluon, got {device}")
 
@@ -1094,18 +1080,30 @@ def mxfp4_grouped_mm_triton(
                          f"{scales.dtype} {list(scales.shape)}")
     slot_values, slot_scales = _check_groups(rows, values, scales, offsets, slots, slot_base)
     groups = offsets.shape[0]
-    config = config or default_config(rows.shape[0], groups, "mxfp4")
+    config = config or default_config(rows.shape[0], groups, "mxfp4", rows.device)
     if config.block_k < 32 or config.block_k & (config.block_k - 1):
         raise ValueError(f"mxfp4 block_k must be a power of two, at least 32, got {config.block_k}")
-    if config.rescale or config.wgmma:
-        raise ValueError(f"rescale and wgmma are fp8 tile options (mxfp4 has no per-step scales of the "
-                         f"product, and no Gluon kernel), got {config}")
+    if config.rescale:
+        raise ValueError(f"rescale is an fp8 tile option (mxfp4 has no per-step scales of the product), got {config}")
+    if config.wgmma:
+        _check_mxfp4_wgmma(config, rows.device)
     natural_k = not config.swap_ab and config.block_m >= 64
     if config.lane_words and (natural_k or config.block_k < 64):
         raise ValueError(f"lane_words needs a tile whose weights are a register operand (block_m below 64, or "
                          f"swap_ab) and block_k of 64 or more (one 32-column chunk a step has one order), got {config}")
     rows_above, rows_at_most = _check_group_rows(group_rows)
     out = _output(rows, columns, out)
+    if config.wgmma and slot_values.numel() == 0:  # no slot groups: the kernel never reads the slot set
+        slot_values, slot_scales = values, scales
+    if config.wgmma:
+        if mxfp4_wgmma.fits(rows, values, scales, out) and mxfp4_wgmma.fits(rows, slot_values, slot_scales, out):
+            programs = persistent_grid(rows.shape[0], groups, columns, config, rows.device)[0]
+            mxfp4_wgmma.mxfp4_wgmma_launch(rows, values, scales, slot_values, slot_scales, out, offsets,
+                                           values.shape[0], slot_base, rows_above, rows_at_most, config.group_m,
+                                           config.num_stages, programs)
+            return out
+        config = dataclasses.replace(_MXFP4_TALL, group_m=config.group_m)
+        natural_k = True
     # Two passes (see the module docstring): the second computes the tiles again, with two
     # multiplies per pair, only if the first flagged a tile that read a scale byte past 128.
     redo = torch.zeros(1, dtype=torch.int32, device=rows.device)

@@ -168,17 +168,23 @@ def test_bad_input_raises(make, message):
 @pytest.mark.skipif(fp8_wgmma.available(DEVICE), reason="the kernel runs here")
 def test_wgmma_config_off_hopper_raises():
     assert not default_config(4 * 1024, 4, "fp8", DEVICE).wgmma  # the default takes the Triton tiles here
+    assert not default_config(4 * 64, 4, "mxfp4", DEVICE).wgmma
     rows, packed, offsets = grouped_inputs("fp8", [3, 4], 128, 640, seed=3)
     config = GemmConfig(128, 128, num_warps=8, num_stages=5, programs_per_sm=1, wgmma=True)
     with pytest.raises(ValueError, match="needs a Hopper"):
         fp8_grouped_mm_triton(rows, packed.values, packed.scales, offsets, config)
+    rows, packed, offsets = grouped_inputs("mxfp4", [3, 4], 256, 640, seed=3)
+    config = GemmConfig(64, 256, 64, num_warps=4, num_stages=4, programs_per_sm=1, wgmma=True)
+    with pytest.raises(ValueError, match="needs a Hopper"):
+        mxfp4_grouped_mm_triton(rows, packed.values, packed.scales, offsets, config)
 
 
 @pytest.mark.parametrize("config, message", [
     (GemmConfig(16, 16, 96), "power of two"),
     (GemmConfig(64, 32, 64, lane_words=True), "lane_words needs a tile whose weights are a register operand"),
     (GemmConfig(16, 32, 32, lane_words=True), "block_k of 64 or more"),
-    (GemmConfig(128, 128, 128, num_warps=8, wgmma=True), "wgmma are fp8 tile options"),
+    (GemmConfig(128, 128, 128, num_warps=8, wgmma=True), "an mxfp4 wgmma config takes block_m, block_n, block_k"),
+    (GemmConfig(64, 256, 64, num_warps=4, num_stages=8, programs_per_sm=1, wgmma=True), "num_stages"),
 ])
 def test_mxfp4_bad_tiles_raise(config, message):
     rows, packed, offsets = grouped_inputs("mxfp4", [3, 4], 32, 192, seed=4)
@@ -796,7 +802,7 @@ def test_fp8_rescaled_accumulator_holds_scales_far_apart_across_k(swap_ab):
 
 def test_rescale_is_an_fp8_option():
     rows, packed, offsets = grouped_inputs("mxfp4", [2, 3], 32, 64, seed=2)
-    with pytest.raises(ValueError, match="rescale and wgmma are fp8 tile options"):
+    with pytest.raises(ValueError, match="rescale is an fp8 tile option"):
         mxfp4_grouped_mm_triton(rows, packed.values, packed.scales, offsets, GemmConfig(16, 32, 32, rescale=True))
 
 

@@ -1,0 +1,31 @@
+"""The Gluon mxfp4 kernel (:mod:`flatep.kernels.mxfp4_wgmma`) against the Triton 64-row tile, at 48 to 192 rows per expert.
+
+One Kimi-K3 rank's experts (112; gate/up N = 6144, K = 3584; down N = 3584, K = 3072) at 48, 64, 96,
+128 and 192 rows per expert: a skewed decode step's hot experts, which take the tall launch (groups
+of more than 32 rows). The first arm is the Triton 64 x 256 x 64 tile on 4 warps
+(:func:`flatep.kernels.quant_gemm.default_config` without a device), the others the Gluon kernel
+(``GemmConfig.wgmma``) at 3, 4 and 6 stages of copies in flight. Every arm runs
+:func:`flatep.kernels.quant_gemm.mxfp4_grouped_mm_triton` as the layer does, timed as
+:func:`mxfp4_rank.time_tiles` does (interleaved CUDA-graph replays, the read ceiling measured in the
+same run, the packed weight bytes counted once); ``same_bits`` says whether an arm's bits equal the
+Triton tile's.
+
+    python bench/scripts/mxfp4_wgmma_tiles.py --out mxfp4_wgmma_tiles.json      (on a Hopper GPU)
+"""
+from __future__ import annotations
+
+from flatep.kernels import mxfp4_wgmma
+from flatep.kernels.quant_gemm import GemmConfig
+from mxfp4_rank import default_then, main
+
+GLUON = [GemmConfig(mxfp4_wgmma.WG_M, mxfp4_wgmma.BLOCK_N, mxfp4_wgmma.BLOCK_K, num_warps=mxfp4_wgmma.NUM_WARPS,
+                    num_stages=stages, programs_per_sm=1, wgmma=True) for stages in (3, 4, 6)]
+ROWS_PER_EXPERT = [48, 64, 96, 128, 192]
+
+
+def time_cell(rows_per_expert: int, gemm: str, columns: int, inner: int) -> list[dict]:
+    return default_then(rows_per_expert, gemm, columns, inner, GLUON)
+
+
+if __name__ == "__main__":
+    main(__doc__, ROWS_PER_EXPERT, time_cell)

@@ -1,0 +1,171 @@
+"""The Gluon mxfp4 kernel: compiled for sm_90 without a GPU (its MMAs overlapped, no spills, its
+shared memory within Hopper's), and on a Hopper GPU against the Triton tile of the same contract
+and the dequantized weights."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import triton
+
+from flatep.kernels import fp8_wgmma, mxfp4_wgmma
+from flatep.quant import QuantizedTensor, pool_layout
+from tests.helpers import relative_error
+
+pytestmark = pytest.mark.skipif(fp8_wgmma.gluon is None, reason="this Triton has no Gluon Hopper API")
+on_hopper = pytest.mark.skipif(not (torch.cuda.is_available() and fp8_wgmma.available(torch.device("cuda"))),
+                               reason="the Gluon kernel runs on a Hopper (sm_90) GPU")
+
+
+def _compile_for_sm90(inner: int, stages: int, one_multiply: bool):
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    rows = torch.empty(256, inner, dtype=torch.bfloat16)
+    values = torch.empty(2, 512, inner // 2, dtype=torch.uint8)
+    scales = torch.empty(2, inner // 32, 512, dtype=torch.uint8).transpose(1, 2)
+    row_layout, _, _ = mxfp4_wgmma._layouts()
+    row_descriptor = mxfp4_wgmma.TensorDescriptor(rows, list(rows.shape), list(rows.stride()),
+                                                  [mxfp4_wgmma.WG_M, mxfp4_wgmma.BLOCK_K], row_layout)
+    words, by_block = (mangle_type(descriptor) for descriptor in mxfp4_wgmma._weight_descriptors(values, scales))
+    kernel = mxfp4_wgmma._mxfp4_wgmma_kernel
+    types = {"a_desc": mangle_type(row_descriptor), "w_desc": words, "s_desc": by_block, "slot_w_desc": words,
+             "slot_s_desc": by_block, "out_ptr": "*bf16", "offsets_ptr": "*i32", "redo_ptr": "*i32"}
+    constants = {"K": inner, "GROUP_M": 8, "GROUPS": 128, "LOAD_STAGES": stages,
+                 "DECODE_STAGES": mxfp4_wgmma.DECODE_STAGES, "ONE_MULTIPLY": one_multiply,
+                 "DECODER_REGISTERS": mxfp4_wgmma.DECODER_REGISTERS,
+                 "PRODUCER_REGISTERS": mxfp4_wgmma.PRODUCER_REGISTERS, "num_warps": mxfp4_wgmma.NUM_WARPS}
+    signature = {name: "constexpr" if name in constants else types.get(name, "i32") for name in kernel.arg_names}
+    source = GluonASTSource(fn=kernel, signature=signature,
+                            constexprs={(kernel.arg_names.index(name),): value for name, value in constants.items()})
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": mxfp4_wgmma.NUM_WARPS, "maxnreg": mxfp4_wgmma.MAX_REGISTERS})
+
+
+def _write_compiled(inner: int, stages: int, one_multiply: bool, directory: str) -> None:
+    compiled = _compile_for_sm90(inner, stages, one_multiply)
+    Path(directory, "kernel.ptx").write_text(compiled.asm["ptx"])
+    Path(directory, "kernel.cubin").write_bytes(compiled.asm["cubin"])
+    Path(directory, "shared").write_text(str(compiled.metadata.shared))
+
+
+@pytest.mark.parametrize("inner, stages, one_multiply", [(3584, mxfp4_wgmma.LOAD_STAGES, True),
+                                                         (3072, max(mxfp4_wgmma.STAGES), False)])
+def test_compiles_for_sm90_with_overlapped_mmas(inner, stages, one_multiply, tmp_path):
+    """Kimi-K3's gate/up and down K, both passes, at the default and the most stages: the shared
+    memory fits Hopper's 227 KiB a block; the consumer waits for all but the last issued MMA, and
+    (where Triton's bundled cuobjdump can read the cubin) the SASS keeps that wait (ptxas did not
+    serialize the MMAs, which it does where one is in flight across a loop's back edge); no
+    registers spill at the partitions' register counts.
+
+    The compile runs in a process of its own without ``TRITON_INTERPRET`` (see
+    tests/kernels/test_fp8_wgmma.py)."""
+    environment = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    code = (f"from tests.kernels.test_mxfp4_wgmma import _write_compiled; "
+            f"_write_compiled({inner}, {stages}, {one_multiply}, {str(tmp_path)!r})")
+    subprocess.run([sys.executable, "-c", code], env=environment, cwd=Path(__file__).parents[2], check=True,
+                   capture_output=True, timeout=300)
+    assert int((tmp_path / "shared").read_text()) <= 227 * 1024
+    assert "wgmma.wait_group.sync.aligned 1;" in (tmp_path / "kernel.ptx").read_text()
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not os.access(cuobjdump, os.X_OK):
+        pytest.skip("no cuobjdump bundled with this Triton")
+    cubin = tmp_path / "kernel.cubin"
+    sass = subprocess.run([str(cuobjdump), "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+    assert sass.count("WARPGROUP.DEPBAR.LE gsb0, 0x1") >= mxfp4_wgmma.CHUNK - 1
+    usage = subprocess.run([str(cuobjdump), "-res-usage", str(cubin)], capture_output=True, text=True, check=True).stdout
+    assert "STACK:0" in usage  # no spills
+
+
+def _experts(count: int, columns: int, hidden: int, generator: torch.Generator) -> QuantizedTensor:
+    weights = torch.randn(count, columns, hidden, device="cuda", generator=generator) * hidden**-0.5
+    return QuantizedTensor.quantize(weights, "mxfp4").in_layout(pool_layout("mxfp4"))
+
+
+@on_hopper
+@pytest.mark.parametrize("hidden, columns", [(640, 384), (3584, 512)])
+@pytest.mark.parametrize("group_rows", [None, (32, 2**31 - 1)])
+@pytest.mark.parametrize("large_scale", [False, True])
+def test_against_the_triton_tile_with_slots_in_a_graph(hidden, columns, group_rows, large_scale):
+    """K of 10 steps (two chunks and a partial one) and of 56 (Kimi-K3's gate/up), ``N`` with a
+    partial 256-column block, groups of 0 to 200 rows and slots, all or only the groups of more
+    than 32 rows, in a CUDA graph with host syncs raising; with a scale byte past 128 (the second
+    pass) or not. Against the torch path and the Triton 64 x 256 tile; rows of no computed group
+    stay as they were (the gap between home rows and slot rows holds NaN, which the tiles copy in)."""
+    from flatep.experts.grouped import quantized_grouped_mm
+    from flatep.kernels.quant_gemm import _MXFP4_TALL, default_config, mxfp4_grouped_mm_triton
+
+    home_sizes, slot_sizes, gap = [200, 0, 33, 1, 64, 65, 128, 47], [96, 5], 11
+    generator = torch.Generator(device="cuda").manual_seed(hidden + columns + large_scale)
+    home, slots = _experts(len(home_sizes), columns, hidden, generator), _experts(len(slot_sizes), columns, hidden,
+                                                                                 generator)
+    if large_scale:
+        home.scales[4, 7, 3] = 200  # a block of group 4's column 7: 2**73 times its values
+    slot_base = sum(home_sizes) + gap
+    rows = slot_base + sum(slot_sizes) + 3
+    x = torch.randn(rows, hidden, device="cuda", generator=generator).bfloat16()
+    x[sum(home_sizes):slot_base] = float("nan")
+    ends = torch.tensor(home_sizes).cumsum(0).tolist() + (slot_base + torch.tensor(slot_sizes).cumsum(0)).tolist()
+    offsets = torch.tensor(ends, dtype=torch.int32, device="cuda")
+    config = default_config(64 * len(ends), len(ends), "mxfp4", torch.device("cuda"))
+    assert config.wgmma
+    outputs = []
+    for tiles in (config, _MXFP4_TALL):
+        out = torch.full((rows, columns), float("inf"), dtype=torch.bfloat16, device="cuda")
+        mxfp4_grouped_mm_triton(x, home.values, home.scales, offsets, tiles, out=out, group_rows=group_rows,
+                                slots=(slots.values, slots.scales), slot_base=slot_base)  # compiles
+        out.fill_(float("inf"))
+        graph = torch.cuda.CUDAGraph()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            with torch.cuda.graph(graph):
+                mxfp4_grouped_mm_triton(x, home.values, home.scales, offsets, tiles, out=out, group_rows=group_rows,
+                                        slots=(slots.values, slots.scales), slot_base=slot_base)
+            graph.replay()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize()
+        outputs.append(out)
+    got, triton_tile = outputs
+    home_end = sum(home_sizes)
+    reference = torch.cat([quantized_grouped_mm(x[:home_end], home, offsets[:len(home_sizes)], backend="torch"),
+                           torch.zeros(gap, columns, device="cuda", dtype=torch.bfloat16),
+                           quantized_grouped_mm(x[slot_base:], slots, offsets[len(home_sizes):] - slot_base,
+                                                backend="torch")])
+    starts = [0, *ends[:-1]]
+    starts[len(home_sizes)] = slot_base
+    for start, end in zip(starts, ends):
+        group = slice(start, end)
+        if group_rows is not None and end - start <= group_rows[0]:
+            assert (got[group] == float("inf")).all()
+        elif end > start:
+            assert relative_error(got[group], reference[group]) < 4e-3
+            assert relative_error(got[group], triton_tile[group]) < 4e-3
+    assert (got[home_end:slot_base] == float("inf")).all() and (got[ends[-1]:] == float("inf")).all()
+
+
+@on_hopper
+def test_default_takes_the_kernel_past_32_rows_and_falls_back_where_tma_cannot_copy():
+    """On a Hopper GPU the mxfp4 default and the hot launch of a decode step take the Gluon kernel
+    past 32 rows per group; scales in the checkpoint's order (not column-fastest) run the Triton
+    tile instead, with the same result."""
+    from flatep.kernels.quant_gemm import default_config, mxfp4_grouped_mm_triton, packed_launches
+
+    device = torch.device("cuda")
+    assert default_config(33 * 4, 4, "mxfp4", device).wgmma and not default_config(32 * 4, 4, "mxfp4", device).wgmma
+    assert not default_config(33 * 4, 4, "mxfp4").wgmma
+    assert [config.wgmma for config, _ in packed_launches(18 * 112, 112, "mxfp4", device)] == [False, False, True]
+    sizes, columns, hidden = [100, 0, 40], 256, 1024
+    generator = torch.Generator(device="cuda").manual_seed(7)
+    weights = _experts(len(sizes), columns, hidden, generator)
+    x = torch.randn(sum(sizes), hidden, device="cuda", generator=generator).bfloat16()
+    offsets = torch.tensor(sizes, device="cuda").cumsum(0).to(torch.int32)
+    config = default_config(sum(sizes), len(sizes), "mxfp4", device)
+    column_fastest = mxfp4_grouped_mm_triton(x, weights.values, weights.scales, offsets, config)
+    checkpoint_order = mxfp4_grouped_mm_triton(x, weights.values, weights.scales.contiguous(), offsets, config)
+    assert relative_error(column_fastest, checkpoint_order) < 4e-3
