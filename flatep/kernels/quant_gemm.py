@@ -106,7 +106,9 @@ each weight tile is read by the band's row tiles back to back.
   descriptors the 16-row tile takes 142 registers instead of 168 and 26-28% less time, the
   32-row tile in the lane order 198 instead of 214 and 10-11% less (bench/results/2026-12-06-h100-e).
   Other inputs (scales in the checkpoint's order, unaligned rows, older GPUs) keep the pointer
-  copies, with the same bits. ``tl.dot_scaled`` (bf16 times e2m1) would be
+  copies, with the same bits. On Hopper GPUs the groups of more than 32 rows run a warp-specialized Gluon
+  kernel instead (:mod:`flatep.kernels.mxfp4_wgmma`; ``GemmConfig.wgmma``): the same decode and
+  passes, in warps of their own beside the warp-group MMA that reads their output. ``tl.dot_scaled`` (bf16 times e2m1) would be
   the alternative; on Hopper Triton 3.6 upcasts its e2m1 operand itself and measured no faster, and
   its interpreter has no ``dot_scaled``.
 
@@ -182,14 +184,19 @@ class GemmConfig:
     steps of 16- and 32-row tiles on 2 warps of 128 or 256 columns or 4 of 256, the 128-wide steps of
     the 16 x 128 tile on 2 warps and the 32 x 256 tile on 4, and the swapped 16 x 128 x 128 tile);
     elsewhere the reorder can cost register moves instead (``bench/scripts/gemm_kloop_sass.py``
-    compares a tile with and without). ``wgmma`` (fp8 only,
-    Hopper GPUs): run the Gluon kernel of :mod:`flatep.kernels.fp8_wgmma`, which scales each K step's
-    product while the next step's warp-group MMA runs; its tile is fixed (``block_m`` and ``block_n``
-    128, ``num_warps`` 8: its two consumer warp groups, beside which a producer warp issues the
-    copies; not swapped or rescaled), ``num_stages`` its shared-memory stages. Its TMA copies need
-    16-byte aligned operands: where the fp8 rows' or the output's base address or row stride is not
-    (rows of a strided view, say), and where ``K`` holds fewer 128-wide steps than its stages, the
-    launch runs the Triton 64 x 128 tile instead. ``max_registers`` (Triton tiles; None: ptxas
+    compares a tile with and without). ``wgmma`` (Hopper GPUs):
+    run a warp-specialized Gluon kernel. fp8: :mod:`flatep.kernels.fp8_wgmma`, which scales each K
+    step's product while the next step's warp-group MMA runs; its tile is fixed (``block_m`` and
+    ``block_n`` 128, ``num_warps`` 8: its two consumer warp groups, beside which a producer warp
+    issues the copies; not swapped or rescaled), ``num_stages`` its shared-memory stages (5 or 6).
+    Its TMA copies need 16-byte aligned operands: where the fp8 rows' or the output's base address or
+    row stride is not (rows of a strided view, say), and where ``K`` holds fewer 128-wide steps than
+    its stages, the launch runs the Triton 64 x 128 tile instead. mxfp4:
+    :mod:`flatep.kernels.mxfp4_wgmma`, whose decoder warps decode a K step's weights while the
+    consumer's MMA runs on the previous step's; its tile is fixed (64 x 256 x 64, ``num_warps`` 4: the
+    consumer warp group), ``num_stages`` its copies in flight (3 to 6); inputs its TMA copies cannot
+    take (scales in the checkpoint's order, unaligned rows, ``K`` not a multiple of 64) run the
+    Triton 64 x 256 x 64 tile instead. ``max_registers`` (Triton tiles; None: ptxas
     chooses): ptxas's register limit a thread (``maxnreg``), so that ``programs_per_sm`` programs fit
     an SM's 64K registers where the tile would otherwise take more; below the tile's need it spills to
     local memory (``bench/scripts/gemm_kloop_sass.py`` reports registers and stack).
@@ -297,6 +304,9 @@ def default_config(rows: int, groups: int, format: str, device: torch.device | N
       tile took 4-5% less at 128 rows (1500 and 722 us against 1570 and 754). Register limits that
       fit more programs an SM (``max_registers``) gained at most 2-4%, and 7 programs of the 16-row
       tile were 30% slower than 6 or 8.
+      On a Hopper GPU (:func:`flatep.kernels.fp8_wgmma.available`) groups of more than 32 rows take
+      the Gluon kernel instead (:mod:`flatep.kernels.mxfp4_wgmma`: the decode in warps of its own,
+      beside the warp-group MMA).
     """
     if format not in ("fp8", "mxfp4"):
         raise ValueError(f"format must be fp8 or mxfp4, got {format!r}")
@@ -349,6 +359,7 @@ def packed_launches(
     0.65x in 16-row ones, and the 64-row tile came within 5% of the 32-row one there (0.50-0.52x
     against 0.49-0.50x), so a group of 33-64 rows, which takes two 32-row tiles, is better off in
     one 64-row tile (on an H100 at 64 rows per expert: 0.45x against 0.80x for the gate/up GEMM).
+    On a Hopper GPU ``device``'s tall launch takes the Gluon kernel (:func:`default_config`).
     At Kimi-K3, s = 128, a rank's experts hold about 18 rows each, so about a third of them hold 16
     or fewer. Otherwise one launch of every group.
     """

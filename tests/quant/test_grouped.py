@@ -28,6 +28,7 @@ from flatep.kernels.quant_gemm import (
     quantize_fp8_activations_triton,
 )
 from flatep.kernels import fp8_wgmma, quant_gemm
+from flatep.kernels.e2m1_ptx import scaled_pairs_ptx
 from flatep.quant import (
     E2M1_VALUES,
     QuantizedTensor,
@@ -294,6 +295,9 @@ def run_decode_ptx(ptx: str, word: int, scale_pair: int) -> list[int]:
         elif opcode == "shf.l.wrap.b32":
             assert inputs[0] == inputs[1]  # a rotation
             result = inputs[0] << inputs[2] | inputs[0] >> (32 - inputs[2])
+        elif opcode == "prmt.b32":  # bytes of the pair (b, a) picked by the selector's nibbles, low first
+            pool = inputs[0] | inputs[1] << 32
+            result = sum(((pool >> 8 * (inputs[2] >> 4 * i & 0x7)) & 0xFF) << 8 * i for i in range(4))
         elif opcode == "fma.rn.bf16x2":
             products = [x * y + z for x, y, z in zip(*(halves(bits) for bits in inputs))]
             result = bf16_bits(products[0]) | bf16_bits(products[1]) << 16
@@ -301,6 +305,19 @@ def run_decode_ptx(ptx: str, word: int, scale_pair: int) -> list[int]:
             raise AssertionError(f"unexpected PTX {line!r}")
         registers[destination] = result & 0xFFFFFFFF
     return [registers[f"${pair}"] for pair in range(4)]
+
+
+def test_gpu_decode_ptx_in_column_order_is_the_pairs_rearranged():
+    """The Gluon kernel's decode PTX (``natural``): output ``q`` holds the word's columns ``2q`` and
+    ``2q + 1`` (low half first), the same weights as the pair order's outputs."""
+    generator = torch.Generator().manual_seed(11)
+    words = torch.randint(0, 2**32, (64,), generator=generator, dtype=torch.int64).tolist()
+    for one_multiply, pair_of in ((False, lambda scale: scale * _SCALE_PAIR.value), (True, one_multiply_pair)):
+        for word, scale in zip(words, (1, 100, 127, 128) * 16):
+            pairs = run_decode_ptx(scaled_pairs_ptx(one_multiply), word, pair_of(scale))
+            natural = run_decode_ptx(scaled_pairs_ptx(one_multiply, natural=True), word, pair_of(scale))
+            columns = [(pairs[column % 4] >> 16 * (column // 4)) & 0xFFFF for column in range(8)]
+            assert natural == [columns[2 * q] | columns[2 * q + 1] << 16 for q in range(4)]
 
 
 def lines_of(ptx: str) -> list[str]:
