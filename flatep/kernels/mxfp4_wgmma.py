@@ -287,7 +287,8 @@ if gluon is not None:
                 acc = _mma_chunk(a_bufs, d_bufs, bars, acc, count + K_STEPS - K_STEPS % _CHUNK, K_STEPS % _CHUNK)
             count += K_STEPS
             row = first + gl.arange(0, _WG_M, layout=gl.SliceLayout(1, mma_layout))
-            column = first_column + gl.arange(0, _BLOCK_N, layout=gl.SliceLayout(0, mma_layout))
+            # A whole block's first column: each thread's two adjacent columns leave in one store.
+            column = gl.multiple_of(first_column, _BLOCK_N) + gl.arange(0, _BLOCK_N, layout=gl.SliceLayout(0, mma_layout))
             out = out_ptr + row.to(gl.int64)[:, None] * stride_om + column[None, :]
             gl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(row < last)[:, None] & (column < N)[None, :])
             tile += gl.num_programs(0)
