@@ -152,3 +152,32 @@ def second_pass_flags(monkeypatch) -> list[torch.Tensor]:
 
     monkeypatch.setattr(quant_gemm, "_mxfp4_grouped_kernel", Recorder())
     return flags
+
+
+def write_compiled(compiled, directory: str) -> None:
+    """A kernel compiled for sm_90 (``triton.compile``'s result) into ``directory``: its PTX, cubin
+    and shared-memory bytes, for :func:`sm90_build`."""
+    Path(directory, "kernel.ptx").write_text(compiled.asm["ptx"])
+    Path(directory, "kernel.cubin").write_bytes(compiled.asm["cubin"])
+    Path(directory, "shared").write_text(str(compiled.metadata.shared))
+
+
+def sm90_build(code: str, directory: Path) -> tuple[int, str, str, str]:
+    """Runs ``code`` (Python that compiles a Gluon kernel for sm_90 and :func:`write_compiled` it into
+    ``directory``) in a process of its own without ``TRITON_INTERPRET``: the CPU test session's
+    interpreter replaces Triton's functions, which a compile for a real target cannot call. Returns
+    the kernel's shared-memory bytes, its PTX, its SASS and its resource usage (Triton's bundled
+    cuobjdump; the test is skipped where there is none)."""
+    environment = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    subprocess.run([sys.executable, "-c", code], env=environment, cwd=Path(__file__).parents[1], check=True,
+                   capture_output=True, timeout=300)
+    shared, ptx = int((directory / "shared").read_text()), (directory / "kernel.ptx").read_text()
+    import triton
+
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not os.access(cuobjdump, os.X_OK):
+        pytest.skip("no cuobjdump bundled with this Triton")
+    cubin = str(directory / "kernel.cubin")
+    sass, usage = (subprocess.run([str(cuobjdump), flag, cubin], capture_output=True, text=True, check=True).stdout
+                   for flag in ("-sass", "-res-usage"))
+    return shared, ptx, sass, usage

@@ -2,16 +2,12 @@
 it builds with the installed Triton, and ptxas keeps its MMAs overlapped with the scaling."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 import triton
 
 from flatep.kernels import fp8_wgmma
+from tests.helpers import sm90_build, write_compiled
 
 pytestmark = pytest.mark.skipif(fp8_wgmma.gluon is None, reason="this Triton has no Gluon Hopper API")
 
@@ -43,10 +39,7 @@ def _compile_for_sm90(inner: int, stages: int):
 
 
 def _write_compiled(inner: int, stages: int, directory: str) -> None:
-    compiled = _compile_for_sm90(inner, stages)
-    Path(directory, "kernel.ptx").write_text(compiled.asm["ptx"])
-    Path(directory, "kernel.cubin").write_bytes(compiled.asm["cubin"])
-    Path(directory, "shared").write_text(str(compiled.metadata.shared))
+    write_compiled(_compile_for_sm90(inner, stages), directory)
 
 
 @pytest.mark.parametrize("inner, stages", [(7168, 5), (2048, 6)])
@@ -59,22 +52,13 @@ def test_compiles_for_sm90_with_overlapped_mmas(inner, stages, tmp_path):
     run short (the module docstring); no registers spill, also at the consumers' and the producer's
     register counts after ``setmaxnreg``.
 
-    The compile runs in a process of its own without ``TRITON_INTERPRET``: the CPU test session's
-    interpreter replaces Triton's functions, which a compile for a real target cannot call."""
-    environment = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
-    code = f"from tests.kernels.test_fp8_wgmma import _write_compiled; _write_compiled({inner}, {stages}, {str(tmp_path)!r})"
-    subprocess.run([sys.executable, "-c", code], env=environment, cwd=Path(__file__).parents[2], check=True,
-                   capture_output=True, timeout=300)
-    assert int((tmp_path / "shared").read_text()) <= 227 * 1024
-    assert "wgmma.wait_group.sync.aligned 1;" in (tmp_path / "kernel.ptx").read_text()
-    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    if not os.access(cuobjdump, os.X_OK):
-        pytest.skip("no cuobjdump bundled with this Triton")
-    cubin = tmp_path / "kernel.cubin"
-    sass = subprocess.run([str(cuobjdump), "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+    The compile runs in a process of its own (:func:`tests.helpers.sm90_build`)."""
+    shared, ptx, sass, usage = sm90_build(f"from tests.kernels.test_fp8_wgmma import _write_compiled; "
+                                          f"_write_compiled({inner}, {stages}, {str(tmp_path)!r})", tmp_path)
+    assert shared <= 227 * 1024
+    assert "wgmma.wait_group.sync.aligned 1;" in ptx
     # Each of the two consumer warp groups' code waits with one MMA still running CHUNK - 1 times a chunk.
     assert sass.count("WARPGROUP.DEPBAR.LE gsb0, 0x1") >= 2 * (fp8_wgmma.CHUNK - 1)
-    usage = subprocess.run([str(cuobjdump), "-res-usage", str(cubin)], capture_output=True, text=True, check=True).stdout
     assert "STACK:0" in usage  # no spills
 
 

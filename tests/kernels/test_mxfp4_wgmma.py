@@ -3,18 +3,13 @@ shared memory within Hopper's), and on a Hopper GPU against the Triton tile of t
 and the dequantized weights."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 import triton
 
 from flatep.kernels import fp8_wgmma, mxfp4_wgmma
 from flatep.quant import QuantizedTensor, pool_layout
-from tests.helpers import relative_error
+from tests.helpers import relative_error, sm90_build, write_compiled
 
 pytestmark = pytest.mark.skipif(fp8_wgmma.gluon is None, reason="this Triton has no Gluon Hopper API")
 on_hopper = pytest.mark.skipif(not (torch.cuda.is_available() and fp8_wgmma.available(torch.device("cuda"))),
@@ -48,10 +43,7 @@ def _compile_for_sm90(inner: int, stages: int, one_multiply: bool):
 
 
 def _write_compiled(inner: int, stages: int, one_multiply: bool, directory: str) -> None:
-    compiled = _compile_for_sm90(inner, stages, one_multiply)
-    Path(directory, "kernel.ptx").write_text(compiled.asm["ptx"])
-    Path(directory, "kernel.cubin").write_bytes(compiled.asm["cubin"])
-    Path(directory, "shared").write_text(str(compiled.metadata.shared))
+    write_compiled(_compile_for_sm90(inner, stages, one_multiply), directory)
 
 
 @pytest.mark.parametrize("inner, stages, one_multiply", [(3584, mxfp4_wgmma.LOAD_STAGES, True),
@@ -63,22 +55,13 @@ def test_compiles_for_sm90_with_overlapped_mmas(inner, stages, one_multiply, tmp
     serialize the MMAs, which it does where one is in flight across a loop's back edge); no
     registers spill at the partitions' register counts.
 
-    The compile runs in a process of its own without ``TRITON_INTERPRET`` (see
-    tests/kernels/test_fp8_wgmma.py)."""
-    environment = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
-    code = (f"from tests.kernels.test_mxfp4_wgmma import _write_compiled; "
-            f"_write_compiled({inner}, {stages}, {one_multiply}, {str(tmp_path)!r})")
-    subprocess.run([sys.executable, "-c", code], env=environment, cwd=Path(__file__).parents[2], check=True,
-                   capture_output=True, timeout=300)
-    assert int((tmp_path / "shared").read_text()) <= 227 * 1024
-    assert "wgmma.wait_group.sync.aligned 1;" in (tmp_path / "kernel.ptx").read_text()
-    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    if not os.access(cuobjdump, os.X_OK):
-        pytest.skip("no cuobjdump bundled with this Triton")
-    cubin = tmp_path / "kernel.cubin"
-    sass = subprocess.run([str(cuobjdump), "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+    The compile runs in a process of its own (:func:`tests.helpers.sm90_build`)."""
+    shared, ptx, sass, usage = sm90_build(f"from tests.kernels.test_mxfp4_wgmma import _write_compiled; "
+                                          f"_write_compiled({inner}, {stages}, {one_multiply}, {str(tmp_path)!r})",
+                                          tmp_path)
+    assert shared <= 227 * 1024
+    assert "wgmma.wait_group.sync.aligned 1;" in ptx
     assert sass.count("WARPGROUP.DEPBAR.LE gsb0, 0x1") >= mxfp4_wgmma.CHUNK - 1
-    usage = subprocess.run([str(cuobjdump), "-res-usage", str(cubin)], capture_output=True, text=True, check=True).stdout
     assert "STACK:0" in usage  # no spills
 
 
