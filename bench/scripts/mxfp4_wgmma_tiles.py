@@ -1,9 +1,10 @@
-"""The Gluon mxfp4 kernel (:mod:`flatep.kernels.mxfp4_wgmma`) against the Triton 64-row tile, at 48 to 192 rows per expert.
+"""The Gluon mxfp4 kernel (:mod:`flatep.kernels.mxfp4_wgmma`) against the Triton tiles, at 16 to 192 rows per expert.
 
-One Kimi-K3 rank's experts (112; gate/up N = 6144, K = 3584; down N = 3584, K = 3072) at 48, 64, 96,
-128 and 192 rows per expert: a skewed decode step's hot experts, which take the tall launch (groups
-of more than 32 rows). The first arm is the Triton 64 x 256 x 64 tile on 4 warps
-(:func:`flatep.kernels.quant_gemm.default_config` without a device), the others the Gluon kernel
+One Kimi-K3 rank's experts (112; gate/up N = 6144, K = 3584; down N = 3584, K = 3072) at 16, 32, 48,
+64, 96, 128 and 192 rows per expert: a decode step's groups (from 48 rows on, a skewed step's hot
+experts, which take the tall launch). The first arm is the Triton tile
+:func:`flatep.kernels.quant_gemm.default_config` gives without a device (16 and 32 rows: the
+``mma.sync`` tiles; from 48 on the 64 x 256 x 64 tile on 4 warps), the others the Gluon kernel
 (``GemmConfig.wgmma``) at 3, 4 and 6 stages of copies in flight. Every arm runs
 :func:`flatep.kernels.quant_gemm.mxfp4_grouped_mm_triton` as the layer does, timed as
 :func:`mxfp4_rank.time_tiles` does (interleaved CUDA-graph replays, the read ceiling measured in the
@@ -20,7 +21,7 @@ from mxfp4_rank import default_then, main
 
 GLUON = [GemmConfig(mxfp4_wgmma.WG_M, mxfp4_wgmma.BLOCK_N, mxfp4_wgmma.BLOCK_K, num_warps=mxfp4_wgmma.NUM_WARPS,
                     num_stages=stages, programs_per_sm=1, wgmma=True) for stages in (3, 4, 6)]
-ROWS_PER_EXPERT = [48, 64, 96, 128, 192]
+ROWS_PER_EXPERT = [16, 32, 48, 64, 96, 128, 192]
 
 
 def time_cell(rows_per_expert: int, gemm: str, columns: int, inner: int) -> list[dict]:
