@@ -15,12 +15,12 @@ Triton tile's.
 """
 from __future__ import annotations
 
-from flatep.kernels import mxfp4_wgmma
-from flatep.kernels.quant_gemm import GemmConfig
+import dataclasses
+
+from flatep.kernels.quant_gemm import MXFP4_WGMMA
 from mxfp4_rank import default_then, main
 
-GLUON = [GemmConfig(mxfp4_wgmma.WG_M, mxfp4_wgmma.BLOCK_N, mxfp4_wgmma.BLOCK_K, num_warps=mxfp4_wgmma.NUM_WARPS,
-                    num_stages=stages, programs_per_sm=1, wgmma=True) for stages in (3, 4, 6)]
+GLUON = [dataclasses.replace(MXFP4_WGMMA, num_stages=stages) for stages in (3, 4, 6)]
 ROWS_PER_EXPERT = [16, 32, 48, 64, 96, 128, 192]
 
 

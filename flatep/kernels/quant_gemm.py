@@ -241,6 +241,13 @@ class GemmConfig:
 _FP8_TALL = GemmConfig(64, 128, 128, num_warps=4, num_stages=4)
 # mxfp4 Triton tiles past 32 rows per group (and where the Gluon kernel's copies cannot run)
 _MXFP4_TALL = GemmConfig(64, 256, 64, num_warps=4, num_stages=4)
+MXFP4_WGMMA = GemmConfig(mxfp4_wgmma.WG_M, mxfp4_wgmma.BLOCK_N, mxfp4_wgmma.BLOCK_K, num_warps=mxfp4_wgmma.NUM_WARPS,
+                         num_stages=mxfp4_wgmma.LOAD_STAGES, programs_per_sm=1, wgmma=True)
+"""The Gluon mxfp4 kernel's tile (:mod:`flatep.kernels.mxfp4_wgmma`, Hopper GPUs)."""
+MXFP4_WGMMA_DEFAULT = False
+"""Whether :func:`default_config` gives groups of more than 32 rows :data:`MXFP4_WGMMA` on a Hopper
+GPU. Off: the kernel has compiled for sm_90 (Triton 3.6 and 3.9) but not yet run on a GPU; a
+config may name it (``GemmConfig.wgmma``)."""
 
 WGMMA_ROWS = 128
 """Rows per group from which :func:`default_config` takes the Gluon fp8 kernel
@@ -304,9 +311,9 @@ def default_config(rows: int, groups: int, format: str, device: torch.device | N
       tile took 4-5% less at 128 rows (1500 and 722 us against 1570 and 754). Register limits that
       fit more programs an SM (``max_registers``) gained at most 2-4%, and 7 programs of the 16-row
       tile were 30% slower than 6 or 8.
-      On a Hopper GPU (:func:`flatep.kernels.fp8_wgmma.available`) groups of more than 32 rows take
-      the Gluon kernel instead (:mod:`flatep.kernels.mxfp4_wgmma`: the decode in warps of its own,
-      beside the warp-group MMA).
+      With :data:`MXFP4_WGMMA_DEFAULT`, on a Hopper GPU (:func:`flatep.kernels.fp8_wgmma.available`)
+      groups of more than 32 rows take the Gluon kernel instead (:mod:`flatep.kernels.mxfp4_wgmma`:
+      the decode in warps of its own, beside the warp-group MMA).
     """
     if format not in ("fp8", "mxfp4"):
         raise ValueError(f"format must be fp8 or mxfp4, got {format!r}")
@@ -324,9 +331,8 @@ def default_config(rows: int, groups: int, format: str, device: torch.device | N
         return GemmConfig(16, 128, 128, num_warps=2, num_stages=3, programs_per_sm=6, lane_words=True)
     if per_group <= 32:
         return GemmConfig(32, 256, 128, num_warps=4, num_stages=3, lane_words=True)
-    if device is not None and fp8_wgmma.available(device):
-        return GemmConfig(mxfp4_wgmma.WG_M, mxfp4_wgmma.BLOCK_N, mxfp4_wgmma.BLOCK_K, num_warps=mxfp4_wgmma.NUM_WARPS,
-                          num_stages=mxfp4_wgmma.LOAD_STAGES, programs_per_sm=1, wgmma=True)
+    if MXFP4_WGMMA_DEFAULT and device is not None and fp8_wgmma.available(device):
+        return MXFP4_WGMMA
     return _MXFP4_TALL
 
 
@@ -359,7 +365,8 @@ def packed_launches(
     0.65x in 16-row ones, and the 64-row tile came within 5% of the 32-row one there (0.50-0.52x
     against 0.49-0.50x), so a group of 33-64 rows, which takes two 32-row tiles, is better off in
     one 64-row tile (on an H100 at 64 rows per expert: 0.45x against 0.80x for the gate/up GEMM).
-    On a Hopper GPU ``device``'s tall launch takes the Gluon kernel (:func:`default_config`).
+    The tall launch takes :func:`default_config`'s tile on ``device`` (the Gluon kernel on a Hopper GPU
+    with :data:`MXFP4_WGMMA_DEFAULT`).
     At Kimi-K3, s = 128, a rank's experts hold about 18 rows each, so about a third of them hold 16
     or fewer. Otherwise one launch of every group.
     """

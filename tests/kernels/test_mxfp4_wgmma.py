@@ -81,7 +81,7 @@ def test_against_the_triton_tile_with_slots_in_a_graph(hidden, columns, group_ro
     pass) or not. Against the torch path and the Triton 64 x 256 tile; rows of no computed group
     stay as they were (the gap between home rows and slot rows holds NaN, which the tiles copy in)."""
     from flatep.experts.grouped import quantized_grouped_mm
-    from flatep.kernels.quant_gemm import _MXFP4_TALL, default_config, mxfp4_grouped_mm_triton
+    from flatep.kernels.quant_gemm import _MXFP4_TALL, MXFP4_WGMMA, mxfp4_grouped_mm_triton
 
     home_sizes, slot_sizes, gap = [200, 0, 33, 1, 64, 65, 128, 47], [96, 5], 11
     generator = torch.Generator(device="cuda").manual_seed(hidden + columns + large_scale)
@@ -95,10 +95,8 @@ def test_against_the_triton_tile_with_slots_in_a_graph(hidden, columns, group_ro
     x[sum(home_sizes):slot_base] = float("nan")
     ends = torch.tensor(home_sizes).cumsum(0).tolist() + (slot_base + torch.tensor(slot_sizes).cumsum(0)).tolist()
     offsets = torch.tensor(ends, dtype=torch.int32, device="cuda")
-    config = default_config(64 * len(ends), len(ends), "mxfp4", torch.device("cuda"))
-    assert config.wgmma
     outputs = []
-    for tiles in (config, _MXFP4_TALL):
+    for tiles in (MXFP4_WGMMA, _MXFP4_TALL):
         out = torch.full((rows, columns), float("inf"), dtype=torch.bfloat16, device="cuda")
         mxfp4_grouped_mm_triton(x, home.values, home.scales, offsets, tiles, out=out, group_rows=group_rows,
                                 slots=(slots.values, slots.scales), slot_base=slot_base)  # compiles
@@ -133,22 +131,23 @@ def test_against_the_triton_tile_with_slots_in_a_graph(hidden, columns, group_ro
 
 
 @on_hopper
-def test_default_takes_the_kernel_past_32_rows_and_falls_back_where_tma_cannot_copy():
-    """On a Hopper GPU the mxfp4 default and the hot launch of a decode step take the Gluon kernel
-    past 32 rows per group; scales in the checkpoint's order (not column-fastest) run the Triton
-    tile instead, with the same result."""
-    from flatep.kernels.quant_gemm import default_config, mxfp4_grouped_mm_triton, packed_launches
+def test_the_default_and_the_fallback_where_tma_cannot_copy():
+    """With ``MXFP4_WGMMA_DEFAULT`` the mxfp4 default and a decode step's hot launch take the Gluon
+    kernel past 32 rows per group on a Hopper GPU; scales in the checkpoint's order (not
+    column-fastest) run the Triton tile instead, with the same result."""
+    from flatep.kernels.quant_gemm import MXFP4_WGMMA, MXFP4_WGMMA_DEFAULT, default_config, mxfp4_grouped_mm_triton, \
+        packed_launches
 
     device = torch.device("cuda")
-    assert default_config(33 * 4, 4, "mxfp4", device).wgmma and not default_config(32 * 4, 4, "mxfp4", device).wgmma
-    assert not default_config(33 * 4, 4, "mxfp4").wgmma
-    assert [config.wgmma for config, _ in packed_launches(18 * 112, 112, "mxfp4", device)] == [False, False, True]
+    assert default_config(33 * 4, 4, "mxfp4", device).wgmma == MXFP4_WGMMA_DEFAULT
+    assert not default_config(32 * 4, 4, "mxfp4", device).wgmma and not default_config(33 * 4, 4, "mxfp4").wgmma
+    assert [config.wgmma for config, _ in packed_launches(18 * 112, 112, "mxfp4", device)] == \
+        [False, False, MXFP4_WGMMA_DEFAULT]
     sizes, columns, hidden = [100, 0, 40], 256, 1024
     generator = torch.Generator(device="cuda").manual_seed(7)
     weights = _experts(len(sizes), columns, hidden, generator)
     x = torch.randn(sum(sizes), hidden, device="cuda", generator=generator).bfloat16()
     offsets = torch.tensor(sizes, device="cuda").cumsum(0).to(torch.int32)
-    config = default_config(sum(sizes), len(sizes), "mxfp4", device)
-    column_fastest = mxfp4_grouped_mm_triton(x, weights.values, weights.scales, offsets, config)
-    checkpoint_order = mxfp4_grouped_mm_triton(x, weights.values, weights.scales.contiguous(), offsets, config)
+    column_fastest = mxfp4_grouped_mm_triton(x, weights.values, weights.scales, offsets, MXFP4_WGMMA)
+    checkpoint_order = mxfp4_grouped_mm_triton(x, weights.values, weights.scales.contiguous(), offsets, MXFP4_WGMMA)
     assert relative_error(column_fastest, checkpoint_order) < 4e-3
