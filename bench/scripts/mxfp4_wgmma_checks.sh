@@ -4,7 +4,8 @@
 #      weights, home experts and slots, both passes, in a CUDA graph) -> mxfp4_wgmma_tests.log;
 #      the rest is skipped if they fail;
 #   2. issue #15's Kimi-K3 cell (one rank's experts at s = 128, maxvio 0 and 10, classic) against
-#      the tree at $AGAINST (default 8dbf463, before the kernel), bf16 in the same run, with the
+#      the GEMMs of $AGAINST (default 8dbf463, before the kernel: a revision, or a copy of
+#      flatep/kernels/quant_gemm.py where the checkout lacks the history), bf16 in the same run, with the
 #      slowest rank's time per kernel -> experts_k3_mxfp4_decode_against.json, .log;
 #   3. the whole test suite (bench/scripts/gpu_checks.sh PARTS=suite, JOBS=16) in the time left of
 #      $BUDGET seconds (default 575) -> pytest_gpu.log.
