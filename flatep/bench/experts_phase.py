@@ -65,8 +65,9 @@ from flatep.plan.triton import make_plan_triton, supports_triton_planner
 from flatep.plan.types import Layout
 from flatep.transport.base import Group
 
-PACKED_GEMMS = ("fp8_grouped_mm_triton", "mxfp4_grouped_mm_triton")
-"""The functions of :mod:`flatep.kernels.quant_gemm` that ``--against`` swaps for another revision's."""
+PACKED_GEMMS = ("fp8_grouped_mm_triton", "mxfp4_grouped_mm_triton", "packed_launches")
+"""The functions of :mod:`flatep.kernels.quant_gemm` that ``--against`` swaps for another revision's:
+the GEMMs and the launches' tiles (a revision's tiles may name options its GEMMs lack)."""
 
 
 IN_TURN = {"side_by_side": in_turn}
