@@ -39,8 +39,11 @@ order, as the Triton tall tiles' do.
 
 Gluon (``triton.experimental.gluon``) has no interpreter: this kernel runs on Hopper GPUs only
 (:func:`flatep.kernels.fp8_wgmma.available`). The CPU tests compile it for sm_90 with the installed
-Triton (tests/kernels/test_mxfp4_wgmma.py) and check the Triton kernel of the same contract; its
-GPU tests compare it with that kernel and with the dequantized weights.
+Triton (tests/kernels/test_mxfp4_wgmma.py: its MMAs stay in flight, no spills, its shared memory
+fits) and check the Triton kernel of the same contract; its GPU tests compare it with that kernel
+and with the dequantized weights. It compiles with Triton 3.6 and 3.9 but has not yet run on a GPU,
+so it is opt-in (:data:`flatep.kernels.quant_gemm.MXFP4_WGMMA`; ``MXFP4_WGMMA_DEFAULT`` off);
+``bench/scripts/mxfp4_wgmma_checks.sh`` runs its GPU tests and times it in a step.
 """
 from __future__ import annotations
 

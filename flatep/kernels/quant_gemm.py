@@ -196,7 +196,8 @@ class GemmConfig:
     consumer's MMA runs on the previous step's; its tile is fixed (64 x 256 x 64, ``num_warps`` 4: the
     consumer warp group), ``num_stages`` its copies in flight (3 to 6); inputs its TMA copies cannot
     take (scales in the checkpoint's order, unaligned rows, ``K`` not a multiple of 64) run the
-    Triton 64 x 256 x 64 tile instead. ``max_registers`` (Triton tiles; None: ptxas
+    Triton 64 x 256 x 64 tile instead. The mxfp4 kernel has not yet run on a GPU: opt-in
+    (:data:`MXFP4_WGMMA`). ``max_registers`` (Triton tiles; None: ptxas
     chooses): ptxas's register limit a thread (``maxnreg``), so that ``programs_per_sm`` programs fit
     an SM's 64K registers where the tile would otherwise take more; below the tile's need it spills to
     local memory (``bench/scripts/gemm_kloop_sass.py`` reports registers and stack).
