@@ -374,13 +374,15 @@ def packed_launches(
     tiles = default_config(rows, groups, format, device)
     if tiles.block_m > 32:
         return [(tiles, None)]
+    # fp8's hot groups keep the Triton tile (the Gluon fp8 kernel has not been timed on a decode
+    # step's hot launch); mxfp4's take the device's (the Gluon kernel with MXFP4_WGMMA_DEFAULT).
+    hot = default_config(2 * HOT_ROWS * max(groups, 1), groups, format, device if format == "mxfp4" else None)
     if format == "mxfp4":
-        hot = default_config(2 * HOT_ROWS * max(groups, 1), groups, format, device)
         short, middle = (default_config(size * max(groups, 1), groups, format)
                          for size in (_SHORT_ROWS, 2 * _SHORT_ROWS))
         return [(short, (0, _SHORT_ROWS)), (middle, (_SHORT_ROWS, 2 * _SHORT_ROWS)),
                 (hot, (2 * _SHORT_ROWS, _ALL_ROWS))]
-    return [(tiles, (0, HOT_ROWS)), (default_config(2 * HOT_ROWS * max(groups, 1), groups, format), (HOT_ROWS, _ALL_ROWS))]
+    return [(tiles, (0, HOT_ROWS)), (hot, (HOT_ROWS, _ALL_ROWS))]
 
 
 def _check_group_rows(group_rows) -> tuple[int, int]:
@@ -844,6 +846,10 @@ def _check_wgmma(config: GemmConfig, device: torch.device) -> None:
         # warp-specialized (before, 3 and 4 ran its registers out).
         raise ValueError(f"a wgmma config's num_stages (32 KiB of shared memory each) must be 5 or 6, got "
                          f"{config.num_stages}")
+    _check_hopper(device)
+
+
+def _check_hopper(device: torch.device) -> None:
     if not fp8_wgmma.available(device):
         raise ValueError(f"a wgmma config needs a Hopper (sm_90) CUDA GPU and Triton's Gluon, got {device}")
 
@@ -857,8 +863,7 @@ def _check_mxfp4_wgmma(config: GemmConfig, device: torch.device) -> None:
     if config.num_stages not in mxfp4_wgmma.STAGES:
         raise ValueError(f"an mxfp4 wgmma config's num_stages (its copies' ring, 16.5 KiB a stage) must be one of "
                          f"{list(mxfp4_wgmma.STAGES)}, got {config.num_stages}")
-    if not fp8_wgmma.available(device):
-        raise ValueError(f"a wgmma config needs a Hopper (sm_90) CUDA GPU and Triton's Gluon, got {device}")
+    _check_hopper(device)
 
 
 def _check_rows(rows: torch.Tensor) -> None:
@@ -1112,9 +1117,9 @@ def mxfp4_grouped_mm_triton(
                          f"swap_ab) and block_k of 64 or more (one 32-column chunk a step has one order), got {config}")
     rows_above, rows_at_most = _check_group_rows(group_rows)
     out = _output(rows, columns, out)
-    if config.wgmma and slot_values.numel() == 0:  # no slot groups: the kernel never reads the slot set
-        slot_values, slot_scales = values, scales
     if config.wgmma:
+        if slot_values.numel() == 0:  # no slot groups: the kernel never reads the slot set
+            slot_values, slot_scales = values, scales
         if mxfp4_wgmma.fits(rows, values, scales, out) and mxfp4_wgmma.fits(rows, slot_values, slot_scales, out):
             programs = persistent_grid(rows.shape[0], groups, columns, config, rows.device)[0]
             mxfp4_wgmma.mxfp4_wgmma_launch(rows, values, scales, slot_values, slot_scales, out, offsets,
