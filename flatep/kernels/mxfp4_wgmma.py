@@ -182,7 +182,11 @@ if gluon is not None:
         flat: gl.constexpr = gl.BlockedLayout([1, WORDS], [32, 1], [_DECODE_WARPS, 1], [1, 0])
         by_block: gl.constexpr = gl.BlockedLayout([1, BLOCKS, 4], [32, 1, 1], [_DECODE_WARPS, 1, 1], [2, 1, 0])
         words = gl.convert_layout(gl.reshape(words_buf.load(flat), [ROWS, BLOCKS, 4]), by_block)
-        exponent = scales_buf.permute((1, 0)).load(gl.SliceLayout(2, by_block)).to(gl.int32)
+        # The scales load as stored, [BLOCKS, ROWS], and turn in registers: a load through the
+        # descriptor's permute read them as if stored [ROWS, BLOCKS] (Triton 3.6, on an H100).
+        by_column: gl.constexpr = gl.BlockedLayout([BLOCKS, 1], [1, 32], [1, _DECODE_WARPS], [0, 1])
+        exponent = gl.convert_layout(gl.permute(scales_buf.load(by_column), (1, 0)),
+                                     gl.SliceLayout(2, by_block)).to(gl.int32)
         if ONE_MULTIPLY:
             largest = gl.maximum(largest, exponent)
             pairs = (exponent * _SCALE_PAIR + _ONE_MULTIPLY_BIAS * _SCALE_PAIR).to(gl.uint32, bitcast=True)

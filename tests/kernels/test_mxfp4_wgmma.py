@@ -71,6 +71,27 @@ def _experts(count: int, columns: int, hidden: int, generator: torch.Generator) 
 
 
 @on_hopper
+@pytest.mark.parametrize("hidden, columns", [(64, 256), (640, 384)])
+def test_identity_rows_read_back_each_decoded_weight(hidden, columns):
+    """Rows of one-hots: row ``i`` of the block of rows starting at column ``start`` picks weight column
+    ``start + i`` of every output column, so the output is the decoded weights as the MMA read them,
+    exactly (e2m1 times a power of two is a bf16, one product per output). A value or scale read from
+    the wrong place shows as a mismatch; a wrong scale as a power-of-two ratio over its block of 32."""
+    from flatep.kernels.quant_gemm import MXFP4_WGMMA, mxfp4_grouped_mm_triton
+
+    generator = torch.Generator(device="cuda").manual_seed(hidden + columns)
+    weights = _experts(1, columns, hidden, generator)
+    dense = weights.dequantize()[0]  # [N, K]
+    offsets = torch.tensor([64], dtype=torch.int32, device="cuda")
+    for start in range(0, hidden, 64):
+        rows = torch.zeros(64, hidden, dtype=torch.bfloat16, device="cuda")
+        rows[:, start:start + 64] = torch.eye(64, dtype=torch.bfloat16, device="cuda")
+        out = torch.full((64, columns), float("inf"), dtype=torch.bfloat16, device="cuda")
+        mxfp4_grouped_mm_triton(rows, weights.values, weights.scales, offsets, MXFP4_WGMMA, out=out)
+        assert torch.equal(out.float(), dense[:, start:start + 64].T)
+
+
+@on_hopper
 @pytest.mark.parametrize("hidden, columns", [(640, 384), (3584, 512)])
 @pytest.mark.parametrize("group_rows", [None, (32, 2**31 - 1)])
 @pytest.mark.parametrize("large_scale", [False, True])
