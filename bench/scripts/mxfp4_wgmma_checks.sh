@@ -10,10 +10,12 @@
 #   3. the kernel against the Triton tiles at 16-192 rows per expert (bench/scripts/mxfp4_wgmma_tiles.py)
 #      -> mxfp4_wgmma_tiles.json, .log.
 #   bash bench/scripts/mxfp4_wgmma_checks.sh          (from the repository root, on an H100 or H200)
-# About 300 s. The whole test suite is bench/scripts/gpu_checks.sh's (PARTS=suite).
+# FLATEP_MXFP4_WGMMA=1 (exported here) makes the kernel the default for those groups in step 2.
+# About 150 s on an H100. The whole test suite is bench/scripts/gpu_checks.sh's (PARTS=suite).
 # Writes to $OUT (default ./bench-out). Exit status 0 iff the kernel's tests passed.
 cd "$(dirname "$0")/../.."
 source bench/scripts/gpu_env.sh
+export FLATEP_MXFP4_WGMMA=1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader > "$OUT/smi.txt"; cat "$OUT/smi.txt"
 timeout 100 python3 -m pytest -o addopts="" -q -p no:cacheprovider tests/kernels/test_mxfp4_wgmma.py \
   > "$OUT/mxfp4_wgmma_tests.log" 2>&1

@@ -41,9 +41,12 @@ Gluon (``triton.experimental.gluon``) has no interpreter: this kernel runs on Ho
 (:func:`flatep.kernels.fp8_wgmma.available`). The CPU tests compile it for sm_90 with the installed
 Triton (tests/kernels/test_mxfp4_wgmma.py: its MMAs stay in flight, no spills, its shared memory
 fits) and check the Triton kernel of the same contract; its GPU tests compare it with that kernel
-and with the dequantized weights. It compiles with Triton 3.6 and 3.9 but has not yet run on a GPU,
-so it is opt-in (:data:`flatep.kernels.quant_gemm.MXFP4_WGMMA`; ``MXFP4_WGMMA_DEFAULT`` off);
-``bench/scripts/mxfp4_wgmma_checks.sh`` runs its GPU tests and times it in a step.
+and with the dequantized weights, and pass on an H100. Measured there it is slower than the Triton
+64 x 256 tile (1.22-1.30x its time at 64-192 rows per expert, 4 stages; its reads reach 47-50% of
+the ceiling even at one 64-row pass a group, bench/results/2026-12-07-h100), likely because one
+decoder warp a scheduler cannot hide its shared-memory latency. So it is opt-in
+(:data:`flatep.kernels.quant_gemm.MXFP4_WGMMA`, or ``FLATEP_MXFP4_WGMMA=1`` for the default);
+``bench/scripts/mxfp4_wgmma_checks.sh`` runs its GPU tests and times it in a step and per GEMM.
 """
 from __future__ import annotations
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -164,6 +166,17 @@ def test_bad_input_raises(make, message):
     with pytest.raises(ValueError, match=message):
         make(rows, packed, offsets)
 
+
+@pytest.mark.parametrize("setting, expected", [(None, False), ("0", False), ("1", True)])
+def test_the_environment_turns_the_gluon_mxfp4_default_on(setting, expected):
+    """``FLATEP_MXFP4_WGMMA=1`` at import, and only that, makes ``MXFP4_WGMMA_DEFAULT`` true."""
+    environment = {name: value for name, value in os.environ.items() if name != "FLATEP_MXFP4_WGMMA"}
+    if setting is not None:
+        environment["FLATEP_MXFP4_WGMMA"] = setting
+    printed = subprocess.run([sys.executable, "-c", "from flatep.kernels import quant_gemm; "
+                              "print(quant_gemm.MXFP4_WGMMA_DEFAULT)"], env=environment, capture_output=True,
+                             text=True, check=True, timeout=120).stdout
+    assert printed.strip() == str(expected)
 
 
 @pytest.mark.skipif(fp8_wgmma.available(DEVICE), reason="the kernel runs here")
