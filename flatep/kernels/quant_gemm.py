@@ -198,9 +198,9 @@ class GemmConfig:
     consumer warp group), ``num_stages`` its copies in flight (3 to 6); inputs its TMA copies cannot
     take (scales in the checkpoint's order, unaligned rows, ``K`` not a multiple of 64) run the
     Triton 64 x 256 x 64 tile instead. The mxfp4 kernel is exact but slower than the Triton tile on
-    an H100: opt-in (:data:`MXFP4_WGMMA`, :data:`MXFP4_WGMMA_DEFAULT`). ``max_registers`` (Triton tiles; None: ptxas
-    chooses): ptxas's register limit a thread (``maxnreg``), so that ``programs_per_sm`` programs fit
-    an SM's 64K registers where the tile would otherwise take more; below the tile's need it spills to
+    an H100: opt-in (:data:`MXFP4_WGMMA`, :data:`MXFP4_WGMMA_DEFAULT`). ``max_registers`` (Triton
+    tiles; None: ptxas chooses): ptxas's register limit a thread (``maxnreg``), so that
+    ``programs_per_sm`` programs fit an SM's 64K registers where the tile would otherwise take more; below the tile's need it spills to
     local memory (``bench/scripts/gemm_kloop_sass.py`` reports registers and stack).
     """
 
@@ -250,8 +250,9 @@ MXFP4_WGMMA_DEFAULT = os.environ.get("FLATEP_MXFP4_WGMMA", "0") == "1"
 """Whether :func:`default_config` gives groups of more than 32 rows :data:`MXFP4_WGMMA` on a Hopper
 GPU: off unless the environment sets ``FLATEP_MXFP4_WGMMA=1`` (or this is set before a step). It is
 exact (its GPU tests pass on an H100) but slower than the Triton 64 x 256 tile: at 64-192 rows per
-expert a Kimi-K3 rank's GEMMs took 1.22-1.30x the tile's time at its 4 stages (1.16-1.23x at 6), and issue #15's Kimi-K3 cell at
-maxvio 10 0.456x of bf16 against the tile's 0.432x (H100, bench/results/2026-12-07-h100)."""
+expert a Kimi-K3 rank's GEMMs took 1.22-1.30x the tile's time at its 4 stages (1.18-1.23x at 6),
+and issue #15's Kimi-K3 cell at maxvio 10 0.456x of bf16 against the tile's 0.432x in the same run
+(H100, bench/results/2026-12-07-h100)."""
 
 WGMMA_ROWS = 128
 """Rows per group from which :func:`default_config` takes the Gluon fp8 kernel
