@@ -82,7 +82,10 @@ def main(description: str, cells: list[int], time_cell: Callable[[int, str, int,
     to ``FILE`` as ``{"device", "read_ceiling_gbps", "results"}``."""
     parser = argparse.ArgumentParser(description=description.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="JSON file to write")
-    path = parser.parse_args().out
+    parser.add_argument("--rows", type=int, nargs="+", choices=cells, default=cells,
+                        help=f"rows per expert to time (default all: {' '.join(map(str, cells))})")
+    args = parser.parse_args()
+    path, cells = args.out, args.rows
     ceiling = read_ceiling_gbps(DEVICE) if DEVICE.type == "cuda" else None
     print(f"{device_name(DEVICE)}: read ceiling {ceiling} GB/s", flush=True)
     torch.manual_seed(0)

@@ -11,6 +11,7 @@ than the default's sums in another order, so its bits may differ (``same_bits``)
 Registers, stack and resident programs of each tile: ``bench/scripts/gemm_kloop_sass.py``.
 
     python bench/scripts/mxfp4_tile_sweep.py --out mxfp4_tile_sweep.json      (on a GPU)
+    python bench/scripts/mxfp4_tile_sweep.py --out FILE --rows 16 32         (some cells only)
 """
 from __future__ import annotations
 

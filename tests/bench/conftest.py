@@ -29,10 +29,10 @@ class TileScripts:
     def load(self, name: str) -> ModuleType:
         return importlib.import_module(name)
 
-    def command_line(self, name: str) -> Path:
-        """Sets ``sys.argv`` to ``name.py --out FILE`` and returns ``FILE``."""
+    def command_line(self, name: str, *options: str) -> Path:
+        """Sets ``sys.argv`` to ``name.py --out FILE [options]`` and returns ``FILE``."""
         out = self.directory / f"{name}.json"
-        self.monkeypatch.setattr(sys, "argv", [f"{name}.py", "--out", str(out)])
+        self.monkeypatch.setattr(sys, "argv", [f"{name}.py", "--out", str(out), *options])
         return out
 
 
