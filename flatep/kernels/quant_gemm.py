@@ -106,11 +106,12 @@ each weight tile is read by the band's row tiles back to back.
   descriptors the 16-row tile takes 142 registers instead of 168 and 26-28% less time, the
   32-row tile in the lane order 198 instead of 214 and 10-11% less (bench/results/2026-12-06-h100-e).
   Other inputs (scales in the checkpoint's order, unaligned rows, older GPUs) keep the pointer
-  copies, with the same bits. On Hopper GPUs the groups of more than 32 rows run a warp-specialized Gluon
-  kernel instead (:mod:`flatep.kernels.mxfp4_wgmma`; ``GemmConfig.wgmma``): the same decode and
-  passes, in warps of their own beside the warp-group MMA that reads their output. ``tl.dot_scaled`` (bf16 times e2m1) would be
-  the alternative; on Hopper Triton 3.6 upcasts its e2m1 operand itself and measured no faster, and
-  its interpreter has no ``dot_scaled``.
+  copies, with the same bits. On Hopper GPUs the groups of more than 32 rows can run a
+  warp-specialized Gluon kernel instead (:mod:`flatep.kernels.mxfp4_wgmma`; ``GemmConfig.wgmma``;
+  opt-in, as it is slower than the Triton tile: :data:`MXFP4_WGMMA_DEFAULT`): the same decode and
+  passes, in warps of their own beside the warp-group MMA that reads their output. ``tl.dot_scaled``
+  (bf16 times e2m1) would be the alternative; on Hopper Triton 3.6 upcasts its e2m1 operand itself
+  and measured no faster, and its interpreter has no ``dot_scaled``.
 
 ``K`` is a compile-time constant of the GEMM kernels (one compilation per layer shape): the K loop
 stays a ``for`` loop over constant bounds, which Triton software-pipelines (``num_stages``; it does
@@ -200,8 +201,9 @@ class GemmConfig:
     Triton 64 x 256 x 64 tile instead. The mxfp4 kernel is exact but slower than the Triton tile on
     an H100: opt-in (:data:`MXFP4_WGMMA`, :data:`MXFP4_WGMMA_DEFAULT`). ``max_registers`` (Triton
     tiles; None: ptxas chooses): ptxas's register limit a thread (``maxnreg``), so that
-    ``programs_per_sm`` programs fit an SM's 64K registers where the tile would otherwise take more; below the tile's need it spills to
-    local memory (``bench/scripts/gemm_kloop_sass.py`` reports registers and stack).
+    ``programs_per_sm`` programs fit an SM's 64K registers where the tile would otherwise take more;
+    below the tile's need it spills to local memory (``bench/scripts/gemm_kloop_sass.py`` reports
+    registers and stack).
     """
 
     block_m: int
