@@ -142,7 +142,7 @@ from flatep.kernels.backend import (
     skip_arguments,
     tma_fits,
 )
-from flatep.kernels import fp8_wgmma, mxfp4_wgmma
+from flatep.kernels import fp8_wgmma, mxfp4_swap, mxfp4_wgmma
 from flatep.kernels.e2m1_ptx import INF_PAIR, ONE_MULTIPLY_BIAS, ONE_MULTIPLY_MAX_BYTE, SCALE_PAIR, scaled_pairs_ptx
 from flatep.kernels.grouped_tiles import locate_tile, persistent_grid, tile_table
 from flatep.quant.fp8 import E4M3_MAX, E4M3_RECIPROCAL
@@ -248,6 +248,17 @@ _MXFP4_TALL = GemmConfig(64, 256, 64, num_warps=4, num_stages=4)
 MXFP4_WGMMA = GemmConfig(mxfp4_wgmma.WG_M, mxfp4_wgmma.BLOCK_N, mxfp4_wgmma.BLOCK_K, num_warps=mxfp4_wgmma.NUM_WARPS,
                          num_stages=mxfp4_wgmma.LOAD_STAGES, programs_per_sm=1, wgmma=True)
 """The Gluon mxfp4 kernel's tile (:mod:`flatep.kernels.mxfp4_wgmma`, Hopper GPUs)."""
+# mxfp4 Triton tiles of at most 16 and 32 rows per group (and where the swapped Gluon kernel's copies cannot run)
+_MXFP4_SHORT = {16: GemmConfig(16, 128, 128, num_warps=2, num_stages=3, programs_per_sm=6, lane_words=True),
+                32: GemmConfig(32, 256, 128, num_warps=4, num_stages=3, lane_words=True)}
+MXFP4_SWAP = {block_m: GemmConfig(block_m, mxfp4_swap.BLOCK_N, mxfp4_swap.BLOCK_K, num_warps=mxfp4_swap.NUM_WARPS,
+                                  num_stages=mxfp4_swap.LOAD_STAGES, programs_per_sm=mxfp4_swap.PROGRAMS_PER_SM,
+                                  swap_ab=True, wgmma=True)
+              for block_m in mxfp4_swap.BLOCK_M}
+"""The swapped Gluon mxfp4 kernel's tiles by row tile (:mod:`flatep.kernels.mxfp4_swap`, Hopper GPUs)."""
+MXFP4_SWAP_DEFAULT = os.environ.get("FLATEP_MXFP4_SWAP", "0") == "1"
+"""Whether :func:`default_config` gives groups of at most 32 rows :data:`MXFP4_SWAP` on a Hopper GPU:
+off unless the environment sets ``FLATEP_MXFP4_SWAP=1``. Not yet run on a GPU."""
 MXFP4_WGMMA_DEFAULT = os.environ.get("FLATEP_MXFP4_WGMMA", "0") == "1"
 """Whether :func:`default_config` gives groups of more than 32 rows :data:`MXFP4_WGMMA` on a Hopper
 GPU: off unless the environment sets ``FLATEP_MXFP4_WGMMA=1`` (or this is set before a step). It is
@@ -334,10 +345,11 @@ def default_config(rows: int, groups: int, format: str, device: torch.device | N
         if per_group <= HOT_ROWS:
             return dataclasses.replace(_FP8_TALL, num_stages=3)
         return _FP8_TALL
-    if per_group <= 16:
-        return GemmConfig(16, 128, 128, num_warps=2, num_stages=3, programs_per_sm=6, lane_words=True)
     if per_group <= 32:
-        return GemmConfig(32, 256, 128, num_warps=4, num_stages=3, lane_words=True)
+        block_m = 16 if per_group <= 16 else 32
+        if MXFP4_SWAP_DEFAULT and device is not None and fp8_wgmma.available(device):
+            return MXFP4_SWAP[block_m]
+        return _MXFP4_SHORT[block_m]
     if MXFP4_WGMMA_DEFAULT and device is not None and fp8_wgmma.available(device):
         return MXFP4_WGMMA
     return _MXFP4_TALL
@@ -861,6 +873,9 @@ def _check_hopper(device: torch.device) -> None:
 
 
 def _check_mxfp4_wgmma(config: GemmConfig, device: torch.device) -> None:
+    if config.swap_ab:
+        _check_mxfp4_swap(config, device)
+        return
     fixed = (mxfp4_wgmma.WG_M, mxfp4_wgmma.BLOCK_N, mxfp4_wgmma.BLOCK_K, mxfp4_wgmma.NUM_WARPS)
     if (config.block_m, config.block_n, config.block_k, config.num_warps) != fixed or config.swap_ab \
             or config.lane_words:
@@ -869,6 +884,18 @@ def _check_mxfp4_wgmma(config: GemmConfig, device: torch.device) -> None:
     if config.num_stages not in mxfp4_wgmma.STAGES:
         raise ValueError(f"an mxfp4 wgmma config's num_stages (its copies' ring, 16.5 KiB a stage) must be one of "
                          f"{list(mxfp4_wgmma.STAGES)}, got {config.num_stages}")
+    _check_hopper(device)
+
+
+def _check_mxfp4_swap(config: GemmConfig, device: torch.device) -> None:
+    fixed = (mxfp4_swap.BLOCK_N, mxfp4_swap.BLOCK_K, mxfp4_swap.NUM_WARPS)
+    if config.block_m not in mxfp4_swap.BLOCK_M or (config.block_n, config.block_k, config.num_warps) != fixed \
+            or config.lane_words:
+        raise ValueError(f"a swapped mxfp4 wgmma config takes block_m in {mxfp4_swap.BLOCK_M} and block_n, block_k, "
+                         f"num_warps = {fixed}, no lane_words, got {config}")
+    if config.num_stages not in mxfp4_swap.STAGES:
+        raise ValueError(f"a swapped mxfp4 wgmma config's num_stages must be one of {list(mxfp4_swap.STAGES)}, got "
+                         f"{config.num_stages}")
     _check_hopper(device)
 
 
@@ -1128,12 +1155,20 @@ def mxfp4_grouped_mm_triton(
             slot_values, slot_scales = values, scales
         if mxfp4_wgmma.fits(rows, values, scales, out) and mxfp4_wgmma.fits(rows, slot_values, slot_scales, out):
             programs = persistent_grid(rows.shape[0], groups, columns, config, rows.device)[0]
-            mxfp4_wgmma.mxfp4_wgmma_launch(rows, values, scales, slot_values, slot_scales, out, offsets,
-                                           values.shape[0], slot_base, rows_above, rows_at_most, config.group_m,
-                                           config.num_stages, programs)
+            if config.swap_ab:
+                mxfp4_swap.mxfp4_swap_launch(rows, values, scales, slot_values, slot_scales, out, offsets,
+                                             values.shape[0], slot_base, rows_above, rows_at_most, config.block_m,
+                                             config.group_m, config.num_stages, programs)
+            else:
+                mxfp4_wgmma.mxfp4_wgmma_launch(rows, values, scales, slot_values, slot_scales, out, offsets,
+                                               values.shape[0], slot_base, rows_above, rows_at_most, config.group_m,
+                                               config.num_stages, programs)
             return out
-        config = dataclasses.replace(_MXFP4_TALL, group_m=config.group_m)
-        natural_k = True
+        if config.swap_ab:  # the Triton short tile of the same height
+            config = dataclasses.replace(_MXFP4_SHORT[config.block_m], group_m=config.group_m)
+        else:
+            config = dataclasses.replace(_MXFP4_TALL, group_m=config.group_m)
+            natural_k = True
     # Two passes (see the module docstring): the second computes the tiles again, with two
     # multiplies per pair, only if the first flagged a tile that read a scale byte past 128.
     redo = torch.zeros(1, dtype=torch.int32, device=rows.device)
