@@ -166,7 +166,8 @@ if gluon is not None:
         p0, p1, p2, p3 = gl.inline_asm_elementwise(ptx, "=r,=r,=r,=r,r,r", [words, pairs],
                                                    dtype=(gl.int32, gl.int32, gl.int32, gl.int32), is_pure=True,
                                                    pack=1)
-        pair = gl.reshape(gl.join(gl.join(p0, p1), gl.join(p2, p3)), [_HALF_N, 8, 4])  # [.., w, p]
+        # join(join(p0, p2), join(p1, p3)) puts pair p at position p of the last dimension.
+        pair = gl.reshape(gl.join(gl.join(p0, p2), gl.join(p1, p3)), [_HALF_N, 8, 4])  # [.., w, p]
         low = pair.to(gl.int16).to(gl.bfloat16, bitcast=True)
         high = (pair >> 16).to(gl.int16).to(gl.bfloat16, bitcast=True)
         values = gl.reshape(gl.join(low, high), [_HALF_N, 4, 2, 4, 2])  # [.., h, l, p, e]
