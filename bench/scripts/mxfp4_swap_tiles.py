@@ -3,8 +3,8 @@
 One Kimi-K3 rank's experts (112; gate/up N = 6144, K = 3584; down N = 3584, K = 3072) at 16 and 32
 rows per expert, a decode step's groups. The first arm is the Triton tile
 :func:`flatep.kernels.quant_gemm.default_config` gives without a device (the ``mma.sync`` tiles),
-the others the Gluon kernel of the same row tile (``GemmConfig(swap_ab=True, wgmma=True)``) at 3 to
-6 programs an SM and 4 or 6 stages of copies in flight. Every arm runs
+the others the Gluon kernel of the same row tile (``GemmConfig(swap_ab=True, wgmma=True)``) at 2 or
+3 programs an SM (3 fit at its registers) and 3, 4 or 6 stages of copies in flight. Every arm runs
 :func:`flatep.kernels.quant_gemm.mxfp4_grouped_mm_triton` as the layer does, timed as
 :func:`mxfp4_rank.time_tiles` does (interleaved CUDA-graph replays, the read ceiling measured in the
 same run, the packed weight bytes counted once); ``same_bits`` says whether an arm's bits equal the
@@ -19,7 +19,7 @@ import dataclasses
 from flatep.kernels.quant_gemm import MXFP4_SWAP
 from mxfp4_rank import default_then, main
 
-VARIANTS = [(programs, stages) for programs in (3, 4, 5, 6) for stages in (4, 6)]
+VARIANTS = [(programs, stages) for programs in (2, 3) for stages in (3, 4, 6)]
 
 
 def time_cell(rows_per_expert: int, gemm: str, columns: int, inner: int) -> list[dict]:
