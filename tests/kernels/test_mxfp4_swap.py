@@ -4,8 +4,6 @@ a Hopper GPU against the Triton short tiles and the dequantized weights."""
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -75,18 +73,6 @@ def test_bad_configs_are_refused():
         _check_mxfp4_swap(GemmConfig(32, 128, 64, num_warps=4, num_stages=1, swap_ab=True, wgmma=True), cpu)
     with pytest.raises(ValueError, match="Hopper"):
         _check_mxfp4_swap(MXFP4_SWAP[16], cpu)
-
-
-@pytest.mark.parametrize("value, expected", [(None, False), ("0", False), ("1", True)])
-def test_the_environment_turns_the_default_on(value, expected):
-    """``FLATEP_MXFP4_SWAP`` is read at import (a process of its own, as users run it)."""
-    code = "from flatep.kernels.quant_gemm import MXFP4_SWAP_DEFAULT; print(MXFP4_SWAP_DEFAULT)"
-    environment = {name: text for name, text in __import__("os").environ.items() if name != "FLATEP_MXFP4_SWAP"}
-    if value is not None:
-        environment["FLATEP_MXFP4_SWAP"] = value
-    printed = subprocess.run([sys.executable, "-c", code], env=environment, capture_output=True, text=True,
-                             check=True).stdout.strip()
-    assert printed == str(expected)
 
 
 def _experts(count: int, columns: int, hidden: int, generator: torch.Generator) -> QuantizedTensor:

@@ -167,14 +167,16 @@ def test_bad_input_raises(make, message):
         make(rows, packed, offsets)
 
 
+@pytest.mark.parametrize("variable, attribute", [("FLATEP_MXFP4_WGMMA", "MXFP4_WGMMA_DEFAULT"),
+                                                 ("FLATEP_MXFP4_SWAP", "MXFP4_SWAP_DEFAULT")])
 @pytest.mark.parametrize("setting, expected", [(None, False), ("0", False), ("1", True)])
-def test_the_environment_turns_the_gluon_mxfp4_default_on(setting, expected):
-    """``FLATEP_MXFP4_WGMMA=1`` at import, and only that, makes ``MXFP4_WGMMA_DEFAULT`` true."""
-    environment = {name: value for name, value in os.environ.items() if name != "FLATEP_MXFP4_WGMMA"}
+def test_the_environment_turns_a_gluon_mxfp4_default_on(variable, attribute, setting, expected):
+    """``variable=1`` at import, and only that, makes ``attribute`` true (a process of its own, as users run it)."""
+    environment = {name: value for name, value in os.environ.items() if name != variable}
     if setting is not None:
-        environment["FLATEP_MXFP4_WGMMA"] = setting
-    printed = subprocess.run([sys.executable, "-c", "from flatep.kernels import quant_gemm; "
-                              "print(quant_gemm.MXFP4_WGMMA_DEFAULT)"], env=environment, capture_output=True,
+        environment[variable] = setting
+    printed = subprocess.run([sys.executable, "-c", f"from flatep.kernels import quant_gemm; "
+                              f"print(quant_gemm.{attribute})"], env=environment, capture_output=True,
                              text=True, check=True, timeout=120).stdout
     assert printed.strip() == str(expected)
 
