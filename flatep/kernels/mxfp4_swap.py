@@ -39,26 +39,22 @@ interpreter: this kernel runs on Hopper GPUs only; the CPU tests compile it for 
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 
-from flatep.kernels.e2m1_ptx import INF_PAIR, ONE_MULTIPLY_BIAS, ONE_MULTIPLY_MAX_BYTE, SCALE_PAIR, scaled_pairs_ptx
+from flatep.kernels.e2m1_ptx import ONE_MULTIPLY_MAX_BYTE, scaled_pairs_ptx
 from flatep.kernels.fp8_wgmma import gluon
 
 if gluon is not None:
     from flatep.kernels.fp8_wgmma import (
-        TensorDescriptor,
         _find_tile,
-        _tma_load,
         fence_async_shared,
         gl,
         mbarrier,
         warpgroup_mma,
         warpgroup_mma_wait,
     )
-    from flatep.kernels.mxfp4_wgmma import _cta_barrier, _tiles
+    from flatep.kernels.mxfp4_wgmma import _cta_barrier, _load_steps, _scale_pairs, _tiles, descriptors
 
 BLOCK_M = (16, 32)
 """Row tiles this kernel takes (the warp-group MMA's N side)."""
@@ -80,10 +76,7 @@ of stack at 64)."""
 if gluon is not None:
     _PTX = gl.constexpr(scaled_pairs_ptx(False))
     _ONE_MULTIPLY_PTX = gl.constexpr(scaled_pairs_ptx(True))
-    _SCALE_PAIR = gl.constexpr(SCALE_PAIR)
-    _ONE_MULTIPLY_BIAS = gl.constexpr(ONE_MULTIPLY_BIAS)
     _ONE_MULTIPLY_MAX_BYTE = gl.constexpr(ONE_MULTIPLY_MAX_BYTE)
-    _INF_PAIR = gl.constexpr(INF_PAIR)
     _HALF_N = gl.constexpr(HALF_N)
     _BLOCK_N = gl.constexpr(BLOCK_N)
     _BLOCK_K = gl.constexpr(BLOCK_K)
@@ -104,42 +97,11 @@ if gluon is not None:
     @gluon.jit
     def _produce(operands, scalars, K: gl.constexpr, GROUP_M: gl.constexpr, GROUPS: gl.constexpr,
                  ONE_MULTIPLY: gl.constexpr):
-        """The producer warp: every K step of the program's tiles into the ring of stages, each stage
-        once the consumer handed it back."""
+        """The producer warp: :func:`flatep.kernels.mxfp4_wgmma._load_steps`."""
         a_desc, w_desc, s_desc, slot_w_desc, slot_s_desc, a_bufs, w_bufs, s_bufs, p_buf, bars = operands
         load_ready, load_empty = bars
-        out_ptr, offsets_ptr, redo_ptr, groups, split, split_start, N, stride_om, rows_above, rows_at_most = scalars
-        WORDS: gl.constexpr = _BLOCK_K // 8
-        BLOCKS: gl.constexpr = _BLOCK_K // 32
-        STAGES: gl.constexpr = a_bufs.shape[0]
-        TILE_M: gl.constexpr = a_bufs.shape[1]
-        g, table, tile = _tiles(offsets_ptr, redo_ptr, groups, split, split_start, N, rows_above, rows_at_most,
-                                TILE_M, _BLOCK_N, GROUPS, ONE_MULTIPLY, 1)
-        starts, ends, tiles, passed, total = table
-        step_bytes: gl.constexpr = a_desc.block_type.nbytes + w_desc.block_type.nbytes + s_desc.block_type.nbytes
-        count = 0
-        while tile < total:
-            group, first, _, first_column = _find_tile(tile, g, starts, ends, tiles, passed, N, TILE_M, _BLOCK_N,
-                                                       GROUP_M)
-            is_slot = group >= split
-            expert = gl.where(is_slot, group - split, group)
-            word_row = expert * N + first_column
-            scale_row = expert * (K // 32)
-            for step in range(K // _BLOCK_K):
-                stage = count % STAGES
-                # A fresh barrier counts as having completed the phase before its first.
-                mbarrier.wait(load_empty.index(stage), ((count // STAGES) & 1) ^ 1)
-                bar = load_ready.index(stage)
-                mbarrier.expect(bar, step_bytes)
-                _tma_load(a_desc, [first, step * _BLOCK_K], bar, a_bufs.index(stage))
-                if is_slot:
-                    _tma_load(slot_w_desc, [word_row, step * WORDS], bar, w_bufs.index(stage))
-                    _tma_load(slot_s_desc, [scale_row + step * BLOCKS, first_column], bar, s_bufs.index(stage))
-                else:
-                    _tma_load(w_desc, [word_row, step * WORDS], bar, w_bufs.index(stage))
-                    _tma_load(s_desc, [scale_row + step * BLOCKS, first_column], bar, s_bufs.index(stage))
-                count += 1
-            tile += gl.num_programs(0)
+        _load_steps((a_desc, w_desc, s_desc, slot_w_desc, slot_s_desc), a_bufs, w_bufs, s_bufs, load_ready, load_empty,
+                    scalars, K, GROUP_M, GROUPS, ONE_MULTIPLY)
 
     @gluon.jit
     def _permuted_rows(a_buf, TILE_M: gl.constexpr):
@@ -155,13 +117,10 @@ if gluon is not None:
         in shared memory -> bf16 ``[64, 64]`` in the MMA's K order, in the operand layout ``a_op``;
         ``largest`` ``[2, 64]``, the largest scale byte each position has read."""
         exponent = scales_buf.load(_SCALES_LAYOUT).to(gl.int32)
+        pairs, largest = _scale_pairs(exponent, largest, ONE_MULTIPLY)
         if ONE_MULTIPLY:
-            largest = gl.maximum(largest, exponent)
-            pairs = (exponent * _SCALE_PAIR + _ONE_MULTIPLY_BIAS * _SCALE_PAIR).to(gl.uint32, bitcast=True)
-            pairs = gl.minimum(pairs, _INF_PAIR).to(gl.int32, bitcast=True)
             ptx: gl.constexpr = _ONE_MULTIPLY_PTX
         else:
-            pairs = exponent * _SCALE_PAIR
             ptx: gl.constexpr = _PTX
         # Word w of a step lies in scale block w // 4.
         words = gl.reshape(words_buf.load(_WORDS_LAYOUT), [_HALF_N, 2, 4])
@@ -271,23 +230,6 @@ if gluon is not None:
             mbarrier.invalidate(load_empty.index(i))
 
 
-@functools.cache
-def _layouts(block_m: int):
-    """Shared-memory layouts of a stage's rows, words and scales (the TMA boxes)."""
-    return (gl.NVMMASharedLayout.get_default_for([block_m, BLOCK_K], gl.bfloat16),
-            gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K // 8], gl.int32),
-            gl.NVMMASharedLayout.get_default_for([BLOCK_K // 32, BLOCK_N], gl.uint8))
-
-
-def _weight_descriptors(values: torch.Tensor, scales: torch.Tensor, block_m: int):
-    _, word_layout, scale_layout = _layouts(block_m)
-    words = values.view(torch.int32).flatten(0, 1)  # [G * N, K/8]
-    by_block = scales.transpose(1, 2).flatten(0, 1)  # [G * K/32, N]
-    return (TensorDescriptor(words, list(words.shape), list(words.stride()), [BLOCK_N, BLOCK_K // 8], word_layout),
-            TensorDescriptor(by_block, list(by_block.shape), list(by_block.stride()), [BLOCK_K // 32, BLOCK_N],
-                             scale_layout))
-
-
 def mxfp4_swap_launch(
     rows: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, slot_values: torch.Tensor,
     slot_scales: torch.Tensor, out: torch.Tensor, offsets: torch.Tensor, split: int, slot_base: int,
@@ -300,14 +242,12 @@ def mxfp4_swap_launch(
     ``programs`` programs."""
     if block_m not in BLOCK_M:
         raise ValueError(f"block_m must be one of {BLOCK_M}, got {block_m}")
-    row_layout, _, _ = _layouts(block_m)
-    a_desc = TensorDescriptor(rows, list(rows.shape), list(rows.stride()), [block_m, BLOCK_K], row_layout)
-    weights = (*_weight_descriptors(values, scales, block_m), *_weight_descriptors(slot_values, slot_scales, block_m))
+    operands = descriptors(rows, values, scales, slot_values, slot_scales, block_m, BLOCK_N)
     redo = torch.zeros(1, dtype=torch.int32, device=rows.device)
     groups = offsets.shape[0]
     for one_multiply in (True, False):
         _mxfp4_swap_kernel[(programs, )](
-            a_desc, *weights, out, offsets, redo, groups, split, slot_base, values.shape[1], out.stride(0), rows_above,
+            *operands, out, offsets, redo, groups, split, slot_base, values.shape[1], out.stride(0), rows_above,
             rows_at_most, K=rows.shape[1], GROUP_M=group_m, GROUPS=triton.next_power_of_2(groups), STAGES=stages,
             ONE_MULTIPLY=one_multiply, PRODUCER_REGISTERS=PRODUCER_REGISTERS, num_warps=NUM_WARPS,
             maxnreg=MAX_REGISTERS,

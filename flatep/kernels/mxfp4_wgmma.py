@@ -135,36 +135,39 @@ if gluon is not None:
         return g, (starts, ends, tiles, passed, total), tile
 
     @gluon.jit
-    def _produce(operands, scalars, K: gl.constexpr, GROUP_M: gl.constexpr, GROUPS: gl.constexpr,
-                 ONE_MULTIPLY: gl.constexpr):
-        """The producer warp: every K step of the program's tiles into the ring of stages, each stage
-        once the consumer handed it back."""
-        a_desc, w_desc, s_desc, slot_w_desc, slot_s_desc, a_bufs, w_bufs, s_bufs, d_bufs, bars = operands
-        load_ready, load_empty, decoded, decode_empty = bars
+    def _load_steps(descriptors, a_bufs, w_bufs, s_bufs, load_ready, load_empty, scalars, K: gl.constexpr,
+                    GROUP_M: gl.constexpr, GROUPS: gl.constexpr, ONE_MULTIPLY: gl.constexpr):
+        """A producer warp's loop (this kernel's and :mod:`flatep.kernels.mxfp4_swap`'s): every K step of
+        the program's tiles (``a_bufs [stages, rows, K step]``, ``w_bufs [stages, columns, K step / 8]``)
+        copied by TMA into the ring of stages, each stage once the consumer handed it back."""
+        a_desc, w_desc, s_desc, slot_w_desc, slot_s_desc = descriptors
         out_ptr, offsets_ptr, redo_ptr, groups, split, split_start, N, stride_om, rows_above, rows_at_most = scalars
-        WORDS: gl.constexpr = _BLOCK_K // 8
-        BLOCKS: gl.constexpr = _BLOCK_K // 32
-        LOAD_STAGES: gl.constexpr = a_bufs.shape[0]
+        STAGES: gl.constexpr = a_bufs.shape[0]
+        TILE_M: gl.constexpr = a_bufs.shape[1]
+        STEP: gl.constexpr = a_bufs.shape[2]
+        TILE_N: gl.constexpr = w_bufs.shape[1]
+        WORDS: gl.constexpr = STEP // 8
+        BLOCKS: gl.constexpr = STEP // 32
         g, table, tile = _tiles(offsets_ptr, redo_ptr, groups, split, split_start, N, rows_above, rows_at_most,
-                                _WG_M, _BLOCK_N, GROUPS, ONE_MULTIPLY, 1)
+                                TILE_M, TILE_N, GROUPS, ONE_MULTIPLY, 1)
         starts, ends, tiles, passed, total = table
         step_bytes: gl.constexpr = a_desc.block_type.nbytes + w_desc.block_type.nbytes + s_desc.block_type.nbytes
         count = 0
         while tile < total:
-            group, first, _, first_column = _find_tile(tile, g, starts, ends, tiles, passed, N, _WG_M, _BLOCK_N,
+            group, first, _, first_column = _find_tile(tile, g, starts, ends, tiles, passed, N, TILE_M, TILE_N,
                                                        GROUP_M)
             is_slot = group >= split
             expert = gl.where(is_slot, group - split, group)
             word_row = expert * N + first_column
             scale_row = expert * (K // 32)
-            for step in range(K // _BLOCK_K):
-                stage = count % LOAD_STAGES
+            for step in range(K // STEP):
+                stage = count % STAGES
                 # A fresh barrier counts as having completed the phase before its first: the first
                 # pass through the ring does not wait.
-                mbarrier.wait(load_empty.index(stage), ((count // LOAD_STAGES) & 1) ^ 1)
+                mbarrier.wait(load_empty.index(stage), ((count // STAGES) & 1) ^ 1)
                 bar = load_ready.index(stage)
                 mbarrier.expect(bar, step_bytes)
-                _tma_load(a_desc, [first, step * _BLOCK_K], bar, a_bufs.index(stage))
+                _tma_load(a_desc, [first, step * STEP], bar, a_bufs.index(stage))
                 if is_slot:
                     _tma_load(slot_w_desc, [word_row, step * WORDS], bar, w_bufs.index(stage))
                     _tma_load(slot_s_desc, [scale_row + step * BLOCKS, first_column], bar, s_bufs.index(stage))
@@ -173,6 +176,28 @@ if gluon is not None:
                     _tma_load(s_desc, [scale_row + step * BLOCKS, first_column], bar, s_bufs.index(stage))
                 count += 1
             tile += gl.num_programs(0)
+
+    @gluon.jit
+    def _produce(operands, scalars, K: gl.constexpr, GROUP_M: gl.constexpr, GROUPS: gl.constexpr,
+                 ONE_MULTIPLY: gl.constexpr):
+        """The producer warp: :func:`_load_steps`."""
+        a_desc, w_desc, s_desc, slot_w_desc, slot_s_desc, a_bufs, w_bufs, s_bufs, d_bufs, bars = operands
+        load_ready, load_empty, decoded, decode_empty = bars
+        _load_steps((a_desc, w_desc, s_desc, slot_w_desc, slot_s_desc), a_bufs, w_bufs, s_bufs, load_ready, load_empty,
+                    scalars, K, GROUP_M, GROUPS, ONE_MULTIPLY)
+
+    @gluon.jit
+    def _scale_pairs(exponent, largest, ONE_MULTIPLY: gl.constexpr):
+        """e8m0 scale bytes (int32) -> the pairs of bf16 scales the decode multiplies by (see
+        :mod:`flatep.kernels.e2m1_ptx`), and ``largest`` raised to them; in the first pass (one
+        multiply) biased and capped at infinity, in the second exact."""
+        if ONE_MULTIPLY:
+            largest = gl.maximum(largest, exponent)
+            pairs = (exponent * _SCALE_PAIR + _ONE_MULTIPLY_BIAS * _SCALE_PAIR).to(gl.uint32, bitcast=True)
+            pairs = gl.minimum(pairs, _INF_PAIR).to(gl.int32, bitcast=True)
+        else:
+            pairs = exponent * _SCALE_PAIR
+        return pairs, largest
 
     @gluon.jit
     def _decode_step(words_buf, scales_buf, largest, ONE_MULTIPLY: gl.constexpr):
@@ -190,13 +215,10 @@ if gluon is not None:
         by_column: gl.constexpr = gl.BlockedLayout([BLOCKS, 1], [1, 32], [1, _DECODE_WARPS], [0, 1])
         exponent = gl.convert_layout(gl.permute(scales_buf.load(by_column), (1, 0)),
                                      gl.SliceLayout(2, by_block)).to(gl.int32)
+        pairs, largest = _scale_pairs(exponent, largest, ONE_MULTIPLY)
         if ONE_MULTIPLY:
-            largest = gl.maximum(largest, exponent)
-            pairs = (exponent * _SCALE_PAIR + _ONE_MULTIPLY_BIAS * _SCALE_PAIR).to(gl.uint32, bitcast=True)
-            pairs = gl.minimum(pairs, _INF_PAIR).to(gl.int32, bitcast=True)
             ptx: gl.constexpr = _ONE_MULTIPLY_NATURAL_PTX
         else:
-            pairs = exponent * _SCALE_PAIR
             ptx: gl.constexpr = _NATURAL_PTX
         words, pairs = gl.broadcast(words, gl.expand_dims(pairs, 2))
         c01, c23, c45, c67 = gl.inline_asm_elementwise(ptx, "=r,=r,=r,=r,r,r", [words, pairs],
@@ -348,14 +370,6 @@ if gluon is not None:
             mbarrier.invalidate(decode_empty.index(i))
 
 
-@functools.cache
-def _layouts():
-    """Shared-memory layouts of a stage's rows, words and scales (the TMA boxes)."""
-    return (gl.NVMMASharedLayout.get_default_for([WG_M, BLOCK_K], gl.bfloat16),
-            gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K // 8], gl.int32),
-            gl.NVMMASharedLayout.get_default_for([BLOCK_K // 32, BLOCK_N], gl.uint8))
-
-
 def fits(rows: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> bool:
     """Whether this kernel takes these operands: ``K`` a multiple of :data:`BLOCK_K`, ``N`` a multiple
     of 16, and TMA-copyable (16-byte aligned) rows ``[M, K]`` with unit column stride, contiguous
@@ -367,13 +381,27 @@ def fits(rows: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, out: to
             and out.stride(1) == 1)
 
 
-def _weight_descriptors(values: torch.Tensor, scales: torch.Tensor):
-    _, word_layout, scale_layout = _layouts()
-    words = values.view(torch.int32).flatten(0, 1)  # [G * N, K/8]
-    by_block = scales.transpose(1, 2).flatten(0, 1)  # [G * K/32, N]
-    return (TensorDescriptor(words, list(words.shape), list(words.stride()), [BLOCK_N, BLOCK_K // 8], word_layout),
-            TensorDescriptor(by_block, list(by_block.shape), list(by_block.stride()), [BLOCK_K // 32, BLOCK_N],
-                             scale_layout))
+@functools.cache
+def _shared_layout(box: tuple[int, int], dtype):
+    """The shared-memory layout of a TMA box (cached: the launches build descriptors each call)."""
+    return gl.NVMMASharedLayout.get_default_for(list(box), dtype)
+
+
+def descriptors(rows: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, slot_values: torch.Tensor,
+                slot_scales: torch.Tensor, block_m: int = WG_M, block_n: int = BLOCK_N) -> tuple:
+    """The TMA descriptors a launch takes (this kernel's and :mod:`flatep.kernels.mxfp4_swap`'s):
+    ``rows [M, K]`` bf16 in boxes of ``[block_m, BLOCK_K]``; then for the home pool and the slots, the
+    words ``values [G, N, K/2]`` viewed as ``[G * N, K/8]`` int32 in boxes of ``[block_n, BLOCK_K/8]``
+    and the column-fastest ``scales [G, N, K/32]`` viewed as ``[G * K/32, N]`` uint8 in boxes of
+    ``[BLOCK_K/32, block_n]``."""
+    def descriptor(tensor: torch.Tensor, box: list[int], dtype) -> TensorDescriptor:
+        return TensorDescriptor(tensor, list(tensor.shape), list(tensor.stride()), box, _shared_layout(tuple(box), dtype))
+
+    pools = []
+    for pool_values, pool_scales in ((values, scales), (slot_values, slot_scales)):
+        pools.append(descriptor(pool_values.view(torch.int32).flatten(0, 1), [block_n, BLOCK_K // 8], gl.int32))
+        pools.append(descriptor(pool_scales.transpose(1, 2).flatten(0, 1), [BLOCK_K // 32, block_n], gl.uint8))
+    return (descriptor(rows, [block_m, BLOCK_K], gl.bfloat16), *pools)
 
 
 def mxfp4_wgmma_launch(
@@ -385,14 +413,12 @@ def mxfp4_wgmma_launch(
     has checked (and :func:`fits` accepted, slots too): ``rows [M, K]`` bf16, ``values [G, N, K/2]``
     uint8 words with ``scales [G, N, K/32]`` uint8 (and the slots' alike), ``out [M, N]`` bf16,
     ``offsets [groups]`` int32; ``stages`` of copies in flight, over ``programs`` programs."""
-    row_layout, _, _ = _layouts()
-    a_desc = TensorDescriptor(rows, list(rows.shape), list(rows.stride()), [WG_M, BLOCK_K], row_layout)
-    weights = (*_weight_descriptors(values, scales), *_weight_descriptors(slot_values, slot_scales))
+    operands = descriptors(rows, values, scales, slot_values, slot_scales)
     redo = torch.zeros(1, dtype=torch.int32, device=rows.device)
     groups = offsets.shape[0]
     for one_multiply in (True, False):
         _mxfp4_wgmma_kernel[(programs, )](
-            a_desc, *weights, out, offsets, redo, groups, split, slot_base, values.shape[1], out.stride(0), rows_above,
+            *operands, out, offsets, redo, groups, split, slot_base, values.shape[1], out.stride(0), rows_above,
             rows_at_most, K=rows.shape[1], GROUP_M=group_m, GROUPS=triton.next_power_of_2(groups),
             LOAD_STAGES=stages, DECODE_STAGES=DECODE_STAGES, ONE_MULTIPLY=one_multiply,
             DECODER_REGISTERS=DECODER_REGISTERS, PRODUCER_REGISTERS=PRODUCER_REGISTERS, num_warps=NUM_WARPS,

@@ -877,10 +877,9 @@ def _check_mxfp4_wgmma(config: GemmConfig, device: torch.device) -> None:
         _check_mxfp4_swap(config, device)
         return
     fixed = (mxfp4_wgmma.WG_M, mxfp4_wgmma.BLOCK_N, mxfp4_wgmma.BLOCK_K, mxfp4_wgmma.NUM_WARPS)
-    if (config.block_m, config.block_n, config.block_k, config.num_warps) != fixed or config.swap_ab \
-            or config.lane_words:
-        raise ValueError(f"an mxfp4 wgmma config takes block_m, block_n, block_k, num_warps = {fixed}, unswapped, "
-                         f"in column order (no lane_words), got {config}")
+    if (config.block_m, config.block_n, config.block_k, config.num_warps) != fixed or config.lane_words:
+        raise ValueError(f"an mxfp4 wgmma config takes block_m, block_n, block_k, num_warps = {fixed} (or swap_ab, "
+                         f"see MXFP4_SWAP), in column order (no lane_words), got {config}")
     if config.num_stages not in mxfp4_wgmma.STAGES:
         raise ValueError(f"an mxfp4 wgmma config's num_stages (its copies' ring, 16.5 KiB a stage) must be one of "
                          f"{list(mxfp4_wgmma.STAGES)}, got {config.num_stages}")

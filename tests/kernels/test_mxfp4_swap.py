@@ -7,11 +7,11 @@ import re
 
 import pytest
 import torch
-import triton
 
 from flatep.kernels import fp8_wgmma, mxfp4_swap
-from flatep.quant import QuantizedTensor, pool_layout
-from tests.helpers import relative_error, sm90_build, write_compiled
+from tests.helpers import sm90_build, write_compiled
+from tests.kernels.mxfp4_gluon_checks import check_against_a_tile_with_slots_in_a_graph, compile_for_sm90, \
+    random_experts
 
 pytestmark = pytest.mark.skipif(fp8_wgmma.gluon is None, reason="this Triton has no Gluon Hopper API")
 on_hopper = pytest.mark.skipif(not (torch.cuda.is_available() and fp8_wgmma.available(torch.device("cuda"))),
@@ -19,27 +19,9 @@ on_hopper = pytest.mark.skipif(not (torch.cuda.is_available() and fp8_wgmma.avai
 
 
 def _compile_for_sm90(inner: int, block_m: int, stages: int, one_multiply: bool):
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.runtime.jit import mangle_type
-
-    rows = torch.empty(256, inner, dtype=torch.bfloat16)
-    values = torch.empty(2, 512, inner // 2, dtype=torch.uint8)
-    scales = torch.empty(2, inner // 32, 512, dtype=torch.uint8).transpose(1, 2)
-    row_layout, _, _ = mxfp4_swap._layouts(block_m)
-    row_descriptor = mxfp4_swap.TensorDescriptor(rows, list(rows.shape), list(rows.stride()),
-                                                 [block_m, mxfp4_swap.BLOCK_K], row_layout)
-    words, by_block = (mangle_type(d) for d in mxfp4_swap._weight_descriptors(values, scales, block_m))
-    kernel = mxfp4_swap._mxfp4_swap_kernel
-    types = {"a_desc": mangle_type(row_descriptor), "w_desc": words, "s_desc": by_block, "slot_w_desc": words,
-             "slot_s_desc": by_block, "out_ptr": "*bf16", "offsets_ptr": "*i32", "redo_ptr": "*i32"}
-    constants = {"K": inner, "GROUP_M": 8, "GROUPS": 128, "STAGES": stages, "ONE_MULTIPLY": one_multiply,
-                 "PRODUCER_REGISTERS": mxfp4_swap.PRODUCER_REGISTERS, "num_warps": mxfp4_swap.NUM_WARPS}
-    signature = {name: "constexpr" if name in constants else types.get(name, "i32") for name in kernel.arg_names}
-    source = GluonASTSource(fn=kernel, signature=signature,
-                            constexprs={(kernel.arg_names.index(name),): value for name, value in constants.items()})
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": mxfp4_swap.NUM_WARPS, "maxnreg": mxfp4_swap.MAX_REGISTERS})
+    constants = {"STAGES": stages, "ONE_MULTIPLY": one_multiply, "PRODUCER_REGISTERS": mxfp4_swap.PRODUCER_REGISTERS}
+    return compile_for_sm90(mxfp4_swap._mxfp4_swap_kernel, inner, block_m, mxfp4_swap.BLOCK_N, constants,
+                            mxfp4_swap.NUM_WARPS, mxfp4_swap.MAX_REGISTERS)
 
 
 def _write_compiled(inner: int, block_m: int, stages: int, one_multiply: bool, directory: str) -> None:
@@ -75,11 +57,6 @@ def test_bad_configs_are_refused():
         _check_mxfp4_swap(MXFP4_SWAP[16], cpu)
 
 
-def _experts(count: int, columns: int, hidden: int, generator: torch.Generator) -> QuantizedTensor:
-    weights = torch.randn(count, columns, hidden, device="cuda", generator=generator) * hidden**-0.5
-    return QuantizedTensor.quantize(weights, "mxfp4").in_layout(pool_layout("mxfp4"))
-
-
 @on_hopper
 @pytest.mark.parametrize("block_m", mxfp4_swap.BLOCK_M)
 @pytest.mark.parametrize("hidden, columns", [(64, 128), (640, 384)])
@@ -90,7 +67,7 @@ def test_identity_rows_read_back_each_decoded_weight(block_m, hidden, columns):
     from flatep.kernels.quant_gemm import MXFP4_SWAP, mxfp4_grouped_mm_triton
 
     generator = torch.Generator(device="cuda").manual_seed(hidden + columns + block_m)
-    weights = _experts(1, columns, hidden, generator)
+    weights = random_experts(1, columns, hidden, generator)
     dense = weights.dequantize()[0]  # [N, K]
     offsets = torch.tensor([block_m], dtype=torch.int32, device="cuda")
     for start in range(0, hidden, block_m):
@@ -110,51 +87,8 @@ def test_against_the_triton_tile_with_slots_in_a_graph(block_m, hidden, columns,
     """Groups of 0 to 40 rows and slots, all or only the groups of 17 to 32 rows, in a CUDA graph with
     host syncs raising; with a scale byte past 128 (the second pass) or not. Against the torch path
     and the Triton short tile of the same height; rows of no computed group stay as they were."""
-    from flatep.experts.grouped import quantized_grouped_mm
-    from flatep.kernels.quant_gemm import _MXFP4_SHORT, MXFP4_SWAP, mxfp4_grouped_mm_triton
+    from flatep.kernels.quant_gemm import _MXFP4_SHORT, MXFP4_SWAP
 
-    home_sizes, slot_sizes, gap = [20, 0, 33, 1, 16, 17, 32, 40], [9, 5], 11
-    generator = torch.Generator(device="cuda").manual_seed(hidden + columns + large_scale + block_m)
-    home, slots = _experts(len(home_sizes), columns, hidden, generator), _experts(len(slot_sizes), columns, hidden,
-                                                                                 generator)
-    if large_scale:
-        home.scales[4, 7, 3] = 200  # a block of group 4's column 7: 2**73 times its values
-    slot_base = sum(home_sizes) + gap
-    rows = slot_base + sum(slot_sizes) + 3
-    x = torch.randn(rows, hidden, device="cuda", generator=generator).bfloat16()
-    x[sum(home_sizes):slot_base] = float("nan")
-    ends = torch.tensor(home_sizes).cumsum(0).tolist() + (slot_base + torch.tensor(slot_sizes).cumsum(0)).tolist()
-    offsets = torch.tensor(ends, dtype=torch.int32, device="cuda")
-    outputs = []
-    for tiles in (MXFP4_SWAP[block_m], _MXFP4_SHORT[block_m]):
-        out = torch.full((rows, columns), float("inf"), dtype=torch.bfloat16, device="cuda")
-        mxfp4_grouped_mm_triton(x, home.values, home.scales, offsets, tiles, out=out, group_rows=group_rows,
-                                slots=(slots.values, slots.scales), slot_base=slot_base)  # compiles
-        out.fill_(float("inf"))
-        graph = torch.cuda.CUDAGraph()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            with torch.cuda.graph(graph):
-                mxfp4_grouped_mm_triton(x, home.values, home.scales, offsets, tiles, out=out, group_rows=group_rows,
-                                        slots=(slots.values, slots.scales), slot_base=slot_base)
-            graph.replay()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-        torch.cuda.synchronize()
-        outputs.append(out)
-    got, triton_tile = outputs
-    home_end = sum(home_sizes)
-    reference = torch.cat([quantized_grouped_mm(x[:home_end], home, offsets[:len(home_sizes)], backend="torch"),
-                           torch.zeros(gap, columns, device="cuda", dtype=torch.bfloat16),
-                           quantized_grouped_mm(x[slot_base:], slots, offsets[len(home_sizes):] - slot_base,
-                                                backend="torch")])
-    starts = [0, *ends[:-1]]
-    starts[len(home_sizes)] = slot_base
-    for start, end in zip(starts, ends):
-        group = slice(start, end)
-        if group_rows is not None and not group_rows[0] < end - start <= group_rows[1]:
-            assert (got[group] == float("inf")).all()
-        elif end > start:
-            assert relative_error(got[group], reference[group]) < 4e-3
-            assert relative_error(got[group], triton_tile[group]) < 4e-3
-    assert (got[home_end:slot_base] == float("inf")).all() and (got[ends[-1]:] == float("inf")).all()
+    check_against_a_tile_with_slots_in_a_graph(MXFP4_SWAP[block_m], _MXFP4_SHORT[block_m],
+                                               [20, 0, 33, 1, 16, 17, 32, 40], [9, 5], hidden, columns, group_rows,
+                                               large_scale, seed=hidden + columns + large_scale + block_m)

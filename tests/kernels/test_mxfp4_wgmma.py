@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-import triton
 
 from flatep.kernels import fp8_wgmma, mxfp4_wgmma
-from flatep.quant import QuantizedTensor, pool_layout
 from tests.helpers import relative_error, sm90_build, write_compiled
+from tests.kernels.mxfp4_gluon_checks import check_against_a_tile_with_slots_in_a_graph, compile_for_sm90, \
+    random_experts
 
 pytestmark = pytest.mark.skipif(fp8_wgmma.gluon is None, reason="this Triton has no Gluon Hopper API")
 on_hopper = pytest.mark.skipif(not (torch.cuda.is_available() and fp8_wgmma.available(torch.device("cuda"))),
@@ -17,29 +17,11 @@ on_hopper = pytest.mark.skipif(not (torch.cuda.is_available() and fp8_wgmma.avai
 
 
 def _compile_for_sm90(inner: int, stages: int, one_multiply: bool):
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.runtime.jit import mangle_type
-
-    rows = torch.empty(256, inner, dtype=torch.bfloat16)
-    values = torch.empty(2, 512, inner // 2, dtype=torch.uint8)
-    scales = torch.empty(2, inner // 32, 512, dtype=torch.uint8).transpose(1, 2)
-    row_layout, _, _ = mxfp4_wgmma._layouts()
-    row_descriptor = mxfp4_wgmma.TensorDescriptor(rows, list(rows.shape), list(rows.stride()),
-                                                  [mxfp4_wgmma.WG_M, mxfp4_wgmma.BLOCK_K], row_layout)
-    words, by_block = (mangle_type(descriptor) for descriptor in mxfp4_wgmma._weight_descriptors(values, scales))
-    kernel = mxfp4_wgmma._mxfp4_wgmma_kernel
-    types = {"a_desc": mangle_type(row_descriptor), "w_desc": words, "s_desc": by_block, "slot_w_desc": words,
-             "slot_s_desc": by_block, "out_ptr": "*bf16", "offsets_ptr": "*i32", "redo_ptr": "*i32"}
-    constants = {"K": inner, "GROUP_M": 8, "GROUPS": 128, "LOAD_STAGES": stages,
-                 "DECODE_STAGES": mxfp4_wgmma.DECODE_STAGES, "ONE_MULTIPLY": one_multiply,
+    constants = {"LOAD_STAGES": stages, "DECODE_STAGES": mxfp4_wgmma.DECODE_STAGES, "ONE_MULTIPLY": one_multiply,
                  "DECODER_REGISTERS": mxfp4_wgmma.DECODER_REGISTERS,
-                 "PRODUCER_REGISTERS": mxfp4_wgmma.PRODUCER_REGISTERS, "num_warps": mxfp4_wgmma.NUM_WARPS}
-    signature = {name: "constexpr" if name in constants else types.get(name, "i32") for name in kernel.arg_names}
-    source = GluonASTSource(fn=kernel, signature=signature,
-                            constexprs={(kernel.arg_names.index(name),): value for name, value in constants.items()})
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": mxfp4_wgmma.NUM_WARPS, "maxnreg": mxfp4_wgmma.MAX_REGISTERS})
+                 "PRODUCER_REGISTERS": mxfp4_wgmma.PRODUCER_REGISTERS}
+    return compile_for_sm90(mxfp4_wgmma._mxfp4_wgmma_kernel, inner, mxfp4_wgmma.WG_M, mxfp4_wgmma.BLOCK_N, constants,
+                            mxfp4_wgmma.NUM_WARPS, mxfp4_wgmma.MAX_REGISTERS)
 
 
 def _write_compiled(inner: int, stages: int, one_multiply: bool, directory: str) -> None:
@@ -65,11 +47,6 @@ def test_compiles_for_sm90_with_overlapped_mmas(inner, stages, one_multiply, tmp
     assert "STACK:0" in usage  # no spills
 
 
-def _experts(count: int, columns: int, hidden: int, generator: torch.Generator) -> QuantizedTensor:
-    weights = torch.randn(count, columns, hidden, device="cuda", generator=generator) * hidden**-0.5
-    return QuantizedTensor.quantize(weights, "mxfp4").in_layout(pool_layout("mxfp4"))
-
-
 @on_hopper
 @pytest.mark.parametrize("hidden, columns", [(64, 256), (640, 384)])
 def test_identity_rows_read_back_each_decoded_weight(hidden, columns):
@@ -80,7 +57,7 @@ def test_identity_rows_read_back_each_decoded_weight(hidden, columns):
     from flatep.kernels.quant_gemm import MXFP4_WGMMA, mxfp4_grouped_mm_triton
 
     generator = torch.Generator(device="cuda").manual_seed(hidden + columns)
-    weights = _experts(1, columns, hidden, generator)
+    weights = random_experts(1, columns, hidden, generator)
     dense = weights.dequantize()[0]  # [N, K]
     offsets = torch.tensor([64], dtype=torch.int32, device="cuda")
     for start in range(0, hidden, 64):
@@ -101,54 +78,11 @@ def test_against_the_triton_tile_with_slots_in_a_graph(hidden, columns, group_ro
     than 32 rows, in a CUDA graph with host syncs raising; with a scale byte past 128 (the second
     pass) or not. Against the torch path and the Triton 64 x 256 tile; rows of no computed group
     stay as they were (the gap between home rows and slot rows holds NaN, which the tiles copy in)."""
-    from flatep.experts.grouped import quantized_grouped_mm
-    from flatep.kernels.quant_gemm import _MXFP4_TALL, MXFP4_WGMMA, mxfp4_grouped_mm_triton
+    from flatep.kernels.quant_gemm import _MXFP4_TALL, MXFP4_WGMMA
 
-    home_sizes, slot_sizes, gap = [200, 0, 33, 1, 64, 65, 128, 47], [96, 5], 11
-    generator = torch.Generator(device="cuda").manual_seed(hidden + columns + large_scale)
-    home, slots = _experts(len(home_sizes), columns, hidden, generator), _experts(len(slot_sizes), columns, hidden,
-                                                                                 generator)
-    if large_scale:
-        home.scales[4, 7, 3] = 200  # a block of group 4's column 7: 2**73 times its values
-    slot_base = sum(home_sizes) + gap
-    rows = slot_base + sum(slot_sizes) + 3
-    x = torch.randn(rows, hidden, device="cuda", generator=generator).bfloat16()
-    x[sum(home_sizes):slot_base] = float("nan")
-    ends = torch.tensor(home_sizes).cumsum(0).tolist() + (slot_base + torch.tensor(slot_sizes).cumsum(0)).tolist()
-    offsets = torch.tensor(ends, dtype=torch.int32, device="cuda")
-    outputs = []
-    for tiles in (MXFP4_WGMMA, _MXFP4_TALL):
-        out = torch.full((rows, columns), float("inf"), dtype=torch.bfloat16, device="cuda")
-        mxfp4_grouped_mm_triton(x, home.values, home.scales, offsets, tiles, out=out, group_rows=group_rows,
-                                slots=(slots.values, slots.scales), slot_base=slot_base)  # compiles
-        out.fill_(float("inf"))
-        graph = torch.cuda.CUDAGraph()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            with torch.cuda.graph(graph):
-                mxfp4_grouped_mm_triton(x, home.values, home.scales, offsets, tiles, out=out, group_rows=group_rows,
-                                        slots=(slots.values, slots.scales), slot_base=slot_base)
-            graph.replay()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-        torch.cuda.synchronize()
-        outputs.append(out)
-    got, triton_tile = outputs
-    home_end = sum(home_sizes)
-    reference = torch.cat([quantized_grouped_mm(x[:home_end], home, offsets[:len(home_sizes)], backend="torch"),
-                           torch.zeros(gap, columns, device="cuda", dtype=torch.bfloat16),
-                           quantized_grouped_mm(x[slot_base:], slots, offsets[len(home_sizes):] - slot_base,
-                                                backend="torch")])
-    starts = [0, *ends[:-1]]
-    starts[len(home_sizes)] = slot_base
-    for start, end in zip(starts, ends):
-        group = slice(start, end)
-        if group_rows is not None and end - start <= group_rows[0]:
-            assert (got[group] == float("inf")).all()
-        elif end > start:
-            assert relative_error(got[group], reference[group]) < 4e-3
-            assert relative_error(got[group], triton_tile[group]) < 4e-3
-    assert (got[home_end:slot_base] == float("inf")).all() and (got[ends[-1]:] == float("inf")).all()
+    check_against_a_tile_with_slots_in_a_graph(MXFP4_WGMMA, _MXFP4_TALL, [200, 0, 33, 1, 64, 65, 128, 47], [96, 5],
+                                               hidden, columns, group_rows, large_scale,
+                                               seed=hidden + columns + large_scale)
 
 
 @on_hopper
@@ -166,7 +100,7 @@ def test_the_default_and_the_fallback_where_tma_cannot_copy():
         [False, False, MXFP4_WGMMA_DEFAULT]
     sizes, columns, hidden = [100, 0, 40], 256, 1024
     generator = torch.Generator(device="cuda").manual_seed(7)
-    weights = _experts(len(sizes), columns, hidden, generator)
+    weights = random_experts(len(sizes), columns, hidden, generator)
     x = torch.randn(sum(sizes), hidden, device="cuda", generator=generator).bfloat16()
     offsets = torch.tensor(sizes, device="cuda").cumsum(0).to(torch.int32)
     column_fastest = mxfp4_grouped_mm_triton(x, weights.values, weights.scales, offsets, MXFP4_WGMMA)
