@@ -257,8 +257,14 @@ MXFP4_SWAP = {block_m: GemmConfig(block_m, mxfp4_swap.BLOCK_N, mxfp4_swap.BLOCK_
               for block_m in mxfp4_swap.BLOCK_M}
 """The swapped Gluon mxfp4 kernel's tiles by row tile (:mod:`flatep.kernels.mxfp4_swap`, Hopper GPUs)."""
 MXFP4_SWAP_DEFAULT = os.environ.get("FLATEP_MXFP4_SWAP", "0") == "1"
-"""Whether :func:`default_config` gives groups of at most 32 rows :data:`MXFP4_SWAP` on a Hopper GPU:
-off unless the environment sets ``FLATEP_MXFP4_SWAP=1``. Not yet run on a GPU."""
+"""Whether :func:`default_config` (and so a decode step's middle launch, :func:`packed_launches`)
+gives groups of 17-32 rows ``MXFP4_SWAP[32]`` on a Hopper GPU: off unless the environment sets
+``FLATEP_MXFP4_SWAP=1``. Its GPU tests pass on an H100. There, at 32 rows per expert, a Kimi-K3
+rank's GEMMs took 0.87x and 0.85x the Triton 32-row tile's time (gate/up 570 against 659 us, down
+284 against 323 us at 3 programs an SM and 4 stages); at 16 rows the swapped 16-row tile took
+1.01-1.02x the Triton 16-row tile's, so 16-row groups keep the Triton tile
+(bench/results/2026-12-07-h100-c). Off by default until issue #15's Kimi-K3 cell and the GPU
+suite have run with it on."""
 MXFP4_WGMMA_DEFAULT = os.environ.get("FLATEP_MXFP4_WGMMA", "0") == "1"
 """Whether :func:`default_config` gives groups of more than 32 rows :data:`MXFP4_WGMMA` on a Hopper
 GPU: off unless the environment sets ``FLATEP_MXFP4_WGMMA=1`` (or this is set before a step). It is
@@ -345,11 +351,12 @@ def default_config(rows: int, groups: int, format: str, device: torch.device | N
         if per_group <= HOT_ROWS:
             return dataclasses.replace(_FP8_TALL, num_stages=3)
         return _FP8_TALL
+    if per_group <= 16:
+        return _MXFP4_SHORT[16]
     if per_group <= 32:
-        block_m = 16 if per_group <= 16 else 32
         if MXFP4_SWAP_DEFAULT and device is not None and fp8_wgmma.available(device):
-            return MXFP4_SWAP[block_m]
-        return _MXFP4_SHORT[block_m]
+            return MXFP4_SWAP[32]
+        return _MXFP4_SHORT[32]
     if MXFP4_WGMMA_DEFAULT and device is not None and fp8_wgmma.available(device):
         return MXFP4_WGMMA
     return _MXFP4_TALL
@@ -396,7 +403,7 @@ def packed_launches(
     # step's hot launch); mxfp4's take the device's (the Gluon kernel with MXFP4_WGMMA_DEFAULT).
     hot = default_config(2 * HOT_ROWS * max(groups, 1), groups, format, device if format == "mxfp4" else None)
     if format == "mxfp4":
-        short, middle = (default_config(size * max(groups, 1), groups, format)
+        short, middle = (default_config(size * max(groups, 1), groups, format, device)
                          for size in (_SHORT_ROWS, 2 * _SHORT_ROWS))
         return [(short, (0, _SHORT_ROWS)), (middle, (_SHORT_ROWS, 2 * _SHORT_ROWS)),
                 (hot, (2 * _SHORT_ROWS, _ALL_ROWS))]

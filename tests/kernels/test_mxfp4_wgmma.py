@@ -88,16 +88,17 @@ def test_against_the_triton_tile_with_slots_in_a_graph(hidden, columns, group_ro
 @on_hopper
 def test_the_default_and_the_fallback_where_tma_cannot_copy():
     """With ``MXFP4_WGMMA_DEFAULT`` the mxfp4 default and a decode step's hot launch take the Gluon
-    kernel past 32 rows per group on a Hopper GPU; scales in the checkpoint's order (not
+    kernel past 32 rows per group on a Hopper GPU (and its middle launch the swapped one with
+    ``MXFP4_SWAP_DEFAULT``); scales in the checkpoint's order (not
     column-fastest) run the Triton tile instead, with the same result."""
-    from flatep.kernels.quant_gemm import MXFP4_WGMMA, MXFP4_WGMMA_DEFAULT, default_config, mxfp4_grouped_mm_triton, \
-        packed_launches
+    from flatep.kernels.quant_gemm import MXFP4_SWAP_DEFAULT, MXFP4_WGMMA, MXFP4_WGMMA_DEFAULT, default_config, \
+        mxfp4_grouped_mm_triton, packed_launches
 
     device = torch.device("cuda")
     assert default_config(33 * 4, 4, "mxfp4", device).wgmma == MXFP4_WGMMA_DEFAULT
     assert not default_config(32 * 4, 4, "mxfp4", device).wgmma and not default_config(33 * 4, 4, "mxfp4").wgmma
     assert [config.wgmma for config, _ in packed_launches(18 * 112, 112, "mxfp4", device)] == \
-        [False, False, MXFP4_WGMMA_DEFAULT]
+        [False, MXFP4_SWAP_DEFAULT, MXFP4_WGMMA_DEFAULT]
     sizes, columns, hidden = [100, 0, 40], 256, 1024
     generator = torch.Generator(device="cuda").manual_seed(7)
     weights = random_experts(len(sizes), columns, hidden, generator)

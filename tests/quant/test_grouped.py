@@ -751,6 +751,23 @@ def test_packed_launches_give_hot_groups_tall_tiles_at_decode_sizes():
         assert packed_launches(128 * 112, 112, format) == [(default_config(128 * 112, 112, format), None)]
 
 
+@pytest.mark.parametrize("swap, wgmma", [(False, False), (True, False), (True, True)])
+def test_mxfp4_launches_take_the_gluon_kernels_the_defaults_name_on_hopper(monkeypatch, swap, wgmma):
+    """On a Hopper GPU (faked here) a decode step's middle launch (17-32 rows a group) takes the swapped
+    Gluon kernel with ``MXFP4_SWAP_DEFAULT`` and its hot launch the 64-row one with
+    ``MXFP4_WGMMA_DEFAULT``; the 16-row launch keeps the Triton tile, and no device keeps them all."""
+    from flatep.kernels import quant_gemm
+
+    monkeypatch.setattr(quant_gemm, "MXFP4_SWAP_DEFAULT", swap)
+    monkeypatch.setattr(quant_gemm, "MXFP4_WGMMA_DEFAULT", wgmma)
+    monkeypatch.setattr(quant_gemm.fp8_wgmma, "available", lambda device: True)
+    (short, _), (middle, _), (tall, _) = packed_launches(18 * 112, 112, "mxfp4", torch.device("cuda"))
+    assert short == quant_gemm._MXFP4_SHORT[16]
+    assert middle == (quant_gemm.MXFP4_SWAP[32] if swap else quant_gemm._MXFP4_SHORT[32])
+    assert tall == (quant_gemm.MXFP4_WGMMA if wgmma else quant_gemm._MXFP4_TALL)
+    assert [config.wgmma for config, _ in packed_launches(18 * 112, 112, "mxfp4")] == [False, False, False]
+
+
 @needs_triton
 @pytest.mark.parametrize("format", ["fp8", "mxfp4"])
 def test_group_rows_launches_write_their_groups_only_and_together_all(format):
