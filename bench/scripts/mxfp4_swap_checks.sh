@@ -6,7 +6,7 @@
 #   2. the kernel against the Triton short tiles at 16 and 32 rows per expert
 #      (bench/scripts/mxfp4_swap_tiles.py) -> mxfp4_swap_tiles.json, .log;
 #   3. issue #15's Kimi-K3 cell (one rank's experts at s = 128, maxvio 0 and 10, classic) with the
-#      kernel as the default for groups of at most 32 rows (FLATEP_MXFP4_SWAP=1, exported here)
+#      kernel as the default for groups of 17-32 rows (FLATEP_MXFP4_SWAP=1, exported here)
 #      against the GEMMs of $AGAINST (a revision, or a copy of flatep/kernels/quant_gemm.py before
 #      the kernel where the checkout lacks the history), bf16 in the same run
 #      -> experts_k3_mxfp4_decode_swap.json, .log.

@@ -9,7 +9,10 @@ H100 (bench/results/2026-12-07-h100-b). Hopper's warp-group MMA takes its first 
 registers; with the product transposed, ``out.T = W @ rows.T``, the weights' 64 columns a warp
 group fill the MMA's 64-row side and the tile's 16 or 32 rows its N side. Triton 3.6 compiles such a
 swapped tile with the decoded weights stored to shared memory and loaded back into the MMA's operand
-layout; here each thread decodes straight into its operand registers.
+layout; here each thread decodes straight into its operand registers. On an H100 a Kimi-K3 rank's
+GEMMs at 32 rows per expert took 0.85-0.87x the Triton 32-row tile's time (74% of the read ceiling),
+at 16 rows 1.01-1.02x the 16-row tile's (bench/results/2026-12-07-h100-c), so
+``FLATEP_MXFP4_SWAP=1`` gives it groups of 17-32 rows only.
 
 The operand layout gives lane ``q`` of each four the K positions ``2q, 2q + 1, 2q + 8, 2q + 9`` of
 every 16-wide chunk (two bf16 a register), of two rows. A word of FlatEP's layout holds 8
