@@ -395,7 +395,8 @@ def descriptors(rows: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, 
     and the column-fastest ``scales [G, N, K/32]`` viewed as ``[G * K/32, N]`` uint8 in boxes of
     ``[BLOCK_K/32, block_n]``."""
     def descriptor(tensor: torch.Tensor, box: list[int], dtype) -> TensorDescriptor:
-        return TensorDescriptor(tensor, list(tensor.shape), list(tensor.stride()), box, _shared_layout(tuple(box), dtype))
+        layout = _shared_layout(tuple(box), dtype)
+        return TensorDescriptor(tensor, list(tensor.shape), list(tensor.stride()), box, layout)
 
     pools = []
     for pool_values, pool_scales in ((values, scales), (slot_values, slot_scales)):

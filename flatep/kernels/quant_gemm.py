@@ -880,27 +880,17 @@ def _check_hopper(device: torch.device) -> None:
 
 
 def _check_mxfp4_wgmma(config: GemmConfig, device: torch.device) -> None:
-    if config.swap_ab:
-        _check_mxfp4_swap(config, device)
-        return
-    fixed = (mxfp4_wgmma.WG_M, mxfp4_wgmma.BLOCK_N, mxfp4_wgmma.BLOCK_K, mxfp4_wgmma.NUM_WARPS)
-    if (config.block_m, config.block_n, config.block_k, config.num_warps) != fixed or config.lane_words:
-        raise ValueError(f"an mxfp4 wgmma config takes block_m, block_n, block_k, num_warps = {fixed} (or swap_ab, "
-                         f"see MXFP4_SWAP), in column order (no lane_words), got {config}")
-    if config.num_stages not in mxfp4_wgmma.STAGES:
-        raise ValueError(f"an mxfp4 wgmma config's num_stages (its copies' ring, 16.5 KiB a stage) must be one of "
-                         f"{list(mxfp4_wgmma.STAGES)}, got {config.num_stages}")
-    _check_hopper(device)
-
-
-def _check_mxfp4_swap(config: GemmConfig, device: torch.device) -> None:
-    fixed = (mxfp4_swap.BLOCK_N, mxfp4_swap.BLOCK_K, mxfp4_swap.NUM_WARPS)
-    if config.block_m not in mxfp4_swap.BLOCK_M or (config.block_n, config.block_k, config.num_warps) != fixed \
+    """A Gluon mxfp4 config: the swapped kernel's (:data:`MXFP4_SWAP`) or the 64-row one's
+    (:data:`MXFP4_WGMMA`), on a Hopper GPU."""
+    kernel, name, heights = ((mxfp4_swap, "a swapped mxfp4 wgmma config", mxfp4_swap.BLOCK_M) if config.swap_ab
+                             else (mxfp4_wgmma, "an mxfp4 wgmma config", (mxfp4_wgmma.WG_M, )))
+    fixed = (kernel.BLOCK_N, kernel.BLOCK_K, kernel.NUM_WARPS)
+    if config.block_m not in heights or (config.block_n, config.block_k, config.num_warps) != fixed \
             or config.lane_words:
-        raise ValueError(f"a swapped mxfp4 wgmma config takes block_m in {mxfp4_swap.BLOCK_M} and block_n, block_k, "
-                         f"num_warps = {fixed}, no lane_words, got {config}")
-    if config.num_stages not in mxfp4_swap.STAGES:
-        raise ValueError(f"a swapped mxfp4 wgmma config's num_stages must be one of {list(mxfp4_swap.STAGES)}, got "
+        raise ValueError(f"{name} takes block_m in {heights} and block_n, block_k, num_warps = {fixed}, in column "
+                         f"order (no lane_words), got {config}")
+    if config.num_stages not in kernel.STAGES:
+        raise ValueError(f"{name}'s num_stages (its copies' ring) must be one of {list(kernel.STAGES)}, got "
                          f"{config.num_stages}")
     _check_hopper(device)
 

@@ -31,7 +31,8 @@ def compile_for_sm90(kernel, inner: int, block_m: int, block_n: int, constants: 
     signature = {name: "constexpr" if name in constants else types.get(name, "i32") for name in kernel.arg_names}
     source = GluonASTSource(fn=kernel, signature=signature,
                             constexprs={(kernel.arg_names.index(name),): value for name, value in constants.items()})
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "maxnreg": maxnreg})
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": num_warps, "maxnreg": maxnreg})
 
 
 def random_experts(count: int, columns: int, hidden: int, generator: torch.Generator) -> QuantizedTensor:

@@ -46,15 +46,15 @@ def test_compiles_for_sm90_with_the_weights_in_registers(inner, block_m, stages,
 
 
 def test_bad_configs_are_refused():
-    from flatep.kernels.quant_gemm import MXFP4_SWAP, _check_mxfp4_swap, GemmConfig
+    from flatep.kernels.quant_gemm import MXFP4_SWAP, GemmConfig, _check_mxfp4_wgmma
 
     cpu = torch.device("cpu")
     with pytest.raises(ValueError, match="block_m in"):
-        _check_mxfp4_swap(GemmConfig(64, 128, 64, num_warps=4, swap_ab=True, wgmma=True), cpu)
+        _check_mxfp4_wgmma(GemmConfig(64, 128, 64, num_warps=4, swap_ab=True, wgmma=True), cpu)
     with pytest.raises(ValueError, match="num_stages"):
-        _check_mxfp4_swap(GemmConfig(32, 128, 64, num_warps=4, num_stages=1, swap_ab=True, wgmma=True), cpu)
+        _check_mxfp4_wgmma(GemmConfig(32, 128, 64, num_warps=4, num_stages=1, swap_ab=True, wgmma=True), cpu)
     with pytest.raises(ValueError, match="Hopper"):
-        _check_mxfp4_swap(MXFP4_SWAP[16], cpu)
+        _check_mxfp4_wgmma(MXFP4_SWAP[16], cpu)
 
 
 @on_hopper
