@@ -7,6 +7,8 @@
 #     GEMMs' launches one after another as the in_turn variant beside the default side by side).
 #   bash bench/scripts/issue15_targets.sh          (from the repository root, on a GPU)
 #   PARTS=mxfp4 bash bench/scripts/issue15_targets.sh     (one part: fp8 or mxfp4)
+#   AGAINST=REV bash bench/scripts/issue15_targets.sh     (the Kimi-K3 cell also times the mxfp4 GEMMs of
+#       git revision REV, or of a copy of its flatep/kernels/quant_gemm.py, as the "against" arm)
 # Writes to $OUT (default ./bench-out) fp8_experts.sh's files and experts_k3_mxfp4_decode.json, .log.
 # Exit status 0 iff every step passed.
 cd "$(dirname "$0")/../.."
@@ -17,7 +19,7 @@ if [[ " ${PARTS:-fp8 mxfp4} " == *" fp8 "* ]]; then
 fi
 [[ " ${PARTS:-fp8 mxfp4} " == *" mxfp4 "* ]] || exit $status
 python3 -m flatep.bench.experts_phase bench/scripts/h200-decode-k3-mxfp4.yaml --tokens 128 --maxvio 0 10 --profile \
-  --in-turn --out "$OUT/experts_k3_mxfp4_decode.json" > "$OUT/experts_k3_mxfp4_decode.log" 2>&1
+  --in-turn ${AGAINST:+--against "$AGAINST"} --out "$OUT/experts_k3_mxfp4_decode.json" > "$OUT/experts_k3_mxfp4_decode.log" 2>&1
 code=$?
 echo "experts_k3_mxfp4_decode: exit $code"
 grep "slowest rank" "$OUT/experts_k3_mxfp4_decode.log"

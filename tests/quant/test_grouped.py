@@ -167,11 +167,13 @@ def test_bad_input_raises(make, message):
         make(rows, packed, offsets)
 
 
-@pytest.mark.parametrize("variable, attribute", [("FLATEP_MXFP4_WGMMA", "MXFP4_WGMMA_DEFAULT"),
-                                                 ("FLATEP_MXFP4_SWAP", "MXFP4_SWAP_DEFAULT")])
-@pytest.mark.parametrize("setting, expected", [(None, False), ("0", False), ("1", True)])
-def test_the_environment_turns_a_gluon_mxfp4_default_on(variable, attribute, setting, expected):
-    """``variable=1`` at import, and only that, makes ``attribute`` true (a process of its own, as users run it)."""
+@pytest.mark.parametrize("variable, attribute, unset", [("FLATEP_MXFP4_WGMMA", "MXFP4_WGMMA_DEFAULT", False),
+                                                         ("FLATEP_MXFP4_SWAP", "MXFP4_SWAP_DEFAULT", True)])
+@pytest.mark.parametrize("setting", [None, "0", "1"])
+def test_the_environment_turns_a_gluon_mxfp4_default_on_or_off(variable, attribute, unset, setting):
+    """``variable=1`` at import makes ``attribute`` true, ``variable=0`` false, and without ``variable``
+    it is ``unset`` (a process of its own, as users run it)."""
+    expected = unset if setting is None else setting == "1"
     environment = {name: value for name, value in os.environ.items() if name != variable}
     if setting is not None:
         environment[variable] = setting
