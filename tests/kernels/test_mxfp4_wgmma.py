@@ -96,7 +96,8 @@ def test_the_default_and_the_fallback_where_tma_cannot_copy():
 
     device = torch.device("cuda")
     assert default_config(33 * 4, 4, "mxfp4", device).wgmma == MXFP4_WGMMA_DEFAULT
-    assert not default_config(32 * 4, 4, "mxfp4", device).wgmma and not default_config(33 * 4, 4, "mxfp4").wgmma
+    assert default_config(32 * 4, 4, "mxfp4", device).wgmma == MXFP4_SWAP_DEFAULT
+    assert not default_config(16 * 4, 4, "mxfp4", device).wgmma and not default_config(33 * 4, 4, "mxfp4").wgmma
     assert [config.wgmma for config, _ in packed_launches(18 * 112, 112, "mxfp4", device)] == \
         [False, MXFP4_SWAP_DEFAULT, MXFP4_WGMMA_DEFAULT]
     sizes, columns, hidden = [100, 0, 40], 256, 1024
