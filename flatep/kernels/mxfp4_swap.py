@@ -11,8 +11,10 @@ group fill the MMA's 64-row side and the tile's 16 or 32 rows its N side. Triton
 swapped tile with the decoded weights stored to shared memory and loaded back into the MMA's operand
 layout; here each thread decodes straight into its operand registers. On an H100 a Kimi-K3 rank's
 GEMMs at 32 rows per expert took 0.85-0.87x the Triton 32-row tile's time (74% of the read ceiling),
-at 16 rows 1.01-1.02x the 16-row tile's (bench/results/2026-12-07-h100-c), so
-``FLATEP_MXFP4_SWAP=1`` gives it groups of 17-32 rows only.
+at 16 rows 1.01-1.02x the 16-row tile's (bench/results/2026-12-07-h100-c), so it runs groups of
+17-32 rows only: by default on Hopper (:data:`flatep.kernels.quant_gemm.MXFP4_SWAP_DEFAULT`;
+``FLATEP_MXFP4_SWAP=0`` turns it off). With it issue #15's Kimi-K3 cell took 0.363-0.365x bf16's time
+at maxvio 0 against the Triton tile's 0.420-0.423x in the same runs (bench/results/2026-12-07-h100-d).
 
 The operand layout gives lane ``q`` of each four the K positions ``2q, 2q + 1, 2q + 8, 2q + 9`` of
 every 16-wide chunk (two bf16 a register), of two rows. A word of FlatEP's layout holds 8

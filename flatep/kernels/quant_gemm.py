@@ -337,7 +337,9 @@ def default_config(rows: int, groups: int, format: str, device: torch.device | N
       tile were 30% slower than 6 or 8.
       With :data:`MXFP4_WGMMA_DEFAULT`, on a Hopper GPU (:func:`flatep.kernels.fp8_wgmma.available`)
       groups of more than 32 rows take the Gluon kernel instead (:mod:`flatep.kernels.mxfp4_wgmma`:
-      the decode in warps of its own, beside the warp-group MMA).
+      the decode in warps of its own, beside the warp-group MMA). With :data:`MXFP4_SWAP_DEFAULT`
+      (the default) groups of 17-32 rows take the swapped Gluon kernel on a Hopper GPU
+      (:mod:`flatep.kernels.mxfp4_swap`: 0.85-0.87x the 32-row tile's time at 32 rows a group).
     """
     if format not in ("fp8", "mxfp4"):
         raise ValueError(f"format must be fp8 or mxfp4, got {format!r}")
