@@ -256,7 +256,20 @@ MXFP4_SWAP = {block_m: GemmConfig(block_m, mxfp4_swap.BLOCK_N, mxfp4_swap.BLOCK_
                                   swap_ab=True, wgmma=True)
               for block_m in mxfp4_swap.BLOCK_M}
 """The swapped Gluon mxfp4 kernel's tiles by row tile (:mod:`flatep.kernels.mxfp4_swap`, Hopper GPUs)."""
-MXFP4_SWAP_DEFAULT = os.environ.get("FLATEP_MXFP4_SWAP", "1") != "0"
+def _environment_flag(name: str, default: bool) -> bool:
+    """The environment variable ``name`` as a flag: ``0`` off, ``1`` on, unset ``default``.
+
+    Raises:
+        ValueError: for any other value (``yes``, ``false``, ...), which would otherwise pass for one
+            of the two without saying which.
+    """
+    value = os.environ.get(name)
+    if value not in (None, "0", "1"):
+        raise ValueError(f"{name} must be 0 or 1 (or unset: {int(default)}), got {value!r}")
+    return default if value is None else value == "1"
+
+
+MXFP4_SWAP_DEFAULT = _environment_flag("FLATEP_MXFP4_SWAP", True)
 """Whether :func:`default_config` (and so a decode step's middle launch, :func:`packed_launches`)
 gives groups of 17-32 rows ``MXFP4_SWAP[32]`` on a Hopper GPU: on unless the environment sets
 ``FLATEP_MXFP4_SWAP=0``. Its GPU tests pass on an H100. There, at 32 rows per expert, a Kimi-K3
@@ -265,7 +278,7 @@ rank's GEMMs took 0.87x and 0.85x the Triton 32-row tile's time (gate/up 570 aga
 1.01-1.02x the Triton 16-row tile's, so 16-row groups keep the Triton tile
 (bench/results/2026-12-07-h100-c). Issue #15's Kimi-K3 cell with it: see
 bench/results/2026-12-07-h100-d."""
-MXFP4_WGMMA_DEFAULT = os.environ.get("FLATEP_MXFP4_WGMMA", "0") == "1"
+MXFP4_WGMMA_DEFAULT = _environment_flag("FLATEP_MXFP4_WGMMA", False)
 """Whether :func:`default_config` gives groups of more than 32 rows :data:`MXFP4_WGMMA` on a Hopper
 GPU: off unless the environment sets ``FLATEP_MXFP4_WGMMA=1`` (or this is set before a step). It is
 exact (its GPU tests pass on an H100) but slower than the Triton 64 x 256 tile: at 64-192 rows per

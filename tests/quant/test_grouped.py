@@ -169,18 +169,21 @@ def test_bad_input_raises(make, message):
 
 @pytest.mark.parametrize("variable, attribute, unset", [("FLATEP_MXFP4_WGMMA", "MXFP4_WGMMA_DEFAULT", False),
                                                          ("FLATEP_MXFP4_SWAP", "MXFP4_SWAP_DEFAULT", True)])
-@pytest.mark.parametrize("setting", [None, "0", "1"])
+@pytest.mark.parametrize("setting", [None, "0", "1", "yes"])
 def test_the_environment_turns_a_gluon_mxfp4_default_on_or_off(variable, attribute, unset, setting):
     """``variable=1`` at import makes ``attribute`` true, ``variable=0`` false, and without ``variable``
-    it is ``unset`` (a process of its own, as users run it)."""
-    expected = unset if setting is None else setting == "1"
+    it is ``unset``; any other value raises, naming the variable (a process of its own, as users run it)."""
     environment = {name: value for name, value in os.environ.items() if name != variable}
     if setting is not None:
         environment[variable] = setting
-    printed = subprocess.run([sys.executable, "-c", f"from flatep.kernels import quant_gemm; "
-                              f"print(quant_gemm.{attribute})"], env=environment, capture_output=True,
-                             text=True, check=True, timeout=120).stdout
-    assert printed.strip() == str(expected)
+    run = subprocess.run([sys.executable, "-c", f"from flatep.kernels import quant_gemm; "
+                          f"print(quant_gemm.{attribute})"], env=environment, capture_output=True, text=True,
+                         timeout=120)
+    if setting == "yes":
+        assert run.returncode != 0 and f"ValueError: {variable} must be 0 or 1" in run.stderr
+    else:
+        assert run.returncode == 0, run.stderr
+        assert run.stdout.strip() == str(unset if setting is None else setting == "1")
 
 
 @pytest.mark.skipif(fp8_wgmma.available(DEVICE), reason="the kernel runs here")
