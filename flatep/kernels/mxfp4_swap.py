@@ -67,15 +67,18 @@ HALF_N = 64  # weight columns of one warp-group MMA (its M side)
 BLOCK_N = 2 * HALF_N
 BLOCK_K = 64
 NUM_WARPS = 4  # the consumer warp group's (the default partition's)
-LOAD_STAGES = 4
+LOAD_STAGES = 6
+"""Stages of copies in flight by default: 55 KiB of shared memory a program at 32 rows, so
+:data:`PROGRAMS_PER_SM` still fit an SM. On an H100, a Kimi-K3 rank's GEMMs at 32 rows per expert took
+564-568 us (gate/up) and 280-282 us (down) with 6 stages against 588 and 288 us with 4, in one run;
+the producer warp's registers (40, 32 or 24) changed them by less than 1% (bench/results/2026-12-07-h100-g)."""
 STAGES = range(2, 9)
 PROGRAMS_PER_SM = 3
 PRODUCER_REGISTERS = 40
 MAX_REGISTERS = 80
 """A thread's registers at launch. A program is 8 warps (the producer's warp padded to a warp group),
 so 3 programs fit an SM (:data:`PROGRAMS_PER_SM`); ``setmaxnreg`` then moves registers from the
-producer's warp group to the consumer's (local sm_90 compile, Triton 3.6: no spills at 80, 56 bytes
-of stack at 64)."""
+producer's warp group to the consumer's (local sm_90 compile, Triton 3.6: no spills)."""
 
 
 if gluon is not None:
