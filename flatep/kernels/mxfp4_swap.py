@@ -10,7 +10,8 @@ registers; with the product transposed, ``out.T = W @ rows.T``, the weights' 64 
 group fill the MMA's 64-row side and the tile's 16 or 32 rows its N side. Triton 3.6 compiles such a
 swapped tile with the decoded weights stored to shared memory and loaded back into the MMA's operand
 layout; here each thread decodes straight into its operand registers. On an H100 a Kimi-K3 rank's
-GEMMs at 32 rows per expert took 0.85-0.87x the Triton 32-row tile's time (74% of the read ceiling),
+GEMMs at 32 rows per expert took 0.85-0.87x the Triton 32-row tile's time (74% of the read ceiling;
+0.83-0.85x with 6 stages of copies, bench/results/2026-12-07-h100-g),
 at 16 rows 1.01-1.02x the 16-row tile's (bench/results/2026-12-07-h100-c), so it runs groups of
 17-32 rows only: by default on Hopper (:data:`flatep.kernels.quant_gemm.MXFP4_SWAP_DEFAULT`;
 ``FLATEP_MXFP4_SWAP=0`` turns it off). With it issue #15's Kimi-K3 cell took 0.363-0.365x bf16's time
