@@ -8,7 +8,8 @@
 #   bash bench/scripts/issue15_targets.sh          (from the repository root, on a GPU)
 #   PARTS=mxfp4 bash bench/scripts/issue15_targets.sh     (one part: fp8 or mxfp4)
 #   AGAINST=REV bash bench/scripts/issue15_targets.sh     (the Kimi-K3 cell also times the mxfp4 GEMMs of
-#       git revision REV, or of a copy of its flatep/kernels/quant_gemm.py, as the "against" arm)
+#       git revision REV with its flatep/kernels/, or of a copy of that directory, or of a copy of
+#       its quant_gemm.py alone, as the "against" arm)
 # Writes to $OUT (default ./bench-out) fp8_experts.sh's files and experts_k3_mxfp4_decode.json, .log.
 # Exit status 0 iff every step passed.
 cd "$(dirname "$0")/../.."

@@ -7,8 +7,9 @@
 #      (bench/scripts/mxfp4_swap_tiles.py) -> mxfp4_swap_tiles.json, .log;
 #   3. issue #15's Kimi-K3 cell (one rank's experts at s = 128, maxvio 0 and 10, classic) with the
 #      kernel as the default for groups of 17-32 rows (FLATEP_MXFP4_SWAP=1, exported here)
-#      against the GEMMs of $AGAINST (a revision, or a copy of flatep/kernels/quant_gemm.py before
-#      the kernel where the checkout lacks the history), bf16 in the same run
+#      against the GEMMs of $AGAINST (a revision from before the kernel, or a copy of its
+#      flatep/kernels/ or of its quant_gemm.py where the checkout lacks the history), bf16 in the
+#      same run
 #      -> experts_k3_mxfp4_decode_swap.json, .log.
 #   AGAINST=FILE bash bench/scripts/mxfp4_swap_checks.sh      (from the repository root, on an H100 or H200)
 # Writes 6 files to $OUT (default ./bench-out). Exit status 0 iff the kernel's tests passed.

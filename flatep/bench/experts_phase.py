@@ -10,8 +10,9 @@ per graph, writing into a buffer of its own so that every replay computes on the
 :func:`flatep.bench.timing.experts_outputs`) with the variants interleaved replay by replay
 (:func:`flatep.bench.timing.time_interleaved`), and the slowest rank's median is kept. The variants
 are this tree's packed GEMMs (``packed``), another revision's (``against``: its
-``flatep/kernels/quant_gemm.py``, or a copy of that file, loaded beside this one, its
-``fp8_grouped_mm_triton`` and ``mxfp4_grouped_mm_triton`` called where this tree calls its own),
+``flatep/kernels/`` loaded beside this one, or a copy of that directory, or a copy of its
+``quant_gemm.py`` alone, :func:`revision_gemms`; its ``fp8_grouped_mm_triton``,
+``mxfp4_grouped_mm_triton`` and ``packed_launches`` called where this tree calls its own),
 and, with ``--in-turn``, this tree's with each GEMM's launches one after another on one stream
 instead of side by side (``in_turn``, :mod:`flatep.kernels.streams`), then the bf16 pool
 (``bf16``), whose times divide the others' (``ratio``). The bf16 pool is made after the packed one
@@ -42,14 +43,15 @@ import argparse
 import contextlib
 import dataclasses
 import hashlib
+import importlib
 import importlib.util
 import json
+import re
 import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import torch
@@ -77,31 +79,64 @@ side by side (:mod:`flatep.kernels.streams`)."""
 
 def revision_gemms(revision: str, repository: Path = Path(".")) -> dict[str, Callable]:
     """The :data:`PACKED_GEMMS` of ``flatep/kernels/quant_gemm.py`` at git ``revision`` of ``repository``,
-    or of the file ``revision`` names if it is a ``.py`` file (a copy of that module, for a machine
-    whose checkout lacks the history).
+    with every module of that revision's ``flatep/kernels/`` beside it (its kernels, tiles and launch
+    constants, not this tree's); or, where ``revision`` names a directory, of the copy of
+    ``flatep/kernels/`` there; or, where it names a ``.py`` file, of that copy of ``quant_gemm.py``
+    alone, which then imports this tree's other kernel modules.
 
-    The file is written to a temporary directory (Triton compiles a kernel from its source file)
-    and imported under a name of its own; it imports the rest of flatep from this tree.
+    The modules are written to a temporary directory (Triton compiles a kernel from its source file)
+    as a package of their own, their imports of ``flatep.kernels`` pointed at it; the rest of flatep
+    (``flatep.quant``, ``flatep.config``, ...) comes from this tree.
 
     Raises:
-        ValueError: if git cannot show the file at ``revision``.
+        ValueError: if ``revision`` is neither a file, a directory holding ``quant_gemm.py``, nor a
+            revision where git can show ``flatep/kernels/``.
     """
-    name = f"flatep_quant_gemm_at_{abs(hash(revision))}"
-    path = Path(tempfile.mkdtemp()) / f"{name}.py"
+    package = f"flatep_kernels_at_{abs(hash(revision))}"
     if revision.endswith(".py") and Path(revision).is_file():
-        path.write_text(Path(revision).read_text())
+        sources = {"quant_gemm.py": Path(revision).read_text()}
+    elif Path(revision).is_dir():
+        sources = {path.name: path.read_text() for path in Path(revision).glob("*.py")}
+        if "quant_gemm.py" not in sources:
+            raise ValueError(f"--against {revision!r}: the directory holds no quant_gemm.py")
+        sources = {name: _into_package(text, package) for name, text in sources.items()}
     else:
-        shown = subprocess.run(["git", "-C", str(repository), "show", f"{revision}:flatep/kernels/quant_gemm.py"],
-                               capture_output=True, text=True)
-        if shown.returncode != 0:
-            raise ValueError(f"--against {revision!r}: git cannot show flatep/kernels/quant_gemm.py there: "
-                             f"{shown.stderr.strip()}")
-        path.write_text(shown.stdout)
-    spec = importlib.util.spec_from_file_location(name, path)
-    module: ModuleType = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up while the file runs
-    spec.loader.exec_module(module)
+        sources = {name: _into_package(text, package) for name, text in _kernel_sources(revision, repository).items()}
+    directory = Path(tempfile.mkdtemp()) / package
+    directory.mkdir()
+    for name, text in sources.items():
+        (directory / name).write_text(text)
+    init = directory / "__init__.py"
+    if not init.exists():
+        init.write_text("")
+    spec = importlib.util.spec_from_file_location(package, init, submodule_search_locations=[str(directory)])
+    sys.modules[package] = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(sys.modules[package])
+        module = importlib.import_module(f"{package}.quant_gemm")
+    except BaseException:
+        for name in [name for name in sys.modules if name == package or name.startswith(f"{package}.")]:
+            del sys.modules[name]
+        raise
     return {function: getattr(module, function) for function in PACKED_GEMMS}
+
+
+def _kernel_sources(revision: str, repository: Path) -> dict[str, str]:
+    """The ``.py`` files of ``flatep/kernels/`` at git ``revision``, by file name."""
+    def git(*command: str) -> str:
+        shown = subprocess.run(["git", "-C", str(repository), *command], capture_output=True, text=True)
+        if shown.returncode != 0:
+            raise ValueError(f"--against {revision!r}: git cannot show flatep/kernels/ there: {shown.stderr.strip()}")
+        return shown.stdout
+
+    names = [Path(path).name for path in git("ls-tree", "--name-only", f"{revision}:flatep/kernels/").split()]
+    return {name: git("show", f"{revision}:flatep/kernels/{name}") for name in names if name.endswith(".py")}
+
+
+def _into_package(source: str, package: str) -> str:
+    """``source`` with its imports from ``flatep.kernels`` (``from flatep.kernels.x import ...``, the
+    only form the kernel modules use) pointed at ``package``."""
+    return re.sub(r"^(\s*from\s+)flatep\.kernels\b", rf"\g<1>{package}", source, flags=re.MULTILINE)
 
 
 def source_digest(root: Path = Path(__file__).resolve().parents[1]) -> str:
@@ -257,7 +292,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--tokens", type=int, nargs="*", help="s values (default: the config's)")
     parser.add_argument("--maxvio", type=float, nargs="*", help="maxvio targets (default: the config's)")
     parser.add_argument("--against", metavar="REV",
-                        help="also time the packed GEMMs of this git revision (or of this copy of quant_gemm.py)")
+                        help="also time the packed GEMMs of this git revision's flatep/kernels/ (or of a copy of "
+                             "that directory, or of a copy of its quant_gemm.py alone)")
     parser.add_argument("--in-turn", action="store_true",
                         help="also time this tree's packed GEMMs with each GEMM's launches one after another")
     parser.add_argument("--backend", default="auto", help="kernels: auto, triton or torch")

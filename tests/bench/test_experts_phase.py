@@ -4,12 +4,14 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 import flatep.bench.experts_phase as experts_phase
+import flatep.kernels.mxfp4_swap
 import flatep.experts.grouped as grouped
 from flatep import EPConfig, init_group
 from flatep.bench.experts_phase import (
@@ -60,12 +62,41 @@ def test_revision_gemms_loads_that_revisions_kernels_and_rejects_unknown_ones(mo
         revision_gemms("no-such-revision")
 
 
+@needs_history
+def test_revision_gemms_runs_that_revisions_kernel_modules_not_this_trees(monkeypatch):
+    """Every kernel module of the revision comes along, so a change to a launch constant (not to
+    quant_gemm.py) shows in the comparison."""
+    monkeypatch.chdir(REPOSITORY)
+    gemms = revision_gemms("HEAD")
+    package = gemms["mxfp4_grouped_mm_triton"].__module__.rpartition(".")[0]
+    assert package.startswith("flatep_kernels_at_")
+    quant_gemm = sys.modules[f"{package}.quant_gemm"]
+    assert quant_gemm.mxfp4_swap is sys.modules[f"{package}.mxfp4_swap"] is not flatep.kernels.mxfp4_swap
+    assert quant_gemm.MXFP4_SWAP[32].num_stages == flatep.kernels.mxfp4_swap.LOAD_STAGES  # HEAD's value, loaded anew
+
+
+def test_revision_gemms_takes_a_copy_of_the_kernels_directory(tmp_path):
+    copy = tmp_path / "kernels"
+    shutil.copytree(REPOSITORY / "flatep/kernels", copy, ignore=shutil.ignore_patterns("__pycache__"))
+    swap = copy / "mxfp4_swap.py"
+    swap.write_text(swap.read_text().replace("\nLOAD_STAGES = ", "\nLOAD_STAGES = 1 + "))
+    gemms = revision_gemms(str(copy))
+    quant_gemm = sys.modules[gemms["mxfp4_grouped_mm_triton"].__module__]
+    assert quant_gemm.MXFP4_SWAP[32].num_stages == flatep.kernels.mxfp4_swap.LOAD_STAGES + 1
+    assert all(gemms[name] is not getattr(grouped, name) for name in PACKED_GEMMS)
+    (copy / "quant_gemm.py").unlink()
+    with pytest.raises(ValueError, match="holds no quant_gemm.py"):
+        revision_gemms(str(copy))
+
+
 def test_revision_gemms_takes_a_copy_of_the_module(tmp_path):
     copy = tmp_path / "quant_gemm_copy.py"
     copy.write_text((REPOSITORY / "flatep/kernels/quant_gemm.py").read_text())
     gemms = revision_gemms(str(copy))
     assert set(gemms) == set(PACKED_GEMMS)
     assert all(gemms[name] is not getattr(grouped, name) for name in PACKED_GEMMS)
+    # the copy alone: the other kernel modules are this tree's
+    assert sys.modules[gemms["mxfp4_grouped_mm_triton"].__module__].mxfp4_swap is flatep.kernels.mxfp4_swap
 
 
 @needs_history
