@@ -50,6 +50,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -92,7 +93,7 @@ def revision_gemms(revision: str, repository: Path = Path(".")) -> dict[str, Cal
         ValueError: if ``revision`` is neither a file, a directory holding ``quant_gemm.py``, nor a
             revision where git can show ``flatep/kernels/``.
     """
-    package = f"flatep_kernels_at_{abs(hash(revision))}"
+    package = f"flatep_kernels_at_{uuid.uuid4().hex[:12]}"  # a fresh name: no stale module of an earlier load
     if revision.endswith(".py") and Path(revision).is_file():
         sources = {"quant_gemm.py": Path(revision).read_text()}
     elif Path(revision).is_dir():

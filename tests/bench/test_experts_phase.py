@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import flatep.bench.experts_phase as experts_phase
-import flatep.kernels.mxfp4_swap
 import flatep.experts.grouped as grouped
+import flatep.kernels.mxfp4_swap
 from flatep import EPConfig, init_group
 from flatep.bench.experts_phase import (
     IN_TURN, PACKED_GEMMS, dispatch_into_nan, gemms_in_use, main, revision_gemms, source_digest,

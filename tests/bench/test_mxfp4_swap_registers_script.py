@@ -43,6 +43,6 @@ def test_each_arm_launches_under_its_producer_registers(tile_scripts, monkeypatc
         f"{dataclasses.replace(swap_stand_in, num_stages=3).label} r24"]
     assert all(row["us"] > 0 for row in rows) and rows[2]["same_bits"] and rows[3]["same_bits"]
     # the first launch of each arm (the poisoned run) under that arm's registers, the constant restored
-    assert launched[:4] == [(default_registers, swap_stand_in.num_stages), (default_registers, triton_stand_in.num_stages),
-                            (40, 2), (24, 3)]
+    assert launched[:4] == [(default_registers, swap_stand_in.num_stages),
+                            (default_registers, triton_stand_in.num_stages), (40, 2), (24, 3)]
     assert mxfp4_swap.PRODUCER_REGISTERS == default_registers
