@@ -96,13 +96,14 @@ def revision_gemms(revision: str, repository: Path = Path(".")) -> dict[str, Cal
     package = f"flatep_kernels_at_{uuid.uuid4().hex[:12]}"  # a fresh name: no stale module of an earlier load
     if revision.endswith(".py") and Path(revision).is_file():
         sources = {"quant_gemm.py": Path(revision).read_text()}
-    elif Path(revision).is_dir():
-        sources = {path.name: path.read_text() for path in Path(revision).glob("*.py")}
-        if "quant_gemm.py" not in sources:
-            raise ValueError(f"--against {revision!r}: the directory holds no quant_gemm.py")
-        sources = {name: _into_package(text, package) for name, text in sources.items()}
     else:
-        sources = {name: _into_package(text, package) for name, text in _kernel_sources(revision, repository).items()}
+        if Path(revision).is_dir():
+            sources = {path.name: path.read_text() for path in Path(revision).glob("*.py")}
+        else:
+            sources = _kernel_sources(revision, repository)
+        if "quant_gemm.py" not in sources:
+            raise ValueError(f"--against {revision!r}: its kernels hold no quant_gemm.py")
+        sources = {name: _into_package(text, package) for name, text in sources.items()}
     directory = Path(tempfile.mkdtemp()) / package
     directory.mkdir()
     for name, text in sources.items():
