@@ -40,6 +40,7 @@ which a copied working tree with an older history misreports) and ``source``
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import dataclasses
 import hashlib
@@ -47,6 +48,7 @@ import importlib
 import importlib.util
 import json
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -85,8 +87,8 @@ def revision_gemms(revision: str, repository: Path = Path(".")) -> dict[str, Cal
     ``flatep/kernels/`` there; or, where it names a ``.py`` file, of that copy of ``quant_gemm.py``
     alone, which then imports this tree's other kernel modules.
 
-    The modules are written to a temporary directory (Triton compiles a kernel from its source file)
-    as a package of their own, their imports of ``flatep.kernels`` pointed at it; the rest of flatep
+    The modules are written to a temporary directory (Triton compiles a kernel from its source file
+    when first called, so the directory stays until the process exits) as a package of their own, their imports of ``flatep.kernels`` pointed at it; the rest of flatep
     (``flatep.quant``, ``flatep.config``, ...) comes from this tree.
 
     Raises:
@@ -104,7 +106,9 @@ def revision_gemms(revision: str, repository: Path = Path(".")) -> dict[str, Cal
         if "quant_gemm.py" not in sources:
             raise ValueError(f"--against {revision!r}: its kernels hold no quant_gemm.py")
         sources = {name: _into_package(text, package) for name, text in sources.items()}
-    directory = Path(tempfile.mkdtemp()) / package
+    temporary = tempfile.mkdtemp()
+    atexit.register(shutil.rmtree, temporary, ignore_errors=True)
+    directory = Path(temporary) / package
     directory.mkdir()
     for name, text in sources.items():
         (directory / name).write_text(text)

@@ -89,6 +89,16 @@ def test_revision_gemms_takes_a_copy_of_the_kernels_directory(tmp_path):
         revision_gemms(str(copy))
 
 
+def test_revision_gemms_removes_its_temporary_package_when_the_process_exits(tmp_path):
+    script = ("import sys; from pathlib import Path; from flatep.bench.experts_phase import revision_gemms; "
+              "gemms = revision_gemms(sys.argv[1]); "
+              "print(Path(sys.modules[gemms['mxfp4_grouped_mm_triton'].__module__].__file__).parents[1])")
+    shown = subprocess.run([sys.executable, "-c", script, str(REPOSITORY / "flatep/kernels")], cwd=REPOSITORY,
+                           capture_output=True, text=True, check=True)
+    temporary = Path(shown.stdout.strip().splitlines()[-1])
+    assert temporary.name.startswith("tmp") and not temporary.exists()
+
+
 def test_revision_gemms_takes_a_copy_of_the_module(tmp_path):
     copy = tmp_path / "quant_gemm_copy.py"
     copy.write_text((REPOSITORY / "flatep/kernels/quant_gemm.py").read_text())
