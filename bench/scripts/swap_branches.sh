@@ -18,7 +18,9 @@
 # a call cut short still returns what ran; LIMIT (default 560) is the seconds the call may take.
 cd "$(dirname "$0")/../.."
 source bench/scripts/gpu_env.sh
-ROOT=$PWD PREP=$(realpath "${PREP:?PREP: an export of branch swap-prepermuted}") UNR=$(realpath "${UNR:?UNR: an export of branch swap-unroll}")
+ROOT=$PWD
+PREP=$(realpath "${PREP:?PREP: an export of branch swap-prepermuted}")
+UNR=$(realpath "${UNR:?UNR: an export of branch swap-unroll}")
 FINAL=$OUT WORK=$(mktemp -d)  # the steps write to WORK/w, packed into FINAL/all.tgz
 export OUT=$WORK/w
 mkdir -p "$OUT"
@@ -30,8 +32,9 @@ tests() {  # tests TREE NAME [pytest args...]
   tail -2 "$OUT/$2_tests.log"
 }
 k3() {  # k3 TREE AGAINST NAME
-  (cd "$1" && PYTHONPATH=$PWD timeout 120 python3 -m flatep.bench.experts_phase bench/scripts/h200-decode-k3-mxfp4.yaml \
-    --tokens 128 --maxvio 0 10 --profile --against "$2" --out "$OUT/k3_$3.json" > "$OUT/k3_$3.log" 2>&1
+  (cd "$1" && PYTHONPATH=$PWD timeout 120 python3 -m flatep.bench.experts_phase \
+    bench/scripts/h200-decode-k3-mxfp4.yaml --tokens 128 --maxvio 0 10 --profile --against "$2" \
+    --out "$OUT/k3_$3.json" > "$OUT/k3_$3.log" 2>&1
    echo "k3 $3: exit $? at $SECONDS s")
   grep -A3 "slowest rank" "$OUT/k3_$3.log" | cut -c1-220
 }
@@ -39,8 +42,8 @@ LIMIT=${LIMIT:-560}
 pack() { tar czf "$FINAL/all.tgz.part" -C "$WORK" w && mv "$FINAL/all.tgz.part" "$FINAL/all.tgz"; }
 tiles() {  # tiles TREE NAME, if at least 90 s are left
   [ "$SECONDS" -lt $((LIMIT - 90)) ] || { echo "tiles $2: skipped at $SECONDS s"; return; }
-  (cd "$1" && PYTHONPATH=$PWD timeout $((LIMIT - 10 - SECONDS)) python3 bench/scripts/mxfp4_swap_tiles.py --out "$OUT/tiles_$2.json" \
-    > "$OUT/tiles_$2.log" 2>&1; echo "tiles $2: exit $? at $SECONDS s")
+  (cd "$1" && PYTHONPATH=$PWD timeout $((LIMIT - 10 - SECONDS)) python3 bench/scripts/mxfp4_swap_tiles.py \
+    --out "$OUT/tiles_$2.json" > "$OUT/tiles_$2.log" 2>&1; echo "tiles $2: exit $? at $SECONDS s")
   grep '"rows_per_expert": 32' "$OUT/tiles_$2.log" | grep '"default": true\|s6 g8 p3' | cut -c1-200
 }
 pack

@@ -87,8 +87,9 @@ def revision_gemms(revision: str, repository: Path = Path(".")) -> dict[str, Cal
     ``flatep/kernels/`` there; or, where it names a ``.py`` file, of that copy of ``quant_gemm.py``
     alone, which then imports this tree's other kernel modules.
 
-    The modules are written to a temporary directory (Triton compiles a kernel from its source file
-    when first called, so the directory stays until the process exits) as a package of their own, their imports of ``flatep.kernels`` pointed at it; the rest of flatep
+    The modules are written to a temporary directory as a package of their own, their imports of
+    ``flatep.kernels`` pointed at it (Triton compiles a kernel from its source file when first
+    called, so the directory is removed only when the process exits); the rest of flatep
     (``flatep.quant``, ``flatep.config``, ...) comes from this tree.
 
     Raises:

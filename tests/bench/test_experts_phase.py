@@ -89,7 +89,7 @@ def test_revision_gemms_takes_a_copy_of_the_kernels_directory(tmp_path):
         revision_gemms(str(copy))
 
 
-def test_revision_gemms_removes_its_temporary_package_when_the_process_exits(tmp_path):
+def test_revision_gemms_removes_its_temporary_package_when_the_process_exits():
     script = ("import sys; from pathlib import Path; from flatep.bench.experts_phase import revision_gemms; "
               "gemms = revision_gemms(sys.argv[1]); "
               "print(Path(sys.modules[gemms['mxfp4_grouped_mm_triton'].__module__].__file__).parents[1])")
