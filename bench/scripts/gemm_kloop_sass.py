@@ -41,6 +41,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.backends.nvidia.compiler import get_ptxas  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+from flatep.bench.sass import innermost_mma_loop  # noqa: E402
 from flatep.kernels import decode_gemm  # noqa: E402
 from flatep.kernels.quant_gemm import GemmConfig, default_config  # noqa: E402
 from flatep.quant.bench import CANDIDATES  # noqa: E402
@@ -110,16 +111,7 @@ def k_loop(module, format: str, config: GemmConfig, inner: int) -> dict:
         cubin.flush()
         sass = subprocess.run([tool, "-sass", cubin.name], capture_output=True, text=True, check=True).stdout
         usage = subprocess.run([tool, "-res-usage", cubin.name], capture_output=True, text=True, check=True).stdout
-    instructions = [(int(address, 16), text) for address, text in re.findall(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", sass)]
-    # A backward branch closes a loop; the K loop is the innermost one holding an MMA.
-    loops = []
-    for address, text in instructions:
-        target = re.search(r"BRA (?:\S+ )?0x([0-9a-f]+)", text)
-        if target and int(target.group(1), 16) < address:
-            body = [line for at, line in instructions if int(target.group(1), 16) <= at <= address]
-            if any("MMA" in line for line in body):
-                loops.append(body)
-    body = min(loops, key=len)
+    body = innermost_mma_loop(sass)
     tile = config.label
     if config.lane_words and "LANE_WORDS" not in kernel.arg_names:  # an older kernel, which ignores the option
         tile += " (not in this kernel)"

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from flatep.bench.sass import innermost_mma_loop
 from flatep.kernels import fp8_wgmma
 from flatep.quant.mxfp4 import E2M1_VALUES
 from tests.helpers import sm90_build, write_compiled
@@ -140,17 +141,4 @@ def test_compiles_for_sm90_with_the_weights_in_registers(block_m, block_k, stage
     mmas = re.findall(rf"QGMMA\.64x{block_m}x32\.F32\.E4M3\.E4M3 R\d+, (\S+), gdesc", sass)
     assert len(mmas) >= 8 and all(operand.startswith("R") for operand in mmas)
     assert "LOCAL:0" in usage
-    assert not [line for line in _k_loop(sass) if "STL" in line or "LDL" in line]  # no spills in the K loop
-
-
-def _k_loop(sass: str) -> list[str]:
-    """The innermost loop (closed by a backward branch) that holds an MMA: the K loop."""
-    instructions = [(int(address, 16), text) for address, text in re.findall(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", sass)]
-    loops = []
-    for address, text in instructions:
-        target = re.search(r"BRA (?:\S+ )?0x([0-9a-f]+)", text)
-        if target and int(target.group(1), 16) < address:
-            body = [line for at, line in instructions if int(target.group(1), 16) <= at <= address]
-            if any("GMMA" in line for line in body):
-                loops.append(body)
-    return min(loops, key=len)
+    assert not [line for line in innermost_mma_loop(sass) if "STL" in line or "LDL" in line]  # no spills in the K loop
