@@ -142,3 +142,21 @@ def test_compiles_for_sm90_with_the_weights_in_registers(block_m, block_k, stage
     assert len(mmas) >= 8 and all(operand.startswith("R") for operand in mmas)
     assert "LOCAL:0" in usage
     assert not [line for line in innermost_mma_loop(sass) if "STL" in line or "LDL" in line]  # no spills in the K loop
+
+
+def test_the_stand_in_loads_as_an_against_arm_and_keeps_flateps_functions_off_cuda():
+    """``--against bench/scripts/fp8mma/quant_gemm_fp8mma.py`` loads; off CUDA its GEMMs are FlatEP's."""
+    from flatep.bench.experts_phase import PACKED_GEMMS, revision_gemms
+    from flatep.kernels import quant_gemm
+    from flatep.quant import QuantizedTensor
+
+    gemms = revision_gemms(str(PROTOTYPE / "quant_gemm_fp8mma.py"))
+    assert set(gemms) == set(PACKED_GEMMS)
+    assert gemms["packed_launches"](64, 4, "mxfp4") == quant_gemm.packed_launches(64, 4, "mxfp4")
+    generator = torch.Generator().manual_seed(3)
+    weights = QuantizedTensor.quantize(torch.randn(2, 64, 64, generator=generator), "mxfp4").in_layout("words")
+    rows = torch.randn(5, 64, generator=generator).to(torch.bfloat16)
+    offsets = torch.tensor([2, 5], dtype=torch.int32)
+    expected = quant_gemm.mxfp4_grouped_mm_triton(rows, weights.values, weights.scales, offsets)
+    got = gemms["mxfp4_grouped_mm_triton"](rows, weights.values, weights.scales, offsets)
+    assert torch.equal(got, expected)

@@ -313,19 +313,21 @@ def descriptors(hi_lo: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, 
 def launch(hi_lo: torch.Tensor, factor: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, out: torch.Tensor,
            offsets: torch.Tensor, block_m: int = 32, block_k: int = 128, stages: int = 3, check: bool = True,
            programs_per_sm: int = 3, max_registers: int = 80, producer_registers: int = 40, group_m: int = 8,
-           ) -> torch.Tensor:
-    """``out[i] = rows[i] @ W[g(i)].T`` as bf16 for the groups (``offsets [G]`` int32 inclusive ends) of at
-    most ``block_m`` rows, from :func:`split_rows`'s ``hi_lo`` and ``factor`` and the weights ``words
-    [G, N, K/8]`` (:func:`to_mma_words`) with ``scales [G, K/32, N]`` uint8; ``programs_per_sm`` programs
-    an SM at ``max_registers`` a thread. Returns the one-element int32 flag: 1 where ``check`` found a
-    scale byte outside ``LOW .. HIGH`` (those products are wrong)."""
+           group_rows: tuple[int, int] | None = None) -> torch.Tensor:
+    """``out[i] = rows[i] @ W[g(i)].T`` as bf16 for the groups (``offsets [G]`` int32 inclusive ends) of
+    more than ``group_rows[0]`` and at most ``group_rows[1]`` rows (default ``(0, block_m)``), in row tiles
+    of ``block_m``, from :func:`split_rows`'s ``hi_lo`` and ``factor`` and the weights ``words [G, N,
+    K/8]`` (:func:`to_mma_words`) with ``scales [G, K/32, N]`` uint8; ``programs_per_sm`` programs an SM
+    at ``max_registers`` a thread. Returns the one-element int32 flag: 1 where ``check`` found a scale
+    byte outside ``LOW .. HIGH`` (those products are wrong)."""
     M = out.shape[0]
+    rows_above, rows_at_most = group_rows or (0, block_m)
     redo = torch.zeros(1, dtype=torch.int32, device=out.device)
     groups = offsets.shape[0]
     programs = programs_per_sm * torch.cuda.get_device_properties(out.device).multi_processor_count
     _fp8mma_kernel[(programs, )](
         *descriptors(hi_lo, words, scales, block_m, block_k), out, offsets, redo, factor, groups, groups, 0,
-        words.shape[1], out.stride(0), 0, block_m, M, K=hi_lo.shape[1], GROUP_M=group_m,
+        words.shape[1], out.stride(0), rows_above, rows_at_most, M, K=hi_lo.shape[1], GROUP_M=group_m,
         GROUPS=triton.next_power_of_2(groups), STAGES=stages, PRODUCER_REGISTERS=producer_registers,
         WL=words_layout(block_k), SL=scales_layout(block_k), CHECK=check, num_warps=NUM_WARPS, maxnreg=max_registers)
     return redo
