@@ -160,3 +160,23 @@ def test_the_stand_in_loads_as_an_against_arm_and_keeps_flateps_functions_off_cu
     expected = quant_gemm.mxfp4_grouped_mm_triton(rows, weights.values, weights.scales, offsets)
     got = gemms["mxfp4_grouped_mm_triton"](rows, weights.values, weights.scales, offsets)
     assert torch.equal(got, expected)
+
+
+def test_launch_names_the_operand_that_does_not_fit(fp8mma):
+    rows, columns, inner = 4, 128, 256
+    operands = dict(hi_lo=torch.zeros(2 * rows, inner, dtype=torch.float8_e4m3fn), factor=torch.ones(rows),
+                    words=torch.zeros(2, columns, inner // 8, dtype=torch.int32),
+                    scales=torch.full((2, inner // 32, columns), 123, dtype=torch.uint8),
+                    out=torch.empty(rows, columns, dtype=torch.bfloat16),
+                    offsets=torch.tensor([2, 4], dtype=torch.int32))
+    for name, bad in (("hi_lo", operands["hi_lo"][:rows]), ("factor", operands["factor"].double()),
+                      ("scales", operands["scales"].transpose(1, 2)), ("out", operands["out"].float()),
+                      ("offsets", operands["offsets"].long()), ("words", operands["words"].view(torch.float32))):
+        with pytest.raises(ValueError, match=f"^{name} must be"):
+            fp8mma.launch(**{**operands, name: bad})
+    with pytest.raises(ValueError, match="block_m must be 16, 32 or 64"):
+        fp8mma.launch(**operands, block_m=128)
+    with pytest.raises(ValueError, match="multiple of block_k"):
+        fp8mma.launch(**{**operands, "hi_lo": operands["hi_lo"][:, :192].contiguous(),
+                         "words": operands["words"][..., :24].contiguous(),
+                         "scales": operands["scales"][:, :6].contiguous()})

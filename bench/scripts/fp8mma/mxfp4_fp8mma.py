@@ -310,6 +310,30 @@ def descriptors(hi_lo: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, 
             descriptor(scales.flatten(0, 1), [block_k // 32, BLOCK_N], gl.uint8))
 
 
+def _check_operands(hi_lo: torch.Tensor, factor: torch.Tensor, words: torch.Tensor, scales: torch.Tensor,
+                    out: torch.Tensor, offsets: torch.Tensor, block_m: int, block_k: int) -> None:
+    """Raise ``ValueError`` naming the first operand of :func:`launch` that does not fit."""
+    if block_m not in (16, 32, 64) or block_k not in (64, 128):
+        raise ValueError(f"block_m must be 16, 32 or 64 and block_k 64 or 128, got {block_m} and {block_k}")
+    if words.dtype != torch.int32 or words.dim() != 3 or not words.is_contiguous():
+        raise ValueError(f"words must be a contiguous [G, N, K/8] int32 tensor, got {words.dtype} {list(words.shape)}")
+    groups, columns, inner = words.shape[0], words.shape[1], 8 * words.shape[2]
+    rows = out.shape[0]
+    expected = {
+        "hi_lo": (hi_lo, torch.float8_e4m3fn, (2 * rows, inner)), "factor": (factor, torch.float32, (rows,)),
+        "scales": (scales, torch.uint8, (groups, inner // 32, columns)), "offsets": (offsets, torch.int32, (groups,)),
+    }
+    for name, (tensor, dtype, shape) in expected.items():
+        if tensor.dtype != dtype or tuple(tensor.shape) != shape or not tensor.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous {list(shape)} {dtype} tensor, got {tensor.dtype} "
+                             f"{list(tensor.shape)}")
+    if out.dtype != torch.bfloat16 or out.dim() != 2 or out.shape[1] != columns or out.stride(1) != 1:
+        raise ValueError(f"out must be a [M, {columns}] bfloat16 tensor with unit column stride, got {out.dtype} "
+                         f"{list(out.shape)}")
+    if inner % block_k:
+        raise ValueError(f"K = {inner} must be a multiple of block_k = {block_k}")
+
+
 def launch(hi_lo: torch.Tensor, factor: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, out: torch.Tensor,
            offsets: torch.Tensor, block_m: int = 32, block_k: int = 128, stages: int = 3, check: bool = True,
            programs_per_sm: int = 3, max_registers: int = 80, producer_registers: int = 40, group_m: int = 8,
@@ -320,6 +344,7 @@ def launch(hi_lo: torch.Tensor, factor: torch.Tensor, words: torch.Tensor, scale
     K/8]`` (:func:`to_mma_words`) with ``scales [G, K/32, N]`` uint8; ``programs_per_sm`` programs an SM
     at ``max_registers`` a thread. Returns the one-element int32 flag: 1 where ``check`` found a scale
     byte outside ``LOW .. HIGH`` (those products are wrong)."""
+    _check_operands(hi_lo, factor, words, scales, out, offsets, block_m, block_k)
     M = out.shape[0]
     rows_above, rows_at_most = group_rows or (0, block_m)
     redo = torch.zeros(1, dtype=torch.int32, device=out.device)
