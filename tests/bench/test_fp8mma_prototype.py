@@ -15,6 +15,7 @@ import torch
 
 from flatep.bench.sass import innermost_mma_loop
 from flatep.kernels import fp8_wgmma
+from flatep.kernels.backend import interpreting
 from flatep.quant.mxfp4 import E2M1_VALUES
 from tests.helpers import sm90_build, write_compiled
 
@@ -144,15 +145,24 @@ def test_compiles_for_sm90_with_the_weights_in_registers(block_m, block_k, stage
     assert not [line for line in innermost_mma_loop(sass) if "STL" in line or "LDL" in line]  # no spills in the K loop
 
 
-def test_the_stand_in_loads_as_an_against_arm_and_keeps_flateps_functions_off_cuda():
-    """``--against bench/scripts/fp8mma/quant_gemm_fp8mma.py`` loads; off CUDA its GEMMs are FlatEP's."""
+def test_the_stand_in_loads_as_an_against_arm():
+    """``--against bench/scripts/fp8mma/quant_gemm_fp8mma.py`` loads with every GEMM ``experts_phase`` swaps."""
     from flatep.bench.experts_phase import PACKED_GEMMS, revision_gemms
     from flatep.kernels import quant_gemm
-    from flatep.quant import QuantizedTensor
 
     gemms = revision_gemms(str(PROTOTYPE / "quant_gemm_fp8mma.py"))
     assert set(gemms) == set(PACKED_GEMMS)
     assert gemms["packed_launches"](64, 4, "mxfp4") == quant_gemm.packed_launches(64, 4, "mxfp4")
+
+
+@pytest.mark.skipif(not interpreting(), reason="CPU tensors reach Triton only under TRITON_INTERPRET=1")
+def test_the_stand_in_keeps_flateps_functions_off_cuda():
+    """Off CUDA the stand-in's mxfp4 GEMM is FlatEP's, bit for bit."""
+    from flatep.bench.experts_phase import revision_gemms
+    from flatep.kernels import quant_gemm
+    from flatep.quant import QuantizedTensor
+
+    gemms = revision_gemms(str(PROTOTYPE / "quant_gemm_fp8mma.py"))
     generator = torch.Generator().manual_seed(3)
     weights = QuantizedTensor.quantize(torch.randn(2, 64, 64, generator=generator), "mxfp4").in_layout("words")
     rows = torch.randn(5, 64, generator=generator).to(torch.bfloat16)
