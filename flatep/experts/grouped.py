@@ -24,11 +24,12 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from flatep.kernels import mxfp4_dequant
+from flatep.kernels import mxfp4_dequant, mxfp4_fp8mma
 from flatep.kernels.activation import copy_rows_triton, swiglu_weighted_torch, swiglu_weighted_triton
 from flatep.kernels.backend import use_triton
 from flatep.kernels.decode_gemm import DECODE_ROWS_PER_GROUP, decode_launches, decode_swiglu
 from flatep.kernels.fp8_rows import Fp8Rows
+from flatep.kernels.fp8_split import split_rows_triton
 from flatep.kernels.grouped_fp32 import grouped_rows_mm
 from flatep.kernels.quant_gemm import (
     fp8_grouped_mm_triton,
@@ -102,7 +103,10 @@ def quantized_grouped_mm(
 
     - ``fp8``: the rows are quantized per token per 128-column group (as DeepSeek-V3 runs its
       FP8 experts; :func:`flatep.quant.quantize_fp8_activations`), then block-scaled GEMM.
-    - ``mxfp4``: the rows as they are (bf16) times the dequantized weights (exact in bf16).
+    - ``mxfp4``: the rows as they are (bf16) times the dequantized weights (exact in bf16); with
+      :data:`flatep.quant.tensor.MXFP4_FP8_ACTIVATIONS`, on a Hopper GPU, the rows split into two e4m3
+      parts times the weights decoded into e4m3 (:mod:`flatep.kernels.mxfp4_fp8mma`; the split once a
+      GEMM, shared by its launches).
 
     Triton (bf16 rows, ``backend`` allowing it) reads the packed weights and dequantizes in
     registers, over rows before ``offsets[-1]`` only (mxfp4 weights in the checkpoint layout are
@@ -140,17 +144,22 @@ def quantized_grouped_mm(
     if activations is not None and weights.format != "fp8":
         raise ValueError(f"pre-quantized fp8 activations need fp8 weights, got {weights.format}")
     if use_triton(rows.device, backend) and rows.dtype == torch.bfloat16:
-        weights = weights.in_layout(pool_layout(weights.format))  # converted per call unless a pool's already
+        # A pool's layout as it is (words, or mma for fp8 activations); checkpoint order converted per call.
+        layout = weights.layout if weights.layout != "checkpoint" else pool_layout(weights.format)
+        weights = weights.in_layout(layout)
         second = skip = None
         if slots is not None:
-            slots = slots.in_layout(pool_layout(weights.format))
+            slots = slots.in_layout(layout)
             second = (slots.values, slots.scales)
             skip = _between_sets(offsets, weights.shape[0], slot_base)
         groups = offsets.shape[0]
         if out is None:  # made before the launches, which each write their own groups' rows of it
             out = rows.new_empty(rows.shape[0], weights.shape[1])
+        # The mma layout's arguments only where it is used: experts_phase --against swaps in other
+        # revisions' GEMMs, which may predate them.
+        mma = {"layout": layout} if layout == "mma" else {}
         launches = [(None, None)] if rows_per_group is None else packed_launches(rows_per_group * groups, groups,
-                                                                                 weights.format, rows.device)
+                                                                                 weights.format, rows.device, **mma)
         if weights.format == "fp8":
             given = (quantize_fp8_activations_triton(rows, offsets[-1:], skip) if activations is None
                      else (activations.values, activations.scales))
@@ -161,10 +170,12 @@ def quantized_grouped_mm(
             return out
         if rows_per_group is not None and rows_per_group >= mxfp4_dequant.THROUGH_BF16_ROWS:
             return mxfp4_dequant.mxfp4_grouped_mm_bf16(rows, weights.values, weights.scales, offsets, out,
-                                                       slots=second, slot_base=slot_base)
+                                                       slots=second, slot_base=slot_base, **mma)
+        if layout == "mma" and any(config is not None and config.wgmma for config, _ in launches):
+            mma["fp8_rows"] = split_rows_triton(rows, mxfp4_fp8mma.CENTER, offsets[-1:], skip)  # once for the launches
         side_by_side([functools.partial(mxfp4_grouped_mm_triton, rows, weights.values, weights.scales, offsets,
                                         config=config, out=out, group_rows=group_rows, slots=second,
-                                        slot_base=slot_base)
+                                        slot_base=slot_base, **mma)
                       for config, group_rows in launches], rows.device)
         return out
     if slots is not None or out is not None:

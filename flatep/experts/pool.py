@@ -67,6 +67,8 @@ class ExpertPool:
         if dtype not in (torch.bfloat16, torch.float32):
             raise ValueError(f"dtype (of activations and biases) must be torch.bfloat16 or torch.float32, got {dtype}")
         self.config, self.group, self.dtype, self.weights = config, group, dtype, weights
+        # The values' byte layout, fixed when the pool is made (mxfp4: words, or mma for fp8 activations).
+        self.layout = pool_layout(weights) if weights != "bf16" else "checkpoint"
         scales = ("w13_scale", "w2_scale") if weights != "bf16" else ()
         self.names: tuple[str, ...] = ("w13", "w2", *scales, *(("b13", "b2") if biases else ()))
         for name in ("w13", "w2", "w13_scale", "w2_scale", "b13", "b2"):
@@ -203,7 +205,7 @@ class ExpertPool:
                 weights = QuantizedTensor.quantize(weights, self.weights)
             if weights.format != self.weights:
                 raise ValueError(f"{name} is {weights.format}, but this pool holds {self.weights}")
-            weights = weights.in_layout(pool_layout(self.weights))  # mxfp4: the GPU decoder's word layout
+            weights = weights.in_layout(self.layout)  # mxfp4: the GPU decoder's layout
             tensors[name], tensors[f"{name}_scale"] = weights.values, weights.scales
         for name in self.names:
             weights = tensors[name]
@@ -253,8 +255,8 @@ class ExpertPool:
             views[name] = tensor[local_index] if self.group.stacked else tensor
         w13, w2 = views["w13"], views["w2"]
         if self.weights != "bf16":
-            w13 = QuantizedTensor(self.weights, w13, views["w13_scale"], pool_layout(self.weights))
-            w2 = QuantizedTensor(self.weights, w2, views["w2_scale"], pool_layout(self.weights))
+            w13 = QuantizedTensor(self.weights, w13, views["w13_scale"], self.layout)
+            w2 = QuantizedTensor(self.weights, w2, views["w2_scale"], self.layout)
         return w13, w2, views["b13"], views["b2"]
 
 

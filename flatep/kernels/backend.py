@@ -216,3 +216,13 @@ def round_to_bf16(x):
     bits = x.to(tl.int32, bitcast=True)
     rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -0x10000).to(tl.float32, bitcast=True)
     return tl.where(x == x, rounded, x)
+
+
+@triton.jit
+def round_to_e4m3(x):
+    """``x`` (fp32 in [-448, 448]) rounded to nearest even on the e4m3 grid, in fp32: 3 mantissa
+    bits for normal values (a carry may bump the exponent), steps of 2**-9 below 2**-6."""
+    bits = x.to(tl.int32, bitcast=True)
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000).to(tl.float32, bitcast=True)
+    subnormal = (x + 24576.0) - 24576.0  # 1.5 * 2**14 has a unit in the last place of 2**-9
+    return tl.where(tl.abs(x) < 0.015625, subnormal, normal)

@@ -23,7 +23,7 @@ import triton.language as tl
 
 from flatep.kernels.activation import copy_rows_triton
 from flatep.kernels.backend import interpreting
-from flatep.kernels.quant_gemm import _check_groups, _decoded_tile, _output
+from flatep.kernels.quant_gemm import _check_groups, _decoded_tile, _mma_decoded_tile, _output
 
 _BLOCK_N = 64  # output rows (weight columns N) a program decodes; 64 x 256 weights a step on 4 warps
 
@@ -45,10 +45,10 @@ set this (read at each call) to ``2**31`` to keep the in-register kernel at ever
 @triton.jit
 def _dequantize_kernel(
     w_ptr, s_ptr, out_ptr, ends_ptr, N, stride_se, stride_sn, stride_sk, K: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr, MMA: tl.constexpr,
 ):
     """Rows ``[pid0 * BLOCK_N, + BLOCK_N)`` of expert ``pid1``, all of ``K`` (``BLOCK_K`` divides it);
-    with ``ends_ptr``, only if the expert's group holds rows."""
+    with ``ends_ptr``, only if the expert's group holds rows. ``MMA``: the words in the ``mma`` layout."""
     WORDS: tl.constexpr = BLOCK_K // 8
     BLOCKS: tl.constexpr = BLOCK_K // 32
     expert = tl.program_id(1).to(tl.int64)
@@ -67,7 +67,10 @@ def _dequantize_kernel(
         for k in range(0, K, BLOCK_K):
             words = tl.load(w_tile + k // 8, mask=column_mask[:, None], other=0)
             exponent = tl.load(s_tile + (k // 32) * stride_sk, mask=column_mask[:, None], other=0)
-            w = _decoded_tile(words, exponent.to(tl.int32), BLOCK_N, BLOCK_K, True, INTERPRET)
+            if MMA:
+                w = _mma_decoded_tile(words, exponent.to(tl.int32), BLOCK_N, BLOCK_K, INTERPRET)
+            else:
+                w = _decoded_tile(words, exponent.to(tl.int32), BLOCK_N, BLOCK_K, True, INTERPRET)
             tl.store(out_tile + k, w.to(out_ptr.dtype.element_ty), mask=column_mask[:, None])
 
 
@@ -78,12 +81,13 @@ def _block_k(inner: int) -> int:
 
 def dequantize_mxfp4_triton(
     values: torch.Tensor, scales: torch.Tensor, out: torch.Tensor | None = None, ends: torch.Tensor | None = None,
+    layout: str = "words",
 ) -> torch.Tensor:
     """Decode mxfp4 experts into bf16.
 
     Args:
-        values: ``[G, N, K/2]`` uint8 in FlatEP's word layout (as pools hold them), contiguous,
-            ``K`` a multiple of 32.
+        values: ``[G, N, K/2]`` uint8 in FlatEP's word layout (as pools hold them), or in the ``mma``
+            layout with ``layout="mma"``, contiguous, ``K`` a multiple of 32.
         scales: ``[G, N, K/32]`` uint8 e8m0, in any strides (pools store them column-fastest).
         out: optional contiguous ``[G, N, K]`` bf16 to write into.
         ends: optional ``[G]`` int32 on the device, the inclusive end rows of a grouped GEMM's groups
@@ -94,6 +98,8 @@ def dequantize_mxfp4_triton(
     Returns:
         ``out`` or a new ``[G, N, K]`` bf16 tensor: ``e2m1 * 2**(scale - 127)`` per weight.
     """
+    if layout not in ("words", "mma"):
+        raise ValueError(f"layout must be 'words' or 'mma' (the layouts expert pools hold), got {layout!r}")
     if values.dim() != 3 or values.dtype != torch.uint8 or not values.is_contiguous() or values.shape[-1] % 16:
         raise ValueError(f"values must be a contiguous [G, N, K/2] uint8 tensor with K a multiple of 32, got "
                          f"{values.dtype} {list(values.shape)}")
@@ -115,7 +121,7 @@ def dequantize_mxfp4_triton(
     if out.numel():
         _dequantize_kernel[(triton.cdiv(columns, _BLOCK_N), groups)](
             values.view(torch.int32), scales, out, ends, columns, *scales.stride(), inner,
-            BLOCK_N=_BLOCK_N, BLOCK_K=_block_k(inner), INTERPRET=interpreting(), num_warps=4,
+            BLOCK_N=_BLOCK_N, BLOCK_K=_block_k(inner), INTERPRET=interpreting(), MMA=layout == "mma", num_warps=4,
         )
     return out
 
@@ -129,6 +135,7 @@ def mxfp4_grouped_mm_bf16(
     *,
     slots: tuple[torch.Tensor, torch.Tensor] | None = None,
     slot_base: int = 0,
+    layout: str = "words",
 ) -> torch.Tensor:
     """:func:`flatep.kernels.quant_gemm.mxfp4_grouped_mm_triton`'s product (every group), through
     bf16: each weight set decoded whole (:func:`dequantize_mxfp4_triton`), then ``torch._grouped_mm``.
@@ -140,7 +147,8 @@ def mxfp4_grouped_mm_bf16(
     rows are copied into the output. Memory: one set's bf16 weights (``G * N * K * 2`` bytes)
     and one part's product for the call.
 
-    Args and returns as :func:`flatep.kernels.quant_gemm.mxfp4_grouped_mm_triton` (no tile config).
+    Args and returns as :func:`flatep.kernels.quant_gemm.mxfp4_grouped_mm_triton` (no tile config; the
+    ``mma`` layout's rows stay bf16 here).
     """
     if rows.dim() != 2 or rows.dtype != torch.bfloat16 or rows.stride(1) != 1:
         raise ValueError(f"rows must be [M, K] bfloat16 with unit column stride, got {rows.dtype} {list(rows.shape)}")
@@ -150,7 +158,7 @@ def mxfp4_grouped_mm_bf16(
     slot_values, slot_scales = _check_groups(rows, values, scales, offsets, slots, slot_base)
     groups = values.shape[0]
     if slots is None and out is None:  # one product, which is the output
-        weights = dequantize_mxfp4_triton(values, scales, ends=offsets)
+        weights = dequantize_mxfp4_triton(values, scales, ends=offsets, layout=layout)
         return torch._grouped_mm(rows, weights.transpose(-2, -1), offs=offsets)
     out = _output(rows, values.shape[1], out)
     sets = [(values, scales, 0, groups, 0, rows.shape[0] if slots is None else slot_base)]
@@ -160,7 +168,7 @@ def mxfp4_grouped_mm_bf16(
         if first == last:
             continue
         ends = offsets[first:last] - start
-        weights = dequantize_mxfp4_triton(set_values, set_scales, ends=ends)
+        weights = dequantize_mxfp4_triton(set_values, set_scales, ends=ends, layout=layout)
         product = torch._grouped_mm(rows[start:stop], weights.transpose(-2, -1), offs=ends)
         del weights  # the next set's decode takes its memory (the caching allocator orders it after this GEMM)
         copy_rows_triton(out[start:stop], product, ends[-1:])

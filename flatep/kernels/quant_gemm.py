@@ -125,16 +125,17 @@ not the hardware's: it truncates); the products are exact either way. The output
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from flatep.environment import environment_flag
 from flatep.kernels.backend import (
     interpreting,
     round_to_bf16,
+    round_to_e4m3,
     row_programs,
     row_runs,
     run_block,
@@ -142,7 +143,8 @@ from flatep.kernels.backend import (
     skip_arguments,
     tma_fits,
 )
-from flatep.kernels import fp8_wgmma, mxfp4_swap, mxfp4_wgmma
+from flatep.kernels import fp8_wgmma, mxfp4_fp8mma, mxfp4_swap, mxfp4_wgmma
+from flatep.kernels.fp8_split import split_rows_triton
 from flatep.kernels.e2m1_ptx import INF_PAIR, ONE_MULTIPLY_BIAS, ONE_MULTIPLY_MAX_BYTE, SCALE_PAIR, scaled_pairs_ptx
 from flatep.kernels.grouped_tiles import locate_tile, persistent_grid, tile_table
 from flatep.quant.fp8 import E4M3_MAX, E4M3_RECIPROCAL
@@ -256,20 +258,16 @@ MXFP4_SWAP = {block_m: GemmConfig(block_m, mxfp4_swap.BLOCK_N, mxfp4_swap.BLOCK_
                                   swap_ab=True, wgmma=True)
               for block_m in mxfp4_swap.BLOCK_M}
 """The swapped Gluon mxfp4 kernel's tiles by row tile (:mod:`flatep.kernels.mxfp4_swap`, Hopper GPUs)."""
-def _environment_flag(name: str, default: bool) -> bool:
-    """The environment variable ``name`` as a flag: ``0`` off, ``1`` on, unset ``default``.
-
-    Raises:
-        ValueError: for any other value (``yes``, ``false``, ...), which would otherwise pass for one
-            of the two without saying which.
-    """
-    value = os.environ.get(name)
-    if value not in (None, "0", "1"):
-        raise ValueError(f"{name} must be 0 or 1 (or unset: {int(default)}), got {value!r}")
-    return default if value is None else value == "1"
-
-
-MXFP4_SWAP_DEFAULT = _environment_flag("FLATEP_MXFP4_SWAP", True)
+FP8MMA = {block_m: GemmConfig(block_m, mxfp4_fp8mma.BLOCK_N, 128, num_warps=mxfp4_fp8mma.NUM_WARPS, num_stages=stages,
+                              programs_per_sm=programs, swap_ab=True, wgmma=True)
+          for block_m, stages, programs in ((32, 3, 3), (64, 4, 2))}
+"""The fp8-activation mxfp4 kernel's tiles by row tile (:mod:`flatep.kernels.mxfp4_fp8mma`, Hopper GPUs,
+pools in the ``mma`` layout): 128-wide K steps; 32 rows at 3 stages and 3 programs an SM, 64 rows at 4
+stages and 2 programs an SM (each program's registers a thread follow from its programs an SM). The
+prototype's fastest on an H100 (bench/results/2026-12-07-h100-j): 508.7 and 259.3 us for a Kimi-K3
+rank's gate/up and down GEMMs at 32 rows per expert, 621.6 and 318.2 us at 64; 16-row groups take the
+32-row tile."""
+MXFP4_SWAP_DEFAULT = environment_flag("FLATEP_MXFP4_SWAP", True)
 """Whether :func:`default_config` (and so a decode step's middle launch, :func:`packed_launches`)
 gives groups of 17-32 rows ``MXFP4_SWAP[32]`` on a Hopper GPU: on unless the environment sets
 ``FLATEP_MXFP4_SWAP=0``. Its GPU tests pass on an H100. There, at 32 rows per expert, a Kimi-K3
@@ -278,7 +276,7 @@ rank's GEMMs took 0.87x and 0.85x the Triton 32-row tile's time (gate/up 570 aga
 1.01-1.02x the Triton 16-row tile's, so 16-row groups keep the Triton tile
 (bench/results/2026-12-07-h100-c). Issue #15's Kimi-K3 cell with it: see
 bench/results/2026-12-07-h100-d."""
-MXFP4_WGMMA_DEFAULT = _environment_flag("FLATEP_MXFP4_WGMMA", False)
+MXFP4_WGMMA_DEFAULT = environment_flag("FLATEP_MXFP4_WGMMA", False)
 """Whether :func:`default_config` gives groups of more than 32 rows :data:`MXFP4_WGMMA` on a Hopper
 GPU: off unless the environment sets ``FLATEP_MXFP4_WGMMA=1`` (or this is set before a step). It is
 exact (its GPU tests pass on an H100) but slower than the Triton 64 x 256 tile: at 64-192 rows per
@@ -293,9 +291,16 @@ WGMMA_STAGES = 5
 """Shared-memory stages of that default (32 KiB each)."""
 
 
-def default_config(rows: int, groups: int, format: str, device: torch.device | None = None) -> GemmConfig:
+def default_config(
+    rows: int, groups: int, format: str, device: torch.device | None = None, layout: str = "words",
+) -> GemmConfig:
     """Tiles for ``rows`` shard rows over ``groups`` groups of ``format`` (``fp8`` or ``mxfp4``) weights
     on ``device`` (None: the Triton tiles, which run anywhere).
+
+    mxfp4 in the ``mma`` layout (``layout``; pools with :data:`flatep.quant.tensor.MXFP4_FP8_ACTIVATIONS`):
+    on a Hopper GPU :data:`FP8MMA`'s 32-row tile for groups of at most 32 rows on average, else its
+    64-row tile; elsewhere the Triton tiles below without ``lane_words`` (the exact pass of that
+    layout decodes in column order).
 
     On a Hopper GPU (:func:`flatep.kernels.fp8_wgmma.available`) fp8 takes the Gluon kernel from
     :data:`WGMMA_ROWS` rows per group on (``GemmConfig.wgmma``).
@@ -356,7 +361,12 @@ def default_config(rows: int, groups: int, format: str, device: torch.device | N
     """
     if format not in ("fp8", "mxfp4"):
         raise ValueError(f"format must be fp8 or mxfp4, got {format!r}")
+    _check_layout(layout, format)
     per_group = max(1, rows // max(groups, 1))
+    if layout == "mma":
+        if device is not None and fp8_wgmma.available(device):
+            return FP8MMA[32 if per_group <= 32 else 64]
+        return dataclasses.replace(default_config(rows, groups, format), lane_words=False)
     if format == "fp8":
         if per_group >= WGMMA_ROWS and device is not None and fp8_wgmma.available(device):
             return GemmConfig(fp8_wgmma.BLOCK_M, fp8_wgmma.BLOCK_N, 128, num_warps=fp8_wgmma.NUM_WARPS,
@@ -388,7 +398,7 @@ _SHORT_ROWS = 16  # the shortest row tile
 
 
 def packed_launches(
-    rows: int, groups: int, format: str, device: torch.device | None = None,
+    rows: int, groups: int, format: str, device: torch.device | None = None, layout: str = "words",
 ) -> list[tuple[GemmConfig, tuple[int, int] | None]]:
     """The launches of a packed (``fp8``, ``mxfp4``) grouped GEMM over ``rows`` real rows in
     ``groups`` groups on ``device``: ``(tiles, group_rows)`` each (see :func:`fp8_grouped_mm_triton`),
@@ -409,20 +419,32 @@ def packed_launches(
     The tall launch takes :func:`default_config`'s tile on ``device`` (the Gluon kernel on a Hopper GPU
     with :data:`MXFP4_WGMMA_DEFAULT`).
     At Kimi-K3, s = 128, a rank's experts hold about 18 rows each, so about a third of them hold 16
-    or fewer. Otherwise one launch of every group.
+    or fewer. Otherwise one launch of every group. mxfp4 in the ``mma`` layout on a Hopper GPU: the
+    groups of at most 32 rows in :data:`FP8MMA`'s 32-row tiles, the rest in its 64-row tiles (the
+    prototype's split, bench/results/2026-12-07-h100-k).
     """
-    tiles = default_config(rows, groups, format, device)
+    _check_layout(layout, format)
+    if layout == "mma" and device is not None and fp8_wgmma.available(device):
+        return [(FP8MMA[32], (0, 2 * _SHORT_ROWS)), (FP8MMA[64], (2 * _SHORT_ROWS, _ALL_ROWS))]
+    tiles = default_config(rows, groups, format, device, layout)
     if tiles.block_m > 32:
         return [(tiles, None)]
     # fp8's hot groups keep the Triton tile (the Gluon fp8 kernel has not been timed on a decode
     # step's hot launch); mxfp4's take the device's (the Gluon kernel with MXFP4_WGMMA_DEFAULT).
-    hot = default_config(2 * HOT_ROWS * max(groups, 1), groups, format, device if format == "mxfp4" else None)
+    hot = default_config(2 * HOT_ROWS * max(groups, 1), groups, format, device if format == "mxfp4" else None,
+                         layout)
     if format == "mxfp4":
-        short, middle = (default_config(size * max(groups, 1), groups, format, device)
+        short, middle = (default_config(size * max(groups, 1), groups, format, device, layout)
                          for size in (_SHORT_ROWS, 2 * _SHORT_ROWS))
         return [(short, (0, _SHORT_ROWS)), (middle, (_SHORT_ROWS, 2 * _SHORT_ROWS)),
                 (hot, (2 * _SHORT_ROWS, _ALL_ROWS))]
     return [(tiles, (0, HOT_ROWS)), (hot, (HOT_ROWS, _ALL_ROWS))]
+
+
+def _check_layout(layout: str, format: str, layouts: tuple[str, ...] = ("checkpoint", "words", "mma")) -> None:
+    """Raise ``ValueError`` unless ``layout`` is one of ``layouts`` (``mma`` for mxfp4 only)."""
+    if layout not in layouts or (layout == "mma" and format != "mxfp4"):
+        raise ValueError(f"layout must be one of {layouts} ('mma' for mxfp4 only), got {layout!r} for {format}")
 
 
 def _check_group_rows(group_rows) -> tuple[int, int]:
@@ -450,16 +472,6 @@ def _tile_dot(a, w, SWAP_AB: tl.constexpr, INTERPRET: tl.constexpr, acc=None):
     else:
         product = tl.dot(a, tl.trans(w), acc)
     return product
-
-
-@triton.jit
-def _round_to_e4m3(x):
-    """``x`` (fp32 in [-448, 448]) rounded to nearest even on the e4m3 grid, in fp32: 3 mantissa
-    bits for normal values (a carry may bump the exponent), steps of 2**-9 below 2**-6."""
-    bits = x.to(tl.int32, bitcast=True)
-    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000).to(tl.float32, bitcast=True)
-    subnormal = (x + 24576.0) - 24576.0  # 1.5 * 2**14 has a unit in the last place of 2**-9
-    return tl.where(tl.abs(x) < 0.015625, subnormal, normal)
 
 
 @triton.jit
@@ -497,7 +509,7 @@ def _e4m3_rows(x, FROM_BF16: tl.constexpr, ROUND_FIRST: tl.constexpr):
     # NaN stays NaN, as torch's clamp keeps it (min and max alone would make it -448 or 448).
     q = tl.clamp(quotient, -_E4M3_MAX, _E4M3_MAX, propagate_nan=tl.PropagateNan.ALL)
     if ROUND_FIRST:
-        q = _round_to_e4m3(q)
+        q = round_to_e4m3(q)
     return q, scale
 
 
@@ -627,7 +639,7 @@ def _mxfp4_grouped_kernel(
     stride_am, stride_om, stride_se, stride_sn, stride_sk, rows_above, rows_at_most, K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, GROUPS: tl.constexpr,
     SWAP_AB: tl.constexpr, NATURAL_K: tl.constexpr, LANE_WORDS: tl.constexpr, ONE_MULTIPLY: tl.constexpr,
-    TMA: tl.constexpr, INTERPRET: tl.constexpr,
+    TMA: tl.constexpr, INTERPRET: tl.constexpr, MMA: tl.constexpr,
 ):
     """Groups ``[0, split)`` read ``w`` and ``s``, groups ``[split, groups)`` read ``slot_w`` and
     ``slot_s`` from row ``split_start``: pointers, or with ``TMA`` tensor descriptors (the rows
@@ -647,18 +659,18 @@ def _mxfp4_grouped_kernel(
             if group < split:
                 _mxfp4_tile(a_src, w_src, s_src, out_ptr, redo_ptr, group, first, last, first_column, N, stride_am,
                             stride_om, stride_se, stride_sn, stride_sk, K, BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB,
-                            NATURAL_K, LANE_WORDS, ONE_MULTIPLY, TMA, INTERPRET)
+                            NATURAL_K, LANE_WORDS, ONE_MULTIPLY, TMA, INTERPRET, MMA)
             else:
                 _mxfp4_tile(a_src, slot_w_src, slot_s_src, out_ptr, redo_ptr, group - split, first, last, first_column,
                             N, stride_am, stride_om, stride_se, stride_sn, stride_sk, K, BLOCK_M, BLOCK_N, BLOCK_K,
-                            SWAP_AB, NATURAL_K, LANE_WORDS, ONE_MULTIPLY, TMA, INTERPRET)
+                            SWAP_AB, NATURAL_K, LANE_WORDS, ONE_MULTIPLY, TMA, INTERPRET, MMA)
         else:
             expert, words, exponents = group, w_src, s_src  # the group's weights, as in _fp8_grouped_kernel
             if group >= split:
                 expert, words, exponents = group - split, slot_w_src, slot_s_src
             _mxfp4_tile(a_src, words, exponents, out_ptr, redo_ptr, expert, first, last, first_column, N, stride_am,
                         stride_om, stride_se, stride_sn, stride_sk, K, BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, NATURAL_K,
-                        LANE_WORDS, ONE_MULTIPLY, TMA, INTERPRET)
+                        LANE_WORDS, ONE_MULTIPLY, TMA, INTERPRET, MMA)
         tile += tl.num_programs(0)
 
 
@@ -749,6 +761,44 @@ def _word_scales(x, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LANE_ORDER: tl
 
 
 @triton.jit
+def _mma_code_values(words, MAGNITUDE: tl.constexpr, SIGN: tl.constexpr):
+    """The e2m1 values (fp32) of the codes of int32 ``words`` whose magnitude bits start at bit
+    ``MAGNITUDE`` and whose sign is bit ``SIGN`` (the ``mma`` layout, :func:`flatep.quant.mxfp4.mma_bit`),
+    built as normal floats (``(1 + m / 2) * 2**(e - 1)``; ``0.5 * m`` for exponent 0)."""
+    magnitude = (words >> MAGNITUDE) & 7
+    exponent = magnitude >> 1
+    mantissa = magnitude & 1
+    bits = tl.where(exponent == 0, mantissa * 0x3F000000, ((exponent + 126) << 23) | (mantissa << 22))
+    value = bits.to(tl.float32, bitcast=True)
+    return tl.where(((words >> SIGN) & 1) != 0, -value, value)
+
+
+@triton.jit
+def _mma_decoded_tile(words, exponent, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr):
+    """The weights of int32 ``words [BLOCK_N, BLOCK_K/8]`` in the ``mma`` layout (column order) with int32
+    e8m0 ``exponent [BLOCK_N, BLOCK_K/32]``: ``[BLOCK_N, BLOCK_K]`` bf16 (fp32 under the interpreter) in
+    column order, each weight
+    ``e2m1 * 2**(e - 127)`` as one fp32 product, exact for every byte from 1 to 254 (byte 0 gives 0,
+    as the bf16 tiles' second pass; 255 inf or NaN). Word ``4 * block + q`` holds columns ``32 * block
+    + 4q + j`` and ``32 * block + 16 + 4q + j``."""
+    WORDS: tl.constexpr = BLOCK_K // 8
+    BLOCKS: tl.constexpr = BLOCK_K // 32
+    low = tl.reshape(tl.join(tl.join(_mma_code_values(words, 0, 7), _mma_code_values(words, 8, 23)),
+                             tl.join(_mma_code_values(words, 4, 15), _mma_code_values(words, 12, 31))),
+                     [BLOCK_N, WORDS, 4])  # columns 4q + j
+    high = tl.reshape(tl.join(tl.join(_mma_code_values(words, 16, 3), _mma_code_values(words, 24, 19)),
+                              tl.join(_mma_code_values(words, 20, 11), _mma_code_values(words, 28, 27))),
+                      [BLOCK_N, WORDS, 4])  # columns 16 + 4q + j
+    values = tl.reshape(tl.join(low, high), [BLOCK_N, BLOCKS, 4, 4, 2])  # [.., block, q, j, half]
+    values = tl.reshape(tl.permute(values, (0, 1, 4, 2, 3)), [BLOCK_N, BLOCKS, 32])
+    scale = (exponent << 23).to(tl.float32, bitcast=True)
+    w = tl.reshape(values * scale[:, :, None], [BLOCK_N, BLOCK_K])
+    if not INTERPRET:
+        w = w.to(tl.bfloat16)  # exact: e2m1 times a power of two
+    return w
+
+
+@triton.jit
 def _decoded_tile(words, exponent, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NATURAL_K: tl.constexpr,
                   INTERPRET: tl.constexpr, ONE_MULTIPLY: tl.constexpr = False, LANE_WORDS: tl.constexpr = False):
     """The weights of int32 ``words [BLOCK_N, BLOCK_K/8]`` (word layout; with ``LANE_WORDS`` in
@@ -797,12 +847,15 @@ def _mxfp4_tile(
     stride_sn, stride_sk, K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr, NATURAL_K: tl.constexpr,
     LANE_WORDS: tl.constexpr, ONE_MULTIPLY: tl.constexpr, TMA: tl.constexpr, INTERPRET: tl.constexpr,
+    MMA: tl.constexpr,
 ):
     """Rows ``[first, min(first + BLOCK_M, last))`` times columns ``[first_column, + BLOCK_N)`` of ``group``;
     ``w_src`` is the packed values read as int32 words (8 nibbles each), by pointer or (``TMA``) by
     descriptor, as are the rows ``a_src`` and the scales ``s_src``. The weights are decoded with one
     multiply per pair (``ONE_MULTIPLY``, which sets ``redo_ptr[0]`` to 1 if the tile reads a scale
-    byte past 128) or two (see :func:`_decoded_tile`)."""
+    byte past 128) or two (see :func:`_decoded_tile`); with ``MMA`` the words are in the ``mma`` layout,
+    decoded exactly in column order (:func:`_mma_decoded_tile`; ``NATURAL_K`` set, ``ONE_MULTIPLY`` and
+    ``LANE_WORDS`` not)."""
     WORDS: tl.constexpr = BLOCK_K // 8
     BLOCKS: tl.constexpr = BLOCK_K // 32
     words_k = K // 8
@@ -857,7 +910,10 @@ def _mxfp4_tile(
         exponent = exponent.to(tl.int32)
         if ONE_MULTIPLY:
             largest = tl.maximum(largest, exponent)
-        w = _decoded_tile(words, exponent, BLOCK_N, BLOCK_K, NATURAL_K, INTERPRET, ONE_MULTIPLY, LANE_WORDS)
+        if MMA:
+            w = _mma_decoded_tile(words, exponent, BLOCK_N, BLOCK_K, INTERPRET)
+        else:
+            w = _decoded_tile(words, exponent, BLOCK_N, BLOCK_K, NATURAL_K, INTERPRET, ONE_MULTIPLY, LANE_WORDS)
         acc += _tile_dot(a, w, SWAP_AB, INTERPRET)
     # A block with a scale byte past 128 decodes to +-inf or NaN in the one-multiply pass: the flag
     # has the second pass compute the tile again. The flag follows the scale bytes, not the
@@ -1105,6 +1161,8 @@ def mxfp4_grouped_mm_triton(
     *,
     slots: tuple[torch.Tensor, torch.Tensor] | None = None,
     slot_base: int = 0,
+    layout: str = "words",
+    fp8_rows: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``out[i] = rows[i] @ W[g(i)].T`` with mxfp4 ``W`` decoded in registers.
 
@@ -1114,6 +1172,14 @@ def mxfp4_grouped_mm_triton(
     not flag it); the second returns at once unless flagged, and then computes every tile again
     with two multiplies per pair, exact at any scale (see the module docstring). Both read the flag
     on the device: nothing syncs with the host.
+
+    With ``layout="mma"`` (pools made with :data:`flatep.quant.tensor.MXFP4_FP8_ACTIVATIONS`) and a
+    :data:`FP8MMA` config (on a Hopper GPU) the first launch is :mod:`flatep.kernels.mxfp4_fp8mma`'s,
+    on the rows split into two e4m3 parts (:mod:`flatep.kernels.fp8_split`), which flags a scale byte
+    outside its window (:data:`flatep.kernels.mxfp4_fp8mma.LOW` to ``HIGH``); the second is a Triton
+    tile of the same height that decodes that layout exactly into bf16 (:func:`_mma_decoded_tile`), on
+    the rows as they are. Any other config, or operands the fp8 kernel's copies cannot take (``N`` not
+    a multiple of 128), runs that exact tile alone.
 
     Args:
         rows: ``[M, K]`` bf16 (unit column stride), ``K`` a multiple of 32.
@@ -1132,12 +1198,18 @@ def mxfp4_grouped_mm_triton(
         slots, slot_base: a second set of experts, ``(values [G2, N, K/2], scales [G2, N, K/32])``
             in the same layout (scales in the same strides), whose groups start at row
             ``slot_base`` (see :func:`fp8_grouped_mm_triton`).
+        layout: ``values``' (and the slots') layout: ``words`` or ``mma`` (see above).
+        fp8_rows: ``mma`` only: the rows already split, ``(hi_lo [2M, K] float8_e4m3fn, factor [M]
+            float32)`` (:func:`flatep.kernels.fp8_split.split_rows_triton` with
+            :data:`flatep.kernels.mxfp4_fp8mma.CENTER`), shared by a GEMM's launches; default: split
+            here, over the rows before ``offsets[-1]`` (and not between the home and slot groups).
 
     Returns:
         ``out`` or a new ``[M, N]`` bf16 tensor; rows at and past ``offsets[-1]``, and the rows of
         groups outside ``group_rows``, are not written.
     """
     _check_common(rows, values)
+    _check_layout(layout, "mxfp4", ("words", "mma"))
     groups, columns, half = values.shape
     inner = rows.shape[1]
     if values.dtype != torch.uint8 or 2 * half != inner or inner % 32:
@@ -1148,11 +1220,16 @@ def mxfp4_grouped_mm_triton(
                          f"{scales.dtype} {list(scales.shape)}")
     slot_values, slot_scales = _check_groups(rows, values, scales, offsets, slots, slot_base)
     groups = offsets.shape[0]
-    config = config or default_config(rows.shape[0], groups, "mxfp4", rows.device)
+    config = config or default_config(rows.shape[0], groups, "mxfp4", rows.device, layout)
     if config.block_k < 32 or config.block_k & (config.block_k - 1):
         raise ValueError(f"mxfp4 block_k must be a power of two, at least 32, got {config.block_k}")
     if config.rescale:
         raise ValueError(f"rescale is an fp8 tile option (mxfp4 has no per-step scales of the product), got {config}")
+    if layout == "mma":
+        return _mxfp4_mma_grouped_mm(rows, values, scales, offsets, config, _output(rows, columns, out),
+                                     _check_group_rows(group_rows), slot_values, slot_scales, slot_base, fp8_rows)
+    if fp8_rows is not None:
+        raise ValueError("fp8_rows are the rows split for the mma layout; words take the rows as they are")
     if config.wgmma:
         _check_mxfp4_wgmma(config, rows.device)
     natural_k = not config.swap_ab and config.block_m >= 64
@@ -1194,9 +1271,63 @@ def mxfp4_grouped_mm_triton(
             BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
             GROUPS=triton.next_power_of_2(groups), SWAP_AB=config.swap_ab, NATURAL_K=natural_k,
             LANE_WORDS=config.lane_words, ONE_MULTIPLY=one_multiply, TMA=descriptors is not None,
-            INTERPRET=interpreting(),
+            INTERPRET=interpreting(), MMA=False,
             num_warps=config.num_warps, num_stages=config.num_stages, maxnreg=config.max_registers,
         )
+    return out
+
+
+def _mxfp4_mma_grouped_mm(
+    rows: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, config: GemmConfig,
+    out: torch.Tensor, group_rows: tuple[int, int], slot_values: torch.Tensor, slot_scales: torch.Tensor,
+    slot_base: int, fp8_rows: tuple[torch.Tensor, torch.Tensor] | None,
+) -> torch.Tensor:
+    """:func:`mxfp4_grouped_mm_triton` on checked operands in the ``mma`` layout: the fp8 kernel's pass
+    where ``config`` is one of :data:`FP8MMA` and its copies take the operands, then the exact Triton
+    pass (every tile if the fp8 pass did not run, else only if it flagged a scale byte)."""
+    groups, columns = offsets.shape[0], values.shape[1]
+    rows_above, rows_at_most = group_rows
+    exact = GemmConfig(config.block_m, 128, 64, num_warps=4, num_stages=3, group_m=config.group_m)
+    redo = torch.ones(1, dtype=torch.int32, device=rows.device)
+    if config.wgmma:
+        if config not in FP8MMA.values():
+            raise ValueError(f"an mma-layout wgmma config must be one of FP8MMA's, got {config}")
+        _check_hopper(rows.device)
+        if fp8_rows is None:
+            skip = (offsets[values.shape[0] - 1:values.shape[0]], slot_base) if slot_values.shape[0] else None
+            fp8_rows = split_rows_triton(rows, mxfp4_fp8mma.CENTER, offsets[-1:], skip)
+        hi_lo, factor = fp8_rows
+        if (hi_lo.dtype != torch.float8_e4m3fn or tuple(hi_lo.shape) != (2 * rows.shape[0], rows.shape[1])
+                or factor.dtype != torch.float32 or tuple(factor.shape) != (rows.shape[0],)):
+            raise ValueError(f"fp8_rows must be (hi_lo [{2 * rows.shape[0]}, {rows.shape[1]}] float8_e4m3fn, factor "
+                             f"[{rows.shape[0]}] float32), got {hi_lo.dtype} {list(hi_lo.shape)} and {factor.dtype} "
+                             f"{list(factor.shape)}")
+        if not slot_values.shape[0]:  # no slot groups: the kernel never reads the slot set
+            slot_values, slot_scales = values, scales
+        if all(mxfp4_fp8mma.fits(hi_lo, pool_values, pool_scales, out, config.block_k)
+               for pool_values, pool_scales in ((values, scales), (slot_values, slot_scales))):
+            redo.zero_()
+            programs = persistent_grid(rows.shape[0], groups, columns, config, rows.device)[0]
+            registers = min(255, 65536 // (2 * 128 * config.programs_per_sm) // 8 * 8)  # 8 warps a program
+            mxfp4_fp8mma.mxfp4_fp8mma_launch(
+                hi_lo, factor, values, scales, slot_values, slot_scales, out, offsets, redo, values.shape[0],
+                slot_base, rows_above, rows_at_most, config.block_m, config.block_k, config.group_m,
+                config.num_stages, programs, registers)
+    elif config.swap_ab or config.lane_words:
+        raise ValueError(f"the mma layout's Triton tiles are unswapped, in column order (no lane_words), got {config}")
+    else:
+        exact = config
+    grid = persistent_grid(rows.shape[0], groups, columns, exact, rows.device)
+    descriptors = _mxfp4_descriptors(rows, values, scales, slot_values, slot_scales, exact)
+    sources = descriptors or (rows, values.view(torch.int32), scales, slot_values.view(torch.int32), slot_scales)
+    _mxfp4_grouped_kernel[grid](
+        *sources, out, offsets, redo, groups, values.shape[0], slot_base, columns, rows.stride(0), out.stride(0),
+        *scales.stride(), rows_above, rows_at_most, rows.shape[1],
+        BLOCK_M=exact.block_m, BLOCK_N=exact.block_n, BLOCK_K=exact.block_k, GROUP_M=exact.group_m,
+        GROUPS=triton.next_power_of_2(groups), SWAP_AB=False, NATURAL_K=True, LANE_WORDS=False, ONE_MULTIPLY=False,
+        TMA=descriptors is not None, INTERPRET=interpreting(), MMA=True,
+        num_warps=exact.num_warps, num_stages=exact.num_stages, maxnreg=exact.max_registers,
+    )
     return out
 
 

@@ -18,9 +18,12 @@ from flatep.quant.mxfp4 import (
     dequantize_mxfp4,
     e2m1_decode,
     e2m1_encode,
+    from_mma_layout,
     from_word_layout,
+    mma_bit,
     mxfp4_from_checkpoint,
     quantize_mxfp4,
+    to_mma_layout,
     to_word_layout,
 )
 from flatep.quant.tensor import (
@@ -59,7 +62,9 @@ __all__ = [
     "e2m1_encode",
     "expert_weight_nbytes",
     "fp8_experts_from_checkpoint",
+    "from_mma_layout",
     "from_word_layout",
+    "mma_bit",
     "mxfp4_experts_from_checkpoint",
     "mxfp4_from_checkpoint",
     "packed_layout",
@@ -68,5 +73,6 @@ __all__ = [
     "quantize_fp8_block",
     "quantize_mxfp4",
     "to_e4m3",
+    "to_mma_layout",
     "to_word_layout",
 ]

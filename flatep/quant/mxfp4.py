@@ -16,8 +16,9 @@ Byte layout (one weight matrix ``[N, K]``, output rows by input columns, any lea
 The functions here take and return that checkpoint order. FlatEP's expert pools hold the same
 bytes with the bits of each 4 bytes permuted (:data:`WORD_PAIRS`, :func:`to_word_layout`,
 :func:`from_word_layout`; a :class:`flatep.quant.QuantizedTensor` with ``layout="words"``): the GPU
-kernel decodes that layout with half the integer instructions. Sizes, scales, and so every byte
-count, are the same.
+kernel decodes that layout with half the integer instructions. With fp8 activations they hold
+another permutation, of each 32-column block's 16 bytes (:func:`to_mma_layout`, ``layout="mma"``).
+Sizes, scales, and so every byte count, are the same.
 
 Quantization (:func:`quantize_mxfp4`) follows the OCP MX v1.0 recipe: the shared exponent is
 ``floor(log2(amax)) - 2`` (2 = e2m1's largest exponent), clamped to the e8m0 range; each value
@@ -148,40 +149,75 @@ def _as_int32(bits: int) -> int:
     return bits - (1 << 32) if bits >= 1 << 31 else bits
 
 
-def _move_word_bits(values: torch.Tensor, moves: list[tuple[int, int]]) -> torch.Tensor:
-    """``values [..., K/2]`` uint8 read as 32-bit words, bit ``source`` of each moved to bit ``target``
-    for every ``(source, target)`` of ``moves`` (a permutation of 0..31); same shape and dtype.
-    Works where the tensor is (a GPU permutes a layer's experts in milliseconds; a CPU core moves
-    about 100 MB a second)."""
-    if values.dtype != torch.uint8 or values.dim() < 1 or values.shape[-1] % 4:
-        raise ValueError(f"values must be [..., N, K/2] uint8 with K/2 a multiple of 4, got {values.dtype} {list(values.shape)}")
-    masks: dict[int, int] = {}  # shift -> the source bits that move by it
+def _move_bits(values: torch.Tensor, moves: list[tuple[int, int]], group_words: int = 1) -> torch.Tensor:
+    """``values [..., K/2]`` uint8 read as groups of ``group_words`` little-endian 32-bit words, bit
+    ``source`` of each group (``32 * word + bit``) moved to bit ``target`` for every ``(source,
+    target)`` of ``moves`` (a permutation of the group's bits); same shape and dtype. Works where the
+    tensor is (a GPU permutes a layer's experts in milliseconds; a CPU core moves about 100 MB a
+    second)."""
+    if values.dtype != torch.uint8 or values.dim() < 1 or values.shape[-1] % (4 * group_words):
+        raise ValueError(f"values must be [..., N, K/2] uint8 with K/2 a multiple of {4 * group_words}, got "
+                         f"{values.dtype} {list(values.shape)}")
+    masks: dict[tuple[int, int, int], int] = {}  # (source word, target word, shift) -> the source bits moved so
     for source, target in moves:
-        masks[target - source] = masks.get(target - source, 0) | 1 << source
-    words = values.contiguous().view(torch.int32).reshape(-1)
+        key = (source // 32, target // 32, target % 32 - source % 32)
+        masks[key] = masks.get(key, 0) | 1 << source % 32
+    words = values.contiguous().view(torch.int32).reshape(-1, group_words)
     moved = torch.empty_like(words)
-    for start in range(0, words.numel(), _CHUNK_WORDS):
-        chunk = words[start:start + _CHUNK_WORDS]
+    chunk_groups = max(1, _CHUNK_WORDS // group_words)
+    for start in range(0, words.shape[0], chunk_groups):
+        chunk = words[start:start + chunk_groups]
         result = torch.zeros_like(chunk)
-        for shift, mask in masks.items():
+        for (source, target, shift), mask in masks.items():
             # int32 shifts: left ones drop the bits past 31; right ones are arithmetic, so the mask
             # is applied after them, shifted alike.
-            result |= (chunk & _as_int32(mask)) << shift if shift >= 0 else (chunk >> -shift) & _as_int32(mask >> -shift)
-        moved[start:start + _CHUNK_WORDS] = result
+            bits = chunk[:, source]
+            result[:, target] |= (bits & _as_int32(mask)) << shift if shift >= 0 else (bits >> -shift) & _as_int32(mask >> -shift)
+        moved[start:start + chunk_groups] = result
     return moved.view(torch.uint8).reshape(values.shape)
 
 
 def to_word_layout(values: torch.Tensor) -> torch.Tensor:
     """Checkpoint-order packed values ``[..., N, K/2]`` uint8 (low nibble first) to FlatEP's word
     layout (:data:`WORD_PAIRS`), same shape; ``K/2`` must be a multiple of 4 (``K`` of 8)."""
-    return _move_word_bits(values, [(4 * column + bit, target) for column, row in enumerate(_WORD_BIT_SOURCES)
-                                    for bit, target in enumerate(row)])
+    return _move_bits(values, [(4 * column + bit, target) for column, row in enumerate(_WORD_BIT_SOURCES)
+                               for bit, target in enumerate(row)])
 
 
 def from_word_layout(values: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`to_word_layout`: FlatEP's word layout back to checkpoint order (low nibble first)."""
-    return _move_word_bits(values, [(source, 4 * column + bit) for column, row in enumerate(_WORD_BIT_SOURCES)
-                                    for bit, source in enumerate(row)])
+    return _move_bits(values, [(source, 4 * column + bit) for column, row in enumerate(_WORD_BIT_SOURCES)
+                               for bit, source in enumerate(row)])
+
+
+def mma_bit(column: int, bit: int) -> int:
+    """Bit of a 32-column block's 16 bytes (``32 * word + bit`` of its four little-endian words) that
+    holds bit ``bit`` (0 mantissa, 1-2 exponent, 3 sign) of ``column`` in the fp8 MMA layout
+    (:func:`to_mma_layout`)."""
+    half, q, j = column // 16, column % 16 // 4, column % 4
+    if bit < 3:
+        return 32 * q + 16 * half + 4 * j + bit
+    return 32 * q + 8 * j + (7 if half == 0 else 3)
+
+
+_MMA_MOVES = [(4 * column + bit, mma_bit(column, bit)) for column in range(MX_BLOCK) for bit in range(4)]
+
+
+def to_mma_layout(values: torch.Tensor) -> torch.Tensor:
+    """Checkpoint-order packed values ``[..., N, K/2]`` uint8 (``K`` a multiple of 32) to the layout
+    that :mod:`flatep.kernels.mxfp4_fp8mma` decodes into e4m3 (fp8 activations), same shape. Each
+    32-column block's 16 bytes are four little-endian words; word ``q`` holds columns ``4q + j`` and
+    ``16 + 4q + j`` (``j`` in 0..3: the K positions the fp8 warp-group MMA's operand gives lane ``q``
+    of each four), the magnitude bits of the first at bits ``4j .. 4j+2`` and its sign at ``8j + 7``,
+    those of the second at ``16 + 4j ..`` and ``8j + 3`` (:func:`mma_bit`): a byte permute through an
+    8-byte table then decodes four magnitudes, and the signs land on the bytes' top bits with one
+    shift."""
+    return _move_bits(values, _MMA_MOVES, 4)
+
+
+def from_mma_layout(values: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`to_mma_layout`: back to checkpoint order (low nibble first)."""
+    return _move_bits(values, [(target, source) for source, target in _MMA_MOVES], 4)
 
 
 def mxfp4_from_checkpoint(blocks: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -6,19 +6,41 @@ from dataclasses import dataclass
 
 import torch
 
+from flatep.environment import environment_flag
 from flatep.quant.fp8 import FP8_BLOCK, check_fp8_block, dequantize_fp8_block, fp8_scale_shape, quantize_fp8_block
-from flatep.quant.mxfp4 import MX_BLOCK, check_mxfp4, dequantize_mxfp4, from_word_layout, quantize_mxfp4, to_word_layout
+from flatep.quant.mxfp4 import (
+    MX_BLOCK,
+    check_mxfp4,
+    dequantize_mxfp4,
+    from_mma_layout,
+    from_word_layout,
+    quantize_mxfp4,
+    to_mma_layout,
+    to_word_layout,
+)
 
 WEIGHT_FORMATS = ("bf16", "fp8", "mxfp4")
 """``bf16``: plain weights in the pool's dtype (bfloat16, or float32 for checks); ``fp8``: e4m3 with
 128x128 fp32 block scales (:mod:`flatep.quant.fp8`); ``mxfp4``: e2m1 with e8m0 scales per 32
 (:mod:`flatep.quant.mxfp4`)."""
 QUANTIZED_FORMATS = ("fp8", "mxfp4")
-LAYOUTS = ("checkpoint", "words")
+LAYOUTS = ("checkpoint", "words", "mma")
 """Byte layouts of packed values: ``checkpoint`` (as the format's checkpoints store them; the only
 one of fp8) and, for mxfp4, ``words``: FlatEP's word layout (:data:`flatep.quant.mxfp4.WORD_PAIRS`),
-which pools hold and the GPU kernel decodes. :meth:`QuantizedTensor.in_layout` also stores the
-scales of ``words`` columns fastest (see :func:`columns_fastest`)."""
+which pools hold and the GPU kernels decode into bf16, and ``mma``
+(:func:`flatep.quant.mxfp4.to_mma_layout`), which pools hold instead with
+:data:`MXFP4_FP8_ACTIVATIONS` and the fp8-activation kernel decodes into e4m3.
+:meth:`QuantizedTensor.in_layout` also stores the scales of ``words`` and ``mma`` columns fastest
+(see :func:`columns_fastest`)."""
+MXFP4_FP8_ACTIVATIONS = environment_flag("FLATEP_MXFP4_FP8_ACTIVATIONS", False)
+"""Whether mxfp4 expert pools hold the ``mma`` layout, so that their GEMMs multiply the weights
+decoded into e4m3 by fp8 activations on Hopper GPUs (:mod:`flatep.kernels.mxfp4_fp8mma`): off unless
+the environment sets ``FLATEP_MXFP4_FP8_ACTIVATIONS=1``, because it changes the activations'
+precision (each row as two e4m3 parts with one power of two a row, which hold bf16's 8 significant
+bits unless a value lies more than 2**14 below its row's largest). Elsewhere (other GPUs, the CPU)
+such pools run the exact bf16 route of the same layout. Read once, at import; set it before pools are
+made."""
+_PACKED_LAYOUTS = ("words", "mma")
 
 
 def columns_fastest(scales: torch.Tensor) -> torch.Tensor:
@@ -30,8 +52,11 @@ def columns_fastest(scales: torch.Tensor) -> torch.Tensor:
 
 
 def pool_layout(format: str) -> str:
-    """The layout expert pools hold ``format``'s values in: ``words`` for mxfp4, else ``checkpoint``."""
-    return "words" if format == "mxfp4" else "checkpoint"
+    """The layout expert pools hold ``format``'s values in: for mxfp4 ``words``, or ``mma`` with
+    :data:`MXFP4_FP8_ACTIVATIONS`; else ``checkpoint``."""
+    if format != "mxfp4":
+        return "checkpoint"
+    return "mma" if MXFP4_FP8_ACTIVATIONS else "words"
 
 
 def check_format(weights: str) -> None:
@@ -94,8 +119,10 @@ class QuantizedTensor:
         layout: how ``values`` lie (:data:`LAYOUTS`): ``checkpoint`` (the default: as checkpoints,
             :func:`~flatep.quant.quantize_mxfp4` and the loaders give them) or, mxfp4 only,
             ``words``: the same bytes with each 4 bytes' bits permuted for the GPU decoder, as
-            expert pools hold them (:meth:`in_layout` converts, and stores the scales
-            column-fastest; pools convert what they load). The scales may be in any strides.
+            expert pools hold them, or ``mma``: each 16 bytes' bits permuted for the fp8-activation
+            kernel, as pools hold them with :data:`MXFP4_FP8_ACTIVATIONS` (:meth:`in_layout`
+            converts, and stores the scales column-fastest; pools convert what they load). The
+            scales may be in any strides.
     """
 
     format: str
@@ -110,8 +137,9 @@ class QuantizedTensor:
             check_mxfp4(self.values, self.scales)
         else:
             raise ValueError(f"format must be one of {QUANTIZED_FORMATS}, got {self.format!r}")
-        if self.layout not in LAYOUTS or (self.layout == "words" and self.format != "mxfp4"):
-            raise ValueError(f"layout must be 'checkpoint', or 'words' for mxfp4, got {self.layout!r} for {self.format}")
+        if self.layout not in LAYOUTS or (self.layout != "checkpoint" and self.format != "mxfp4"):
+            raise ValueError(f"layout must be 'checkpoint', or 'words' or 'mma' for mxfp4, got {self.layout!r} for "
+                             f"{self.format}")
         if self.values.shape[:-2] != self.scales.shape[:-2]:
             raise ValueError(f"values {list(self.values.shape)} and scales {list(self.scales.shape)} must share leading dims")
 
@@ -125,18 +153,22 @@ class QuantizedTensor:
         raise ValueError(f"format must be one of {QUANTIZED_FORMATS}, got {format!r}")
 
     def in_layout(self, layout: str) -> "QuantizedTensor":
-        """This tensor with its values in ``layout``, its scales stored column-fastest in ``words``
-        (:func:`columns_fastest`) and contiguous in ``checkpoint``; itself where it is so already
-        (a ``checkpoint`` tensor in any strides)."""
-        scales_in_place = layout != "words" or self.scales.stride(-2) == 1 or self.scales.shape[-2] == 1
+        """This tensor with its values in ``layout``, its scales stored column-fastest in ``words`` and
+        ``mma`` (:func:`columns_fastest`) and contiguous in ``checkpoint``; itself where it is so
+        already (a ``checkpoint`` tensor in any strides)."""
+        scales_in_place = layout not in _PACKED_LAYOUTS or self.scales.stride(-2) == 1 or self.scales.shape[-2] == 1
         if layout == self.layout and scales_in_place:
             return self
         if layout not in LAYOUTS or self.format != "mxfp4":
-            raise ValueError(f"layout must be 'checkpoint', or 'words' for mxfp4, got {layout!r} for {self.format}")
-        if layout == "words":
-            values = self.values if self.layout == "words" else to_word_layout(self.values)
+            raise ValueError(f"layout must be 'checkpoint', or 'words' or 'mma' for mxfp4, got {layout!r} for "
+                             f"{self.format}")
+        values = self.values
+        if self.layout != layout:
+            values = {"checkpoint": lambda v: v, "words": from_word_layout, "mma": from_mma_layout}[self.layout](values)
+            values = {"checkpoint": lambda v: v, "words": to_word_layout, "mma": to_mma_layout}[layout](values)
+        if layout in _PACKED_LAYOUTS:
             return QuantizedTensor(self.format, values, columns_fastest(self.scales), layout)
-        return QuantizedTensor(self.format, from_word_layout(self.values), self.scales.contiguous(), layout)
+        return QuantizedTensor(self.format, values, self.scales.contiguous(), layout)
 
     @property
     def shape(self) -> torch.Size:
@@ -186,4 +218,4 @@ class QuantizedTensor:
         other = other.in_layout(self.layout)
         stacked = QuantizedTensor(self.format, torch.cat([self.values, other.values], -2),
                                   torch.cat([self.scales, other.scales], -2), self.layout)
-        return stacked.in_layout(self.layout)  # words: the scales stored columns-fastest again
+        return stacked.in_layout(self.layout)  # words, mma: the scales stored columns-fastest again

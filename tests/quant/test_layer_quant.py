@@ -85,6 +85,31 @@ def test_layer_equals_dense_over_dequantized_weights(format, policy, backend):
         assert relative_error(out, dense_fp8_activations(x, ids, route_weights, d13, d2)) < (2.5e-2 if interpreted else 1e-2)
 
 
+@pytest.mark.parametrize("backend", TRITON_BACKENDS)
+@pytest.mark.parametrize("policy", ["exact", "none", "auto"])
+def test_mxfp4_pools_for_fp8_activations_equal_dense_over_dequantized_weights(policy, backend, monkeypatch):
+    """Pools made with ``FLATEP_MXFP4_FP8_ACTIVATIONS`` hold the ``mma`` layout and push it; the layer
+    (the fp8 kernel on a Hopper GPU, the exact pass of that layout elsewhere, the torch path) equals
+    the dense MoE over the dequantized weights, borrowing steps included."""
+    from flatep import CostProfile
+    from flatep.quant import tensor
+
+    monkeypatch.setattr(tensor, "MXFP4_FP8_ACTIVATIONS", True)
+    group = init_group("local", ranks=CONFIG.ranks, device=DEVICE)
+    x, ids, route_weights, w13, w2 = quantized_inputs(CONFIG, 12, skew=4.0, seed=31)
+    q13, q2 = packed(w13, "mxfp4"), packed(w2, "mxfp4")
+    pool = ExpertPool.from_weights(q13, q2, CONFIG, group, dtype=torch.bfloat16)
+    assert pool.layout == "mma" and pool.compute_view(0)[0].layout == "mma"
+    cheap = CostProfile(link_gbps=1e6, hbm_gbps=1e6, gemm_tflops=1e-4, group_us=1e-3, push_us=1e-3, tile_rows=1)
+    cost = cheap.with_expert_bytes(pool.expert_nbytes()) if policy == "auto" else None
+    plan = plan_step(ids, CONFIG, group, policy, cost=cost)
+    if policy != "none":
+        assert int((plan.slot_experts >= 0).sum()) >= 2, "the step must borrow experts, so that packed weights are pushed"
+    out = ep_moe(x, ids, route_weights, config=CONFIG, group=group, policy=policy, pool=pool, plan=plan, backend=backend)
+    reference = dense_moe(x, ids, route_weights, dequantized(q13, "mxfp4"), dequantized(q2, "mxfp4"))
+    assert relative_error(out, reference) < LAYER_ERROR["mxfp4"]
+
+
 @pytest.mark.parametrize("policy", ["exact", "none"])
 def test_mxfp4_steps_over_nan_buffers_take_one_pass(policy, monkeypatch):
     """The step's shard buffers filled with NaN first, as a reused buffer may hold them: dispatch

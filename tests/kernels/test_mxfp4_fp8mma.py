@@ -1,0 +1,190 @@
+"""The mxfp4 GEMM over pools in the ``mma`` layout (fp8 activations): the exact Triton pass on the CPU
+(under the interpreter) against the dequantized weights, the Gluon fp8 kernel compiled for sm_90
+without a GPU, and on a Hopper GPU against the torch path with slots, in a CUDA graph, including
+scale bytes outside its window (the exact pass then computes the launch again)."""
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from flatep.kernels import fp8_wgmma, mxfp4_fp8mma
+from flatep.kernels.backend import use_triton
+from flatep.kernels.quant_gemm import FP8MMA, default_config, mxfp4_grouped_mm_triton, packed_launches
+from flatep.quant import QuantizedTensor
+from tests.helpers import DEVICE, relative_error, sm90_build, write_compiled
+
+on_hopper = pytest.mark.skipif(not (torch.cuda.is_available() and fp8_wgmma.available(torch.device("cuda"))),
+                               reason="the Gluon kernel runs on a Hopper (sm_90) GPU")
+needs_triton = pytest.mark.skipif(not use_triton(DEVICE), reason="needs CUDA or TRITON_INTERPRET=1")
+
+
+def _experts(count: int, columns: int, hidden: int, generator: torch.Generator, spread: int = 0) -> QuantizedTensor:
+    """``count`` random experts in the ``mma`` layout; ``spread`` moves each scale byte by up to that much."""
+    weights = torch.randn(count, columns, hidden, generator=generator) * hidden**-0.5
+    packed = QuantizedTensor.quantize(weights, "mxfp4")
+    if spread:
+        shift = torch.randint(-spread, spread + 1, packed.scales.shape, generator=generator)
+        packed = QuantizedTensor("mxfp4", packed.values, (packed.scales.int() + shift).clamp(1, 250).to(torch.uint8))
+    return packed.in_layout("mma").to(DEVICE)
+
+
+def _grouped_case(home_sizes, slot_sizes, hidden, columns, seed, spread=0):
+    """Home and slot experts, rows with NaN between the two sets (a shard's unused rows), offsets."""
+    generator = torch.Generator().manual_seed(seed)
+    home = _experts(len(home_sizes), columns, hidden, generator, spread)
+    slots = _experts(len(slot_sizes), columns, hidden, generator, spread)
+    gap = 11
+    slot_base = sum(home_sizes) + gap
+    rows = slot_base + sum(slot_sizes) + 3
+    x = torch.randn(rows, hidden, generator=generator).bfloat16().to(DEVICE)
+    x[sum(home_sizes):slot_base] = float("nan")
+    ends = torch.tensor(home_sizes).cumsum(0).tolist() + (slot_base + torch.tensor(slot_sizes).cumsum(0)).tolist()
+    return home, slots, x, torch.tensor(ends, dtype=torch.int32, device=DEVICE), slot_base
+
+
+def _check(out, home, slots, x, offsets, slot_base, group_rows, tolerance):
+    """Every computed group against the dense product over the dequantized weights; every other row
+    still holds the poison."""
+    ends = offsets.tolist()
+    starts = [0, *ends[:-1]]
+    starts[home.shape[0]] = slot_base
+    dense = torch.cat([home.dequantize(), slots.dequantize()])
+    for group, (start, end) in enumerate(zip(starts, ends)):
+        rows = out[start:end]
+        if group_rows is not None and not group_rows[0] < end - start <= group_rows[1]:
+            assert (rows == float("inf")).all()
+        elif end > start:
+            assert relative_error(rows, x[start:end].float() @ dense[group].T) < tolerance
+    assert (out[ends[home.shape[0] - 1]:slot_base] == float("inf")).all() and (out[ends[-1]:] == float("inf")).all()
+
+
+@needs_triton
+@pytest.mark.parametrize("group_rows", [None, (4, 9)])
+def test_the_exact_pass_equals_the_dequantized_weights_with_slots(group_rows):
+    """The Triton tile that decodes the ``mma`` layout into bf16 (every device's path, and the fp8
+    kernel's second pass): scale bytes spread far past the fp8 window, home and slot groups."""
+    home, slots, x, offsets, slot_base = _grouped_case([5, 0, 12, 3], [7, 9], 96, 160, seed=3, spread=30)
+    assert int(home.scales.max()) > mxfp4_fp8mma.HIGH and int(home.scales.min()) < mxfp4_fp8mma.LOW
+    out = torch.full((x.shape[0], 160), float("inf"), dtype=torch.bfloat16, device=DEVICE)
+    config = default_config(16, 4, "mxfp4", None, "mma")
+    mxfp4_grouped_mm_triton(x, home.values, home.scales, offsets, config, out=out, group_rows=group_rows,
+                            slots=(slots.values, slots.scales), slot_base=slot_base, layout="mma")
+    _check(out, home, slots, x, offsets, slot_base, group_rows, 4e-3)
+
+
+@needs_triton
+def test_the_dequantize_kernel_reads_the_mma_layout():
+    from flatep.kernels.mxfp4_dequant import dequantize_mxfp4_triton
+
+    experts = _experts(3, 48, 128, torch.Generator().manual_seed(4), spread=30)
+    decoded = dequantize_mxfp4_triton(experts.values, experts.scales, layout="mma")
+    assert torch.equal(decoded.float(), experts.dequantize(torch.bfloat16).float())
+
+
+def test_configs_and_launches_of_the_mma_layout():
+    cpu = torch.device("cpu")
+    assert not default_config(16 * 8, 8, "mxfp4", cpu, "mma").lane_words  # the exact tiles decode in column order
+    assert all(not config.lane_words and not config.wgmma for config, _ in packed_launches(20 * 8, 8, "mxfp4", cpu,
+                                                                                              "mma"))
+    with pytest.raises(ValueError, match="'mma' for mxfp4 only"):
+        default_config(16, 1, "fp8", None, "mma")
+    values = torch.zeros(1, 128, 32, dtype=torch.uint8)
+    scales = torch.full((1, 128, 2), 127, dtype=torch.uint8)
+    rows = torch.zeros(4, 64, dtype=torch.bfloat16)
+    offsets = torch.tensor([4], dtype=torch.int32)
+    with pytest.raises(ValueError, match="Hopper"):
+        mxfp4_grouped_mm_triton(rows, values, scales, offsets, FP8MMA[32], layout="mma")
+    with pytest.raises(ValueError, match="fp8_rows"):
+        mxfp4_grouped_mm_triton(rows, values, scales, offsets, fp8_rows=(rows, rows))
+    with pytest.raises(ValueError, match="layout must be"):
+        mxfp4_grouped_mm_triton(rows, values, scales, offsets, layout="checkpoint")
+
+
+def _compile(block_m: int, stages: int, registers: int, directory: str) -> None:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    inner, block_k = 3584, 128
+    hi_lo = torch.empty(512, inner, dtype=torch.float8_e4m3fn)
+    values = torch.empty(2, 512, inner // 2, dtype=torch.uint8)
+    scales = torch.empty(2, inner // 32, 512, dtype=torch.uint8).transpose(1, 2)
+    kernel = mxfp4_fp8mma._fp8mma_kernel
+    operands = mxfp4_fp8mma.descriptors(hi_lo, values, scales, values, scales, block_m, block_k)
+    types = dict(zip(("a_desc", "w_desc", "s_desc", "slot_w_desc", "slot_s_desc"), map(mangle_type, operands)))
+    types |= {"out_ptr": "*bf16", "offsets_ptr": "*i32", "redo_ptr": "*i32", "factor_ptr": "*fp32"}
+    constants = {"K": inner, "GROUP_M": 8, "GROUPS": 128, "STAGES": stages,
+                 "PRODUCER_REGISTERS": mxfp4_fp8mma.PRODUCER_REGISTERS, "WL": mxfp4_fp8mma.words_layout(block_k),
+                 "SL": mxfp4_fp8mma.scales_layout(block_k), "num_warps": mxfp4_fp8mma.NUM_WARPS}
+    signature = {name: "constexpr" if name in constants else types.get(name, "i32") for name in kernel.arg_names}
+    source = GluonASTSource(fn=kernel, signature=signature,
+                            constexprs={(kernel.arg_names.index(name),): value for name, value in constants.items()})
+    write_compiled(triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                                  options={"num_warps": mxfp4_fp8mma.NUM_WARPS, "maxnreg": registers}), directory)
+
+
+@pytest.mark.skipif(fp8_wgmma.gluon is None, reason="this Triton has no Gluon Hopper API")
+@pytest.mark.parametrize("block_m", sorted(FP8MMA))
+def test_compiles_for_sm90_with_the_weights_in_registers(block_m, tmp_path):
+    """:data:`FP8MMA`'s tiles at Kimi-K3's K: every fp8 MMA takes its first operand from registers, no
+    register spills in the K loop, and the programs an SM fit its shared memory."""
+    from flatep.bench.sass import innermost_mma_loop
+
+    config = FP8MMA[block_m]
+    registers = min(255, 65536 // (256 * config.programs_per_sm) // 8 * 8)
+    shared, _, sass, _ = sm90_build(
+        f"from tests.kernels.test_mxfp4_fp8mma import _compile; "
+        f"_compile({block_m}, {config.num_stages}, {registers}, {str(tmp_path)!r})", tmp_path)
+    assert config.programs_per_sm * (shared + 1024) <= 228 * 1024  # 1 KiB of each program reserved
+    mmas = re.findall(rf"QGMMA\.64x{block_m}x32\.F32\.E4M3\.E4M3 R\d+, (\S+), gdesc", sass)
+    assert len(mmas) >= 8 and all(operand.startswith("R") for operand in mmas)
+    assert not [line for line in innermost_mma_loop(sass) if "STL" in line or "LDL" in line]
+
+
+@on_hopper
+@pytest.mark.parametrize("group_rows, out_of_window", [((0, 32), False), ((32, 1 << 30), False), (None, True)])
+def test_the_fp8_kernel_with_slots_in_a_graph(group_rows, out_of_window):
+    """:data:`FP8MMA`'s tiles with home and slot groups of 0-70 rows, captured in a CUDA graph with
+    host syncs raising; with a scale byte outside the window, the exact pass computes the launch
+    again (within bf16's error, not the fp8 kernel's)."""
+    home, slots, x, offsets, slot_base = _grouped_case([18, 0, 31, 5, 70, 33], [9, 40], 3584, 384, seed=11)
+    if out_of_window:
+        home.scales[4, 7, 3] = mxfp4_fp8mma.HIGH + 40
+    config = FP8MMA[32 if group_rows in (None, (0, 32)) else 64]
+    out = torch.full((x.shape[0], 384), float("inf"), dtype=torch.bfloat16, device="cuda")
+
+    def run():
+        mxfp4_grouped_mm_triton(x, home.values, home.scales, offsets, config, out=out, group_rows=group_rows,
+                                slots=(slots.values, slots.scales), slot_base=slot_base, layout="mma")
+
+    run()  # compiles
+    out.fill_(float("inf"))
+    graph = torch.cuda.CUDAGraph()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.cuda.graph(graph):
+            run()
+        graph.replay()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    _check(out, home, slots, x, offsets, slot_base, group_rows, 4e-3 if out_of_window else 6e-3)
+
+
+@on_hopper
+def test_the_split_on_the_gpu_gives_the_rows_back():
+    """The GPU's casts: ``hi + lo`` rebuilds each row to within e4m3's smallest step of its largest, and
+    the factors are the torch definition's."""
+    from flatep.kernels.fp8_split import split_rows, split_rows_triton
+
+    generator = torch.Generator(device="cuda").manual_seed(9)
+    x = (torch.randn(300, 3584, device="cuda", generator=generator)
+         * torch.logspace(-3, 3, 300, device="cuda")[:, None]).bfloat16()
+    hi_lo, factor = split_rows_triton(x, mxfp4_fp8mma.CENTER)
+    assert torch.equal(factor, split_rows(x, mxfp4_fp8mma.CENTER)[1])
+    rebuilt = (hi_lo[:300].float() + hi_lo[300:].float()) * factor[:, None] * 2.0 ** (127 - mxfp4_fp8mma.CENTER)
+    largest = x.float().abs().amax(1, keepdim=True)
+    assert ((rebuilt - x.float()).abs() <= largest * 2.0**-16).all()
