@@ -15,7 +15,6 @@ import triton
 import triton.language as tl
 
 from flatep.kernels.backend import (
-    interpreting,
     round_to_e4m3,
     row_programs,
     row_runs,
@@ -48,11 +47,9 @@ def split_rows(rows: torch.Tensor, center: int) -> tuple[torch.Tensor, torch.Ten
 
 @triton.jit
 def _split_kernel(x_ptr, out_ptr, factor_ptr, end_ptr, skip_ptr, rows, skip_stop, stride_x, K,
-                  CENTER_EXPONENT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                  ROUND_FIRST: tl.constexpr):
+                  CENTER_EXPONENT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     """Grid-strided over the row blocks of :func:`flatep.kernels.backend.row_runs`: each block's largest
-    magnitudes, then its ``hi`` rows (``out`` rows ``[0, rows)``) and ``lo`` rows (from row ``rows``).
-    ``ROUND_FIRST`` rounds to the e4m3 grid before the casts (the interpreter's casts truncate)."""
+    magnitudes, then its ``hi`` rows (``out`` rows ``[0, rows)``) and ``lo`` rows (from row ``rows``)."""
     first_end, second_start, end = row_runs(end_ptr, rows, skip_ptr, skip_stop)
     blocks = run_block_count(first_end, second_start, end, BLOCK_M)
     column = tl.arange(0, BLOCK_K)
@@ -79,13 +76,12 @@ def _split_kernel(x_ptr, out_ptr, factor_ptr, end_ptr, skip_ptr, rows, skip_stop
             offset = row[:, None] * K + k + column[None, :]
             x = tl.load(x_ptr + row[:, None] * stride_x + k + column[None, :], mask=mask, other=0.0).to(tl.float32)
             x = x * scale[:, None]
-            if ROUND_FIRST:
-                hi = round_to_e4m3(x).to(tl.float8e4nv)
-            else:
-                hi = x.to(tl.float8e4nv)
-            rest = x - hi.to(tl.float32)
-            if ROUND_FIRST:
-                rest = round_to_e4m3(rest)
+            # Both parts rounded to the e4m3 grid in fp32 arithmetic, then cast exactly: hi's value is
+            # never read back from its fp8 cast, which on an H100 (Triton 3.6) gave some elements' lo
+            # as if from another element's hi (lo values past hi's last bit, the layer's products wrong).
+            hi = round_to_e4m3(x)
+            rest = round_to_e4m3(x - hi)
+            hi = hi.to(tl.float8e4nv)
             tl.store(out_ptr + offset, hi, mask=mask)
             tl.store(out_ptr + rows * K + offset, rest.to(tl.float8e4nv), mask=mask)
         block += tl.num_programs(0)
@@ -111,5 +107,5 @@ def split_rows_triton(
     if count:
         _split_kernel[(row_programs(count, SPLIT_ROWS, 1, rows.device), )](
             rows, hi_lo, factor, end, skip_start, count, skip_stop, rows.stride(0), columns,
-            CENTER_EXPONENT=center - 127, BLOCK_M=SPLIT_ROWS, BLOCK_K=SPLIT_K, ROUND_FIRST=interpreting(), num_warps=4)
+            CENTER_EXPONENT=center - 127, BLOCK_M=SPLIT_ROWS, BLOCK_K=SPLIT_K, num_warps=4)
     return hi_lo, factor
