@@ -1,4 +1,5 @@
-"""The mxfp4 GEMM over pools in the ``mma`` layout (fp8 activations): the exact Triton pass on the CPU
+"""The mxfp4 GEMM over pools in the ``mma`` layout (fp8 activations): the kernel's decode emulated bit
+for bit (PTX ``prmt``) over its window of scale bytes, the exact Triton pass on the CPU
 (under the interpreter) against the dequantized weights, the Gluon fp8 kernel compiled for sm_90
 without a GPU, and on a Hopper GPU against the torch path with slots, in a CUDA graph, including
 scale bytes outside its window (the exact pass then computes the launch again)."""
@@ -12,12 +13,70 @@ import torch
 from flatep.kernels import fp8_wgmma, mxfp4_fp8mma
 from flatep.kernels.backend import use_triton
 from flatep.kernels.quant_gemm import FP8MMA, default_config, mxfp4_grouped_mm_triton, packed_launches
-from flatep.quant import QuantizedTensor
+from flatep.quant import QuantizedTensor, to_mma_layout
+from flatep.quant.mxfp4 import E2M1_VALUES
 from tests.helpers import DEVICE, relative_error, sm90_build, write_compiled
 
 on_hopper = pytest.mark.skipif(not (torch.cuda.is_available() and fp8_wgmma.available(torch.device("cuda"))),
                                reason="the Gluon kernel runs on a Hopper (sm_90) GPU")
 needs_triton = pytest.mark.skipif(not use_triton(DEVICE), reason="needs CUDA or TRITON_INTERPRET=1")
+
+
+def _prmt(low: int, high: int, selector: int) -> int:
+    """PTX ``prmt.b32 d, low, high, selector`` (default mode): output byte ``i`` is byte ``selector``
+    nibble ``i`` of ``{high, low}``; a nibble with bit 3 set would replicate a sign instead."""
+    table = [(low >> 8 * i) & 0xFF for i in range(4)] + [(high >> 8 * i) & 0xFF for i in range(4)]
+    out = 0
+    for i in range(4):
+        nibble = (selector >> 4 * i) & 0xF
+        assert nibble < 8, "the decode must clear bit 3 of each selector nibble"
+        out |= table[nibble] << 8 * i
+    return out
+
+
+def _decode(word: int, table0: int, table1: int) -> tuple[int, int]:
+    """The kernel's DECODE_PTX on one word: the e4m3 bytes of columns ``4q + j`` and ``16 + 4q + j``."""
+    magnitudes = word & 0x77777777
+    first = _prmt(table0, table1, magnitudes & 0xFFFF) | (word & 0x80808080)
+    second = _prmt(table0, table1, magnitudes >> 16) | ((word << 4) & 0x80808080)
+    return first, second
+
+
+def _decoded_values(codes: torch.Tensor, scale: int) -> torch.Tensor:
+    """One row's e2m1 ``codes [K]`` with one scale byte for every block -> the values the kernel's decode
+    (:data:`flatep.kernels.mxfp4_mxfp4_fp8mma.DECODE_PTX`, emulated) makes of its ``mma`` layout, fp32."""
+    packed = (codes[0::2] | (codes[1::2] << 4))[None]
+    words = to_mma_layout(packed).view(torch.int32)[0].tolist()
+    table0 = (scale * mxfp4_fp8mma.STEP0 + mxfp4_fp8mma.TABLE0) & 0xFFFFFFFF
+    table1 = (scale * mxfp4_fp8mma.STEP1 + mxfp4_fp8mma.TABLE1) & 0xFFFFFFFF
+    e4m3 = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    out = torch.empty(codes.shape[0])
+    for index, word in enumerate(words):
+        block, lane = divmod(index, 4)
+        for half, register in enumerate(_decode(word & 0xFFFFFFFF, table0, table1)):
+            for j in range(4):
+                out[32 * block + 16 * half + 4 * lane + j] = e4m3[(register >> 8 * j) & 0xFF]
+    return out
+
+
+def test_every_code_decodes_exactly_at_every_scale_in_the_window():
+    order = torch.randperm(64, generator=torch.Generator().manual_seed(0))
+    codes = torch.arange(16, dtype=torch.uint8).repeat(4)[order]
+    expected_codes = torch.tensor(E2M1_VALUES)[codes.long()]
+    for scale in range(mxfp4_fp8mma.LOW, mxfp4_fp8mma.HIGH + 1):
+        decoded = _decoded_values(codes, scale)
+        torch.testing.assert_close(decoded, expected_codes * 2.0 ** (scale - mxfp4_fp8mma.CENTER), rtol=0, atol=0)
+        assert torch.equal(torch.signbit(decoded), codes >= 8)  # -0 stays -0
+
+
+@pytest.mark.parametrize("past", [-1, 1])
+def test_the_window_is_tight(past):
+    """One byte past either end of the window decodes some code wrongly: the kernel's flag is needed."""
+    codes = torch.arange(16, dtype=torch.uint8).repeat(4)
+    scale = mxfp4_fp8mma.LOW - 1 if past < 0 else mxfp4_fp8mma.HIGH + 1
+    decoded = _decoded_values(codes, scale)
+    expected = torch.tensor(E2M1_VALUES)[codes.long()] * 2.0 ** (scale - mxfp4_fp8mma.CENTER)
+    assert not torch.equal(decoded, expected)
 
 
 def _experts(count: int, columns: int, hidden: int, generator: torch.Generator, spread: int = 0) -> QuantizedTensor:
