@@ -91,7 +91,7 @@ def k_loop(module, format: str, config: GemmConfig, inner: int) -> dict:
     constants = dict(K=inner, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
                      GROUP_M=config.group_m, GROUPS=128, SWAP_AB=config.swap_ab, RESCALE=config.rescale, GATED=True,
                      NATURAL_K=not config.swap_ab and config.block_m >= 64, LANE_WORDS=config.lane_words,
-                     ONE_MULTIPLY=True, INTERPRET=False, stride_sn=1, TMA=not config.swap_ab)
+                     ONE_MULTIPLY=True, INTERPRET=False, stride_sn=1, TMA=not config.swap_ab, MMA=False)
     constants = {name: value for name, value in constants.items() if name in kernel.arg_names}
     types = dict(POINTER_TYPES[format])
     if constants.get("TMA"):  # mxfp4's unswapped tiles copy by tensor descriptor (the layer's scales fit)

@@ -52,7 +52,7 @@ def launch(rows, values, scales, offsets, config: GemmConfig, out, max_registers
             EXPERTS, EXPERTS, 0, values.shape[1], rows.stride(0), out.stride(0), *scales.stride(), 0, 2**31 - 1,
             rows.shape[1], BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
             GROUP_M=config.group_m, GROUPS=128, SWAP_AB=False, NATURAL_K=False, LANE_WORDS=config.lane_words,
-            ONE_MULTIPLY=one_multiply, TMA=False, INTERPRET=False, num_warps=config.num_warps,
+            ONE_MULTIPLY=one_multiply, TMA=False, INTERPRET=False, MMA=False, num_warps=config.num_warps,
             num_stages=config.num_stages, **limit)
 
 
