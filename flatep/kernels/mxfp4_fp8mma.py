@@ -293,6 +293,13 @@ if gluon is not None:
             mbarrier.invalidate(load_empty.index(i))
 
 
+def max_registers(programs_per_sm: int) -> int:
+    """A thread's registers at launch for ``programs_per_sm`` programs an SM: a program is 8 warps (the
+    producer's warp padded to a warp group) of Hopper's 64K registers an SM, rounded down to a multiple
+    of 8 (``setmaxnreg`` then moves registers from the producer's warp group to the consumer's)."""
+    return min(255, 65536 // (2 * 128 * programs_per_sm) // 8 * 8)
+
+
 def fits(hi_lo: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, block_k: int) -> bool:
     """Whether this kernel's copies take these operands: ``K`` a multiple of ``block_k``, ``N`` a
     multiple of :data:`BLOCK_N` (a tile's copy of scales past ``N`` would read zeros, which the scale

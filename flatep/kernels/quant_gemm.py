@@ -1308,11 +1308,10 @@ def _mxfp4_mma_grouped_mm(
                for pool_values, pool_scales in ((values, scales), (slot_values, slot_scales))):
             redo.zero_()
             programs = persistent_grid(rows.shape[0], groups, columns, config, rows.device)[0]
-            registers = min(255, 65536 // (2 * 128 * config.programs_per_sm) // 8 * 8)  # 8 warps a program
             mxfp4_fp8mma.mxfp4_fp8mma_launch(
                 hi_lo, factor, values, scales, slot_values, slot_scales, out, offsets, redo, values.shape[0],
                 slot_base, rows_above, rows_at_most, config.block_m, config.block_k, config.group_m,
-                config.num_stages, programs, registers)
+                config.num_stages, programs, mxfp4_fp8mma.max_registers(config.programs_per_sm))
     elif config.swap_ab or config.lane_words:
         raise ValueError(f"the mma layout's Triton tiles are unswapped, in column order (no lane_words), got {config}")
     else:

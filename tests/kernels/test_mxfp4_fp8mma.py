@@ -79,6 +79,26 @@ def test_the_window_is_tight(past):
     assert not torch.equal(decoded, expected)
 
 
+def test_the_kernels_arithmetic_equals_the_dequantized_product():
+    """The kernel's computation emulated in fp32: the emulated decode of each row and block (scale
+    bytes across the window) times the split rows' two parts, times the rows' factors, is the product
+    of the bf16 rows and the dequantized weights, within e4m3's split error."""
+    from flatep.kernels.fp8_split import split_rows
+
+    generator = torch.Generator().manual_seed(12)
+    columns, inner = 6, 96
+    codes = torch.randint(0, 16, (columns, inner), dtype=torch.uint8, generator=generator)
+    scales = torch.randint(mxfp4_fp8mma.LOW, mxfp4_fp8mma.HIGH + 1, (columns, inner // 32), generator=generator)
+    decoded = torch.stack([torch.cat([_decoded_values(codes[n], int(scales[n, b]))[32 * b:32 * b + 32]
+                                      for b in range(inner // 32)]) for n in range(columns)])
+    dense = torch.tensor(E2M1_VALUES)[codes.long()] * torch.exp2(scales.float() - 127).repeat_interleave(32, 1)
+    rows = (torch.randn(5, inner, generator=generator) * 3).bfloat16()
+    hi_lo, factor = split_rows(rows, mxfp4_fp8mma.CENTER)
+    product = (hi_lo[:5].float() @ decoded.T + hi_lo[5:].float() @ decoded.T) * factor[:, None]
+    expected = rows.float() @ dense.T
+    assert relative_error(product, expected) < 1e-5  # hi + lo is each row but for its smallest values
+
+
 def _experts(count: int, columns: int, hidden: int, generator: torch.Generator, spread: int = 0) -> QuantizedTensor:
     """``count`` random experts in the ``mma`` layout; ``spread`` moves each scale byte by up to that much."""
     weights = torch.randn(count, columns, hidden, generator=generator) * hidden**-0.5
@@ -193,7 +213,8 @@ def test_compiles_for_sm90_with_the_weights_in_registers(block_m, tmp_path):
     from flatep.bench.sass import innermost_mma_loop
 
     config = FP8MMA[block_m]
-    registers = min(255, 65536 // (256 * config.programs_per_sm) // 8 * 8)
+    registers = mxfp4_fp8mma.max_registers(config.programs_per_sm)
+    assert registers == {32: 80, 64: 128}[block_m]  # the prototype's measured launches (2026-12-07-h100-j)
     shared, _, sass, _ = sm90_build(
         f"from tests.kernels.test_mxfp4_fp8mma import _compile; "
         f"_compile({block_m}, {config.num_stages}, {registers}, {str(tmp_path)!r})", tmp_path)
