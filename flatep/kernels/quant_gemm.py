@@ -777,10 +777,9 @@ def _mma_code_values(words, MAGNITUDE: tl.constexpr, SIGN: tl.constexpr):
 def _mma_decoded_tile(words, exponent, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr):
     """The weights of int32 ``words [BLOCK_N, BLOCK_K/8]`` in the ``mma`` layout (column order) with int32
     e8m0 ``exponent [BLOCK_N, BLOCK_K/32]``: ``[BLOCK_N, BLOCK_K]`` bf16 (fp32 under the interpreter) in
-    column order, each weight
-    ``e2m1 * 2**(e - 127)`` as one fp32 product, exact for every byte from 1 to 254 (byte 0 gives 0,
-    as the bf16 tiles' second pass; 255 inf or NaN). Word ``4 * block + q`` holds columns ``32 * block
-    + 4q + j`` and ``32 * block + 16 + 4q + j``."""
+    column order, each weight ``e2m1 * 2**(e - 127)`` as one fp32 product, exact for every byte from 1
+    to 254 (byte 0 gives 0, as the bf16 tiles' second pass; 255 inf or NaN). Word ``4 * block + q``
+    holds columns ``32 * block + 4q + j`` and ``32 * block + 16 + 4q + j``."""
     WORDS: tl.constexpr = BLOCK_K // 8
     BLOCKS: tl.constexpr = BLOCK_K // 32
     low = tl.reshape(tl.join(tl.join(_mma_code_values(words, 0, 7), _mma_code_values(words, 8, 23)),
