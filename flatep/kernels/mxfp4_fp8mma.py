@@ -46,9 +46,8 @@ from flatep.kernels.backend import tma_fits
 from flatep.kernels.fp8_wgmma import gluon
 
 if gluon is not None:
-    from flatep.kernels.fp8_wgmma import (TensorDescriptor, _find_tile, _tma_load, gl, mbarrier, warpgroup_mma,
-                                          warpgroup_mma_wait)
-    from flatep.kernels.mxfp4_wgmma import _shared_layout, _tiles
+    from flatep.kernels.fp8_wgmma import TensorDescriptor, _find_tile, gl, mbarrier, warpgroup_mma, warpgroup_mma_wait
+    from flatep.kernels.mxfp4_wgmma import _load_steps, _shared_layout, _tiles
 
 HALF_N = 64
 BLOCK_N = 128
@@ -126,43 +125,13 @@ if gluon is not None:
     @gluon.jit
     def _produce(descriptors, a_bufs, w_bufs, s_bufs, load_ready, load_empty, scalars, M,
                  K: gl.constexpr, GROUP_M: gl.constexpr, GROUPS: gl.constexpr):
-        """The producer warp: each K step's hi and lo row tiles (rows ``first`` and ``M + first`` of
-        ``hi_lo``), weight words and scales (the home pool's or, for groups from ``split`` on, the
-        slots') copied by TMA into the ring of stages."""
-        a_desc, w_desc, s_desc, slot_w_desc, slot_s_desc = descriptors
+        """The producer warp: :func:`flatep.kernels.mxfp4_wgmma._load_steps` with each K step's hi and lo
+        row tiles (rows ``first`` and ``M + first`` of ``hi_lo``)."""
         out_ptr, offsets_ptr, redo_ptr, factor_ptr, groups, split, split_start, N, stride_om, rows_above, \
             rows_at_most = scalars
-        STAGES: gl.constexpr = a_bufs[0].shape[0]
-        TILE_M: gl.constexpr = a_bufs[0].shape[1]
-        BLOCK_K: gl.constexpr = a_bufs[0].shape[2]
-        g, table, tile = _tiles(offsets_ptr, redo_ptr, groups, split, split_start, N, rows_above, rows_at_most,
-                                TILE_M, _BLOCK_N, GROUPS, True, 1)
-        starts, ends, tiles, passed, total = table
-        step_bytes: gl.constexpr = 2 * a_desc.block_type.nbytes + w_desc.block_type.nbytes + s_desc.block_type.nbytes
-        count = 0
-        while tile < total:
-            group, first, _, first_column = _find_tile(tile, g, starts, ends, tiles, passed, N, TILE_M, _BLOCK_N,
-                                                       GROUP_M)
-            is_slot = group >= split
-            expert = gl.where(is_slot, group - split, group)
-            word_row = expert * N + first_column
-            scale_row = expert * (K // 32)
-            for step in range(K // BLOCK_K):
-                stage = count % STAGES
-                mbarrier.wait(load_empty.index(stage), ((count // STAGES) & 1) ^ 1)
-                bar = load_ready.index(stage)
-                mbarrier.expect(bar, step_bytes)
-                _tma_load(a_desc, [first, step * BLOCK_K], bar, a_bufs[0].index(stage))
-                _tma_load(a_desc, [M + first, step * BLOCK_K], bar, a_bufs[1].index(stage))
-                if is_slot:
-                    _tma_load(slot_w_desc, [word_row, step * (BLOCK_K // 8)], bar, w_bufs.index(stage))
-                    _tma_load(slot_s_desc, [scale_row + step * (BLOCK_K // 32), first_column], bar,
-                              s_bufs.index(stage))
-                else:
-                    _tma_load(w_desc, [word_row, step * (BLOCK_K // 8)], bar, w_bufs.index(stage))
-                    _tma_load(s_desc, [scale_row + step * (BLOCK_K // 32), first_column], bar, s_bufs.index(stage))
-                count += 1
-            tile += gl.num_programs(0)
+        _load_steps(descriptors, a_bufs[0], w_bufs, s_bufs, load_ready, load_empty,
+                    (out_ptr, offsets_ptr, redo_ptr, groups, split, split_start, N, stride_om, rows_above,
+                     rows_at_most), K, GROUP_M, GROUPS, True, a_bufs[1], M)
 
     @gluon.jit
     def _operand_weights(words_buf, scales_buf, smallest, largest, a_op: gl.constexpr, WL: gl.constexpr,

@@ -136,10 +136,13 @@ if gluon is not None:
 
     @gluon.jit
     def _load_steps(descriptors, a_bufs, w_bufs, s_bufs, load_ready, load_empty, scalars, K: gl.constexpr,
-                    GROUP_M: gl.constexpr, GROUPS: gl.constexpr, ONE_MULTIPLY: gl.constexpr):
-        """A producer warp's loop (this kernel's and :mod:`flatep.kernels.mxfp4_swap`'s): every K step of
-        the program's tiles (``a_bufs [stages, rows, K step]``, ``w_bufs [stages, columns, K step / 8]``)
-        copied by TMA into the ring of stages, each stage once the consumer handed it back."""
+                    GROUP_M: gl.constexpr, GROUPS: gl.constexpr, ONE_MULTIPLY: gl.constexpr, second_bufs=None,
+                    second_row=0):
+        """A producer warp's loop (this kernel's, :mod:`flatep.kernels.mxfp4_swap`'s and
+        :mod:`flatep.kernels.mxfp4_fp8mma`'s): every K step of the program's tiles (``a_bufs [stages,
+        rows, K step]``, ``w_bufs [stages, columns, K step / 8]``) copied by TMA into the ring of stages,
+        each stage once the consumer handed it back. With ``second_bufs``, each step also copies the
+        row tile ``second_row`` rows further down ``a_desc`` into them (the fp8 kernel's ``lo`` rows)."""
         a_desc, w_desc, s_desc, slot_w_desc, slot_s_desc = descriptors
         out_ptr, offsets_ptr, redo_ptr, groups, split, split_start, N, stride_om, rows_above, rows_at_most = scalars
         STAGES: gl.constexpr = a_bufs.shape[0]
@@ -151,7 +154,9 @@ if gluon is not None:
         g, table, tile = _tiles(offsets_ptr, redo_ptr, groups, split, split_start, N, rows_above, rows_at_most,
                                 TILE_M, TILE_N, GROUPS, ONE_MULTIPLY, 1)
         starts, ends, tiles, passed, total = table
-        step_bytes: gl.constexpr = a_desc.block_type.nbytes + w_desc.block_type.nbytes + s_desc.block_type.nbytes
+        ROW_TILES: gl.constexpr = 1 if second_bufs is None else 2
+        step_bytes: gl.constexpr = (ROW_TILES * a_desc.block_type.nbytes + w_desc.block_type.nbytes
+                                    + s_desc.block_type.nbytes)
         count = 0
         while tile < total:
             group, first, _, first_column = _find_tile(tile, g, starts, ends, tiles, passed, N, TILE_M, TILE_N,
@@ -168,6 +173,8 @@ if gluon is not None:
                 bar = load_ready.index(stage)
                 mbarrier.expect(bar, step_bytes)
                 _tma_load(a_desc, [first, step * STEP], bar, a_bufs.index(stage))
+                if second_bufs is not None:
+                    _tma_load(a_desc, [second_row + first, step * STEP], bar, second_bufs.index(stage))
                 if is_slot:
                     _tma_load(slot_w_desc, [word_row, step * WORDS], bar, w_bufs.index(stage))
                     _tma_load(slot_s_desc, [scale_row + step * BLOCKS, first_column], bar, s_bufs.index(stage))
