@@ -68,7 +68,7 @@ class ExpertPool:
             raise ValueError(f"dtype (of activations and biases) must be torch.bfloat16 or torch.float32, got {dtype}")
         self.config, self.group, self.dtype, self.weights = config, group, dtype, weights
         # The values' byte layout, fixed when the pool is made (mxfp4: words, or mma for fp8 activations).
-        self.layout = pool_layout(weights) if weights != "bf16" else "checkpoint"
+        self.layout = pool_layout(weights)
         scales = ("w13_scale", "w2_scale") if weights != "bf16" else ()
         self.names: tuple[str, ...] = ("w13", "w2", *scales, *(("b13", "b2") if biases else ()))
         for name in ("w13", "w2", "w13_scale", "w2_scale", "b13", "b2"):

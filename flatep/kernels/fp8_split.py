@@ -3,8 +3,9 @@
 A row ``x [K]`` (bf16) with largest magnitude ``amax`` gets the power of two ``2**t``, ``t = 8 -
 ceil(log2(amax))``, that puts ``amax * 2**t`` in ``(128, 256]``; then ``hi = e4m3(x * 2**t)`` and ``lo =
 e4m3(x * 2**t - hi)`` (rounded to nearest even). ``hi`` holds a value's top 4 significant bits and
-``lo`` the next 4, so ``hi + lo`` is ``x * 2**t`` exactly wherever ``lo`` is a normal e4m3 (values more
-than about ``2**-14`` below the row's largest lose bits below e4m3's smallest step). The GEMM sums both
+``lo`` the next 4, so ``hi + lo`` is ``x * 2**t`` exactly wherever ``x`` is at least ``2**-9`` of the row's
+largest magnitude; smaller values keep their bits down to e4m3's smallest step, ``2**-9`` after
+scaling (an error of at most ``2**-17`` of the row's largest). The GEMM sums both
 parts' products and multiplies by ``factor = 2**(center - 127 - t)``, where the weights' table is
 ``e2m1 * 2**(scale - center)``.
 """
@@ -83,7 +84,7 @@ def _split_kernel(x_ptr, out_ptr, factor_ptr, end_ptr, skip_ptr, rows, skip_stop
             rest = round_to_e4m3(x - hi)
             hi = hi.to(tl.float8e4nv)
             tl.store(out_ptr + offset, hi, mask=mask)
-            tl.store(out_ptr + rows * K + offset, rest.to(tl.float8e4nv), mask=mask)
+            tl.store(out_ptr + (row[:, None] + rows) * K + k + column[None, :], rest.to(tl.float8e4nv), mask=mask)
         block += tl.num_programs(0)
 
 

@@ -20,7 +20,7 @@ decode makes e4m3 bytes, four weights a byte permute:
   Triton tiles' exact pass over the same layout), on the device, with no sync.
 - The rows ``x [M, K]`` bf16 come as ``hi = e4m3(x * 2**t)`` and ``lo = e4m3(x * 2**t - hi)``, a power
   of two ``2**t`` per row (:func:`flatep.kernels.fp8_split.split_rows_triton`), so that ``hi + lo``
-  carry bf16's 8 significant bits (exactly, where ``lo`` is a normal e4m3); the MMA sums both, and the
+  carry bf16's 8 significant bits (exactly for values at least ``2**-9`` of their row's largest); the MMA sums both, and the
   epilogue multiplies by the row's ``2**(CENTER - 127 - t)``.
 
 A persistent, warp-specialized kernel like :mod:`flatep.kernels.mxfp4_swap` (the product transposed:

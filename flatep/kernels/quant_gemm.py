@@ -1287,7 +1287,7 @@ def _mxfp4_mma_grouped_mm(
     groups, columns = offsets.shape[0], values.shape[1]
     rows_above, rows_at_most = group_rows
     exact = GemmConfig(config.block_m, 128, 64, num_warps=4, num_stages=3, group_m=config.group_m)
-    redo = torch.ones(1, dtype=torch.int32, device=rows.device)
+    fp8_pass = False
     if config.wgmma:
         if config not in FP8MMA.values():
             raise ValueError(f"an mma-layout wgmma config must be one of FP8MMA's, got {config}")
@@ -1303,9 +1303,10 @@ def _mxfp4_mma_grouped_mm(
                              f"{list(factor.shape)}")
         if not slot_values.shape[0]:  # no slot groups: the kernel never reads the slot set
             slot_values, slot_scales = values, scales
-        if all(mxfp4_fp8mma.fits(hi_lo, pool_values, pool_scales, out, config.block_k)
-               for pool_values, pool_scales in ((values, scales), (slot_values, slot_scales))):
-            redo.zero_()
+        fp8_pass = all(mxfp4_fp8mma.fits(hi_lo, pool_values, pool_scales, out, config.block_k)
+                       for pool_values, pool_scales in ((values, scales), (slot_values, slot_scales)))
+        if fp8_pass:
+            redo = torch.zeros(1, dtype=torch.int32, device=rows.device)  # set where a scale byte is outside
             programs = persistent_grid(rows.shape[0], groups, columns, config, rows.device)[0]
             mxfp4_fp8mma.mxfp4_fp8mma_launch(
                 hi_lo, factor, values, scales, slot_values, slot_scales, out, offsets, redo, values.shape[0],
@@ -1315,6 +1316,8 @@ def _mxfp4_mma_grouped_mm(
         raise ValueError(f"the mma layout's Triton tiles are unswapped, in column order (no lane_words), got {config}")
     else:
         exact = config
+    if not fp8_pass:  # the exact pass computes every tile
+        redo = torch.ones(1, dtype=torch.int32, device=rows.device)
     grid = persistent_grid(rows.shape[0], groups, columns, exact, rows.device)
     descriptors = _mxfp4_descriptors(rows, values, scales, slot_values, slot_scales, exact)
     sources = descriptors or (rows, values.view(torch.int32), scales, slot_values.view(torch.int32), slot_scales)

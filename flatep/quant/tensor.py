@@ -37,9 +37,9 @@ MXFP4_FP8_ACTIVATIONS = environment_flag("FLATEP_MXFP4_FP8_ACTIVATIONS", False)
 decoded into e4m3 by fp8 activations on Hopper GPUs (:mod:`flatep.kernels.mxfp4_fp8mma`): off unless
 the environment sets ``FLATEP_MXFP4_FP8_ACTIVATIONS=1``, because it changes the activations'
 precision (each row as two e4m3 parts with one power of two a row, which hold bf16's 8 significant
-bits unless a value lies more than 2**14 below its row's largest). Elsewhere (other GPUs, the CPU)
-such pools run the exact bf16 route of the same layout. Read once, at import; set it before pools are
-made."""
+bits for values at least 2**-9 of their row's largest, and smaller ones to within 2**-17 of it).
+Elsewhere (other GPUs, the CPU) such pools run the exact bf16 route of the same layout. Read once, at
+import; set it before pools are made."""
 _PACKED_LAYOUTS = ("words", "mma")
 
 
