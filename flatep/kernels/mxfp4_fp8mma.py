@@ -20,8 +20,8 @@ decode makes e4m3 bytes, four weights a byte permute:
   Triton tiles' exact pass over the same layout), on the device, with no sync.
 - The rows ``x [M, K]`` bf16 come as ``hi = e4m3(x * 2**t)`` and ``lo = e4m3(x * 2**t - hi)``, a power
   of two ``2**t`` per row (:func:`flatep.kernels.fp8_split.split_rows_triton`), so that ``hi + lo``
-  carry bf16's 8 significant bits (exactly for values at least ``2**-9`` of their row's largest); the MMA sums both, and the
-  epilogue multiplies by the row's ``2**(CENTER - 127 - t)``.
+  carry bf16's 8 significant bits (exactly for values at least ``2**-9`` of their row's largest); the
+  MMA sums both, and the epilogue multiplies by the row's ``2**(CENTER - 127 - t)``.
 
 A persistent, warp-specialized kernel like :mod:`flatep.kernels.mxfp4_swap` (the product transposed:
 the weights' 64-column halves on the MMA's M side, from registers; the rows on its N side from shared
@@ -272,9 +272,9 @@ def max_registers(programs_per_sm: int) -> int:
 def fits(hi_lo: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, block_k: int) -> bool:
     """Whether this kernel's copies take these operands: ``K`` a multiple of ``block_k``, ``N`` a
     multiple of :data:`BLOCK_N` (a tile's copy of scales past ``N`` would read zeros, which the scale
-    check cannot tell from a byte 0 that the decode gets wrong), TMA-copyable ``hi_lo [2M, K]``, contiguous values ``[G, N, K/2]`` and column-fastest
-    scales ``[G, N, K/32]`` whose ``[G, K/32, N]`` view is contiguous (as pools hold them), ``out`` with
-    unit column stride."""
+    check cannot tell from a byte 0 that the decode gets wrong), TMA-copyable ``hi_lo [2M, K]``,
+    contiguous values ``[G, N, K/2]`` and column-fastest scales ``[G, N, K/32]`` whose ``[G, K/32, N]``
+    view is contiguous (as pools hold them), ``out`` with unit column stride."""
     by_block = scales.transpose(1, 2)
     return (hi_lo.shape[1] % block_k == 0 and values.shape[1] % BLOCK_N == 0 and values.is_contiguous()
             and by_block.is_contiguous() and all(tma_fits(t) for t in (hi_lo, values, by_block))
@@ -288,7 +288,8 @@ def descriptors(hi_lo: torch.Tensor, values: torch.Tensor, scales: torch.Tensor,
     (boxes ``[BLOCK_N, block_k / 8]``) and the column-fastest scales ``[G, N, K/32]`` viewed as
     ``[G * K/32, N]`` uint8 (boxes ``[block_k / 32, BLOCK_N]``)."""
     def descriptor(tensor: torch.Tensor, box: list[int], dtype) -> TensorDescriptor:
-        return TensorDescriptor(tensor, list(tensor.shape), list(tensor.stride()), box, _shared_layout(tuple(box), dtype))
+        layout = _shared_layout(tuple(box), dtype)
+        return TensorDescriptor(tensor, list(tensor.shape), list(tensor.stride()), box, layout)
 
     pools = []
     for pool_values, pool_scales in ((values, scales), (slot_values, slot_scales)):

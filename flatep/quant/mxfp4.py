@@ -172,7 +172,10 @@ def _move_bits(values: torch.Tensor, moves: list[tuple[int, int]], group_words: 
             # int32 shifts: left ones drop the bits past 31; right ones are arithmetic, so the mask
             # is applied after them, shifted alike.
             bits = chunk[:, source]
-            result[:, target] |= (bits & _as_int32(mask)) << shift if shift >= 0 else (bits >> -shift) & _as_int32(mask >> -shift)
+            if shift >= 0:
+                result[:, target] |= (bits & _as_int32(mask)) << shift
+            else:
+                result[:, target] |= (bits >> -shift) & _as_int32(mask >> -shift)
         moved[start:start + chunk_groups] = result
     return moved.view(torch.uint8).reshape(values.shape)
 

@@ -104,8 +104,9 @@ def test_mxfp4_pools_for_fp8_activations_equal_dense_over_dequantized_weights(po
     cost = cheap.with_expert_bytes(pool.expert_nbytes()) if policy == "auto" else None
     plan = plan_step(ids, CONFIG, group, policy, cost=cost)
     if policy != "none":
-        assert int((plan.slot_experts >= 0).sum()) >= 2, "the step must borrow experts, so that packed weights are pushed"
-    out = ep_moe(x, ids, route_weights, config=CONFIG, group=group, policy=policy, pool=pool, plan=plan, backend=backend)
+        assert int((plan.slot_experts >= 0).sum()) >= 2, "the step must borrow, so that packed weights are pushed"
+    out = ep_moe(x, ids, route_weights, config=CONFIG, group=group, policy=policy, pool=pool, plan=plan,
+                 backend=backend)
     reference = dense_moe(x, ids, route_weights, dequantized(q13, "mxfp4"), dequantized(q2, "mxfp4"))
     assert relative_error(out, reference) < LAYER_ERROR["mxfp4"]
 
