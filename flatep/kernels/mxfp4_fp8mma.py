@@ -15,9 +15,10 @@ decode makes e4m3 bytes, four weights a byte permute:
   by two ``prmt`` byte permutes through an 8-byte table, the e4m3 bytes of the 8 e2m1 magnitudes
   times ``2**(scale - CENTER)``, built per row and block with two integer multiply-adds from the
   e8m0 scale byte; the signs are ORed in. Exact (e4m3 holds every e2m1 value times a power of two in
-  its normal range) for scale bytes ``LOW .. HIGH``. A launch that reads any other byte sets its flag,
-  and :func:`flatep.kernels.quant_gemm.mxfp4_grouped_mm_triton` then computes it again in bf16 (the
-  Triton tiles' exact pass over the same layout), on the device, with no sync.
+  its normal range) for scale bytes ``LOW .. HIGH``. A tile that reads any other byte flags its group's
+  128 columns, and :func:`flatep.kernels.quant_gemm.mxfp4_grouped_mm_triton` then computes those
+  columns again in bf16 (the Triton tiles' exact pass over the same layout), on the device, with no
+  sync: a checkpoint's rare outlying blocks cost the tiles that read them, not the launch.
 - The rows ``x [M, K]`` bf16 come as ``hi = e4m3(x * 2**t)`` and ``lo = e4m3(x * 2**t - hi)``, a power
   of two ``2**t`` per row (:func:`flatep.kernels.fp8_split.split_rows_triton`), so that ``hi + lo``
   carry bf16's 8 significant bits (exactly for values at least ``2**-9`` of their row's largest); the
@@ -196,12 +197,12 @@ if gluon is not None:
         g, table, tile = _tiles(offsets_ptr, redo_ptr, groups, split, split_start, N, rows_above, rows_at_most,
                                 TILE_M, _BLOCK_N, GROUPS, True, 4)
         starts, ends, tiles, passed, total = table
-        smallest = gl.full([BLOCK_K // 32, _HALF_N], 255, gl.int32, SL)
-        largest = gl.zeros([BLOCK_K // 32, _HALF_N], gl.int32, SL)
         count = 0
         while tile < total:
-            _, first, last, first_column = _find_tile(tile, g, starts, ends, tiles, passed, N, TILE_M, _BLOCK_N,
-                                                      GROUP_M)
+            group, first, last, first_column = _find_tile(tile, g, starts, ends, tiles, passed, N, TILE_M, _BLOCK_N,
+                                                          GROUP_M)
+            smallest = gl.full([BLOCK_K // 32, _HALF_N], 255, gl.int32, SL)
+            largest = gl.zeros([BLOCK_K // 32, _HALF_N], gl.int32, SL)
             acc0 = gl.zeros([_HALF_N, TILE_M], gl.float32, mma_layout)
             acc1 = gl.zeros([_HALF_N, TILE_M], gl.float32, mma_layout)
             for step in range(K // BLOCK_K):
@@ -224,10 +225,11 @@ if gluon is not None:
                 count += 1
             _store_half(acc0, out_ptr, factor_ptr, stride_om, first, last, first_column, N, mma_layout)
             _store_half(acc1, out_ptr, factor_ptr, stride_om, first, last, first_column + _HALF_N, N, mma_layout)
+            lowest = gl.min(gl.min(smallest, axis=1), axis=0)
+            if (lowest < _LOW) | (gl.max(gl.max(largest, axis=1), axis=0) > _HIGH):
+                gl.store(redo_ptr, 1)
+                gl.store(redo_ptr + 1 + group * ((N + _BLOCK_N - 1) // _BLOCK_N) + first_column // _BLOCK_N, 1)
             tile += gl.num_programs(0)
-        lowest = gl.min(gl.min(smallest, axis=1), axis=0)
-        if (lowest < _LOW) | (gl.max(gl.max(largest, axis=1), axis=0) > _HIGH):
-            gl.store(redo_ptr, 1)
 
     @gluon.jit
     def _fp8mma_kernel(a_desc, w_desc, s_desc, slot_w_desc, slot_s_desc, out_ptr, offsets_ptr, redo_ptr, factor_ptr,
@@ -267,6 +269,12 @@ def max_registers(programs_per_sm: int) -> int:
     producer's warp padded to a warp group) of Hopper's 64K registers an SM, rounded down to a multiple
     of 8 (``setmaxnreg`` then moves registers from the producer's warp group to the consumer's)."""
     return min(255, 65536 // (2 * 128 * programs_per_sm) // 8 * 8)
+
+
+def flag_count(groups: int, columns: int) -> int:
+    """Elements of a launch's flags over ``groups`` groups of ``columns`` output columns: one for the
+    launch, then one per group and :data:`BLOCK_N` columns (:func:`mxfp4_fp8mma_launch`)."""
+    return 1 + groups * -(-columns // BLOCK_N)
 
 
 def fits(hi_lo: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, block_k: int) -> bool:
@@ -310,11 +318,16 @@ def mxfp4_fp8mma_launch(
     column-fastest (and the slots' alike, from group ``split`` on, their rows from ``slot_base``),
     ``out [M, N]`` bf16, ``offsets [groups]`` int32; the groups of more than ``rows_above`` and at
     most ``rows_at_most`` rows, in row tiles of ``block_m`` and K steps of ``block_k``, ``stages``
-    copies in flight, over ``programs`` programs of ``max_registers`` registers a thread. Sets
-    ``redo[0]`` (int32) to 1 where a tile read a scale byte outside ``LOW .. HIGH``."""
+    copies in flight, over ``programs`` programs of ``max_registers`` registers a thread. ``redo [1 +
+    groups * ceil(N / BLOCK_N)]`` int32 (zeros) flags the tiles that read a scale byte outside ``LOW ..
+    HIGH``: element ``1 + group * ceil(N / BLOCK_N) + column // BLOCK_N`` for the group's columns from
+    ``column``, and element 0 for any (:func:`flag_count` elements)."""
     if block_m not in BLOCK_M or block_k not in BLOCK_K:
         raise ValueError(f"block_m must be one of {BLOCK_M} and block_k one of {BLOCK_K}, got {block_m} and {block_k}")
     groups = offsets.shape[0]
+    if redo.dtype != torch.int32 or tuple(redo.shape) != (flag_count(groups, values.shape[1]), ):
+        raise ValueError(f"redo must be int32 [{flag_count(groups, values.shape[1])}], got {redo.dtype} "
+                         f"{list(redo.shape)}")
     _fp8mma_kernel[(programs, )](
         *descriptors(hi_lo, values, scales, slot_values, slot_scales, block_m, block_k), out, offsets, redo, factor,
         groups, split, slot_base, values.shape[1], out.stride(0), rows_above, rows_at_most, out.shape[0],

@@ -646,7 +646,9 @@ def _mxfp4_grouped_kernel(
     ``[M, K]``, the words ``[G, N, K/8]`` and the scales ``[G, K/32, N]``; see
     :func:`_mxfp4_descriptors`). ``ONE_MULTIPLY``: the first pass, which sets ``redo_ptr[0]`` to 1
     where a tile reads a scale byte past 128; else the second pass, which computes every tile again
-    if ``redo_ptr[0]`` is set and none otherwise (see :func:`mxfp4_grouped_mm_triton`)."""
+    if ``redo_ptr[0]`` is set and none otherwise (see :func:`mxfp4_grouped_mm_triton`), or with
+    ``MMA`` only the tiles over a group's 128 columns that the fp8 kernel flagged (its flags, from
+    ``redo_ptr[1]``: :func:`flatep.kernels.mxfp4_fp8mma.mxfp4_fp8mma_launch`)."""
     starts, ends, tiles, passed, total = tile_table(offsets_ptr, groups, split, split_start, N, rows_above,
                                                     rows_at_most, BLOCK_M, BLOCK_N, GROUPS)
     tile = tl.program_id(0)
@@ -655,25 +657,34 @@ def _mxfp4_grouped_kernel(
             tile = total
     while tile < total:
         group, first, last, first_column = locate_tile(tile, starts, ends, tiles, passed, N, BLOCK_M, BLOCK_N, GROUP_M, GROUPS)
-        if TMA:  # a descriptor is not a value that a branch can choose: one call per weight set
-            if group < split:
-                _mxfp4_tile(a_src, w_src, s_src, out_ptr, redo_ptr, group, first, last, first_column, N, stride_am,
-                            stride_om, stride_se, stride_sn, stride_sk, K, BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB,
-                            NATURAL_K, LANE_WORDS, ONE_MULTIPLY, TMA, INTERPRET, MMA)
+        compute = True
+        if MMA:  # the tiles over a group's flagged 128 columns, no others
+            SPAN: tl.constexpr = (BLOCK_N + _FP8MMA_COLUMNS - 1) // _FP8MMA_COLUMNS
+            blocks = tl.cdiv(N, _FP8MMA_COLUMNS)
+            block = first_column // _FP8MMA_COLUMNS + tl.arange(0, SPAN)
+            flags = tl.load(redo_ptr + 1 + group * blocks + block, mask=block < blocks, other=0)
+            compute = tl.max(flags, axis=0) != 0
+        if compute:
+            if TMA:  # a descriptor is not a value that a branch can choose: one call per weight set
+                if group < split:
+                    _mxfp4_tile(a_src, w_src, s_src, out_ptr, redo_ptr, group, first, last, first_column, N,
+                                stride_am, stride_om, stride_se, stride_sn, stride_sk, K, BLOCK_M, BLOCK_N, BLOCK_K,
+                                SWAP_AB, NATURAL_K, LANE_WORDS, ONE_MULTIPLY, TMA, INTERPRET, MMA)
+                else:
+                    _mxfp4_tile(a_src, slot_w_src, slot_s_src, out_ptr, redo_ptr, group - split, first, last,
+                                first_column, N, stride_am, stride_om, stride_se, stride_sn, stride_sk, K, BLOCK_M,
+                                BLOCK_N, BLOCK_K, SWAP_AB, NATURAL_K, LANE_WORDS, ONE_MULTIPLY, TMA, INTERPRET, MMA)
             else:
-                _mxfp4_tile(a_src, slot_w_src, slot_s_src, out_ptr, redo_ptr, group - split, first, last, first_column,
-                            N, stride_am, stride_om, stride_se, stride_sn, stride_sk, K, BLOCK_M, BLOCK_N, BLOCK_K,
+                expert, words, exponents = group, w_src, s_src  # the group's weights, as in _fp8_grouped_kernel
+                if group >= split:
+                    expert, words, exponents = group - split, slot_w_src, slot_s_src
+                _mxfp4_tile(a_src, words, exponents, out_ptr, redo_ptr, expert, first, last, first_column, N,
+                            stride_am, stride_om, stride_se, stride_sn, stride_sk, K, BLOCK_M, BLOCK_N, BLOCK_K,
                             SWAP_AB, NATURAL_K, LANE_WORDS, ONE_MULTIPLY, TMA, INTERPRET, MMA)
-        else:
-            expert, words, exponents = group, w_src, s_src  # the group's weights, as in _fp8_grouped_kernel
-            if group >= split:
-                expert, words, exponents = group - split, slot_w_src, slot_s_src
-            _mxfp4_tile(a_src, words, exponents, out_ptr, redo_ptr, expert, first, last, first_column, N, stride_am,
-                        stride_om, stride_se, stride_sn, stride_sk, K, BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, NATURAL_K,
-                        LANE_WORDS, ONE_MULTIPLY, TMA, INTERPRET, MMA)
         tile += tl.num_programs(0)
 
 
+_FP8MMA_COLUMNS = tl.constexpr(mxfp4_fp8mma.BLOCK_N)
 _PAIR0_ROTATION, _PAIR0_MASK = tl.constexpr(WORD_PAIRS[0][0][0]), tl.constexpr(_as_int32(WORD_PAIRS[0][0][1]))
 _PAIR1_ROTATION, _PAIR1_MASK = tl.constexpr(WORD_PAIRS[1][0][0]), tl.constexpr(_as_int32(WORD_PAIRS[1][0][1]))
 _PAIR2_ROTATION, _PAIR2_MASK = tl.constexpr(WORD_PAIRS[2][0][0]), tl.constexpr(_as_int32(WORD_PAIRS[2][0][1]))
@@ -1174,10 +1185,10 @@ def mxfp4_grouped_mm_triton(
 
     With ``layout="mma"`` (pools made with :data:`flatep.quant.tensor.MXFP4_FP8_ACTIVATIONS`) and a
     :data:`FP8MMA` config (on a Hopper GPU) the first launch is :mod:`flatep.kernels.mxfp4_fp8mma`'s,
-    on the rows split into two e4m3 parts (:mod:`flatep.kernels.fp8_split`), which flags a scale byte
-    outside its window (:data:`flatep.kernels.mxfp4_fp8mma.LOW` to ``HIGH``); the second is a Triton
-    tile of the same height that decodes that layout exactly into bf16 (:func:`_mma_decoded_tile`), on
-    the rows as they are. Any other config, or operands the fp8 kernel's copies cannot take (``N`` not
+    on the rows split into two e4m3 parts (:mod:`flatep.kernels.fp8_split`), which flags each group's
+    128 columns whose tiles read a scale byte outside its window (:data:`flatep.kernels.mxfp4_fp8mma.LOW`
+    to ``HIGH``); the second is a Triton tile of the same height that decodes that layout exactly into
+    bf16 (:func:`_mma_decoded_tile`), on the rows as they are, and computes those flagged tiles alone. Any other config, or operands the fp8 kernel's copies cannot take (``N`` not
     a multiple of 128), runs that exact tile alone.
 
     Args:
@@ -1283,7 +1294,7 @@ def _mxfp4_mma_grouped_mm(
 ) -> torch.Tensor:
     """:func:`mxfp4_grouped_mm_triton` on checked operands in the ``mma`` layout: the fp8 kernel's pass
     where ``config`` is one of :data:`FP8MMA` and its copies take the operands, then the exact Triton
-    pass (every tile if the fp8 pass did not run, else only if it flagged a scale byte)."""
+    pass (every tile if the fp8 pass did not run, else only the tiles it flagged)."""
     groups, columns = offsets.shape[0], values.shape[1]
     rows_above, rows_at_most = group_rows
     exact = GemmConfig(config.block_m, 128, 64, num_warps=4, num_stages=3, group_m=config.group_m)
@@ -1305,8 +1316,8 @@ def _mxfp4_mma_grouped_mm(
             slot_values, slot_scales = values, scales
         fp8_pass = all(mxfp4_fp8mma.fits(hi_lo, pool_values, pool_scales, out, config.block_k)
                        for pool_values, pool_scales in ((values, scales), (slot_values, slot_scales)))
-        if fp8_pass:
-            redo = torch.zeros(1, dtype=torch.int32, device=rows.device)  # set where a scale byte is outside
+        if fp8_pass:  # set where a tile reads a scale byte outside the window
+            redo = torch.zeros(mxfp4_fp8mma.flag_count(groups, columns), dtype=torch.int32, device=rows.device)
             programs = persistent_grid(rows.shape[0], groups, columns, config, rows.device)[0]
             mxfp4_fp8mma.mxfp4_fp8mma_launch(
                 hi_lo, factor, values, scales, slot_values, slot_scales, out, offsets, redo, values.shape[0],
@@ -1317,17 +1328,31 @@ def _mxfp4_mma_grouped_mm(
     else:
         exact = config
     if not fp8_pass:  # the exact pass computes every tile
-        redo = torch.ones(1, dtype=torch.int32, device=rows.device)
-    grid = persistent_grid(rows.shape[0], groups, columns, exact, rows.device)
-    descriptors = _mxfp4_descriptors(rows, values, scales, slot_values, slot_scales, exact)
+        redo = torch.ones(mxfp4_fp8mma.flag_count(groups, columns), dtype=torch.int32, device=rows.device)
+    return _mxfp4_mma_exact_pass(rows, values, scales, offsets, exact, out, group_rows, slot_values, slot_scales,
+                                 slot_base, redo)
+
+
+def _mxfp4_mma_exact_pass(
+    rows: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, config: GemmConfig,
+    out: torch.Tensor, group_rows: tuple[int, int], slot_values: torch.Tensor, slot_scales: torch.Tensor,
+    slot_base: int, redo: torch.Tensor,
+) -> torch.Tensor:
+    """The Triton tiles that decode the ``mma`` layout into bf16 (``config``: unswapped), on the tiles
+    over what ``redo`` flags (int32 ``[mxfp4_fp8mma.flag_count(groups, N)]``: element 0 for any, then
+    one per group and 128 columns; see :func:`flatep.kernels.mxfp4_fp8mma.mxfp4_fp8mma_launch`); the
+    other tiles' rows of ``out`` are left as they are."""
+    groups, columns = offsets.shape[0], values.shape[1]
+    grid = persistent_grid(rows.shape[0], groups, columns, config, rows.device)
+    descriptors = _mxfp4_descriptors(rows, values, scales, slot_values, slot_scales, config)
     sources = descriptors or (rows, values.view(torch.int32), scales, slot_values.view(torch.int32), slot_scales)
     _mxfp4_grouped_kernel[grid](
         *sources, out, offsets, redo, groups, values.shape[0], slot_base, columns, rows.stride(0), out.stride(0),
-        *scales.stride(), rows_above, rows_at_most, rows.shape[1],
-        BLOCK_M=exact.block_m, BLOCK_N=exact.block_n, BLOCK_K=exact.block_k, GROUP_M=exact.group_m,
+        *scales.stride(), *group_rows, rows.shape[1],
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
         GROUPS=triton.next_power_of_2(groups), SWAP_AB=False, NATURAL_K=True, LANE_WORDS=False, ONE_MULTIPLY=False,
         TMA=descriptors is not None, INTERPRET=interpreting(), MMA=True,
-        num_warps=exact.num_warps, num_stages=exact.num_stages, maxnreg=exact.max_registers,
+        num_warps=config.num_warps, num_stages=config.num_stages, maxnreg=config.max_registers,
     )
     return out
 

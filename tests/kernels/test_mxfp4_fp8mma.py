@@ -2,9 +2,10 @@
 for bit (PTX ``prmt``) over its window of scale bytes, the exact Triton pass on the CPU
 (under the interpreter) against the dequantized weights, the Gluon fp8 kernel compiled for sm_90
 without a GPU, and on a Hopper GPU against the torch path with slots, in a CUDA graph, including
-scale bytes outside its window (the exact pass then computes the launch again)."""
+scale bytes outside its window (the exact pass then computes the flagged tiles again)."""
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
@@ -154,6 +155,40 @@ def test_the_exact_pass_equals_the_dequantized_weights_with_slots(group_rows):
 
 
 @needs_triton
+@pytest.mark.parametrize("block_n, any_flag", [(64, True), (256, True), (128, False)])
+def test_the_exact_pass_computes_the_flagged_tiles_alone(block_n, any_flag):
+    """With the fp8 kernel's flags (one per group and 128 columns, after the launch's own), the exact
+    pass computes the tiles over the flagged columns (a 256-column tile both its blocks), exactly, and
+    leaves every other output as it was (poisoned here); with the launch's flag clear it computes none."""
+    from flatep.kernels.quant_gemm import _mxfp4_mma_exact_pass
+
+    sizes, columns = [5, 0, 12, 3, 7, 9], 320  # 3 flag blocks a group, the last 64 columns wide
+    home, slots, x, offsets, slot_base = _grouped_case(sizes[:4], sizes[4:], 64, columns, seed=5, spread=30)
+    blocks = -(-columns // mxfp4_fp8mma.BLOCK_N)
+    tile_flags = torch.rand(len(sizes), blocks, generator=torch.Generator().manual_seed(6)) < 0.4
+    tile_flags[2, 0] = tile_flags[5, 2] = True
+    redo = torch.cat([torch.tensor([int(any_flag)]), tile_flags.flatten().int()]).int().to(DEVICE)
+    assert redo.shape[0] == mxfp4_fp8mma.flag_count(len(sizes), columns)
+    out = torch.full((x.shape[0], columns), float("inf"), dtype=torch.bfloat16, device=DEVICE)
+    config = dataclasses.replace(default_config(16, 4, "mxfp4", None, "mma"), block_n=block_n)
+    _mxfp4_mma_exact_pass(x, home.values, home.scales, offsets, config, out, (0, 1 << 30), slots.values,
+                          slots.scales, slot_base, redo)
+    ends = offsets.tolist()
+    starts = [0, *ends[:-1]]
+    starts[len(sizes) - 2] = slot_base
+    dense = torch.cat([home.dequantize(), slots.dequantize()])
+    for group, (start, end) in enumerate(zip(starts, ends)):
+        for block in range(blocks):
+            columns_of = slice(block * mxfp4_fp8mma.BLOCK_N, (block + 1) * mxfp4_fp8mma.BLOCK_N)
+            got = out[start:end, columns_of]
+            span = max(block_n // mxfp4_fp8mma.BLOCK_N, 1)  # the flag blocks a tile covers
+            if any_flag and tile_flags[group, block // span * span:(block // span + 1) * span].any():
+                assert relative_error(got, x[start:end].float() @ dense[group, columns_of].T) < 4e-3
+            else:
+                assert (got == float("inf")).all()
+
+
+@needs_triton
 def test_the_dequantize_kernel_reads_the_mma_layout():
     from flatep.kernels.mxfp4_dequant import dequantize_mxfp4_triton
 
@@ -226,15 +261,19 @@ def test_compiles_for_sm90_with_the_weights_in_registers(block_m, tmp_path):
 
 @on_hopper
 @pytest.mark.parametrize("group_rows, out_of_window", [((0, 32), False), ((32, 1 << 30), False), (None, True)])
-def test_the_fp8_kernel_with_slots_in_a_graph(group_rows, out_of_window):
+def test_the_fp8_kernel_with_slots_in_a_graph(group_rows, out_of_window, monkeypatch):
     """:data:`FP8MMA`'s tiles with home and slot groups of 0-70 rows, captured in a CUDA graph with
-    host syncs raising; with a scale byte outside the window, the exact pass computes the launch
-    again (within bf16's error, not the fp8 kernel's)."""
+    host syncs raising; the kernel flags exactly the groups' 128 columns whose tiles read a scale byte
+    outside its window, which the exact pass computes again (there within bf16's error, not the fp8
+    kernel's)."""
     home, slots, x, offsets, slot_base = _grouped_case([18, 0, 31, 5, 70, 33], [9, 40], 3584, 384, seed=11)
     if out_of_window:
         home.scales[4, 7, 3] = mxfp4_fp8mma.HIGH + 40
+        home.scales[0, 300, 100] = mxfp4_fp8mma.LOW - 30
     config = FP8MMA[32 if group_rows in (None, (0, 32)) else 64]
     out = torch.full((x.shape[0], 384), float("inf"), dtype=torch.bfloat16, device="cuda")
+    flags, launch = [], mxfp4_fp8mma.mxfp4_fp8mma_launch
+    monkeypatch.setattr(mxfp4_fp8mma, "mxfp4_fp8mma_launch", lambda *args: (flags.append(args[8]), launch(*args)))
 
     def run():
         mxfp4_grouped_mm_triton(x, home.values, home.scales, offsets, config, out=out, group_rows=group_rows,
@@ -251,7 +290,23 @@ def test_the_fp8_kernel_with_slots_in_a_graph(group_rows, out_of_window):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
+    expected = _outside_window(home, slots, offsets, slot_base, group_rows)
+    assert torch.equal(flags[-1].cpu(), torch.cat([expected.any().int()[None], expected.flatten().int()]))
+    assert expected.any() == out_of_window
     _check(out, home, slots, x, offsets, slot_base, group_rows, 4e-3 if out_of_window else 6e-3)
+
+
+def _outside_window(home, slots, offsets, slot_base, group_rows) -> torch.Tensor:
+    """``[groups, N / 128]`` bool: the launch's groups' 128 columns that hold a scale byte outside the
+    fp8 kernel's window (what its flags must say)."""
+    ends = offsets.tolist()
+    starts = [0, *ends[:-1]]
+    starts[home.shape[0]] = slot_base
+    scales = torch.cat([home.scales, slots.scales]).cpu().int()
+    outside = ((scales < mxfp4_fp8mma.LOW) | (scales > mxfp4_fp8mma.HIGH)).any(2)  # [groups, N]
+    above, at_most = group_rows or (0, 1 << 30)
+    taken = torch.tensor([above < end - start <= at_most for start, end in zip(starts, ends)])
+    return outside.unflatten(1, (-1, mxfp4_fp8mma.BLOCK_N)).any(2) & taken[:, None]
 
 
 @on_hopper
