@@ -278,15 +278,15 @@ def flag_count(groups: int, columns: int) -> int:
 
 
 def fits(hi_lo: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, block_k: int) -> bool:
-    """Whether this kernel's copies take these operands: ``K`` a multiple of ``block_k``, ``N`` a
-    multiple of :data:`BLOCK_N` (a tile's copy of scales past ``N`` would read zeros, which the scale
-    check cannot tell from a byte 0 that the decode gets wrong), TMA-copyable ``hi_lo [2M, K]``,
-    contiguous values ``[G, N, K/2]`` and column-fastest scales ``[G, N, K/32]`` whose ``[G, K/32, N]``
-    view is contiguous (as pools hold them), ``out`` with unit column stride."""
+    """Whether this kernel's copies take these operands: ``K`` a multiple of ``block_k``, TMA-copyable
+    ``hi_lo [2M, K]``, contiguous values ``[G, N, K/2]`` and column-fastest scales ``[G, N, K/32]``
+    whose ``[G, K/32, N]`` view is contiguous (as pools hold them), ``out`` with unit column stride.
+    ``N`` need not be a multiple of :data:`BLOCK_N`: a tile's copy of scales past ``N`` reads zeros,
+    bytes outside the window, so the last 128 columns of such a GEMM are always flagged and computed
+    by the exact pass."""
     by_block = scales.transpose(1, 2)
-    return (hi_lo.shape[1] % block_k == 0 and values.shape[1] % BLOCK_N == 0 and values.is_contiguous()
-            and by_block.is_contiguous() and all(tma_fits(t) for t in (hi_lo, values, by_block))
-            and out.stride(1) == 1)
+    return (hi_lo.shape[1] % block_k == 0 and values.is_contiguous() and by_block.is_contiguous()
+            and all(tma_fits(t) for t in (hi_lo, values, by_block)) and out.stride(1) == 1)
 
 
 def descriptors(hi_lo: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, slot_values: torch.Tensor,

@@ -1188,8 +1188,10 @@ def mxfp4_grouped_mm_triton(
     on the rows split into two e4m3 parts (:mod:`flatep.kernels.fp8_split`), which flags each group's
     128 columns whose tiles read a scale byte outside its window (:data:`flatep.kernels.mxfp4_fp8mma.LOW`
     to ``HIGH``); the second is a Triton tile of the same height that decodes that layout exactly into
-    bf16 (:func:`_mma_decoded_tile`), on the rows as they are, and computes those flagged tiles alone. Any other config, or operands the fp8 kernel's copies cannot take (``N`` not
-    a multiple of 128), runs that exact tile alone.
+    bf16 (:func:`_mma_decoded_tile`), on the rows as they are, and computes those flagged tiles alone
+    (where ``N`` is not a multiple of 128, always the last 128 columns). ``K`` not a multiple of 128
+    takes K steps of 64. Any other config, or operands the fp8 kernel's copies cannot take, runs that
+    exact tile alone.
 
     Args:
         rows: ``[M, K]`` bf16 (unit column stride), ``K`` a multiple of 32.
@@ -1314,14 +1316,16 @@ def _mxfp4_mma_grouped_mm(
                              f"{list(factor.shape)}")
         if not slot_values.shape[0]:  # no slot groups: the kernel never reads the slot set
             slot_values, slot_scales = values, scales
-        fp8_pass = all(mxfp4_fp8mma.fits(hi_lo, pool_values, pool_scales, out, config.block_k)
+        # K steps of 64 where K is not a multiple of 128 (gpt-oss's 2880)
+        block_k = config.block_k if rows.shape[1] % config.block_k == 0 else min(mxfp4_fp8mma.BLOCK_K)
+        fp8_pass = all(mxfp4_fp8mma.fits(hi_lo, pool_values, pool_scales, out, block_k)
                        for pool_values, pool_scales in ((values, scales), (slot_values, slot_scales)))
         if fp8_pass:  # set where a tile reads a scale byte outside the window
             redo = torch.zeros(mxfp4_fp8mma.flag_count(groups, columns), dtype=torch.int32, device=rows.device)
             programs = persistent_grid(rows.shape[0], groups, columns, config, rows.device)[0]
             mxfp4_fp8mma.mxfp4_fp8mma_launch(
                 hi_lo, factor, values, scales, slot_values, slot_scales, out, offsets, redo, values.shape[0],
-                slot_base, rows_above, rows_at_most, config.block_m, config.block_k, config.group_m,
+                slot_base, rows_above, rows_at_most, config.block_m, block_k, config.group_m,
                 config.num_stages, programs, mxfp4_fp8mma.max_registers(config.programs_per_sm))
     elif config.swap_ab or config.lane_words:
         raise ValueError(f"the mma layout's Triton tiles are unswapped, in column order (no lane_words), got {config}")

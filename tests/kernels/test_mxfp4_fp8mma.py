@@ -216,13 +216,13 @@ def test_configs_and_launches_of_the_mma_layout():
         mxfp4_grouped_mm_triton(rows, values, scales, offsets, layout="checkpoint")
 
 
-def _compile(block_m: int, stages: int, registers: int, directory: str) -> None:
+def _compile(block_m: int, stages: int, registers: int, directory: str, block_k: int = 128) -> None:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
 
-    inner, block_k = 3584, 128
+    inner = 3584 if block_k == 128 else 2880
     hi_lo = torch.empty(512, inner, dtype=torch.float8_e4m3fn)
     values = torch.empty(2, 512, inner // 2, dtype=torch.uint8)
     scales = torch.empty(2, inner // 32, 512, dtype=torch.uint8).transpose(1, 2)
@@ -241,10 +241,11 @@ def _compile(block_m: int, stages: int, registers: int, directory: str) -> None:
 
 
 @pytest.mark.skipif(fp8_wgmma.gluon is None, reason="this Triton has no Gluon Hopper API")
-@pytest.mark.parametrize("block_m", sorted(FP8MMA))
-def test_compiles_for_sm90_with_the_weights_in_registers(block_m, tmp_path):
-    """:data:`FP8MMA`'s tiles at Kimi-K3's K: every fp8 MMA takes its first operand from registers, no
-    register spills in the K loop, and the programs an SM fit its shared memory."""
+@pytest.mark.parametrize("block_m, block_k", [(32, 128), (64, 128), (32, 64)])
+def test_compiles_for_sm90_with_the_weights_in_registers(block_m, block_k, tmp_path):
+    """:data:`FP8MMA`'s tiles at Kimi-K3's K (and K steps of 64 at gpt-oss's): every fp8 MMA takes its
+    first operand from registers, no register spills in the K loop, and the programs an SM fit its
+    shared memory."""
     from flatep.bench.sass import innermost_mma_loop
 
     config = FP8MMA[block_m]
@@ -252,26 +253,29 @@ def test_compiles_for_sm90_with_the_weights_in_registers(block_m, tmp_path):
     assert registers == {32: 80, 64: 128}[block_m]  # the prototype's measured launches (2026-12-07-h100-j)
     shared, _, sass, _ = sm90_build(
         f"from tests.kernels.test_mxfp4_fp8mma import _compile; "
-        f"_compile({block_m}, {config.num_stages}, {registers}, {str(tmp_path)!r})", tmp_path)
+        f"_compile({block_m}, {config.num_stages}, {registers}, {str(tmp_path)!r}, {block_k})", tmp_path)
     assert config.programs_per_sm * (shared + 1024) <= 228 * 1024  # 1 KiB of each program reserved
     mmas = re.findall(rf"QGMMA\.64x{block_m}x32\.F32\.E4M3\.E4M3 R\d+, (\S+), gdesc", sass)
-    assert len(mmas) >= 8 and all(operand.startswith("R") for operand in mmas)
+    assert len(mmas) >= 4 * block_k // 32 and all(operand.startswith("R") for operand in mmas)
     assert not [line for line in innermost_mma_loop(sass) if "STL" in line or "LDL" in line]
 
 
 @on_hopper
-@pytest.mark.parametrize("group_rows, out_of_window", [((0, 32), False), ((32, 1 << 30), False), (None, True)])
-def test_the_fp8_kernel_with_slots_in_a_graph(group_rows, out_of_window, monkeypatch):
+@pytest.mark.parametrize("group_rows, out_of_window, hidden, columns", [
+    ((0, 32), False, 3584, 384), ((32, 1 << 30), False, 3584, 384), (None, True, 3584, 384),
+    ((0, 32), False, 2880, 320), ((32, 1 << 30), True, 2880, 320)])
+def test_the_fp8_kernel_with_slots_in_a_graph(group_rows, out_of_window, hidden, columns, monkeypatch):
     """:data:`FP8MMA`'s tiles with home and slot groups of 0-70 rows, captured in a CUDA graph with
     host syncs raising; the kernel flags exactly the groups' 128 columns whose tiles read a scale byte
-    outside its window, which the exact pass computes again (there within bf16's error, not the fp8
-    kernel's)."""
-    home, slots, x, offsets, slot_base = _grouped_case([18, 0, 31, 5, 70, 33], [9, 40], 3584, 384, seed=11)
+    outside its window (past ``N``, the copies' zeros), which the exact pass computes again (there
+    within bf16's error, not the fp8 kernel's). Also gpt-oss-like sizes: ``K`` = 2880 (K steps of 64)
+    and ``N`` not a multiple of 128."""
+    home, slots, x, offsets, slot_base = _grouped_case([18, 0, 31, 5, 70, 33], [9, 40], hidden, columns, seed=11)
     if out_of_window:
         home.scales[4, 7, 3] = mxfp4_fp8mma.HIGH + 40
-        home.scales[0, 300, 100] = mxfp4_fp8mma.LOW - 30
+        home.scales[0 if group_rows is None else 4, 200, 80] = mxfp4_fp8mma.LOW - 30
     config = FP8MMA[32 if group_rows in (None, (0, 32)) else 64]
-    out = torch.full((x.shape[0], 384), float("inf"), dtype=torch.bfloat16, device="cuda")
+    out = torch.full((x.shape[0], columns), float("inf"), dtype=torch.bfloat16, device="cuda")
     flags, launch = [], mxfp4_fp8mma.mxfp4_fp8mma_launch
     monkeypatch.setattr(mxfp4_fp8mma, "mxfp4_fp8mma_launch", lambda *args: (flags.append(args[8]), launch(*args)))
 
@@ -292,18 +296,20 @@ def test_the_fp8_kernel_with_slots_in_a_graph(group_rows, out_of_window, monkeyp
     torch.cuda.synchronize()
     expected = _outside_window(home, slots, offsets, slot_base, group_rows)
     assert torch.equal(flags[-1].cpu(), torch.cat([expected.any().int()[None], expected.flatten().int()]))
-    assert expected.any() == out_of_window
+    assert expected[:, :columns // mxfp4_fp8mma.BLOCK_N].any() == out_of_window
     _check(out, home, slots, x, offsets, slot_base, group_rows, 4e-3 if out_of_window else 6e-3)
 
 
 def _outside_window(home, slots, offsets, slot_base, group_rows) -> torch.Tensor:
-    """``[groups, N / 128]`` bool: the launch's groups' 128 columns that hold a scale byte outside the
-    fp8 kernel's window (what its flags must say)."""
+    """``[groups, ceil(N / 128)]`` bool: the launch's groups' 128 columns that hold a scale byte outside
+    the fp8 kernel's window, or reach past ``N`` (what its flags must say)."""
     ends = offsets.tolist()
     starts = [0, *ends[:-1]]
     starts[home.shape[0]] = slot_base
     scales = torch.cat([home.scales, slots.scales]).cpu().int()
     outside = ((scales < mxfp4_fp8mma.LOW) | (scales > mxfp4_fp8mma.HIGH)).any(2)  # [groups, N]
+    past = -outside.shape[1] % mxfp4_fp8mma.BLOCK_N
+    outside = torch.nn.functional.pad(outside, (0, past), value=True)  # the copies' zeros past N
     above, at_most = group_rows or (0, 1 << 30)
     taken = torch.tensor([above < end - start <= at_most for start, end in zip(starts, ends)])
     return outside.unflatten(1, (-1, mxfp4_fp8mma.BLOCK_N)).any(2) & taken[:, None]
