@@ -23,14 +23,24 @@ packed bytes and the scales together. Biases stay in the pool's dtype.
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 
 from flatep.config import EPConfig
+from flatep.kernels import mxfp4_fp8mma
 from flatep.quant.tensor import QuantizedTensor, check_pool_dims, packed_layout, pool_layout
 from flatep.transport.base import Group
 
 Weights = torch.Tensor | QuantizedTensor
+
+WINDOW_WARNING_SHARE = 0.05
+"""Loading mxfp4 weights into ``mma``-layout pools (fp8 activations) warns where more than this share of
+a projection's tiles hold scale bytes outside the fp8 kernel's window
+(:func:`flatep.kernels.mxfp4_fp8mma.tiles_outside_window`): those tiles are computed twice, the second
+time by the exact bf16 tile. In issue #15's Kimi-K3 cell on an H100 the fp8 path saved 2.4% and 7.1% of
+the experts' time at maxvio 0 and 10 (bench/results/2026-12-07-h100-m), so a few percent of tiles
+computed again would use that up."""
 
 
 class ExpertPool:
@@ -206,6 +216,8 @@ class ExpertPool:
             if weights.format != self.weights:
                 raise ValueError(f"{name} is {weights.format}, but this pool holds {self.weights}")
             weights = weights.in_layout(self.layout)  # mxfp4: the GPU decoder's layout
+            if self.layout == "mma":
+                _warn_outside_window(name, weights.scales)
             tensors[name], tensors[f"{name}_scale"] = weights.values, weights.scales
         for name in self.names:
             weights = tensors[name]
@@ -304,3 +316,14 @@ def check_expert_weights(
             raise ValueError(f"b2 must have shape [E, H] = {[experts, hidden]}, got {list(b2.shape)}")
         if b13.dtype != dtype or b2.dtype != dtype:
             raise ValueError(f"b13 and b2 must have the weights' dtype {dtype}, got {b13.dtype} and {b2.dtype}")
+
+
+def _warn_outside_window(name: str, scales: torch.Tensor) -> None:
+    """Warn where more than :data:`WINDOW_WARNING_SHARE` of the fp8 kernel's tiles over these experts'
+    ``scales [n, N, K/32]`` would be computed again."""
+    share = float(mxfp4_fp8mma.tiles_outside_window(scales).float().mean())
+    if share > WINDOW_WARNING_SHARE:
+        warnings.warn(f"{name}: {share:.1%} of its experts' 128-column tiles hold mxfp4 scale bytes outside "
+                      f"{mxfp4_fp8mma.LOW}..{mxfp4_fp8mma.HIGH} (or reach past N), which the fp8-activation kernel "
+                      f"computes twice; without FLATEP_MXFP4_FP8_ACTIVATIONS=1 these weights are likely faster",
+                      stacklevel=4)

@@ -277,6 +277,19 @@ def flag_count(groups: int, columns: int) -> int:
     return 1 + groups * -(-columns // BLOCK_N)
 
 
+def tiles_outside_window(scales: torch.Tensor) -> torch.Tensor:
+    """Which of this kernel's tiles the exact pass computes again, for ``scales [G, N, K/32]`` uint8
+    (e8m0 bytes, any strides): ``[G, ceil(N / BLOCK_N)]`` bool, true where a group's 128 columns hold
+    a scale byte outside ``LOW .. HIGH`` or reach past ``N`` (where the kernel's copies read zeros).
+    What the kernel flags, computed on the weights alone, before any step."""
+    if scales.dim() != 3 or scales.dtype != torch.uint8:
+        raise ValueError(f"scales must be [G, N, K/32] uint8, got {scales.dtype} {list(scales.shape)}")
+    columns = scales.shape[1]
+    outside = ((scales < LOW) | (scales > HIGH)).any(2)  # [G, N]
+    outside = torch.nn.functional.pad(outside, (0, -columns % BLOCK_N), value=True)
+    return outside.unflatten(1, (-1, BLOCK_N)).any(2)
+
+
 def fits(hi_lo: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, block_k: int) -> bool:
     """Whether this kernel's copies take these operands: ``K`` a multiple of ``block_k``, TMA-copyable
     ``hi_lo [2M, K]``, contiguous values ``[G, N, K/2]`` and column-fastest scales ``[G, N, K/32]``

@@ -306,13 +306,26 @@ def _outside_window(home, slots, offsets, slot_base, group_rows) -> torch.Tensor
     ends = offsets.tolist()
     starts = [0, *ends[:-1]]
     starts[home.shape[0]] = slot_base
-    scales = torch.cat([home.scales, slots.scales]).cpu().int()
-    outside = ((scales < mxfp4_fp8mma.LOW) | (scales > mxfp4_fp8mma.HIGH)).any(2)  # [groups, N]
-    past = -outside.shape[1] % mxfp4_fp8mma.BLOCK_N
-    outside = torch.nn.functional.pad(outside, (0, past), value=True)  # the copies' zeros past N
+    outside = mxfp4_fp8mma.tiles_outside_window(torch.cat([home.scales, slots.scales]).cpu())
     above, at_most = group_rows or (0, 1 << 30)
     taken = torch.tensor([above < end - start <= at_most for start, end in zip(starts, ends)])
-    return outside.unflatten(1, (-1, mxfp4_fp8mma.BLOCK_N)).any(2) & taken[:, None]
+    return outside & taken[:, None]
+
+
+def test_tiles_outside_the_window():
+    """The tiles the exact pass recomputes, from the scale bytes: one byte past either end of the
+    window flags its group's 128 columns, the window's own ends do not, and columns past a
+    multiple of 128 always do."""
+    scales = torch.full((3, 320, 4), mxfp4_fp8mma.CENTER, dtype=torch.uint8)
+    scales[0, 5, 1] = mxfp4_fp8mma.LOW - 1
+    scales[1, 130, 3] = mxfp4_fp8mma.HIGH + 1
+    scales[2, 0, 0], scales[2, 255, 3] = mxfp4_fp8mma.LOW, mxfp4_fp8mma.HIGH
+    expected = torch.tensor([[1, 0, 1], [0, 1, 1], [0, 0, 1]], dtype=torch.bool)
+    assert torch.equal(mxfp4_fp8mma.tiles_outside_window(scales), expected)
+    assert torch.equal(mxfp4_fp8mma.tiles_outside_window(scales[:, :256].transpose(1, 2).contiguous().transpose(1, 2)),
+                       expected[:, :2])
+    with pytest.raises(ValueError, match="scales must be"):
+        mxfp4_fp8mma.tiles_outside_window(scales.int())
 
 
 @on_hopper

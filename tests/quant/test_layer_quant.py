@@ -111,6 +111,26 @@ def test_mxfp4_pools_for_fp8_activations_equal_dense_over_dequantized_weights(po
     assert relative_error(out, reference) < LAYER_ERROR["mxfp4"]
 
 
+def test_mma_pools_warn_where_many_tiles_lie_outside_the_fp8_window(monkeypatch):
+    """Loading mxfp4 weights into pools for fp8 activations warns, naming the projection and the share,
+    where more than WINDOW_WARNING_SHARE of the fp8 kernel's tiles would be computed twice; weights
+    inside the window load silently."""
+    import warnings
+
+    from flatep.quant import tensor
+
+    monkeypatch.setattr(tensor, "MXFP4_FP8_ACTIVATIONS", True)
+    group = init_group("local", ranks=CONFIG.ranks, device=DEVICE)
+    *_, w13, w2 = quantized_inputs(CONFIG, 4, skew=1.0, seed=41)
+    q13, q2 = packed(w13, "mxfp4"), packed(w2, "mxfp4")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ExpertPool.from_weights(q13, q2, CONFIG, group, dtype=torch.bfloat16)
+    smaller = QuantizedTensor("mxfp4", q2.values, q2.scales - 10)  # every block 2**-10 of its size
+    with pytest.warns(UserWarning, match=r"w2: 100\.0% of its experts' 128-column tiles .* outside 118\.\.129"):
+        ExpertPool.from_weights(q13, smaller, CONFIG, group, dtype=torch.bfloat16)
+
+
 @pytest.mark.parametrize("policy", ["exact", "none"])
 def test_mxfp4_steps_over_nan_buffers_take_one_pass(policy, monkeypatch):
     """The step's shard buffers filled with NaN first, as a reused buffer may hold them: dispatch
