@@ -65,20 +65,28 @@ class ExpertPool:
         slot_sets: sets of borrow slots shared by the layers of this shape: 1 (every layer uses
             the same slots) or 2 (layer ``L`` uses set ``L % 2``, so the next layer's push may
             run while this layer computes; costs ``epn`` more experts per rank).
+        layout: the packed values' byte layout (:func:`flatep.quant.pool_layout`): ``checkpoint`` for
+            fp8, ``words`` for mxfp4, or ``mma`` for mxfp4 with ``fp8_activations``.
+
+    The constructor's ``fp8_activations`` (mxfp4 pools only; default
+    :data:`flatep.quant.tensor.MXFP4_FP8_ACTIVATIONS`, the environment's ``FLATEP_MXFP4_FP8_ACTIVATIONS``)
+    makes the pool hold the ``mma`` layout, so that its GEMMs multiply fp8 activations by the weights
+    decoded into e4m3 on Hopper GPUs (:mod:`flatep.kernels.mxfp4_fp8mma`); it changes the
+    activations' precision (see that flag). Pools whose weights are exchanged by a push must agree.
     """
 
     def __init__(
         self, config: EPConfig, group: Group, dtype: torch.dtype, biases: bool = False, weights: str = "bf16",
-        *, layer: int = 0, slot_sets: int = 1,
+        *, layer: int = 0, slot_sets: int = 1, fp8_activations: bool | None = None,
     ) -> None:
         check_slot_sets(layer, slot_sets)
         self.layer, self.slot_sets = layer, slot_sets
         check_pool_dims(weights, config.hidden, config.intermediate)
         if dtype not in (torch.bfloat16, torch.float32):
             raise ValueError(f"dtype (of activations and biases) must be torch.bfloat16 or torch.float32, got {dtype}")
-        self.config, self.group, self.dtype, self.weights = config, group, dtype, weights
         # The values' byte layout, fixed when the pool is made (mxfp4: words, or mma for fp8 activations).
-        self.layout = pool_layout(weights)
+        self.layout = pool_layout(weights, fp8_activations)
+        self.config, self.group, self.dtype, self.weights = config, group, dtype, weights
         scales = ("w13_scale", "w2_scale") if weights != "bf16" else ()
         self.names: tuple[str, ...] = ("w13", "w2", *scales, *(("b13", "b2") if biases else ()))
         for name in ("w13", "w2", "w13_scale", "w2_scale", "b13", "b2"):
@@ -155,6 +163,7 @@ class ExpertPool:
         dtype: torch.dtype | None = None,
         layer: int = 0,
         slot_sets: int = 1,
+        fp8_activations: bool | None = None,
     ) -> "ExpertPool":
         """Build a pool from all ``E`` experts' weights, keeping each rank's own slice.
 
@@ -167,6 +176,8 @@ class ExpertPool:
                 float weights are quantized into it.
             dtype: the activations' dtype (default: float weights' dtype, else bfloat16).
             layer, slot_sets: the slot set this layer uses (see :class:`ExpertPool`).
+            fp8_activations: mxfp4 only: hold the ``mma`` layout for fp8 activations (see
+                :class:`ExpertPool`; default: the environment's ``FLATEP_MXFP4_FP8_ACTIVATIONS``).
         """
         given = w13.format if isinstance(w13, QuantizedTensor) else "bf16"
         weights = weights or given
@@ -174,7 +185,8 @@ class ExpertPool:
             raise ValueError(f"weights={weights!r} does not match the {given} tensors passed; dequantize them first")
         dtype = dtype or (w13.dtype if isinstance(w13, torch.Tensor) else torch.bfloat16)
         check_expert_weights(w13, w2, config, b13, b2, dtype)
-        pool = cls(config, group, dtype, biases=b13 is not None, weights=weights, layer=layer, slot_sets=slot_sets)
+        pool = cls(config, group, dtype, biases=b13 is not None, weights=weights, layer=layer, slot_sets=slot_sets,
+                   fp8_activations=fp8_activations)
         pool.load(w13, w2, b13, b2)
         return pool
 
@@ -325,5 +337,5 @@ def _warn_outside_window(name: str, scales: torch.Tensor) -> None:
     if share > WINDOW_WARNING_SHARE:
         warnings.warn(f"{name}: {share:.1%} of its experts' 128-column tiles hold mxfp4 scale bytes outside "
                       f"{mxfp4_fp8mma.LOW}..{mxfp4_fp8mma.HIGH} (or reach past N), which the fp8-activation kernel "
-                      f"computes twice; without FLATEP_MXFP4_FP8_ACTIVATIONS=1 these weights are likely faster",
-                      stacklevel=4)
+                      f"computes twice; these weights are likely faster in the default layout (fp8_activations=False, "
+                      f"FLATEP_MXFP4_FP8_ACTIVATIONS unset)", stacklevel=4)

@@ -399,6 +399,7 @@ def shard_moe(
     fixed_capacity: bool = False,
     dispatch_dtype: torch.dtype | None = None,
     weights: str | None = None,
+    fp8_activations: bool | None = None,
 ) -> ShardSummary:
     """Make the routed experts of every sparse MoE block of ``model`` expert-parallel over ``group``, in place.
 
@@ -435,6 +436,9 @@ def shard_moe(
             MXFP4 kernels do not run (on the CPU, and on GPUs without the ``kernels`` package):
             those bf16 values re-quantize to the checkpoint's own (OCP MX rounding is exact on
             values that came from it).
+        fp8_activations: mxfp4 pools only: multiply fp8 activations by the weights decoded into e4m3
+            on Hopper GPUs (see :class:`flatep.ExpertPool`; default: the environment's
+            ``FLATEP_MXFP4_FP8_ACTIVATIONS``).
 
     Returns:
         A :class:`ShardSummary` (replaced layers, memory per rank before and after).
@@ -479,7 +483,8 @@ def shard_moe(
         # One layer at a time: its original weights are released as soon as the module is replaced,
         # so the peak is the unsharded model plus one layer's pool.
         experts = model.get_submodule(name)
-        config, pool, activation = _build_pool(family, experts, model, group, capacity, align, tolerance, weights)
+        config, pool, activation = _build_pool(family, experts, model, group, capacity, align, tolerance, weights,
+                                               fp8_activations)
         bytes_before += sum(p.numel() * p.element_size() for p in experts.parameters())
         bytes_after += sum(pool.home(n).numel() * pool.home(n).element_size() for n in pool.names)
         slot_bytes.update({pool.slots(n).data_ptr(): pool.slots(n).numel() * pool.slots(n).element_size() for n in pool.names})
@@ -498,7 +503,7 @@ def shard_moe(
 @torch.no_grad()
 def _build_pool(
     family: Family, experts: nn.Module, model: nn.Module, group: Group, capacity: int, align: int, tolerance: float,
-    weights: str | None = None,
+    weights: str | None = None, fp8_activations: bool | None = None,
 ) -> tuple[EPConfig, ExpertPool, Activation]:
     """This process's ranks' pool of one experts module, converting only the experts they own."""
     fp8 = family.fp8_experts and isinstance(experts, fp8_experts_type() or ())
@@ -520,7 +525,8 @@ def _build_pool(
         tolerance=tolerance,
     )
     try:
-        pool = ExpertPool(config, group, dtype, biases=first.b13 is not None, weights=weights or held)
+        pool = ExpertPool(config, group, dtype, biases=first.b13 is not None, weights=weights or held,
+                          fp8_activations=fp8_activations)
     except ValueError as error:
         raise ValueError(f"{family.name}: weights={weights or held!r} does not fit these experts: {error}") from None
     epn = config.experts_per_rank

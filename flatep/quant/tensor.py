@@ -39,7 +39,8 @@ the environment sets ``FLATEP_MXFP4_FP8_ACTIVATIONS=1``, because it changes the 
 precision (each row as two e4m3 parts with one power of two a row, which hold bf16's 8 significant
 bits for values at least 2**-9 of their row's largest, and smaller ones to within 2**-17 of it).
 Elsewhere (other GPUs, the CPU) such pools run the exact bf16 route of the same layout. Read once, at
-import; set it before pools are made."""
+import; set it before pools are made. A pool's own ``fp8_activations`` argument overrides it
+(:class:`flatep.ExpertPool`)."""
 _PACKED_LAYOUTS = ("words", "mma")
 
 
@@ -51,12 +52,17 @@ def columns_fastest(scales: torch.Tensor) -> torch.Tensor:
     return scales.transpose(-1, -2).contiguous().transpose(-1, -2)
 
 
-def pool_layout(format: str) -> str:
+def pool_layout(format: str, fp8_activations: bool | None = None) -> str:
     """The layout expert pools hold ``format``'s values in: for mxfp4 ``words``, or ``mma`` with
-    :data:`MXFP4_FP8_ACTIVATIONS`; else ``checkpoint``."""
+    ``fp8_activations`` (default :data:`MXFP4_FP8_ACTIVATIONS`); else ``checkpoint``."""
+    if fp8_activations is not None and not isinstance(fp8_activations, bool):
+        raise ValueError(f"fp8_activations must be None, True or False, got {fp8_activations!r}")
     if format != "mxfp4":
+        if fp8_activations:
+            raise ValueError(f"fp8_activations (fp8 rows times weights decoded into e4m3) applies to mxfp4 weights, "
+                             f"got {format}")
         return "checkpoint"
-    return "mma" if MXFP4_FP8_ACTIVATIONS else "words"
+    return "mma" if (MXFP4_FP8_ACTIVATIONS if fp8_activations is None else fp8_activations) else "words"
 
 
 def check_format(weights: str) -> None:

@@ -210,10 +210,11 @@ def test_a_bad_dispatch_dtype_is_refused_before_any_layer_changes():
     assert not sharded_experts(model)
 
 
-def test_gpt_oss_loaded_dequantized_keeps_its_experts_in_mxfp4_exactly():
+@pytest.mark.parametrize("fp8_activations", [None, True])
+def test_gpt_oss_loaded_dequantized_keeps_its_experts_in_mxfp4_exactly(fp8_activations):
     """transformers dequantizes gpt-oss's MXFP4 checkpoint where its MXFP4 kernels do not run (the
     CPU): ``weights="mxfp4"`` packs the bf16 values back, exactly (they came from MXFP4), and the
-    model generates the same tokens."""
+    model generates the same tokens; with ``fp8_activations`` the pools hold the ``mma`` layout."""
     from flatep.quant import QuantizedTensor
 
     model = tiny_model("gpt-oss")
@@ -224,13 +225,15 @@ def test_gpt_oss_loaded_dequantized_keeps_its_experts_in_mxfp4_exactly():
                 weight.copy_(QuantizedTensor.quantize(weight.transpose(1, 2), "mxfp4").dequantize().transpose(1, 2))
     expected_sequences, expected_logits = greedy(model)
     originals = [(block.experts.gate_up_proj.clone(), block.experts.down_proj.clone()) for block in sparse_blocks(model)]
-    shard_moe(model, init_group("local", ranks=2, device="cpu"), backend="torch", weights="mxfp4")
+    shard_moe(model, init_group("local", ranks=2, device="cpu"), backend="torch", weights="mxfp4",
+              fp8_activations=fp8_activations)
     layers = sharded_experts(model)
     for (_, experts), (gate_up, down) in zip(layers, originals):
         pool = experts.pool
         assert pool.weights == "mxfp4" and pool.w13.dtype == torch.uint8
-        w13 = QuantizedTensor("mxfp4", pool.w13.flatten(0, 1), pool.w13_scale.flatten(0, 1), "words").dequantize()
-        w2 = QuantizedTensor("mxfp4", pool.w2.flatten(0, 1), pool.w2_scale.flatten(0, 1), "words").dequantize()
+        assert pool.layout == ("mma" if fp8_activations else "words")
+        w13 = QuantizedTensor("mxfp4", pool.w13.flatten(0, 1), pool.w13_scale.flatten(0, 1), pool.layout).dequantize()
+        w2 = QuantizedTensor("mxfp4", pool.w2.flatten(0, 1), pool.w2_scale.flatten(0, 1), pool.layout).dequantize()
         gate_up = gate_up.transpose(1, 2)  # [E, 2I, H], gate and up rows interleaved
         assert torch.equal(w13, torch.cat([gate_up[:, 0::2], gate_up[:, 1::2]], dim=1))
         assert torch.equal(w2, down.transpose(1, 2))
@@ -294,3 +297,5 @@ def test_weights_that_do_not_fit_the_experts_are_refused():
         shard_moe(tiny_model("qwen3-moe"), init_group("local", ranks=2, device="cpu"), weights="fp8")  # H = 64
     with pytest.raises(ValueError, match="weights \\(the weight format\\) must be one of"):
         shard_moe(tiny_model("qwen3-moe"), init_group("local", ranks=2, device="cpu"), weights="int4")
+    with pytest.raises(ValueError, match="fp8_activations .* applies to mxfp4 weights, got bf16"):
+        shard_moe(tiny_model("qwen3-moe"), init_group("local", ranks=2, device="cpu"), fp8_activations=True)

@@ -111,6 +111,31 @@ def test_mxfp4_pools_for_fp8_activations_equal_dense_over_dequantized_weights(po
     assert relative_error(out, reference) < LAYER_ERROR["mxfp4"]
 
 
+def test_a_pools_fp8_activations_argument_overrides_the_environment(monkeypatch):
+    """``fp8_activations`` picks an mxfp4 pool's layout either way, whatever the environment says; the
+    layer over a pool made so equals the dense MoE; other formats refuse it."""
+    from flatep.quant import tensor
+
+    group = init_group("local", ranks=CONFIG.ranks, device=DEVICE)
+    x, ids, route_weights, w13, w2 = quantized_inputs(CONFIG, 12, skew=4.0, seed=43)
+    q13, q2 = packed(w13, "mxfp4"), packed(w2, "mxfp4")
+    for environment in (False, True):
+        monkeypatch.setattr(tensor, "MXFP4_FP8_ACTIVATIONS", environment)
+        assert ExpertPool(CONFIG, group, torch.bfloat16, weights="mxfp4").layout == ("mma" if environment else "words")
+        for argument, layout in ((True, "mma"), (False, "words")):
+            assert ExpertPool(CONFIG, group, torch.bfloat16, weights="mxfp4", fp8_activations=argument).layout == layout
+    pool = ExpertPool.from_weights(q13, q2, CONFIG, group, dtype=torch.bfloat16, fp8_activations=True)
+    assert pool.layout == "mma" and pool.compute_view(0)[0].layout == "mma"
+    out = ep_moe(x, ids, route_weights, config=CONFIG, group=group, policy="exact", pool=pool)
+    reference = dense_moe(x, ids, route_weights, dequantized(q13, "mxfp4"), dequantized(q2, "mxfp4"))
+    assert relative_error(out, reference) < LAYER_ERROR["mxfp4"]
+    for weights in ("bf16", "fp8"):
+        with pytest.raises(ValueError, match=f"fp8_activations .* applies to mxfp4 weights, got {weights}"):
+            ExpertPool(CONFIG, group, torch.bfloat16, weights=weights, fp8_activations=True)
+    with pytest.raises(ValueError, match="fp8_activations must be None, True or False"):
+        ExpertPool(CONFIG, group, torch.bfloat16, weights="mxfp4", fp8_activations="yes")
+
+
 def test_mma_pools_warn_where_many_tiles_lie_outside_the_fp8_window(monkeypatch):
     """Loading mxfp4 weights into pools for fp8 activations warns, naming the projection and the share,
     where more than WINDOW_WARNING_SHARE of the fp8 kernel's tiles would be computed twice; weights
