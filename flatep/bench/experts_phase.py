@@ -68,6 +68,7 @@ from flatep.layer import dispatch_step, experts_step, packed_buffer, packed_rows
 from flatep.plan.reference import make_plan
 from flatep.plan.triton import make_plan_triton, supports_triton_planner
 from flatep.plan.types import Layout
+from flatep.quant import pool_layout
 from flatep.transport.base import Group
 
 PACKED_GEMMS = ("fp8_grouped_mm_triton", "mxfp4_grouped_mm_triton", "packed_launches")
@@ -326,7 +327,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     against = revision_gemms(args.against) if args.against else None
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip() or None
     rows = time_cells(sweep, args.arm, cells, device, against, backend, args.profile, args.in_turn)
-    identity = dict(config=args.config, model=sweep.model_name, weights=sweep.weights, arm=args.arm, device=device_name(device),
+    identity = dict(config=args.config, model=sweep.model_name, weights=sweep.weights,
+                    layout=pool_layout(sweep.weights), arm=args.arm, device=device_name(device),
                     backend=backend, commit=commit, source=source_digest(), against=args.against, timing="cuda_graph" if device.type == "cuda" else "eager")
     rows = [{**identity, **row} for row in rows]
     for row in rows:
@@ -336,8 +338,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                           + "]" for variant, us in row["experts_us_max"].items())
         ceiling = f"; read ceiling {row['read_ceiling_gbps']:.0f} GB/s" if row["read_ceiling_gbps"] else ""
         dispatched = ", ".join(f"{variant} {us:.1f}" for variant, us in row["dispatch_us"].items())
-        print(f"{sweep.model_name} {sweep.weights} s={row['tokens']} maxvio={row['maxvio_target']:g} {args.arm}: "
-              f"slowest rank's experts, us [weight bytes read]: {shown}{ceiling}; dispatch step (all ranks, "
+        layout = " (mma layout: fp8 activations)" if row["layout"] == "mma" else ""
+        print(f"{sweep.model_name} {sweep.weights}{layout} s={row['tokens']} maxvio={row['maxvio_target']:g} "
+              f"{args.arm}: slowest rank's experts, us [weight bytes read]: {shown}{ceiling}; dispatch step (all ranks, "
               f"{row['dispatch']} rows to the packed pool), us: {dispatched}", flush=True)
         for variant, kernels in row.get("kernels_us", {}).items():
             print(f"  {variant} kernels, us per call: " + ", ".join(f"{name[:40]} {us:.1f}" for name, us in kernels.items()))

@@ -56,9 +56,11 @@ ARMS = {"flat": "exact", "classic": "none", "dense": None}
 Any other arm name must be a planner policy (:data:`flatep.config.POLICIES`) and plans with it."""
 CELL_KEY = ("model", "ranks", "tokens", "maxvio_target", "arm")
 IDENTITY = ("sweep", "model", "ranks", "hidden", "experts", "top_k", "intermediate", "align", "tolerance",
-            "dedup", "link_gbps_model", "warmup", "iters", "graph_calls", "device", "backend", "weights", "dispatch",
-            "cost_profile")
-"""Fields every row of one results file shares: ``--resume`` refuses a file whose rows differ."""
+            "dedup", "link_gbps_model", "warmup", "iters", "graph_calls", "device", "backend", "weights", "layout",
+            "dispatch", "cost_profile")
+"""Fields every row of one results file shares: ``--resume`` refuses a file whose rows differ. ``layout``
+is the pools' byte layout (:func:`flatep.quant.pool_layout`: ``mma`` where mxfp4 runs on fp8
+activations, ``FLATEP_MXFP4_FP8_ACTIVATIONS=1``)."""
 
 
 def arm_policy(arm: str) -> str | None:
@@ -811,7 +813,8 @@ def run(sweep: Sweep, out_dir: Path, device: torch.device, resume: bool = False,
         top_k=config.top_k, intermediate=config.intermediate, align=config.align, tolerance=config.tolerance,
         dedup=config.dedup, link_gbps_model=sweep.link_gbps, warmup=sweep.warmup, iters=sweep.iters,
         graph_calls=sweep.graph_calls, device=hardware,
-        backend=backend, weights=sweep.weights, dispatch=sweep.dispatch, cost_profile=cost.to_dict(),
+        backend=backend, weights=sweep.weights, layout=pool_layout(sweep.weights), dispatch=sweep.dispatch,
+        cost_profile=cost.to_dict(),
     )
     out_dir.mkdir(parents=True, exist_ok=True)
     results_path = out_dir / "results.jsonl"

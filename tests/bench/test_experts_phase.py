@@ -125,6 +125,7 @@ def test_cells_time_every_variant_on_every_rank(tmp_path, monkeypatch):
         assert all(len(times) == 2 and min(times) > 0 for times in row["experts_us"].values())
         assert row["experts_us_max"]["packed"] == max(row["experts_us"]["packed"])
         assert row["ratio"]["bf16"] == 1.0 and row["against"] == "HEAD" and row["weights"] == "mxfp4"
+        assert row["layout"] == "words"
         # Bytes: whole experts of the variant's slowest rank (each variant's own), a packed mxfp4
         # expert 17/64 of a bf16 one (values and scales against 2 bytes a weight; the tiny model's
         # experts have no biases), and a read rate against the ceiling on a GPU.

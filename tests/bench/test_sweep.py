@@ -412,6 +412,20 @@ def test_weights_and_cost_options_override_the_config_and_are_part_of_the_resume
     assert "weights: fp8 does not fit model" in capsys.readouterr().err
 
 
+def test_the_pools_layout_is_recorded_and_part_of_the_resume_identity(tmp_path, capsys, monkeypatch):
+    """Rows record the pools' byte layout (``mma`` where mxfp4 runs on fp8 activations), and a resumed
+    sweep refuses to mix the two."""
+    from flatep.quant import tensor
+
+    out, rows = _tiny_rows(tmp_path, "--weights", "mxfp4")
+    assert {row["layout"] for row in rows} == {"words"}
+    capsys.readouterr()
+    monkeypatch.setattr(tensor, "MXFP4_FP8_ACTIVATIONS", True)
+    resumed = ["bench", "tiny", "--out", str(out), "--device", "cpu", "--quiet", "--resume", "--weights", "mxfp4"]
+    assert main(resumed) == 2
+    assert "layout: 'words' there, 'mma' now" in capsys.readouterr().err
+
+
 def test_shipped_configs_run_the_formats_the_models_ship_in():
     assert Sweep.load("default").weights == "fp8" and Sweep.load("kimi-k3").weights == "mxfp4"
     for name in ("default", "kimi-k3", "cpu", "tiny"):
