@@ -340,8 +340,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         dispatched = ", ".join(f"{variant} {us:.1f}" for variant, us in row["dispatch_us"].items())
         layout = " (mma layout: fp8 activations)" if row["layout"] == "mma" else ""
         print(f"{sweep.model_name} {sweep.weights}{layout} s={row['tokens']} maxvio={row['maxvio_target']:g} "
-              f"{args.arm}: slowest rank's experts, us [weight bytes read]: {shown}{ceiling}; dispatch step (all ranks, "
-              f"{row['dispatch']} rows to the packed pool), us: {dispatched}", flush=True)
+              f"{args.arm}: slowest rank's experts, us [weight bytes read]: {shown}{ceiling}; "
+              f"dispatch step (all ranks, {row['dispatch']} rows to the packed pool), us: {dispatched}", flush=True)
         for variant, kernels in row.get("kernels_us", {}).items():
             print(f"  {variant} kernels, us per call: " + ", ".join(f"{name[:40]} {us:.1f}" for name, us in kernels.items()))
     if args.out:
