@@ -47,8 +47,9 @@ from flatep.kernels.backend import tma_fits
 from flatep.kernels.fp8_wgmma import gluon
 
 if gluon is not None:
-    from flatep.kernels.fp8_wgmma import TensorDescriptor, _find_tile, gl, mbarrier, warpgroup_mma, warpgroup_mma_wait
-    from flatep.kernels.mxfp4_wgmma import _load_steps, _shared_layout, _tiles
+    from flatep.kernels.fp8_wgmma import _find_tile, gl, mbarrier, warpgroup_mma, warpgroup_mma_wait
+    from flatep.kernels.mxfp4_wgmma import _load_steps, _tiles
+    from flatep.kernels.mxfp4_wgmma import descriptors as tma_descriptors
 
 HALF_N = 64
 BLOCK_N = 128
@@ -302,23 +303,6 @@ def fits(hi_lo: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, out: t
             and all(tma_fits(t) for t in (hi_lo, values, by_block)) and out.stride(1) == 1)
 
 
-def descriptors(hi_lo: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, slot_values: torch.Tensor,
-                slot_scales: torch.Tensor, block_m: int, block_k: int) -> tuple:
-    """TMA descriptors of ``hi_lo [2M, K]`` fp8 (boxes ``[block_m, block_k]``), then for the home pool
-    and the slots the values ``[G, N, K/2]`` uint8 (``mma`` layout) viewed as ``[G * N, K/8]`` int32
-    (boxes ``[BLOCK_N, block_k / 8]``) and the column-fastest scales ``[G, N, K/32]`` viewed as
-    ``[G * K/32, N]`` uint8 (boxes ``[block_k / 32, BLOCK_N]``)."""
-    def descriptor(tensor: torch.Tensor, box: list[int], dtype) -> TensorDescriptor:
-        layout = _shared_layout(tuple(box), dtype)
-        return TensorDescriptor(tensor, list(tensor.shape), list(tensor.stride()), box, layout)
-
-    pools = []
-    for pool_values, pool_scales in ((values, scales), (slot_values, slot_scales)):
-        pools.append(descriptor(pool_values.view(torch.int32).flatten(0, 1), [BLOCK_N, block_k // 8], gl.int32))
-        pools.append(descriptor(pool_scales.transpose(1, 2).flatten(0, 1), [block_k // 32, BLOCK_N], gl.uint8))
-    return (descriptor(hi_lo, [block_m, block_k], gl.float8e4nv), *pools)
-
-
 def mxfp4_fp8mma_launch(
     hi_lo: torch.Tensor, factor: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, slot_values: torch.Tensor,
     slot_scales: torch.Tensor, out: torch.Tensor, offsets: torch.Tensor, redo: torch.Tensor, split: int,
@@ -342,8 +326,8 @@ def mxfp4_fp8mma_launch(
         raise ValueError(f"redo must be int32 [{flag_count(groups, values.shape[1])}], got {redo.dtype} "
                          f"{list(redo.shape)}")
     _fp8mma_kernel[(programs, )](
-        *descriptors(hi_lo, values, scales, slot_values, slot_scales, block_m, block_k), out, offsets, redo, factor,
-        groups, split, slot_base, values.shape[1], out.stride(0), rows_above, rows_at_most, out.shape[0],
+        *tma_descriptors(hi_lo, values, scales, slot_values, slot_scales, block_m, BLOCK_N, block_k), out, offsets,
+        redo, factor, groups, split, slot_base, values.shape[1], out.stride(0), rows_above, rows_at_most, out.shape[0],
         K=hi_lo.shape[1], GROUP_M=group_m, GROUPS=triton.next_power_of_2(groups), STAGES=stages,
         PRODUCER_REGISTERS=PRODUCER_REGISTERS, WL=words_layout(block_k), SL=scales_layout(block_k),
         num_warps=NUM_WARPS, maxnreg=max_registers)

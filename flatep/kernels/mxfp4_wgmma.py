@@ -395,21 +395,24 @@ def _shared_layout(box: tuple[int, int], dtype):
 
 
 def descriptors(rows: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, slot_values: torch.Tensor,
-                slot_scales: torch.Tensor, block_m: int = WG_M, block_n: int = BLOCK_N) -> tuple:
-    """The TMA descriptors a launch takes (this kernel's and :mod:`flatep.kernels.mxfp4_swap`'s):
-    ``rows [M, K]`` bf16 in boxes of ``[block_m, BLOCK_K]``; then for the home pool and the slots, the
-    words ``values [G, N, K/2]`` viewed as ``[G * N, K/8]`` int32 in boxes of ``[block_n, BLOCK_K/8]``
-    and the column-fastest ``scales [G, N, K/32]`` viewed as ``[G * K/32, N]`` uint8 in boxes of
-    ``[BLOCK_K/32, block_n]``."""
+                slot_scales: torch.Tensor, block_m: int = WG_M, block_n: int = BLOCK_N,
+                block_k: int = BLOCK_K) -> tuple:
+    """The TMA descriptors a launch takes (this kernel's, :mod:`flatep.kernels.mxfp4_swap`'s and
+    :mod:`flatep.kernels.mxfp4_fp8mma`'s): ``rows [M, K]`` bf16 (fp8 e4m3: the fp8 kernel's ``hi_lo``
+    rows) in boxes of ``[block_m, block_k]``; then for the home pool and the slots, the words
+    ``values [G, N, K/2]`` viewed as ``[G * N, K/8]`` int32 in boxes of ``[block_n, block_k/8]`` and the
+    column-fastest ``scales [G, N, K/32]`` viewed as ``[G * K/32, N]`` uint8 in boxes of
+    ``[block_k/32, block_n]``."""
     def descriptor(tensor: torch.Tensor, box: list[int], dtype) -> TensorDescriptor:
         layout = _shared_layout(tuple(box), dtype)
         return TensorDescriptor(tensor, list(tensor.shape), list(tensor.stride()), box, layout)
 
     pools = []
     for pool_values, pool_scales in ((values, scales), (slot_values, slot_scales)):
-        pools.append(descriptor(pool_values.view(torch.int32).flatten(0, 1), [block_n, BLOCK_K // 8], gl.int32))
-        pools.append(descriptor(pool_scales.transpose(1, 2).flatten(0, 1), [BLOCK_K // 32, block_n], gl.uint8))
-    return (descriptor(rows, [block_m, BLOCK_K], gl.bfloat16), *pools)
+        pools.append(descriptor(pool_values.view(torch.int32).flatten(0, 1), [block_n, block_k // 8], gl.int32))
+        pools.append(descriptor(pool_scales.transpose(1, 2).flatten(0, 1), [block_k // 32, block_n], gl.uint8))
+    rows_type = gl.float8e4nv if rows.dtype == torch.float8_e4m3fn else gl.bfloat16
+    return (descriptor(rows, [block_m, block_k], rows_type), *pools)
 
 
 def mxfp4_wgmma_launch(

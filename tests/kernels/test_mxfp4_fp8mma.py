@@ -222,12 +222,14 @@ def _compile(block_m: int, stages: int, registers: int, directory: str, block_k:
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
 
+    from flatep.kernels.mxfp4_wgmma import descriptors
+
     inner = 3584 if block_k == 128 else 2880
     hi_lo = torch.empty(512, inner, dtype=torch.float8_e4m3fn)
     values = torch.empty(2, 512, inner // 2, dtype=torch.uint8)
     scales = torch.empty(2, inner // 32, 512, dtype=torch.uint8).transpose(1, 2)
     kernel = mxfp4_fp8mma._fp8mma_kernel
-    operands = mxfp4_fp8mma.descriptors(hi_lo, values, scales, values, scales, block_m, block_k)
+    operands = descriptors(hi_lo, values, scales, values, scales, block_m, mxfp4_fp8mma.BLOCK_N, block_k)
     types = dict(zip(("a_desc", "w_desc", "s_desc", "slot_w_desc", "slot_s_desc"), map(mangle_type, operands)))
     types |= {"out_ptr": "*bf16", "offsets_ptr": "*i32", "redo_ptr": "*i32", "factor_ptr": "*fp32"}
     constants = {"K": inner, "GROUP_M": 8, "GROUPS": 128, "STAGES": stages,
