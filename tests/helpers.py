@@ -12,6 +12,7 @@ from torch.overrides import TorchFunctionMode
 
 import flatep.kernels.quant_gemm as quant_gemm
 from flatep import EPConfig
+from flatep.quant import dequantize_fp8_activations, quantize_fp8_activations
 from flatep.routing import adversarial_topk, skewed_topk
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -32,6 +33,26 @@ def make_inputs(config: EPConfig, tokens: int, routing: str | float, dtype: torc
     w2 = torch.randn(experts, config.hidden, config.intermediate, generator=generator) * config.intermediate**-0.5
     to = dict(device=DEVICE)
     return x.to(dtype=dtype, **to), ids.to(**to), weights.to(**to), w13.to(dtype=dtype, **to), w2.to(dtype=dtype, **to)
+
+
+def dense_fp8_activations(x, ids, route_weights, w13, w2):
+    """The fp8 experts' own function: dense, fp32, with both GEMMs' inputs quantized like the layer's."""
+    def quantized(rows):
+        return dequantize_fp8_activations(*quantize_fp8_activations(rows.bfloat16()))
+
+    tokens = x.reshape(-1, x.shape[-1])
+    ids, route_weights = ids.reshape(tokens.shape[0], -1), route_weights.reshape(tokens.shape[0], -1).float()
+    out = torch.zeros(tokens.shape, device=x.device)
+    intermediate = w2.shape[-1]
+    for expert in ids.unique().tolist():
+        token, slot = (ids == expert).nonzero(as_tuple=True)
+        hidden = quantized(tokens[token]) @ w13[expert].T
+        hidden = hidden.bfloat16().float()  # the gate/up GEMM's output is rounded to the shard's dtype
+        activated = torch.nn.functional.silu(hidden[:, :intermediate]) * hidden[:, intermediate:]
+        # The layer folds the route weight in before the down GEMM, so its rows are quantized weighted.
+        activated = (activated * route_weights[token, slot].unsqueeze(-1)).bfloat16()
+        out.index_add_(0, token, quantized(activated) @ w2[expert].T)
+    return out.view(x.shape)
 
 
 def relative_error(out: torch.Tensor, reference: torch.Tensor) -> float:

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from flatep import EPConfig, ExpertPool, dense_moe, ep_moe, init_group, make_plan, plan_step
-from flatep.quant import QuantizedTensor, dequantize_fp8_activations, expert_weight_nbytes, pool_layout, quantize_fp8_activations
+from flatep.quant import QuantizedTensor, expert_weight_nbytes, pool_layout
 from flatep.routing import skewed_topk
 from flatep.layer import shard_buffers
-from tests.helpers import DEVICE, TRITON_BACKENDS, relative_error, second_pass_flags
+from tests.helpers import DEVICE, TRITON_BACKENDS, dense_fp8_activations, relative_error, second_pass_flags
 
 # Relative error of the layer against the dense fp32 MoE over the dequantized weights (bf16 x):
 # bf16 and mxfp4 weights are exact in bf16, so only bf16 roundings of the activations remain;
@@ -36,26 +36,6 @@ def packed(weights: torch.Tensor, format: str):
 
 def dequantized(weights, format: str) -> torch.Tensor:
     return weights.float() if format == "bf16" else weights.dequantize()
-
-
-def dense_fp8_activations(x, ids, route_weights, w13, w2):
-    """The fp8 experts' own function: dense, fp32, with both GEMMs' inputs quantized like the layer's."""
-    def quantized(rows):
-        return dequantize_fp8_activations(*quantize_fp8_activations(rows.bfloat16()))
-
-    tokens = x.reshape(-1, x.shape[-1])
-    ids, route_weights = ids.reshape(tokens.shape[0], -1), route_weights.reshape(tokens.shape[0], -1).float()
-    out = torch.zeros(tokens.shape, device=x.device)
-    intermediate = w2.shape[-1]
-    for expert in ids.unique().tolist():
-        token, slot = (ids == expert).nonzero(as_tuple=True)
-        hidden = quantized(tokens[token]) @ w13[expert].T
-        hidden = hidden.bfloat16().float()  # the gate/up GEMM's output is rounded to the shard's dtype
-        activated = torch.nn.functional.silu(hidden[:, :intermediate]) * hidden[:, intermediate:]
-        # The layer folds the route weight in before the down GEMM, so its rows are quantized weighted.
-        activated = (activated * route_weights[token, slot].unsqueeze(-1)).bfloat16()
-        out.index_add_(0, token, quantized(activated) @ w2[expert].T)
-    return out.view(x.shape)
 
 
 CONFIG = EPConfig(ranks=4, experts=8, top_k=2, hidden=128, intermediate=128, capacity=16, align=8)
