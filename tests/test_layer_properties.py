@@ -62,8 +62,9 @@ def steps(draw, formats=tuple(SIZES)):
 def expert_weights(config: EPConfig, format: str, seed: int):
     """``(w13, w2)`` as the pool takes them, and their fp32 values."""
     generator = torch.Generator().manual_seed(seed + 1)
-    w13 = torch.randn(config.experts, 2 * config.intermediate, config.hidden, generator=generator) * config.hidden**-0.5
-    w2 = torch.randn(config.experts, config.hidden, config.intermediate, generator=generator) * config.intermediate**-0.5
+    experts, hidden, intermediate = config.experts, config.hidden, config.intermediate
+    w13 = torch.randn(experts, 2 * intermediate, hidden, generator=generator) * hidden**-0.5
+    w2 = torch.randn(experts, hidden, intermediate, generator=generator) * intermediate**-0.5
     w13, w2 = w13.to(DEVICE), w2.to(DEVICE)
     if format in ("fp8", "mxfp4"):
         w13, w2 = QuantizedTensor.quantize(w13, format), QuantizedTensor.quantize(w2, format)
@@ -157,8 +158,9 @@ def test_prefetched_layers_equal_layers_that_push_for_themselves(case, layers, s
             ahead = layer + 1 if slot_sets == 2 else None  # two sets: the next layer's push before this step
             if prefetch and ahead is not None and ahead < layers:
                 pushed[ahead] = prefetch_experts(pools[ahead], plans[ahead], backend="torch")
+            ahead_of_step = {"pushed": pushed.pop(layer)} if layer in pushed else {}
             out = ep_moe(hidden, routes[layer], route_weights, config=config, group=group, pool=pools[layer],
-                         plan=plans[layer], backend="torch", **({"pushed": pushed.pop(layer)} if layer in pushed else {}))
+                         plan=plans[layer], backend="torch", **ahead_of_step)
             if prefetch and slot_sets == 1 and layer + 1 < layers:
                 pushed[layer + 1] = prefetch_experts(pools[layer + 1], plans[layer + 1], backend="torch")
             outputs.append(out)
