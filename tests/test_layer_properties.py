@@ -6,8 +6,13 @@ weights' format, the routing (skewed, adversarial, uniform with an expert repeat
 token, one hot expert), per-rank token counts (rows past a rank's count are padding), the
 planner's tolerance and the dispatch dtype, on the plain-torch path (fast enough for many
 examples; the Triton kernels' own matrices run them under the interpreter).
+
+``FLATEP_PROPERTY_EXAMPLES=N`` multiplies every test's examples by ``N`` (a longer search, e.g. 100
+before a release); by default each draws the same examples every run.
 """
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -27,6 +32,7 @@ SIZES = {"fp32": (16, 8), "bf16": (16, 8), "mxfp4": (32, 64), "fp8": (128, 128)}
 # token of a 16-wide row reach 1-2%; fp8 against the dense MoE that quantizes its activations alike.
 ERROR = {"fp32": 1e-5, "bf16": 3e-2, "mxfp4": 3e-2, "fp8": 1e-2}
 SETTINGS = dict(deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+EXAMPLE_SCALE = int(os.environ.get("FLATEP_PROPERTY_EXAMPLES", "1"))
 
 
 @st.composite
@@ -80,7 +86,7 @@ def cost_for(pool: ExpertPool, link_gbps: float) -> CostProfile:
     return profile.with_expert_bytes(pool.expert_nbytes())
 
 
-@settings(max_examples=60, **SETTINGS)
+@settings(max_examples=60 * EXAMPLE_SCALE, **SETTINGS)
 @given(case=steps(), dispatch_fp8=st.booleans(), link_gbps=st.sampled_from([1e-3, 1e6]))
 def test_every_policy_equals_the_dense_moe_on_the_real_tokens(case, dispatch_fp8, link_gbps):
     config, x, ids, route_weights, tokens, format, seed = case
@@ -108,7 +114,7 @@ def test_every_policy_equals_the_dense_moe_on_the_real_tokens(case, dispatch_fp8
             assert relative_error(out[rows], reference) < ERROR[format], (policy, rank)
 
 
-@settings(max_examples=40, **SETTINGS)
+@settings(max_examples=40 * EXAMPLE_SCALE, **SETTINGS)
 @given(case=steps(formats=("fp32",)), policy=st.sampled_from(["exact", "none", "bounded"]), biases=st.booleans())
 def test_gradients_equal_the_dense_moes(case, policy, biases):
     config, x, ids, route_weights, tokens, _, seed = case
@@ -138,7 +144,7 @@ def test_gradients_equal_the_dense_moes(case, policy, biases):
 
 
 @pytest.mark.parametrize("slot_sets", [1, 2])
-@settings(max_examples=12, **SETTINGS)
+@settings(max_examples=12 * EXAMPLE_SCALE, **SETTINGS)
 @given(case=steps(formats=("bf16", "mxfp4")), layers=st.integers(2, 4))
 def test_prefetched_layers_equal_layers_that_push_for_themselves(case, layers, slot_sets):
     """Layers sharing slot sets, each step's borrowed experts pushed ahead by :func:`prefetch_experts`
