@@ -106,6 +106,17 @@ def test_static_splits_read_nothing_back_and_equal_host_sized_messages(world, tm
         assert all(result[f"capture/{what}"] is True for what in ("dispatch", "gather_entries", "push")), result
 
 
+@pytest.mark.parametrize("world", [2, 3])
+def test_random_steps_equal_the_local_transport(world, tmp_path):
+    """Random steps (formats, policies, skew, per-rank token counts, dedup, fp8 dispatch; the worker's
+    ``random_step``): every rank's real rows bit-equal to the local transport's, 3 processes included."""
+    results = launch(world, tmp_path, "--transport", "collective", "--suite", "random", "--steps", "40")
+    for rank, result in enumerate(results):
+        steps = {name: value for name, value in result.items() if name.startswith("seed")}
+        assert len(steps) == 40, (rank, sorted(result))
+        assert [name for name, same in steps.items() if same is not True] == [], rank
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_one_push_moves_every_pool_of_a_layer(world, tmp_path):
     results = launch(world, tmp_path, "--transport", "collective", "--suite", "push-pools")

@@ -22,6 +22,9 @@ script). Suites:
   kernels); outputs must equal the local transport's bit for bit.
 * ``push-pools``: the collective transport's push of several pools of different dtypes (as
   values, scales and biases are) in one batch: every slot must hold its owner's expert.
+* ``random``: ``--steps`` random steps (:func:`random_step`: formats bf16, fp32, mxfp4 and fp8, every
+  policy, repeated ids and a hot expert, per-rank token counts, dedup, fp8 dispatch), each with a
+  fresh pool; every rank's real rows must equal the local transport's bit for bit.
 * ``dead-rank``: after one good step the last rank exits; the others must raise within
   ``--timeout`` seconds, naming it on the nvlink transport.
 
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import sys
 import time
 from dataclasses import dataclass
@@ -40,8 +44,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from flatep import EPConfig, ExpertPool, dense_moe, ep_moe, init_group, make_plan
+from flatep import CostProfile, EPConfig, ExpertPool, dense_moe, ep_moe, init_group, make_plan
 from flatep.kernels.fp8_rows import pack_rows_torch, unpack_rows_torch
+from flatep.quant import QuantizedTensor
 from flatep.layer import plan_step
 from flatep.routing import sigma_for_maxvio
 from flatep.transport.collective import CollectiveGroup
@@ -417,11 +422,87 @@ def dead_rank(group, rank: int, world: int, size: str, timeout: float, log) -> d
     return {"dead/type": "none", "dead/message": "", "dead/elapsed": time.monotonic() - start, "dead/named": False}
 
 
+RANDOM_SIZES = {"fp32": (16, 8), "bf16": (16, 8), "mxfp4": (32, 64), "fp8": (128, 128)}  # (hidden, intermediate)
+
+
+def random_step(seed: int, world: int) -> dict[str, object]:
+    """One random step for ``world`` ranks, the same on every rank for the same ``seed``: ``config``,
+    ``w13``/``w2`` (packed for mxfp4 and fp8), ``x [R, s, H]``, ``ids``, ``weights``, ``tokens`` (per-rank
+    real counts or None), ``policy``, ``cost`` (for ``auto``: a link so fast that it borrows, or so slow
+    that it never does), ``dispatch_dtype`` and a ``name`` saying all that."""
+    draw = random.Random(seed)
+    experts = world * draw.choice([1, 2, 3])
+    top_k = draw.randint(1, min(experts, 4))
+    format = draw.choice(list(RANDOM_SIZES))
+    hidden, intermediate = RANDOM_SIZES[format]
+    capacity = draw.choice([2, 4, 6])
+    step = draw.randint(1, capacity)
+    config = EPConfig(ranks=world, experts=experts, top_k=top_k, hidden=hidden, intermediate=intermediate,
+                      capacity=capacity, align=draw.choice([1, 4, 8]), tolerance=draw.choice([0.0, 0.2]),
+                      dedup=draw.random() < 0.3)
+    dtype = torch.float32 if format == "fp32" else torch.bfloat16
+    generator = torch.Generator().manual_seed(seed)
+    w13 = torch.randn(experts, 2 * intermediate, hidden, generator=generator) * hidden**-0.5
+    w2 = torch.randn(experts, hidden, intermediate, generator=generator) * intermediate**-0.5
+    if format in ("mxfp4", "fp8"):
+        w13, w2 = QuantizedTensor.quantize(w13, format), QuantizedTensor.quantize(w2, format)
+    else:
+        w13, w2 = w13.to(dtype), w2.to(dtype)
+    ids = torch.randint(0, experts, (world, step, top_k), generator=generator, dtype=torch.int32)
+    if draw.random() < 0.5:  # half of the entries on one expert
+        ids[ids % 2 == 0] = draw.randrange(experts)
+    tokens = [draw.randint(0, step) for _ in range(world)] if draw.random() < 0.4 else None
+    if tokens is not None and not any(tokens):
+        tokens[0] = 1
+    policy = draw.choice(["exact", "none", "bounded", "auto"])
+    cost = None
+    if policy == "auto":
+        cost = CostProfile(link_gbps=draw.choice([1e-3, 1e6]), hbm_gbps=1e6, gemm_tflops=1e-4, group_us=1e-3,
+                           push_us=1e-3, tile_rows=1)
+    dispatch_dtype = torch.float8_e4m3fn if dtype == torch.bfloat16 and draw.random() < 0.3 else None
+    x = torch.randn(world, step, hidden, generator=generator).to(dtype)
+    weights = torch.rand(world, step, top_k, generator=generator) + 0.1
+    name = (f"seed{seed}-{format}-E{experts}-K{top_k}-s{step}-{policy}-tokens{tokens}"
+            f"-dedup{config.dedup}-{'fp8-dispatch' if dispatch_dtype else 'rows'}")
+    return dict(config=config, w13=w13, w2=w2, x=x, ids=ids, weights=weights, tokens=tokens, policy=policy, cost=cost,
+                dispatch_dtype=dispatch_dtype, name=name)
+
+
+def random_steps(group, rank: int, world: int, steps: int, log) -> dict[str, object]:
+    """:func:`random_step` for seeds ``0 .. steps-1``: this rank's real rows against the local transport's."""
+    results: dict[str, object] = {}
+    local = init_group("local", ranks=world, device=group.device)
+    for seed in range(steps):
+        case = random_step(seed, world)
+        config, policy, tokens, dispatch_dtype = case["config"], case["policy"], case["tokens"], case["dispatch_dtype"]
+        x, ids, weights = (case[name].to(group.device) for name in ("x", "ids", "weights"))
+        outputs = []
+        for where in (group, local):
+            pool = ExpertPool.from_weights(case["w13"], case["w2"], config, where, dtype=x.dtype)
+            cost = case["cost"].with_expert_bytes(pool.expert_nbytes()) if case["cost"] else None
+            mine = where is group
+            real = tokens[rank] if mine and tokens is not None else tokens
+            step = (x[rank], ids[rank], weights[rank]) if mine else (x, ids, weights)
+            plan = plan_step(step[1], config, where, policy, tokens=real, cost=cost, dispatch_dtype=dispatch_dtype,
+                             dtype=x.dtype)
+            out = ep_moe(*step, config=config, group=where, pool=pool, policy=policy, plan=plan, cost=cost,
+                         dispatch_dtype=dispatch_dtype, backend="torch")
+            outputs.append(out if mine else out[rank])
+        count = x.shape[1] if tokens is None else tokens[rank]
+        same = torch.equal(bits(outputs[0][:count]), bits(outputs[1][:count]))
+        results[case["name"]] = same
+        if not same:
+            log(f"FAIL {case['name']}: differs from the local transport")
+    log(f"{sum(value is True for value in results.values())} of {steps} random steps bit-equal to the local transport")
+    return results
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--transport", choices=["auto", "nvlink", "collective"], default="auto")
-    parser.add_argument("--suite", choices=["equivalence", "lazy", "static", "sync-free", "push-pools", "dead-rank"],
-                        default="equivalence")
+    parser.add_argument("--suite", choices=["equivalence", "lazy", "static", "sync-free", "push-pools", "random",
+                                            "dead-rank"], default="equivalence")
+    parser.add_argument("--steps", type=int, default=40, help="steps of the random suite")
     parser.add_argument("--size", choices=["small", "mid"], default="small")
     parser.add_argument("--backend", choices=["gloo", "nccl"], default="gloo", help="process group backend")
     parser.add_argument("--init-method", default="env://")
@@ -452,6 +533,8 @@ def main(argv: list[str] | None = None) -> int:
             results = sync_free(group, rank, world, args.size, log)
         elif args.suite == "push-pools":
             results = push_pools(group, rank, world, args.size, log)
+        elif args.suite == "random":
+            results = random_steps(group, rank, world, args.steps, log)
         else:
             results = dead_rank(group, rank, world, args.size, args.timeout, log)
     results["group"] = repr(group)
