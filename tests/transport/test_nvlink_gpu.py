@@ -1,6 +1,6 @@
 """On one GPU shared by 2 processes: the NVLink transport's step has no host sync, captures in one CUDA graph
-with two layers, a dead rank still raises (through ``group.check()`` after a replay), and its backward
-equals the local transport's."""
+with two layers, a dead rank still raises (through ``group.check()`` after a replay), its backward
+equals the local transport's, and so do random steps."""
 from __future__ import annotations
 
 import pytest
@@ -43,3 +43,12 @@ def test_backward_equals_the_local_transports_gradients_bit_for_bit(shared_gpu, 
     local transport's bit for bit (tests/transport/nvlink_backward_worker.py)."""
     output = launch_workers("tests.transport.nvlink_backward_worker", 2, [f"file://{tmp_path}/store"], 600)
     assert output.count("PASSED") == 2, output
+
+
+def test_random_steps_equal_the_local_transport(shared_gpu, tmp_path):
+    """The worker's random suite (formats, policies, skew, per-rank token counts, dedup, fp8 dispatch)
+    on the NVLink transport: each rank's real rows bit-equal to the local transport's on the same GPU."""
+    output = launch_workers("tests.transport.worker", 2, ["--transport", "nvlink", "--backend", "gloo", "--init-method",
+                                                          f"file://{tmp_path}/store", "--suite", "random", "--steps", "40"],
+                            600)
+    assert output.count("40 of 40 random steps bit-equal to the local transport") == 2, output

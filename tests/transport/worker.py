@@ -475,10 +475,10 @@ def random_steps(group, rank: int, world: int, steps: int, log) -> dict[str, obj
     for seed in range(steps):
         case = random_step(seed, world)
         config, policy, tokens, dispatch_dtype = case["config"], case["policy"], case["tokens"], case["dispatch_dtype"]
-        x, ids, weights = (case[name].to(group.device) for name in ("x", "ids", "weights"))
+        x, ids, weights, w13, w2 = (case[name].to(group.device) for name in ("x", "ids", "weights", "w13", "w2"))
         outputs = []
         for where in (group, local):
-            pool = ExpertPool.from_weights(case["w13"], case["w2"], config, where, dtype=x.dtype)
+            pool = ExpertPool.from_weights(w13, w2, config, where, dtype=x.dtype)
             cost = case["cost"].with_expert_bytes(pool.expert_nbytes()) if case["cost"] else None
             mine = where is group
             real = tokens[rank] if mine and tokens is not None else tokens
@@ -486,7 +486,7 @@ def random_steps(group, rank: int, world: int, steps: int, log) -> dict[str, obj
             plan = plan_step(step[1], config, where, policy, tokens=real, cost=cost, dispatch_dtype=dispatch_dtype,
                              dtype=x.dtype)
             out = ep_moe(*step, config=config, group=where, pool=pool, policy=policy, plan=plan, cost=cost,
-                         dispatch_dtype=dispatch_dtype, backend="torch")
+                         dispatch_dtype=dispatch_dtype)
             outputs.append(out if mine else out[rank])
         count = x.shape[1] if tokens is None else tokens[rank]
         same = torch.equal(bits(outputs[0][:count]), bits(outputs[1][:count]))
