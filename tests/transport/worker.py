@@ -422,7 +422,7 @@ def dead_rank(group, rank: int, world: int, size: str, timeout: float, log) -> d
     return {"dead/type": "none", "dead/message": "", "dead/elapsed": time.monotonic() - start, "dead/named": False}
 
 
-RANDOM_SIZES = {"fp32": (16, 8), "bf16": (16, 8), "mxfp4": (32, 64), "fp8": (128, 128)}  # (hidden, intermediate)
+RANDOM_SIZES = {"fp32": (16, 8), "bf16": (16, 8), "mxfp4": (128, 128), "fp8": (128, 128)}  # (hidden, intermediate)
 
 
 def random_step(seed: int, world: int) -> dict[str, object]:
