@@ -31,6 +31,7 @@ import triton.language as tl
 from flatep.kernels.backend import (
     column_block,
     interpreting,
+    round_to_bf16,
     row_programs,
     row_runs,
     run_block,
@@ -69,6 +70,8 @@ def _swiglu_weighted_kernel(
         up = tl.load(hidden_rows + I, mask=mask, other=0.0).to(tl.float32)
         # torch's order: (silu(gate) * up) * weight, silu(g) = g / (1 + exp(-g)).
         activated = gate / (1.0 + tl.exp(-gate)) * up * weight[:, None]
+        if ROUND_FIRST and (scale_ptr is not None or out_ptr.dtype.element_ty == tl.bfloat16):
+            activated = round_to_bf16(activated)  # the interpreter's cast to bf16 truncates; the GPU's rounds
         out_rows = out_ptr + row.to(tl.int64)[:, None] * out_stride + column[None, :]
         if scale_ptr is None:
             tl.store(out_rows, activated.to(out_ptr.dtype.element_ty), mask=mask)

@@ -26,8 +26,8 @@ def random_inputs(rows: int, intermediate: int, dtype: torch.dtype, seed: int) -
 
 
 def check_rows(out: torch.Tensor, expected: torch.Tensor, end: int) -> None:
-    """Rows before ``end`` equal the fp32 ``expected`` (exp differs slightly; bf16 within one ulp: the
-    interpreter truncates fp32 to bf16 where torch and the GPU round to nearest); the rest still poisoned."""
+    """Rows before ``end`` equal the fp32 ``expected`` (exp differs slightly, so a bf16 value may round
+    to its neighbour: within one ulp); the rest still poisoned."""
     assert expected.dtype == torch.float32
     rtol = 2**-7 if out.dtype == torch.bfloat16 else 1e-6
     torch.testing.assert_close(out[:end].float(), expected[:end], rtol=rtol, atol=1e-6)

@@ -59,10 +59,7 @@ def test_layer_equals_dense_over_dequantized_weights(format, policy, backend):
     assert out.dtype == torch.bfloat16
     assert relative_error(out, reference) < LAYER_ERROR[format]
     if format == "fp8":  # against the fp8 experts' own function (quantized activations): bf16 tolerance
-        # The interpreter truncates fp32 -> bf16 casts (the activation kernel's among them), which
-        # moves some activations across e4m3 rounding boundaries; the hardware rounds to nearest.
-        interpreted = backend == "triton" and DEVICE.type == "cpu"
-        assert relative_error(out, dense_fp8_activations(x, ids, route_weights, d13, d2)) < (2.5e-2 if interpreted else 1e-2)
+        assert relative_error(out, dense_fp8_activations(x, ids, route_weights, d13, d2)) < 1e-2
 
 
 @pytest.mark.parametrize("backend", TRITON_BACKENDS)

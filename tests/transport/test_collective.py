@@ -3,9 +3,9 @@
 Workers (:mod:`tests.transport.worker`) run ``ep_moe`` per process and save their outputs; this
 process computes the local-transport references once and compares. The workers run without the
 Triton interpreter, so their experts take the plain-torch path, and the reference is the local
-plain-torch path (bit-equal in bf16 and fp32). The Triton experts kernel computes ``exp`` and
-rounds to bf16 differently from torch (the interpreter truncates), so against the local Triton
-kernels the check is one of closeness (their agreement is checked in ``tests/kernels``).
+plain-torch path (bit-equal in bf16 and fp32). The Triton experts kernel computes ``exp``
+differently from torch, so against the local Triton kernels the check is one of closeness (their
+agreement is checked in ``tests/kernels``).
 """
 from __future__ import annotations
 
