@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from flatep.config import next_pow2
-from flatep.kernels.backend import SPLIT_BELOW_ITEMS, column_block, comm_grid, token_block
+from flatep.kernels.backend import SPLIT_BELOW_ITEMS, column_block, comm_grid, interpreting, round_to_bf16, token_block
 from flatep.kernels.dispatch import real_rows, row_block, row_grid
 
 
@@ -25,7 +25,7 @@ def _combine_kernel(
     out_ptr, dest_rank_ptr, dest_row_ptr, carrier_ptr, order_ptr, shard_ptr, shard_peers_ptr,
     tokens, blocks, work, ranks, out_rank_stride, entry_rank_stride,
     H: tl.constexpr, K: tl.constexpr, K_SLOTS: tl.constexpr, R_SLOTS: tl.constexpr, BLOCK_T: tl.constexpr,
-    BLOCK_H: tl.constexpr,
+    BLOCK_H: tl.constexpr, ROUND_BF16: tl.constexpr,
 ):
     # Work item = (local rank, block of BLOCK_T tokens), whole rows, all on grid axis 0 (axis 1
     # stops at 65,535 programs); a grid-stride loop lets a capped grid cover every item.
@@ -60,6 +60,8 @@ def _combine_kernel(
                 live = source >= 0
                 values = tl.load(shard_ptr + source[:, None] + column[None, :], mask=live[:, None] & column_mask[None, :], other=0.0)
                 total += values.to(tl.float32)
+            if ROUND_BF16:  # the interpreter's cast to bf16 truncates; the GPU's rounds to nearest even
+                total = round_to_bf16(total)
             tl.store(out_rows[:, None] + column[None, :], total.to(out_ptr.dtype.element_ty), mask=token_mask[:, None] & column_mask[None, :])
 
 
@@ -67,7 +69,7 @@ def _combine_kernel(
 def _sum_runs_kernel(
     rows_ptr, sums_ptr, links_ptr, offsets_ptr, padding_ptr, first_rank, rows, slot_base, blocks, work,
     H: tl.constexpr, K: tl.constexpr, K_SLOTS: tl.constexpr, EPN: tl.constexpr, BLOCK_G: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, ROUND_BF16: tl.constexpr,
 ):
     # Work item = (local rank, block of BLOCK_R shard rows); a carrier's program sums its run.
     # K_SLOTS = K rounded up to a power of two (a tensor dimension).
@@ -103,6 +105,8 @@ def _sum_runs_kernel(
                             values = tl.load(source + member[:, None] * H + column[None, :],
                                              mask=on[:, None] & column_mask[None, :], other=0.0)
                             total += values.to(tl.float32)
+                    if ROUND_BF16:  # as in _combine_kernel
+                        total = round_to_bf16(total)
                     tl.store(target + row[:, None] * H + column[None, :], total.to(sums_ptr.dtype.element_ty),
                              mask=carrier[:, None] & column_mask[None, :])
 
@@ -178,7 +182,7 @@ def combine_triton(
         out, dest_rank, dest_row, carrier, send_order, shard, shard_peers,
         tokens, blocks, ranks_here * blocks, shard_peers.numel(), tokens * hidden, tokens * top_k,
         H=hidden, K=top_k, K_SLOTS=next_pow2(top_k), R_SLOTS=next_pow2(shard_peers.numel()), BLOCK_T=block_t,
-        BLOCK_H=block_h,
+        BLOCK_H=block_h, ROUND_BF16=interpreting() and out.dtype == torch.bfloat16,
         num_warps=num_warps or combine_warps(ranks_here * blocks),
     )
 
@@ -211,7 +215,7 @@ def sum_runs_triton(
     _sum_runs_kernel[grid](
         rows, sums, links, offsets, padding, first_rank, count, slot_base, blocks, ranks_here * blocks,
         H=hidden, K=top_k, K_SLOTS=next_pow2(top_k), EPN=groups // 2, BLOCK_G=next_pow2(groups), BLOCK_R=block_r,
-        BLOCK_H=min(next_pow2(hidden), 2048),
+        BLOCK_H=min(next_pow2(hidden), 2048), ROUND_BF16=interpreting() and sums.dtype == torch.bfloat16,
     )
 
 
