@@ -46,9 +46,11 @@ def test_backward_equals_the_local_transports_gradients_bit_for_bit(shared_gpu, 
 
 
 def test_random_steps_equal_the_local_transport(shared_gpu, tmp_path):
-    """The worker's random suite (formats, policies, skew, per-rank token counts, dedup, fp8 dispatch)
-    on the NVLink transport: each rank's real rows bit-equal to the local transport's on the same GPU."""
-    output = launch_workers("tests.transport.worker", 2, ["--transport", "nvlink", "--backend", "gloo", "--init-method",
-                                                          f"file://{tmp_path}/store", "--suite", "random", "--steps", "40"],
-                            600)
+    """The worker's random suite (policies, skew, per-rank token counts, dedup, fp8 dispatch) on the
+    NVLink transport: each rank's real rows bit-equal to the local transport's on the same GPU. bf16
+    and fp32 weights only, the formats whose bit-equality across transports the equivalence suite
+    established on a GPU; the packed formats' GEMMs have not been compared so on one yet."""
+    arguments = ["--transport", "nvlink", "--backend", "gloo", "--init-method", f"file://{tmp_path}/store", "--suite",
+                 "random", "--steps", "40", "--formats", "bf16", "fp32"]
+    output = launch_workers("tests.transport.worker", 2, arguments, 600)
     assert output.count("40 of 40 random steps bit-equal to the local transport") == 2, output

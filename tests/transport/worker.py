@@ -425,7 +425,7 @@ def dead_rank(group, rank: int, world: int, size: str, timeout: float, log) -> d
 RANDOM_SIZES = {"fp32": (16, 8), "bf16": (16, 8), "mxfp4": (128, 128), "fp8": (128, 128)}  # (hidden, intermediate)
 
 
-def random_step(seed: int, world: int) -> dict[str, object]:
+def random_step(seed: int, world: int, formats: tuple[str, ...] = tuple(RANDOM_SIZES)) -> dict[str, object]:
     """One random step for ``world`` ranks, the same on every rank for the same ``seed``: ``config``,
     ``w13``/``w2`` (packed for mxfp4 and fp8), ``x [R, s, H]``, ``ids``, ``weights``, ``tokens`` (per-rank
     real counts or None), ``policy``, ``cost`` (for ``auto``: a link so fast that it borrows, or so slow
@@ -433,7 +433,7 @@ def random_step(seed: int, world: int) -> dict[str, object]:
     draw = random.Random(seed)
     experts = world * draw.choice([1, 2, 3])
     top_k = draw.randint(1, min(experts, 4))
-    format = draw.choice(list(RANDOM_SIZES))
+    format = draw.choice(formats)
     hidden, intermediate = RANDOM_SIZES[format]
     capacity = draw.choice([2, 4, 6])
     step = draw.randint(1, capacity)
@@ -468,12 +468,12 @@ def random_step(seed: int, world: int) -> dict[str, object]:
                 dispatch_dtype=dispatch_dtype, name=name)
 
 
-def random_steps(group, rank: int, world: int, steps: int, log) -> dict[str, object]:
+def random_steps(group, rank: int, world: int, steps: int, formats: tuple[str, ...], log) -> dict[str, object]:
     """:func:`random_step` for seeds ``0 .. steps-1``: this rank's real rows against the local transport's."""
     results: dict[str, object] = {}
     local = init_group("local", ranks=world, device=group.device)
     for seed in range(steps):
-        case = random_step(seed, world)
+        case = random_step(seed, world, formats)
         config, policy, tokens, dispatch_dtype = case["config"], case["policy"], case["tokens"], case["dispatch_dtype"]
         x, ids, weights, w13, w2 = (case[name].to(group.device) for name in ("x", "ids", "weights", "w13", "w2"))
         outputs = []
@@ -503,6 +503,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--suite", choices=["equivalence", "lazy", "static", "sync-free", "push-pools", "random",
                                             "dead-rank"], default="equivalence")
     parser.add_argument("--steps", type=int, default=40, help="steps of the random suite")
+    parser.add_argument("--formats", nargs="+", choices=list(RANDOM_SIZES), default=list(RANDOM_SIZES),
+                        help="weight formats the random suite draws from")
     parser.add_argument("--size", choices=["small", "mid"], default="small")
     parser.add_argument("--backend", choices=["gloo", "nccl"], default="gloo", help="process group backend")
     parser.add_argument("--init-method", default="env://")
@@ -534,7 +536,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.suite == "push-pools":
             results = push_pools(group, rank, world, args.size, log)
         elif args.suite == "random":
-            results = random_steps(group, rank, world, args.steps, log)
+            results = random_steps(group, rank, world, args.steps, tuple(args.formats), log)
         else:
             results = dead_rank(group, rank, world, args.size, args.timeout, log)
     results["group"] = repr(group)
