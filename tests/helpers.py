@@ -11,8 +11,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 import flatep.kernels.quant_gemm as quant_gemm
-from flatep import EPConfig
-from flatep.quant import dequantize_fp8_activations, quantize_fp8_activations
+from flatep import CostProfile, EPConfig
+from flatep.quant import QuantizedTensor, dequantize_fp8_activations, quantize_fp8_activations
 from flatep.routing import adversarial_topk, skewed_topk
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -53,6 +53,25 @@ def dense_fp8_activations(x, ids, route_weights, w13, w2):
         activated = (activated * route_weights[token, slot].unsqueeze(-1)).bfloat16()
         out.index_add_(0, token, quantized(activated) @ w2[expert].T)
     return out.view(x.shape)
+
+
+def random_expert_weights(config: EPConfig, format: str, seed: int, device: torch.device = DEVICE):
+    """``(w13 [E, 2I, H], w2 [E, H, I])`` drawn from ``seed`` (unit-variance outputs), in ``format``:
+    fp32 or bf16 tensors, or :class:`flatep.quant.QuantizedTensor` packed as fp8 or mxfp4."""
+    generator = torch.Generator().manual_seed(seed)
+    experts, hidden, intermediate = config.experts, config.hidden, config.intermediate
+    w13 = torch.randn(experts, 2 * intermediate, hidden, generator=generator).to(device) * hidden**-0.5
+    w2 = torch.randn(experts, hidden, intermediate, generator=generator).to(device) * intermediate**-0.5
+    if format in ("fp8", "mxfp4"):
+        return QuantizedTensor.quantize(w13, format), QuantizedTensor.quantize(w2, format)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[format]
+    return w13.to(dtype), w2.to(dtype)
+
+
+def borrowing_cost(link_gbps: float = 1e6) -> CostProfile:
+    """A profile under which ``policy="auto"`` borrows experts wherever that flattens the step (a
+    link of ``1e6`` GB/s: moving weights nearly free) or never does (``1e-3``)."""
+    return CostProfile(link_gbps=link_gbps, hbm_gbps=1e6, gemm_tflops=1e-4, group_us=1e-3, push_us=1e-3, tile_rows=1)
 
 
 def relative_error(out: torch.Tensor, reference: torch.Tensor) -> float:

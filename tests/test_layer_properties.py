@@ -19,11 +19,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from flatep import CostProfile, EPConfig, ExpertPool, dense_moe, ep_moe, init_group, plan_step
+from flatep import EPConfig, ExpertPool, dense_moe, ep_moe, init_group, plan_step
 from flatep.layer import prefetch_experts
-from flatep.quant import QuantizedTensor, dequantize_fp8_activations, quantize_fp8_activations
+from flatep.quant import dequantize_fp8_activations, quantize_fp8_activations
 from flatep.routing import ADVERSARIAL, adversarial_topk, skewed_topk
-from tests.helpers import DEVICE, dense_fp8_activations, relative_error
+from tests.helpers import DEVICE, borrowing_cost, dense_fp8_activations, random_expert_weights, relative_error
 
 POLICIES = ("exact", "none", "bounded", "auto")
 SIZES = {"fp32": (16, 8), "bf16": (16, 8), "mxfp4": (128, 128), "fp8": (128, 128)}  # (hidden, intermediate)
@@ -66,24 +66,11 @@ def steps(draw, formats=tuple(SIZES)):
 
 
 def expert_weights(config: EPConfig, format: str, seed: int):
-    """``(w13, w2)`` as the pool takes them, and their fp32 values."""
-    generator = torch.Generator().manual_seed(seed + 1)
-    experts, hidden, intermediate = config.experts, config.hidden, config.intermediate
-    w13 = torch.randn(experts, 2 * intermediate, hidden, generator=generator) * hidden**-0.5
-    w2 = torch.randn(experts, hidden, intermediate, generator=generator) * intermediate**-0.5
-    w13, w2 = w13.to(DEVICE), w2.to(DEVICE)
+    """``(w13, w2)`` as the pool takes them (:func:`tests.helpers.random_expert_weights`), and their fp32 values."""
+    w13, w2 = random_expert_weights(config, format, seed + 1)
     if format in ("fp8", "mxfp4"):
-        w13, w2 = QuantizedTensor.quantize(w13, format), QuantizedTensor.quantize(w2, format)
         return (w13, w2), (w13.dequantize(), w2.dequantize())
-    dtype = torch.float32 if format == "fp32" else torch.bfloat16
-    return (w13.to(dtype), w2.to(dtype)), (w13.to(dtype).float(), w2.to(dtype).float())
-
-
-def cost_for(pool: ExpertPool, link_gbps: float) -> CostProfile:
-    """A profile under which ``auto`` borrows whenever it can (fast link) or never (slow)."""
-    profile = CostProfile(link_gbps=link_gbps, hbm_gbps=1e6, gemm_tflops=1e-4, group_us=1e-3, push_us=1e-3,
-                          tile_rows=1)
-    return profile.with_expert_bytes(pool.expert_nbytes())
+    return (w13, w2), (w13.float(), w2.float())
 
 
 @settings(max_examples=60 * EXAMPLE_SCALE, **SETTINGS)
@@ -99,7 +86,7 @@ def test_every_policy_equals_the_dense_moe_on_the_real_tokens(case, dispatch_fp8
         *quantize_fp8_activations(x.reshape(-1, config.hidden))).view(x.shape)
     outputs = {}
     for policy in POLICIES:
-        cost = cost_for(pool, link_gbps) if policy == "auto" else None
+        cost = borrowing_cost(link_gbps).with_expert_bytes(pool.expert_nbytes()) if policy == "auto" else None
         plan = plan_step(ids, config, group, policy, tokens=tokens, cost=cost, dispatch_dtype=dispatch)
         outputs[policy] = ep_moe(x, ids, route_weights, config=config, group=group, pool=pool, policy=policy,
                                  plan=plan, cost=cost, dispatch_dtype=dispatch, backend="torch")

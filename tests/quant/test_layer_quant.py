@@ -11,7 +11,8 @@ from flatep import EPConfig, ExpertPool, dense_moe, ep_moe, init_group, make_pla
 from flatep.quant import QuantizedTensor, expert_weight_nbytes, pool_layout
 from flatep.routing import skewed_topk
 from flatep.layer import shard_buffers
-from tests.helpers import DEVICE, TRITON_BACKENDS, dense_fp8_activations, relative_error, second_pass_flags
+from tests.helpers import (DEVICE, TRITON_BACKENDS, borrowing_cost, dense_fp8_activations, relative_error,
+                           second_pass_flags)
 
 # Relative error of the layer against the dense fp32 MoE over the dequantized weights (bf16 x):
 # bf16 and mxfp4 weights are exact in bf16, so only bf16 roundings of the activations remain;
@@ -68,7 +69,6 @@ def test_mxfp4_pools_for_fp8_activations_equal_dense_over_dequantized_weights(po
     """Pools made with ``FLATEP_MXFP4_FP8_ACTIVATIONS`` hold the ``mma`` layout and push it; the layer
     (the fp8 kernel on a Hopper GPU, the exact pass of that layout elsewhere, the torch path) equals
     the dense MoE over the dequantized weights, borrowing steps included."""
-    from flatep import CostProfile
     from flatep.quant import tensor
 
     monkeypatch.setattr(tensor, "MXFP4_FP8_ACTIVATIONS", True)
@@ -77,8 +77,7 @@ def test_mxfp4_pools_for_fp8_activations_equal_dense_over_dequantized_weights(po
     q13, q2 = packed(w13, "mxfp4"), packed(w2, "mxfp4")
     pool = ExpertPool.from_weights(q13, q2, CONFIG, group, dtype=torch.bfloat16)
     assert pool.layout == "mma" and pool.compute_view(0)[0].layout == "mma"
-    cheap = CostProfile(link_gbps=1e6, hbm_gbps=1e6, gemm_tflops=1e-4, group_us=1e-3, push_us=1e-3, tile_rows=1)
-    cost = cheap.with_expert_bytes(pool.expert_nbytes()) if policy == "auto" else None
+    cost = borrowing_cost().with_expert_bytes(pool.expert_nbytes()) if policy == "auto" else None
     plan = plan_step(ids, CONFIG, group, policy, cost=cost)
     if policy != "none":
         assert int((plan.slot_experts >= 0).sum()) >= 2, "the step must borrow, so that packed weights are pushed"
@@ -163,9 +162,7 @@ def test_mxfp4_steps_over_nan_buffers_take_one_pass(policy, monkeypatch):
 def test_auto_steps_that_borrow_equal_dense_over_dequantized_weights(format, backend):
     """``auto`` with a profile where moving weights is nearly free borrows experts (packed pushes)
     and, like ``exact``, equals the dense MoE over the dequantized weights."""
-    from flatep import CostProfile
-
-    cheap = CostProfile(link_gbps=1e6, hbm_gbps=1e6, gemm_tflops=1e-4, group_us=1e-3, push_us=1e-3, tile_rows=1)
+    cheap = borrowing_cost()
     group = init_group("local", ranks=CONFIG.ranks, device=DEVICE)
     x, ids, route_weights, w13, w2 = quantized_inputs(CONFIG, 12, skew=4.0, seed=8)
     q13, q2 = packed(w13, format), packed(w2, format)

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from flatep import EPConfig, ep_moe, init_group
 from flatep.routing import skewed_topk
-from tests.helpers import make_inputs
+from tests.helpers import make_inputs, random_expert_weights
 
 TOKENS = 16
 
@@ -83,11 +83,10 @@ def random_backward_step(seed: int, world: int) -> BackwardStep:
         ids = skewed_topk(world, experts, top_k, tokens, draw.choice([0.0, 2.0, 6.0]), seed=seed)
     form = draw.choice(["full", "slice"])
     hidden, intermediate = config.hidden, config.intermediate
+    w13, w2 = random_expert_weights(config, "fp32", seed + 1, torch.device("cpu"))
     inputs = dict(
         x=torch.randn(world, tokens, hidden, generator=generator), topk_ids=ids,
-        topk_weights=torch.rand(world, tokens, top_k, generator=generator) + 0.1,
-        w13=torch.randn(experts, 2 * intermediate, hidden, generator=generator) * hidden**-0.5,
-        w2=torch.randn(experts, hidden, intermediate, generator=generator) * intermediate**-0.5,
+        topk_weights=torch.rand(world, tokens, top_k, generator=generator) + 0.1, w13=w13, w2=w2,
         b13=torch.randn(experts, 2 * intermediate, generator=generator) * 0.1 if form == "full" else None,
         b2=torch.randn(experts, hidden, generator=generator) * 0.1 if form == "full" else None,
         grad_out=torch.randn(world, tokens, hidden, generator=generator),

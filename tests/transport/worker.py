@@ -44,13 +44,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from flatep import CostProfile, EPConfig, ExpertPool, dense_moe, ep_moe, init_group, make_plan
+from flatep import EPConfig, ExpertPool, dense_moe, ep_moe, init_group, make_plan
 from flatep.kernels.fp8_rows import pack_rows_torch, unpack_rows_torch
-from flatep.quant import QuantizedTensor
 from flatep.layer import plan_step
 from flatep.routing import sigma_for_maxvio
 from flatep.transport.collective import CollectiveGroup
-from tests.helpers import HostReadGuard, make_inputs
+from tests.helpers import HostReadGuard, borrowing_cost, make_inputs, random_expert_weights
 
 WEIGHT_SEED = 7
 
@@ -441,13 +440,8 @@ def random_step(seed: int, world: int, formats: tuple[str, ...] = tuple(RANDOM_S
                       capacity=capacity, align=draw.choice([1, 4, 8]), tolerance=draw.choice([0.0, 0.2]),
                       dedup=draw.random() < 0.3)
     dtype = torch.float32 if format == "fp32" else torch.bfloat16
-    generator = torch.Generator().manual_seed(seed)
-    w13 = torch.randn(experts, 2 * intermediate, hidden, generator=generator) * hidden**-0.5
-    w2 = torch.randn(experts, hidden, intermediate, generator=generator) * intermediate**-0.5
-    if format in ("mxfp4", "fp8"):
-        w13, w2 = QuantizedTensor.quantize(w13, format), QuantizedTensor.quantize(w2, format)
-    else:
-        w13, w2 = w13.to(dtype), w2.to(dtype)
+    w13, w2 = random_expert_weights(config, format, seed, torch.device("cpu"))
+    generator = torch.Generator().manual_seed(seed + 1)
     ids = torch.randint(0, experts, (world, step, top_k), generator=generator, dtype=torch.int32)
     if draw.random() < 0.5:  # half of the entries on one expert
         ids[ids % 2 == 0] = draw.randrange(experts)
@@ -455,10 +449,7 @@ def random_step(seed: int, world: int, formats: tuple[str, ...] = tuple(RANDOM_S
     if tokens is not None and not any(tokens):
         tokens[0] = 1
     policy = draw.choice(["exact", "none", "bounded", "auto"])
-    cost = None
-    if policy == "auto":
-        cost = CostProfile(link_gbps=draw.choice([1e-3, 1e6]), hbm_gbps=1e6, gemm_tflops=1e-4, group_us=1e-3,
-                           push_us=1e-3, tile_rows=1)
+    cost = borrowing_cost(draw.choice([1e-3, 1e6])) if policy == "auto" else None
     dispatch_dtype = torch.float8_e4m3fn if dtype == torch.bfloat16 and draw.random() < 0.3 else None
     x = torch.randn(world, step, hidden, generator=generator).to(dtype)
     weights = torch.rand(world, step, top_k, generator=generator) + 0.1
