@@ -4,7 +4,10 @@
 # Writes to $OUT (default ./bench-out):
 #   pytest_gpu.log         the whole test suite (`python -m pytest tests`), GPU tests included: the
 #                          large-memory GPU files alone, one after another, then the rest over $JOBS
-#                          pytest-xdist workers (default 8; JOBS=0 runs everything in one process)
+#                          pytest-xdist workers (default 8; JOBS=0 runs everything in one process);
+#                          SUITE=heavy or SUITE=rest runs one half, each within one 10-minute device
+#                          call (H100, JOBS=16: 382 and 393 s, bench/results/2026-12-07-h100-n; the
+#                          heavy half before its 16 packed NVLink random steps, about 100 s more)
 #   layer_gpu_tests.log    the layer at Kimi-K2 shape vs dense fp32, CUDA-graph replays, the kernels on the GPU
 #   nvlink_shared_gpu.log  the NVLink transport with 2 and 4 processes sharing GPU 0 (bench/scripts/nvlink_shared_gpu.sh)
 #   transformers_gpu.log   transformers models sharded over 8 virtual ranks (bench/scripts/transformers_gpu.py)
@@ -25,11 +28,16 @@ part() {  # part NAME LOG COMMAND...: run, keep the log, report the exit status
 HEAVY=(tests/test_layer_gpu.py tests/quant/test_quant_gpu.py tests/transport/test_nvlink_gpu.py)
 suite() {
   if [ "${JOBS:-8}" -eq 0 ]; then python3 -m pytest -o addopts="" -q -p no:cacheprovider tests; return; fi
-  python3 -m pytest -o addopts="" -q -p no:cacheprovider --durations=10 "${HEAVY[@]}"
-  local heavy=$?
-  python3 -m pytest -o addopts="" -q -p no:cacheprovider --durations=10 -n "${JOBS:-8}" tests \
-    $(printf -- "--ignore=%s " "${HEAVY[@]}")
-  local rest=$?
+  local heavy=0 rest=0
+  if [ "${SUITE:-all}" != rest ]; then
+    python3 -m pytest -o addopts="" -q -p no:cacheprovider --durations=10 "${HEAVY[@]}"
+    heavy=$?
+  fi
+  if [ "${SUITE:-all}" != heavy ]; then
+    python3 -m pytest -o addopts="" -q -p no:cacheprovider --durations=10 -n "${JOBS:-8}" tests \
+      $(printf -- "--ignore=%s " "${HEAVY[@]}")
+    rest=$?
+  fi
   return $(( heavy || rest ))
 }
 wanted() { [[ " ${PARTS:-suite layer nvlink transformers} " == *" $1 "* ]]; }

@@ -45,12 +45,12 @@ def test_backward_equals_the_local_transports_gradients_bit_for_bit(shared_gpu, 
     assert output.count("PASSED") == 2, output
 
 
-def test_random_steps_equal_the_local_transport(shared_gpu, tmp_path):
+@pytest.mark.parametrize("steps, formats", [(40, ["bf16", "fp32"]), (16, ["fp8", "mxfp4"])])
+def test_random_steps_equal_the_local_transport(shared_gpu, tmp_path, steps, formats):
     """The worker's random suite (policies, skew, per-rank token counts, dedup, fp8 dispatch) on the
-    NVLink transport: each rank's real rows bit-equal to the local transport's on the same GPU. bf16
-    and fp32 weights only, the formats whose bit-equality across transports the equivalence suite
-    established on a GPU; the packed formats' GEMMs have not been compared so on one yet."""
+    NVLink transport: each rank's real rows bit-equal to the local transport's on the same GPU, for
+    unpacked and for packed weights (each process's packed GEMMs against the local transport's)."""
     arguments = ["--transport", "nvlink", "--backend", "gloo", "--init-method", f"file://{tmp_path}/store", "--suite",
-                 "random", "--steps", "40", "--formats", "bf16", "fp32"]
+                 "random", "--steps", str(steps), "--formats", *formats]
     output = launch_workers("tests.transport.worker", 2, arguments, 600)
-    assert output.count("40 of 40 random steps bit-equal to the local transport") == 2, output
+    assert output.count(f"{steps} of {steps} random steps bit-equal to the local transport") == 2, output
