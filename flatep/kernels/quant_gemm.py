@@ -475,6 +475,20 @@ def _tile_dot(a, w, SWAP_AB: tl.constexpr, INTERPRET: tl.constexpr, acc=None):
 
 
 @triton.jit
+def _store_tile(acc, out_ptr, row, column, row_mask, column_mask, stride_om, SWAP_AB: tl.constexpr,
+                INTERPRET: tl.constexpr):
+    """A tile's fp32 product into ``out`` (``[BLOCK_M, BLOCK_N]``, or its transpose with ``SWAP_AB``)
+    at ``row`` and ``column``, masked to both; rounded to bf16's grid first under the interpreter, whose
+    cast truncates."""
+    if SWAP_AB:
+        acc = tl.trans(acc)
+    if INTERPRET:
+        acc = round_to_bf16(acc)
+    out = out_ptr + row.to(tl.int64)[:, None] * stride_om + column[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & column_mask[None, :])
+
+
+@triton.jit
 def _e4m3_rows(x, FROM_BF16: tl.constexpr, ROUND_FIRST: tl.constexpr):
     """DeepSeek-V3's activation quantization of fp32 ``x [N, GROUP]`` (one column group per row):
     ``(values [N, GROUP] fp32 on the e4m3 grid, scales [N] fp32)``, ``scale = max(amax, 1e-10) / 448``
@@ -625,12 +639,7 @@ def _fp8_tile(
             acc = acc * previous[None, :]
         else:
             acc = acc * previous[:, None]
-    if SWAP_AB:
-        acc = tl.trans(acc)
-    if INTERPRET:
-        acc = round_to_bf16(acc)
-    out = out_ptr + row.to(tl.int64)[:, None] * stride_om + column[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & column_mask[None, :])
+    _store_tile(acc, out_ptr, row, column, row_mask, column_mask, stride_om, SWAP_AB, INTERPRET)
 
 
 @triton.jit
@@ -932,12 +941,7 @@ def _mxfp4_tile(
     if ONE_MULTIPLY:
         if tl.max(largest) > _ONE_MULTIPLY_MAX_BYTE:
             tl.store(redo_ptr, 1)
-    if SWAP_AB:
-        acc = tl.trans(acc)
-    if INTERPRET:
-        acc = round_to_bf16(acc)
-    out = out_ptr + row.to(tl.int64)[:, None] * stride_om + column[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & column_mask[None, :])
+    _store_tile(acc, out_ptr, row, column, row_mask, column_mask, stride_om, SWAP_AB, INTERPRET)
 
 
 def _check_wgmma(config: GemmConfig, device: torch.device) -> None:

@@ -4,17 +4,26 @@ from __future__ import annotations
 import torch
 
 from flatep.quant import bench
+from flatep.quant.tensor import QuantizedTensor
 from tests.helpers import DEVICE
+
+HIDDEN = 128  # hidden and intermediate sizes alike
+
+
+def tiny_experts(format: str) -> tuple[torch.Tensor, torch.Tensor, QuantizedTensor, QuantizedTensor]:
+    """Two fresh random experts at :data:`HIDDEN`: ``w13 [2, 2 * HIDDEN, HIDDEN]`` and ``w2 [2, HIDDEN,
+    HIDDEN]`` bf16, and both quantized to ``format`` by expert."""
+    w13 = bench._random_bf16((2, 2 * HIDDEN, HIDDEN), HIDDEN**-0.5, DEVICE)
+    w2 = bench._random_bf16((2, HIDDEN, HIDDEN), HIDDEN**-0.5, DEVICE)
+    return w13, w2, bench.quantize_by_expert(w13, format), bench.quantize_by_expert(w2, format)
 
 
 def test_bench_cells_at_tiny_sizes(monkeypatch):
     monkeypatch.setattr(bench, "CANDIDATES", {format: configs[:1] for format, configs in bench.CANDIDATES.items()})
     monkeypatch.setattr(bench, "REPLAYS", 1)
-    hidden = intermediate = 128
+    hidden = intermediate = HIDDEN
     for format in ("fp8", "mxfp4"):
-        w13 = bench._random_bf16((2, 2 * intermediate, hidden), hidden**-0.5, DEVICE)
-        w2 = bench._random_bf16((2, hidden, intermediate), intermediate**-0.5, DEVICE)
-        q13, q2 = bench.quantize_by_expert(w13, format), bench.quantize_by_expert(w2, format)
+        w13, w2, q13, q2 = tiny_experts(format)
         cell = bench.experts_cell("tiny", format, hidden, intermediate, 2, 16, w13, w2, q13, q2, DEVICE, rounds=1)
         assert cell["w13_relative_error"] < 4e-3 and cell["w2_relative_error"] < 4e-3
         assert cell["w13"]["ratio"] > 0 and cell["experts_step"]["ratio"] > 0
@@ -30,11 +39,9 @@ def test_bench_cells_at_tiny_sizes(monkeypatch):
 def test_quick_cells_at_tiny_sizes(monkeypatch):
     monkeypatch.setattr(bench, "CANDIDATES", {format: configs[:1] for format, configs in bench.CANDIDATES.items()})
     monkeypatch.setattr(bench, "REPLAYS", 1)
-    hidden = intermediate = 128
+    hidden = intermediate = HIDDEN
     for format in ("fp8", "mxfp4"):
-        w13 = bench._random_bf16((2, 2 * intermediate, hidden), hidden**-0.5, DEVICE)
-        w2 = bench._random_bf16((2, hidden, intermediate), intermediate**-0.5, DEVICE)
-        q13, q2 = bench.quantize_by_expert(w13, format), bench.quantize_by_expert(w2, format)
+        w13, w2, q13, q2 = tiny_experts(format)
         entries = bench.quick_cells("tiny", format, hidden, intermediate, 2, w13, w2, q13, q2, DEVICE, (16,))
         arms = [("bf16", None)] + [("through_bf16", None)] * (format == "mxfp4")
         arms += [("tiles", vars(config)) for config in bench._candidates(format, 16, DEVICE)]
@@ -57,10 +64,8 @@ def test_quick_cells_run_the_tall_fp8_candidates(monkeypatch):
     assert len(tall) == 3
     monkeypatch.setattr(bench, "CANDIDATES", {**bench.CANDIDATES, "fp8": tall})
     monkeypatch.setattr(bench, "REPLAYS", 1)
-    hidden = intermediate = 128
-    w13 = bench._random_bf16((2, 2 * intermediate, hidden), hidden**-0.5, DEVICE)
-    w2 = bench._random_bf16((2, hidden, intermediate), intermediate**-0.5, DEVICE)
-    q13, q2 = bench.quantize_by_expert(w13, "fp8"), bench.quantize_by_expert(w2, "fp8")
+    hidden = intermediate = HIDDEN
+    w13, w2, q13, q2 = tiny_experts("fp8")
     entries = bench.quick_cells("tiny", "fp8", hidden, intermediate, 2, w13, w2, q13, q2, DEVICE, (128,))
     packed = [entry for entry in entries if entry["path"] == "tiles"]
     assert sum(entry["config"]["rescale"] for entry in packed) == 2 * len(tall)  # both GEMMs, beside the default
