@@ -14,6 +14,14 @@
 # PARTS (default "suite layer nvlink transformers") picks the parts. Exit status 0 iff every part passed.
 cd "$(dirname "$0")/../.."
 source bench/scripts/gpu_env.sh
+case "${SUITE:-all}" in
+  all | heavy | rest) ;;
+  *) echo "SUITE must be all, heavy or rest, got '$SUITE'" >&2; exit 2 ;;
+esac
+for name in ${PARTS:-suite layer nvlink transformers}; do
+  [[ " suite layer nvlink transformers " == *" $name "* ]] || {
+    echo "PARTS takes suite, layer, nvlink and transformers, got '$name'" >&2; exit 2; }
+done
 status=0
 part() {  # part NAME LOG COMMAND...: run, keep the log, report the exit status
   local name=$1 log=$2

@@ -16,6 +16,9 @@
 # Exit status 0 iff every step passed.
 cd "$(dirname "$0")/../.."
 source bench/scripts/gpu_env.sh
+for name in ${PARTS:-fp8 mxfp4}; do
+  [[ " fp8 mxfp4 " == *" $name "* ]] || { echo "PARTS takes fp8 and mxfp4, got '$name'" >&2; exit 2; }
+done
 status=0
 if [[ " ${PARTS:-fp8 mxfp4} " == *" fp8 "* ]]; then
   bash bench/scripts/fp8_experts.sh || status=1

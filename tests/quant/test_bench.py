@@ -3,8 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from flatep.quant import bench
-from flatep.quant.tensor import QuantizedTensor
+from flatep.quant import QuantizedTensor, bench
 from tests.helpers import DEVICE
 
 HIDDEN = 128  # hidden and intermediate sizes alike
