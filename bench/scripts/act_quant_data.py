@@ -1,4 +1,4 @@
-"""Result set: the fp8 activation quantization (flatep.kernels.quant_gemm.quantize_fp8_activations_triton)
+"""Result set: the fp8 activation quantization (flatep.kernels.fp8_activations.quantize_fp8_activations_triton)
 on rows of different data, K = 7168 (Kimi-K2's hidden size): the CUDA-graph time of one call
 (flatep.bench.timing.time_interleaved: 5 calls per graph, median of 10 replays, the arms' replays
 interleaved, so that the first arm timed does not run on a colder GPU) of the tree's kernel (for
@@ -25,8 +25,12 @@ import triton.language as tl
 
 from flatep.bench.timing import device_name, read_ceiling_gbps, time_interleaved
 from flatep.kernels.backend import row_programs, row_runs, run_block, run_block_count
-from flatep.kernels.quant_gemm import (
-    _E4M3_MAX, _E4M3_RECIPROCAL, ACT_QUANT_PROGRAMS_PER_SM, ACT_QUANT_ROWS, ACT_QUANT_WARPS,
+from flatep.kernels.fp8_activations import (
+    ACT_QUANT_PROGRAMS_PER_SM,
+    ACT_QUANT_ROWS,
+    ACT_QUANT_WARPS,
+    _E4M3_MAX,
+    _E4M3_RECIPROCAL,
     quantize_fp8_activations_triton,
 )
 from flatep.quant import quantize_fp8_activations

@@ -1,4 +1,5 @@
-"""Result set: launches of the fp8 activation quantization (flatep.kernels.quant_gemm.quantize_fp8_activations_triton)
+"""Result set: launches of the fp8 activation quantization
+(flatep.kernels.fp8_activations.quantize_fp8_activations_triton)
 on one GPU, K = 7168 (Kimi-K2's hidden size), at 1024, 8192 and 65536 rows (a Kimi-K2 rank's decode
 and prefill shards): per (rows per block, programs per SM, warps), the CUDA-graph time of one call
 (flatep.bench.timing.time_us: 5 calls per graph, median of 10 replays) and whether its values and scales equal the first
@@ -9,7 +10,7 @@ launch's bit for bit. Bytes moved per call: rows x K x 3 (bf16 read, e4m3 writte
 """
 import torch
 
-import flatep.kernels.quant_gemm as quant_gemm
+import flatep.kernels.fp8_activations as fp8_activations
 from flatep.bench.timing import copy_ceiling_gbps, time_us
 
 LAUNCHES = [(16, 8, 4), (16, 32, 4), (32, 16, 4), (32, 32, 4), (64, 8, 4), (64, 16, 8), (16, 64, 2), (8, 64, 2)]
@@ -24,12 +25,15 @@ for rows in (1024, 8192, 65536):
     first = None
     line = []
     for block_m, per_sm, warps in LAUNCHES:
-        quant_gemm.ACT_QUANT_ROWS, quant_gemm.ACT_QUANT_PROGRAMS_PER_SM, quant_gemm.ACT_QUANT_WARPS = block_m, per_sm, warps
-        values, scales = quant_gemm.quantize_fp8_activations_triton(x, end)
+        fp8_activations.ACT_QUANT_ROWS = block_m
+        fp8_activations.ACT_QUANT_PROGRAMS_PER_SM = per_sm
+        fp8_activations.ACT_QUANT_WARPS = warps
+        values, scales = fp8_activations.quantize_fp8_activations_triton(x, end)
         if first is None:
             first = (values.view(torch.uint8).clone(), scales.clone())
         same = torch.equal(values.view(torch.uint8), first[0]) and torch.equal(scales, first[1])
-        us = time_us(lambda: quant_gemm.quantize_fp8_activations_triton(x, end), device, warmup=1, iters=10, graph=True, calls=5)
+        us = time_us(lambda: fp8_activations.quantize_fp8_activations_triton(x, end), device, warmup=1, iters=10,
+                     graph=True, calls=5)
         gbps = rows * 7168 * 3 / us / 1e3
         line.append(f"m{block_m} p{per_sm} w{warps}: {us:.1f} us ({gbps:.0f} GB/s){'' if same else ' MISMATCH'}")
     print(f"act quant rows={rows} ({rows * 7168 * 3 / 1e6:.0f} MB moved): " + "; ".join(line), flush=True)

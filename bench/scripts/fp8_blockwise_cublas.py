@@ -24,7 +24,8 @@ import torch
 
 from flatep.bench.timing import time_us
 from flatep.experts.grouped import quantized_grouped_mm
-from flatep.kernels.quant_gemm import fp8_grouped_mm_triton, quantize_fp8_activations_triton
+from flatep.kernels.fp8_activations import quantize_fp8_activations_triton
+from flatep.kernels.quant_gemm import fp8_grouped_mm_triton
 from flatep.quant.bench import model_weights
 from flatep.quant.tensor import QuantizedTensor
 

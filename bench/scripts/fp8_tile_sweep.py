@@ -2,13 +2,13 @@
 
 One Kimi-K2 rank's experts (48; gate/up N = 4096, K = 7168; down N = 7168, K = 2048; e4m3 values
 with one fp32 scale per 128 x 128 block). At each row count the first arm is
-:func:`flatep.kernels.quant_gemm.default_config`'s tile (the Triton tiles: below
-:data:`flatep.kernels.quant_gemm.WGMMA_ROWS` rows per expert), the others are candidates, chiefly
+:func:`flatep.kernels.packed_tiles.default_config`'s tile (the Triton tiles: below
+:data:`flatep.kernels.packed_tiles.WGMMA_ROWS` rows per expert), the others are candidates, chiefly
 other pipeline depths and programs an SM (the defaults before bench/results/2026-12-06-h100-f
 among them, where that set's run put them first). The 192-row cell's first arm is the tile of
-:func:`flatep.kernels.quant_gemm.packed_launches`' hot launch (the groups of more than
-:data:`flatep.kernels.quant_gemm.HOT_ROWS` rows in a decode step), which takes
-:func:`flatep.kernels.quant_gemm.default_config` without a device; the 96-row cell times the
+:func:`flatep.kernels.packed_tiles.packed_launches`' hot launch (the groups of more than
+:data:`flatep.kernels.packed_tiles.HOT_ROWS` rows in a decode step), which takes
+:func:`flatep.kernels.packed_tiles.default_config` without a device; the 96-row cell times the
 depths of the tile that short launches run at that size. Every arm runs
 :func:`flatep.kernels.quant_gemm.fp8_grouped_mm_triton` as the layer does with bf16 rows (each
 call quantizes them, then multiplies), timed as :func:`mxfp4_rank.time_tiles` does.
@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from flatep.kernels.quant_gemm import GemmConfig, default_config, fp8_grouped_mm_triton
+from flatep.kernels.packed_tiles import GemmConfig, default_config
+from flatep.kernels.quant_gemm import fp8_grouped_mm_triton
 import mxfp4_rank
 from mxfp4_rank import main, time_tiles
 

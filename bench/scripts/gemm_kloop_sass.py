@@ -43,7 +43,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from flatep.bench.sass import innermost_mma_loop  # noqa: E402
 from flatep.kernels import decode_gemm  # noqa: E402
-from flatep.kernels.quant_gemm import GemmConfig, default_config  # noqa: E402
+from flatep.kernels.packed_tiles import GemmConfig, default_config  # noqa: E402
 from flatep.quant.bench import CANDIDATES  # noqa: E402
 
 POINTER_TYPES = {  # per format: the kernels' pointer arguments (the others are int32 or constexpr)

@@ -1,7 +1,7 @@
 """The mxfp4 tiles for groups of 64 to 192 rows (a skewed decode step's hot experts): 64-row against 128-row tiles.
 
 One Kimi-K3 rank's experts (112; gate/up N = 6144, K = 3584; down N = 3584, K = 3072) at 64, 96, 128
-and 192 rows per expert. The first arm is :func:`flatep.kernels.quant_gemm.default_config`'s tile (64
+and 192 rows per expert. The first arm is :func:`flatep.kernels.packed_tiles.default_config`'s tile (64
 rows on 4 warps, which a group of 65-128 rows takes twice, decoding its weights twice); the others
 are 64-row tiles on more warps or fewer columns, and 128-row tiles on 8 or 4 warps, with one or two
 programs an SM (two at most 128 registers a thread, ``GemmConfig.max_registers``). Every arm runs
@@ -14,7 +14,7 @@ few minutes before the first timing.
 """
 from __future__ import annotations
 
-from flatep.kernels.quant_gemm import GemmConfig
+from flatep.kernels.packed_tiles import GemmConfig
 from mxfp4_rank import default_then, main
 
 TALL = [

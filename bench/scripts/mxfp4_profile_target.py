@@ -14,7 +14,8 @@ import os
 import torch
 
 from flatep.kernels import quant_gemm
-from flatep.kernels.quant_gemm import default_config, mxfp4_grouped_mm_triton
+from flatep.kernels.packed_tiles import default_config
+from flatep.kernels.quant_gemm import mxfp4_grouped_mm_triton
 
 EXPERTS, COLUMNS, INNER = 112, 6144, 3584  # a Kimi-K3 rank's experts at R = 8, gate/up
 

@@ -12,7 +12,8 @@ from collections.abc import Callable
 import torch
 
 from flatep.bench.timing import device_name, read_ceiling_gbps, time_interleaved
-from flatep.kernels.quant_gemm import default_config, mxfp4_grouped_mm_triton
+from flatep.kernels.packed_tiles import default_config
+from flatep.kernels.quant_gemm import mxfp4_grouped_mm_triton
 
 EXPERTS, HIDDEN, INTERMEDIATE = 112, 3584, 3072  # a Kimi-K3 rank's experts at R = 8
 GEMMS = {"w13": (2 * INTERMEDIATE, HIDDEN), "w2": (HIDDEN, INTERMEDIATE)}  # (N, K) of gate/up and down
@@ -59,7 +60,7 @@ def time_tiles(rows_per_expert: int, gemm: str, tiles: list, run: Callable, oper
 
 
 def default_then(rows_per_expert: int, gemm: str, columns: int, inner: int, candidates: list) -> list[dict]:
-    """A tile script's cell: :func:`flatep.kernels.quant_gemm.default_config`'s mxfp4 tile, then
+    """A tile script's cell: :func:`flatep.kernels.packed_tiles.default_config`'s mxfp4 tile, then
     ``candidates``, each through :func:`flatep.kernels.quant_gemm.mxfp4_grouped_mm_triton` over
     :func:`rank_operands`, timed by :func:`time_tiles`."""
     operands = rank_operands(rows_per_expert, columns, inner)

@@ -1,7 +1,7 @@
 """The mxfp4 decode tiles at other register limits and programs per SM: does occupancy bound them?
 
 One Kimi-K3 rank's experts (112; gate/up N = 6144, K = 3584; down N = 3584, K = 3072) at 16 and
-32 rows per expert. For each row count, the default tile (:func:`flatep.kernels.quant_gemm.default_config`)
+32 rows per expert. For each row count, the default tile (:func:`flatep.kernels.packed_tiles.default_config`)
 and variants launched with ptxas's register limit (``maxnreg``) lowered so that more programs fit an
 SM, or with more stages or warps. Each variant runs both passes of
 :func:`flatep.kernels.quant_gemm.mxfp4_grouped_mm_triton` with pointer copies, as the kernel copied
@@ -16,7 +16,7 @@ import torch
 
 from flatep.kernels import quant_gemm
 from flatep.kernels.grouped_tiles import persistent_grid
-from flatep.kernels.quant_gemm import GemmConfig
+from flatep.kernels.packed_tiles import GemmConfig
 import mxfp4_rank
 from mxfp4_rank import EXPERTS, main, rank_operands, time_arms
 

@@ -19,7 +19,8 @@ import dataclasses
 from collections.abc import Callable
 
 from flatep.kernels import mxfp4_swap
-from flatep.kernels.quant_gemm import _MXFP4_SHORT, MXFP4_SWAP, mxfp4_grouped_mm_triton
+from flatep.kernels.packed_tiles import MXFP4_SHORT, MXFP4_SWAP
+from flatep.kernels.quant_gemm import mxfp4_grouped_mm_triton
 from mxfp4_rank import main, rank_operands, time_arms
 
 VARIANTS = [(registers, stages) for registers in (40, 32, 24) for stages in (4, 6)]
@@ -46,7 +47,7 @@ def time_cell(rows_per_expert: int, gemm: str, columns: int, inner: int) -> list
 
     default = MXFP4_SWAP[rows_per_expert]
     arms = [arm(f"default: {default.label} r{mxfp4_swap.PRODUCER_REGISTERS}", default, mxfp4_swap.PRODUCER_REGISTERS),
-            arm(f"triton: {_MXFP4_SHORT[rows_per_expert].label}", _MXFP4_SHORT[rows_per_expert],
+            arm(f"triton: {MXFP4_SHORT[rows_per_expert].label}", MXFP4_SHORT[rows_per_expert],
                 mxfp4_swap.PRODUCER_REGISTERS)]
     for registers, stages in VARIANTS:
         config = dataclasses.replace(default, num_stages=stages)

@@ -2,7 +2,7 @@
 
 One Kimi-K3 rank's experts (112; gate/up N = 6144, K = 3584; down N = 3584, K = 3072) at 16 and 32
 rows per expert, a decode step's groups. The first arm is the Triton tile
-:func:`flatep.kernels.quant_gemm.default_config` gives without a device (the ``mma.sync`` tiles),
+:func:`flatep.kernels.packed_tiles.default_config` gives without a device (the ``mma.sync`` tiles),
 the others the Gluon kernel of the same row tile (``GemmConfig(swap_ab=True, wgmma=True)``) at 2 or
 3 programs an SM (3 fit at its registers) and 3, 4 or 6 stages of copies in flight. Every arm runs
 :func:`flatep.kernels.quant_gemm.mxfp4_grouped_mm_triton` as the layer does, timed as
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from flatep.kernels.quant_gemm import MXFP4_SWAP
+from flatep.kernels.packed_tiles import MXFP4_SWAP
 from mxfp4_rank import default_then, main
 
 VARIANTS = [(programs, stages) for programs in (2, 3) for stages in (3, 4, 6)]

@@ -1,7 +1,7 @@
 """The mxfp4 tiles against each other where the layer launches them: 32, 16 and 128 rows per expert.
 
 One Kimi-K3 rank's experts (112; gate/up N = 6144, K = 3584; down N = 3584, K = 3072). At each row
-count the first arm is :func:`flatep.kernels.quant_gemm.default_config`'s tile, the others are
+count the first arm is :func:`flatep.kernels.packed_tiles.default_config`'s tile, the others are
 candidates (the defaults before bench/results/2026-12-06-h100-f among them, where this sweep's
 first two runs put them first): wider K steps (fewer instructions a weight, more registers), fewer columns or warps a
 program, and register limits (``GemmConfig.max_registers``) that let more programs share an SM.
@@ -15,7 +15,7 @@ Registers, stack and resident programs of each tile: ``bench/scripts/gemm_kloop_
 """
 from __future__ import annotations
 
-from flatep.kernels.quant_gemm import GemmConfig
+from flatep.kernels.packed_tiles import GemmConfig
 from mxfp4_rank import default_then, main
 
 # Candidates per row count; registers from a local sm_90 compile (Triton 3.6, copies by descriptor).

@@ -12,7 +12,8 @@ copies, as before descriptors), timed and compared with the first arm as
 from __future__ import annotations
 
 from flatep.kernels import quant_gemm
-from flatep.kernels.quant_gemm import GemmConfig, mxfp4_grouped_mm_triton
+from flatep.kernels.packed_tiles import GemmConfig
+from flatep.kernels.quant_gemm import mxfp4_grouped_mm_triton
 from mxfp4_rank import main, rank_operands, time_arms
 
 TILES = {

@@ -3,7 +3,7 @@
 One Kimi-K3 rank's experts (112; gate/up N = 6144, K = 3584; down N = 3584, K = 3072) at 16, 32, 48,
 64, 96, 128 and 192 rows per expert: a decode step's groups (from 48 rows on, a skewed step's hot
 experts, which take the tall launch). The first arm is the Triton tile
-:func:`flatep.kernels.quant_gemm.default_config` gives without a device (16 and 32 rows: the
+:func:`flatep.kernels.packed_tiles.default_config` gives without a device (16 and 32 rows: the
 ``mma.sync`` tiles; from 48 on the 64 x 256 x 64 tile on 4 warps), the others the Gluon kernel
 (``GemmConfig.wgmma``) at 3, 4 and 6 stages of copies in flight. Every arm runs
 :func:`flatep.kernels.quant_gemm.mxfp4_grouped_mm_triton` as the layer does, timed as
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from flatep.kernels.quant_gemm import MXFP4_WGMMA
+from flatep.kernels.packed_tiles import MXFP4_WGMMA
 from mxfp4_rank import default_then, main
 
 GLUON = [dataclasses.replace(MXFP4_WGMMA, num_stages=stages) for stages in (3, 4, 6)]

@@ -37,7 +37,7 @@ from flatep.bench.timing import device_name, read_ceiling_gbps, time_us
 from flatep.config import preset, rows_per_expert
 from flatep.kernels.activation import swiglu_weighted_triton
 from flatep.kernels.decode_gemm import decode_launches, decode_swiglu
-from flatep.kernels.quant_gemm import GemmConfig
+from flatep.kernels.packed_tiles import GemmConfig
 from flatep.routing import expert_histogram, sigma_for_maxvio, skewed_topk
 
 ROWS_PER_EXPERT = (1, 2, 4, 8, 16, 32, 64, 128)

@@ -72,8 +72,10 @@ from flatep.quant import pool_layout
 from flatep.transport.base import Group
 
 PACKED_GEMMS = ("fp8_grouped_mm_triton", "mxfp4_grouped_mm_triton", "packed_launches")
-"""The functions of :mod:`flatep.kernels.quant_gemm` that ``--against`` swaps for another revision's:
-the GEMMs and the launches' tiles (a revision's tiles may name options its GEMMs lack)."""
+"""The functions that ``--against`` swaps for another revision's: the GEMMs of
+:mod:`flatep.kernels.quant_gemm` and the launches' tiles of :mod:`flatep.kernels.packed_tiles` (a
+revision's tiles may name options its GEMMs lack). Revisions before ``packed_tiles.py`` existed
+hold all three in ``quant_gemm.py``."""
 
 
 IN_TURN = {"side_by_side": in_turn}
@@ -126,7 +128,10 @@ def revision_gemms(revision: str, repository: Path = Path(".")) -> dict[str, Cal
         for name in [name for name in sys.modules if name == package or name.startswith(f"{package}.")]:
             del sys.modules[name]
         raise
-    return {function: getattr(module, function) for function in PACKED_GEMMS}
+    # A revision's quant_gemm.py alone imports this tree's packed_tiles; a whole kernels directory its own.
+    tiles = f"{package}.packed_tiles" if "packed_tiles.py" in sources else "flatep.kernels.packed_tiles"
+    return {function: getattr(module, function) if hasattr(module, function)
+            else getattr(importlib.import_module(tiles), function) for function in PACKED_GEMMS}
 
 
 def _kernel_sources(revision: str, repository: Path) -> dict[str, str]:

@@ -28,15 +28,12 @@ from flatep.kernels import mxfp4_dequant, mxfp4_fp8mma
 from flatep.kernels.activation import copy_rows_triton, swiglu_weighted_torch, swiglu_weighted_triton
 from flatep.kernels.backend import use_triton
 from flatep.kernels.decode_gemm import DECODE_ROWS_PER_GROUP, decode_launches, decode_swiglu
+from flatep.kernels.fp8_activations import quantize_fp8_activations_triton
 from flatep.kernels.fp8_rows import Fp8Rows
 from flatep.kernels.fp8_split import split_rows_triton
 from flatep.kernels.grouped_fp32 import grouped_rows_mm
-from flatep.kernels.quant_gemm import (
-    fp8_grouped_mm_triton,
-    mxfp4_grouped_mm_triton,
-    packed_launches,
-    quantize_fp8_activations_triton,
-)
+from flatep.kernels.packed_tiles import packed_launches
+from flatep.kernels.quant_gemm import fp8_grouped_mm_triton, mxfp4_grouped_mm_triton
 from flatep.kernels.streams import side_by_side
 from flatep.quant.fp8 import FP8_BLOCK, dequantize_fp8_activations, quantize_fp8_activations
 from flatep.quant.tensor import QuantizedTensor, pool_layout
@@ -120,7 +117,7 @@ def quantized_grouped_mm(
         offsets: ``[G]`` int32 inclusive end row of each group.
         rows_per_group: the real rows a group holds on average (a host int; default ``M / G``): the
             Triton kernels' tiles follow it, and where that is a few rows the groups of many rows
-            run in a launch of their own with tall tiles (:func:`flatep.kernels.quant_gemm.packed_launches`;
+            run in a launch of their own with tall tiles (:func:`flatep.kernels.packed_tiles.packed_launches`;
             on CUDA the launches run side by side on streams of their own, :mod:`flatep.kernels.streams`);
             mxfp4 from :data:`flatep.kernels.mxfp4_dequant.THROUGH_BF16_ROWS` rows on decodes the
             weights whole into bf16 for ``torch._grouped_mm`` instead

@@ -5,12 +5,9 @@ from flatep.kernels.combine import combine_torch, combine_triton
 from flatep.kernels.dispatch import dispatch_torch, dispatch_triton
 from flatep.kernels.mxfp4_dequant import dequantize_mxfp4_triton, mxfp4_grouped_mm_bf16
 from flatep.kernels.push import push_torch, push_triton
-from flatep.kernels.quant_gemm import (
-    GemmConfig,
-    fp8_grouped_mm_triton,
-    mxfp4_grouped_mm_triton,
-    quantize_fp8_activations_triton,
-)
+from flatep.kernels.fp8_activations import quantize_fp8_activations_triton
+from flatep.kernels.packed_tiles import GemmConfig
+from flatep.kernels.quant_gemm import fp8_grouped_mm_triton, mxfp4_grouped_mm_triton
 
 __all__ = [
     "BACKENDS",

@@ -38,7 +38,7 @@ from flatep.kernels.backend import (
     run_block_count,
     skip_arguments,
 )
-from flatep.kernels.quant_gemm import _e4m3_rows
+from flatep.kernels.fp8_activations import e4m3_rows
 from flatep.quant.fp8 import FP8_BLOCK
 
 _FP8_GROUP = tl.constexpr(FP8_BLOCK)  # columns per fp8 scale, inside the kernel
@@ -79,7 +79,7 @@ def _swiglu_weighted_kernel(
             # The bf16 rows the unquantized path stores, then the fp8 GEMM's own quantization of them.
             GROUPS: tl.constexpr = BLOCK_I // _FP8_GROUP
             rounded = tl.reshape(activated.to(tl.bfloat16).to(tl.float32), [BLOCK_M * GROUPS, _FP8_GROUP])
-            values, scales = _e4m3_rows(rounded, True, ROUND_FIRST)
+            values, scales = e4m3_rows(rounded, True, ROUND_FIRST)
             tl.store(out_rows, tl.reshape(values, [BLOCK_M, BLOCK_I]).to(out_ptr.dtype.element_ty), mask=mask)
             group = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
             scale_rows = scale_ptr + row.to(tl.int64)[:, None] * scale_stride + group[None, :]
@@ -137,7 +137,7 @@ def swiglu_weighted_triton(
 
     With ``scales``, ``out`` is float8_e4m3fn: each row's values are rounded to bf16, then
     quantized per 128 columns into ``out`` and ``scales`` exactly as
-    :func:`flatep.kernels.quant_gemm.quantize_fp8_activations_triton` quantizes bf16 rows (the
+    :func:`flatep.kernels.fp8_activations.quantize_fp8_activations_triton` quantizes bf16 rows (the
     input of an fp8 down projection, in one pass instead of two).
 
     Args:

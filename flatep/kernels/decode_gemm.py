@@ -36,17 +36,9 @@ import triton
 import triton.language as tl
 
 from flatep.kernels.backend import interpreting, round_to_bf16
-from flatep.kernels.grouped_tiles import locate_tile, persistent_grid, tile_table
-from flatep.kernels.quant_gemm import (
-    _ALL_ROWS,
-    HOT_ROWS,
-    GemmConfig,
-    _check_group_rows,
-    _check_rows,
-    _check_split,
-    _output,
-    _tile_dot,
-)
+from flatep.kernels.grouped_checks import ALL_ROWS, check_group_rows, check_rows, check_split, output_for
+from flatep.kernels.grouped_tiles import locate_tile, persistent_grid, tile_dot, tile_table
+from flatep.kernels.packed_tiles import HOT_ROWS, GemmConfig
 
 DECODE_ROWS_PER_GROUP = 64
 """Largest average rows per group for which :func:`flatep.experts.grouped.grouped_swiglu` takes
@@ -70,8 +62,8 @@ def decode_launches(rows: int, groups: int, hot: GemmConfig | None = HOT_TILES) 
     """
     tiles = decode_config(rows, groups)
     if hot is None:
-        return [(tiles, (0, _ALL_ROWS))]
-    return [(tiles, (0, HOT_ROWS)), (hot, (HOT_ROWS, _ALL_ROWS))]
+        return [(tiles, (0, ALL_ROWS))]
+    return [(tiles, (0, HOT_ROWS)), (hot, (HOT_ROWS, ALL_ROWS))]
 
 
 def decode_config(rows: int, groups: int) -> GemmConfig:
@@ -131,10 +123,10 @@ def _decode_tile(
         inner_mask = (k + inner < K)[None, :]
         a = tl.load(a_tile + k, mask=row_mask[:, None] & inner_mask, other=0.0)
         w = tl.load(w_tile + k, mask=column_mask[:, None] & inner_mask, other=0.0)
-        acc += _tile_dot(a, w, SWAP_AB, INTERPRET)
+        acc += tile_dot(a, w, SWAP_AB, INTERPRET)
         if GATED:
             u = tl.load(up_tile + k, mask=column_mask[:, None] & inner_mask, other=0.0)
-            acc_up += _tile_dot(a, u, SWAP_AB, INTERPRET)
+            acc_up += tile_dot(a, u, SWAP_AB, INTERPRET)
     if SWAP_AB:
         acc = tl.trans(acc)
         acc_up = tl.trans(acc_up)
@@ -152,7 +144,7 @@ def _decode_tile(
 
 
 def _check(rows: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor, slots: torch.Tensor | None, slot_base: int) -> None:
-    _check_rows(rows)
+    check_rows(rows)
     if weights.dim() != 3 or weights.dtype != torch.bfloat16 or weights.stride(2) != 1 or weights.shape[2] != rows.shape[1]:
         raise ValueError(f"weights must be [G, N, K={rows.shape[1]}] bfloat16 with unit stride along K, got "
                          f"{weights.dtype} {list(weights.shape)} strides {weights.stride()}")
@@ -164,18 +156,18 @@ def _check(rows: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor, slo
                              f"with the weights' strides {weights.stride()[1:]} along N and K, got {slots.dtype} "
                              f"{list(slots.shape)} strides {slots.stride()} on {slots.device}")
         groups += slots.shape[0]
-    _check_split(rows, offsets, groups, slot_base if slots is not None else None)
+    check_split(rows, offsets, groups, slot_base if slots is not None else None)
 
 
 def _launch(rows, weights, slots, slot_base, route_weights, out, offsets, columns, config, gated, group_rows) -> torch.Tensor:
     split, inner = weights.shape[0], rows.shape[1]
     groups = offsets.shape[0]
-    rows_above, rows_at_most = _check_group_rows(group_rows)
+    rows_above, rows_at_most = check_group_rows(group_rows)
     config = config or decode_config(rows.shape[0], groups)
     for option, format in (("rescale", "fp8"), ("lane_words", "mxfp4")):
         if getattr(config, option):
             raise ValueError(f"{option} is an {format} tile option, not one of the bf16 decode kernels, got {config}")
-    out = _output(rows, columns, out)
+    out = output_for(rows, columns, out)
     if rows.shape[0] == 0:
         return out
     slots = weights if slots is None else slots

@@ -27,7 +27,7 @@ import triton.language as tl
 from flatep.config import next_pow2
 from flatep.kernels.backend import interpreting, round_to_bf16
 from flatep.kernels.dispatch import real_rows, row_block, row_grid
-from flatep.kernels.quant_gemm import _act_quant_kernel
+from flatep.kernels.fp8_activations import act_quant_kernel
 from flatep.quant.fp8 import FP8_BLOCK, quantize_fp8_activations
 
 FP8_DISPATCH = torch.float8_e4m3fn
@@ -141,7 +141,7 @@ def pack_rows_triton(x: torch.Tensor) -> torch.Tensor:
     block_m = 16
     # Every row is a token (no end to read on the device). The values' row stride is in bytes
     # (4 W), the scales' in words (W): both views share the rows.
-    _act_quant_kernel[(triton.cdiv(rows, block_m), scale_groups(hidden))](
+    act_quant_kernel[(triton.cdiv(rows, block_m), scale_groups(hidden))](
         x.view(rows, hidden), values, scales, None, None, rows, 0, hidden, 4 * words, words, hidden,
         BLOCK_M=block_m, GROUP=FP8_BLOCK, ROUND_FIRST=interpreting(),
     )

@@ -93,7 +93,7 @@ def split_rows_triton(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`split_rows` of ``rows [M, K]`` bf16 (unit column stride) over the rows before ``end[0]``
     (``[1]`` int32 on the device; None: every row) less ``skip=(start, stop)`` (rows ``[start[0], stop)``,
-    as :func:`flatep.kernels.quant_gemm.quantize_fp8_activations_triton` takes it); other rows of the
+    as :func:`flatep.kernels.fp8_activations.quantize_fp8_activations_triton` takes it); other rows of the
     results undefined. Nothing is read on the host.
 
     Returns:

@@ -1,7 +1,7 @@
 """The fp8 block-scaled grouped GEMM at prefill sizes, for Hopper (sm_90), in Gluon.
 
 Same contract and tile numbering as :func:`flatep.kernels.quant_gemm.fp8_grouped_mm_triton` (it calls
-this kernel for :class:`flatep.kernels.quant_gemm.GemmConfig` tiles with ``wgmma=True``), with
+this kernel for :class:`flatep.kernels.packed_tiles.GemmConfig` tiles with ``wgmma=True``), with
 each K step's product scaled while the next step's MMA runs, which Triton's own ``tl.dot``
 does not do on Hopper (Triton 3.6 waits for a warp-group MMA right after issuing it when its
 result feeds anything but the next MMA's accumulator; see :mod:`flatep.kernels.quant_gemm`).
@@ -102,7 +102,7 @@ CONSUMER_REGISTERS, PRODUCER_REGISTERS = (232, 32) if _TRITON_VERSION < (3, 7) e
 """The tile: 128 x 128 outputs on two consumer warp groups (each 64 x 128, the warp-group MMA's 64
 rows: ``NUM_WARPS`` counts their warps, the default partition's 4 and a worker's 4), 128-wide K
 steps (one scale block); the stages (32 KiB each: activation plus weight tiles) come from
-:class:`flatep.kernels.quant_gemm.GemmConfig`'s ``num_stages``. ``CHUNK``: K steps unrolled between
+:class:`flatep.kernels.packed_tiles.GemmConfig`'s ``num_stages``. ``CHUNK``: K steps unrolled between
 points with no MMA outstanding. ``MAX_REGISTERS``: a thread's registers at launch (12 warps a
 program), which ``setmaxnreg`` moves to ``CONSUMER_REGISTERS`` for the worker consumer and
 ``PRODUCER_REGISTERS`` for the producer warp; the default partition keeps the rest."""

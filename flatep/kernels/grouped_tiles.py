@@ -1,9 +1,15 @@
-"""The tile numbering of FlatEP's persistent grouped GEMMs (see :mod:`flatep.kernels.quant_gemm`).
+"""The tiles of FlatEP's persistent grouped GEMMs (:mod:`flatep.kernels.quant_gemm`,
+:mod:`flatep.kernels.decode_gemm`): their numbering, and the K step's dot and the store that every
+tile shares (:func:`tile_dot`, :func:`store_tile`).
 
 A launch's tiles are numbered group by group: all of group 0's (row tile, column block) tiles, then
-group 1's, and so on; within a group, bands of ``GROUP_M`` row tiles take the column blocks in
-turn, row tiles fastest. :func:`tile_table` and :func:`locate_tile` read the groups' ends from
-``offsets`` on the device and find a tile's group with reductions over the groups.
+group 1's, and so on, so that the programs running together share one group's activations and
+weights in L2 (with the row tiles of every group in the fastest dimension, each column block
+streamed all groups' activations from memory again). Within a group, bands of ``GROUP_M`` row tiles
+take the column blocks in turn, row tiles fastest: the band's rows stay in L2 across its column
+blocks and each weight tile is read by the band's row tiles back to back. :func:`tile_table` and
+:func:`locate_tile` read the groups' ends from ``offsets`` on the device and find a tile's group
+with reductions over the groups.
 """
 from __future__ import annotations
 
@@ -13,10 +19,10 @@ import torch
 import triton
 import triton.language as tl
 
-from flatep.kernels.backend import resident_programs
+from flatep.kernels.backend import resident_programs, round_to_bf16
 
 if TYPE_CHECKING:
-    from flatep.kernels.quant_gemm import GemmConfig
+    from flatep.kernels.packed_tiles import GemmConfig
 
 
 @triton.jit
@@ -39,7 +45,7 @@ def group_tiles(
     from the offsets on the device. Group ``split`` (if ``< groups``) starts
     at row ``split_start`` instead of the previous group's end (a second run of groups). Only
     groups of more than ``rows_above`` and at most ``rows_at_most`` rows get tiles (a launch of
-    a step's hot groups, or of the others: :func:`packed_launches`)."""
+    a step's hot groups, or of the others: :func:`flatep.kernels.packed_tiles.packed_launches`)."""
     real = g < groups
     ends = tl.load(offsets_ptr + g, mask=real, other=0)
     starts = tl.load(offsets_ptr + g - 1, mask=real & (g > 0), other=0)
@@ -94,3 +100,31 @@ def persistent_grid(rows: int, groups: int, columns: int, config: GemmConfig, de
     programs = resident_programs(device, config.programs_per_sm)
     return (max(1, min(row_tiles * triton.cdiv(columns, config.block_n), programs)),)
 
+
+@triton.jit
+def tile_dot(a, w, SWAP_AB: tl.constexpr, INTERPRET: tl.constexpr, acc=None):
+    """One K step of a row tile ``a [BLOCK_M, BLOCK_K]`` and a weight tile ``w [BLOCK_N, BLOCK_K]``:
+    ``w @ a.T`` (``[BLOCK_N, BLOCK_M]``) with ``SWAP_AB``, else ``a @ w.T``, in fp32, added to
+    ``acc`` if given (by the MMA itself); the operands are upcast to fp32 first under the interpreter."""
+    if INTERPRET:
+        a = a.to(tl.float32)
+        w = w.to(tl.float32)
+    if SWAP_AB:
+        product = tl.dot(w, tl.trans(a), acc)
+    else:
+        product = tl.dot(a, tl.trans(w), acc)
+    return product
+
+
+@triton.jit
+def store_tile(acc, out_ptr, row, column, row_mask, column_mask, stride_om, SWAP_AB: tl.constexpr,
+                INTERPRET: tl.constexpr):
+    """A tile's fp32 product into ``out`` (``[BLOCK_M, BLOCK_N]``, or its transpose with ``SWAP_AB``)
+    at ``row`` and ``column``, masked to both; rounded to bf16's grid first under the interpreter, whose
+    cast truncates."""
+    if SWAP_AB:
+        acc = tl.trans(acc)
+    if INTERPRET:
+        acc = round_to_bf16(acc)
+    out = out_ptr + row.to(tl.int64)[:, None] * stride_om + column[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & column_mask[None, :])

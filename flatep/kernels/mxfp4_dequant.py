@@ -23,7 +23,8 @@ import triton.language as tl
 
 from flatep.kernels.activation import copy_rows_triton
 from flatep.kernels.backend import interpreting
-from flatep.kernels.quant_gemm import _check_groups, _decoded_tile, _mma_decoded_tile, _output
+from flatep.kernels.grouped_checks import check_groups, output_for
+from flatep.kernels.mxfp4_decode import decoded_tile, mma_decoded_tile
 
 _BLOCK_N = 64  # output rows (weight columns N) a program decodes; 64 x 256 weights a step on 4 warps
 
@@ -68,9 +69,9 @@ def _dequantize_kernel(
             words = tl.load(w_tile + k // 8, mask=column_mask[:, None], other=0)
             exponent = tl.load(s_tile + (k // 32) * stride_sk, mask=column_mask[:, None], other=0)
             if MMA:
-                w = _mma_decoded_tile(words, exponent.to(tl.int32), BLOCK_N, BLOCK_K, INTERPRET)
+                w = mma_decoded_tile(words, exponent.to(tl.int32), BLOCK_N, BLOCK_K, INTERPRET)
             else:
-                w = _decoded_tile(words, exponent.to(tl.int32), BLOCK_N, BLOCK_K, True, INTERPRET)
+                w = decoded_tile(words, exponent.to(tl.int32), BLOCK_N, BLOCK_K, True, INTERPRET)
             tl.store(out_tile + k, w.to(out_ptr.dtype.element_ty), mask=column_mask[:, None])
 
 
@@ -155,12 +156,12 @@ def mxfp4_grouped_mm_bf16(
     if values.dim() != 3 or 2 * values.shape[-1] != rows.shape[1]:
         raise ValueError(f"values must be [G, N, K/2={rows.shape[1] // 2}] for rows {list(rows.shape)}, got "
                          f"{list(values.shape)}")
-    slot_values, slot_scales = _check_groups(rows, values, scales, offsets, slots, slot_base)
+    slot_values, slot_scales = check_groups(rows, values, scales, offsets, slots, slot_base)
     groups = values.shape[0]
     if slots is None and out is None:  # one product, which is the output
         weights = dequantize_mxfp4_triton(values, scales, ends=offsets, layout=layout)
         return torch._grouped_mm(rows, weights.transpose(-2, -1), offs=offsets)
-    out = _output(rows, values.shape[1], out)
+    out = output_for(rows, values.shape[1], out)
     sets = [(values, scales, 0, groups, 0, rows.shape[0] if slots is None else slot_base)]
     if slots is not None:
         sets.append((slot_values, slot_scales, groups, offsets.shape[0], slot_base, rows.shape[0]))

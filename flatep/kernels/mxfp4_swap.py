@@ -13,7 +13,7 @@ layout; here each thread decodes straight into its operand registers. On an H100
 GEMMs at 32 rows per expert took 0.85-0.87x the Triton 32-row tile's time (74% of the read ceiling;
 0.83-0.85x with 6 stages of copies, bench/results/2026-12-07-h100-g),
 at 16 rows 1.01-1.02x the 16-row tile's (bench/results/2026-12-07-h100-c), so it runs groups of
-17-32 rows only: by default on Hopper (:data:`flatep.kernels.quant_gemm.MXFP4_SWAP_DEFAULT`;
+17-32 rows only: by default on Hopper (:data:`flatep.kernels.packed_tiles.MXFP4_SWAP_DEFAULT`;
 ``FLATEP_MXFP4_SWAP=0`` turns it off). With it issue #15's Kimi-K3 cell took 0.363-0.365x bf16's time
 at maxvio 0 against the Triton tile's 0.420-0.423x in the same runs (bench/results/2026-12-07-h100-d).
 

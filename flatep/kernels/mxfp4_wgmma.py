@@ -1,7 +1,7 @@
 """The mxfp4 grouped GEMM for groups of more than 32 rows, for Hopper (sm_90), in Gluon.
 
 Same contract and tile numbering as :func:`flatep.kernels.quant_gemm.mxfp4_grouped_mm_triton` (it
-calls this kernel for :class:`flatep.kernels.quant_gemm.GemmConfig` tiles with ``wgmma=True``), with
+calls this kernel for :class:`flatep.kernels.packed_tiles.GemmConfig` tiles with ``wgmma=True``), with
 the weights' decode in warps of its own, beside the warp-group MMAs that use them. Hopper has no FP4
 tensor cores: each weight is decoded to bf16 before a bf16 MMA reads it. In a Triton tile the same
 warps decode a K step's weights, store them to shared memory and run the MMA on them, one after
@@ -45,7 +45,7 @@ and with the dequantized weights, and pass on an H100. Measured there it is slow
 64 x 256 tile (1.22-1.30x its time at 64-192 rows per expert, 4 stages; its reads reach 47-50% of
 the ceiling even at one 64-row pass a group, bench/results/2026-12-07-h100), likely because one
 decoder warp a scheduler cannot hide its shared-memory latency. So it is opt-in
-(:data:`flatep.kernels.quant_gemm.MXFP4_WGMMA`, or ``FLATEP_MXFP4_WGMMA=1`` for the default);
+(:data:`flatep.kernels.packed_tiles.MXFP4_WGMMA`, or ``FLATEP_MXFP4_WGMMA=1`` for the default);
 ``bench/scripts/mxfp4_wgmma_checks.sh`` runs its GPU tests and times it in a step and per GEMM.
 """
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Running a packed GEMM's launches side by side on CUDA streams.
 
 At decode sizes a skewed step's packed grouped GEMM runs as several launches over disjoint groups
-(:func:`flatep.kernels.quant_gemm.packed_launches`: short groups in short row tiles, hot groups in
+(:func:`flatep.kernels.packed_tiles.packed_launches`: short groups in short row tiles, hot groups in
 tall ones). Each launch is a persistent grid whose programs take several tiles each, so its last
 round of tiles leaves SMs idle; one after another on one stream, every launch pays that tail.
 Forked onto streams of their own, the launches' programs take the SMs the others' tails leave free.

@@ -36,7 +36,8 @@ from flatep.experts.grouped import grouped_swiglu, quantized_grouped_mm
 from flatep.experts.pool import ExpertPool
 from flatep.kernels import fp8_wgmma
 from flatep.kernels.mxfp4_dequant import mxfp4_grouped_mm_bf16
-from flatep.kernels.quant_gemm import GemmConfig, default_config, fp8_grouped_mm_triton, mxfp4_grouped_mm_triton
+from flatep.kernels.packed_tiles import GemmConfig, default_config
+from flatep.kernels.quant_gemm import fp8_grouped_mm_triton, mxfp4_grouped_mm_triton
 from flatep.quant.tensor import QuantizedTensor, pool_layout
 from flatep.transport import init_group
 

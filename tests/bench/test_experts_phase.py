@@ -81,8 +81,9 @@ def test_revision_gemms_takes_a_copy_of_the_kernels_directory(tmp_path):
     swap = copy / "mxfp4_swap.py"
     swap.write_text(swap.read_text().replace("\nLOAD_STAGES = ", "\nLOAD_STAGES = 1 + "))
     gemms = revision_gemms(str(copy))
-    quant_gemm = sys.modules[gemms["mxfp4_grouped_mm_triton"].__module__]
-    assert quant_gemm.MXFP4_SWAP[32].num_stages == flatep.kernels.mxfp4_swap.LOAD_STAGES + 1
+    package = gemms["mxfp4_grouped_mm_triton"].__module__.rpartition(".")[0]
+    assert sys.modules[f"{package}.packed_tiles"].MXFP4_SWAP[32].num_stages == flatep.kernels.mxfp4_swap.LOAD_STAGES + 1
+    assert gemms["packed_launches"].__module__ == f"{package}.packed_tiles"
     assert all(gemms[name] is not getattr(grouped, name) for name in PACKED_GEMMS)
     (copy / "quant_gemm.py").unlink()
     with pytest.raises(ValueError, match="hold no quant_gemm.py"):
@@ -104,9 +105,11 @@ def test_revision_gemms_takes_a_copy_of_the_module(tmp_path):
     copy.write_text((REPOSITORY / "flatep/kernels/quant_gemm.py").read_text())
     gemms = revision_gemms(str(copy))
     assert set(gemms) == set(PACKED_GEMMS)
-    assert all(gemms[name] is not getattr(grouped, name) for name in PACKED_GEMMS)
-    # the copy alone: the other kernel modules are this tree's
+    for name in ("fp8_grouped_mm_triton", "mxfp4_grouped_mm_triton"):
+        assert gemms[name] is not getattr(grouped, name)
+    # the copy alone: the other kernel modules, and so the launches' tiles, are this tree's
     assert sys.modules[gemms["mxfp4_grouped_mm_triton"].__module__].mxfp4_swap is flatep.kernels.mxfp4_swap
+    assert gemms["packed_launches"] is grouped.packed_launches
 
 
 @needs_history

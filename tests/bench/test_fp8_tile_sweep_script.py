@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from flatep.kernels.quant_gemm import GemmConfig, default_config
+from flatep.kernels.packed_tiles import GemmConfig, default_config
 
 
 def test_the_default_tile_comes_first_and_the_fp8_bytes_are_counted(tile_scripts, monkeypatch):

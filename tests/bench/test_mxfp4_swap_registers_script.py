@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from flatep.kernels import mxfp4_swap
-from flatep.kernels.quant_gemm import GemmConfig, _check_mxfp4_wgmma
+from flatep.kernels.packed_tiles import GemmConfig
+from flatep.kernels.quant_gemm import _check_mxfp4_wgmma
 
 
 def test_each_arm_launches_under_its_producer_registers(tile_scripts, monkeypatch):
@@ -23,7 +24,7 @@ def test_each_arm_launches_under_its_producer_registers(tile_scripts, monkeypatc
             _check_mxfp4_wgmma(config, torch.device("cpu"))
     swap_stand_in, triton_stand_in = GemmConfig(32, 128, 64, num_warps=2), GemmConfig(32, 64, 64, num_warps=2)
     monkeypatch.setattr(script, "MXFP4_SWAP", {32: swap_stand_in})
-    monkeypatch.setattr(script, "_MXFP4_SHORT", {32: triton_stand_in})
+    monkeypatch.setattr(script, "MXFP4_SHORT", {32: triton_stand_in})
     monkeypatch.setattr(script, "VARIANTS", [(40, 2), (24, 3)])
     launched = []
 

@@ -9,7 +9,8 @@ import json
 import pytest
 import torch
 
-from flatep.kernels.quant_gemm import GemmConfig, _check_mxfp4_wgmma, default_config
+from flatep.kernels.packed_tiles import GemmConfig, default_config
+from flatep.kernels.quant_gemm import _check_mxfp4_wgmma
 
 
 def test_the_triton_tile_comes_first_then_each_variant(tile_scripts, monkeypatch):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from flatep.kernels import quant_gemm
-from flatep.kernels.quant_gemm import GemmConfig
+from flatep.kernels.packed_tiles import GemmConfig
 
 
 def test_each_tile_runs_with_both_copies_and_gives_the_same_bits(tile_scripts, monkeypatch):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from flatep.kernels.quant_gemm import GemmConfig
+from flatep.kernels.packed_tiles import GemmConfig
 from flatep.quant import QuantizedTensor, pool_layout
 from tests.helpers import relative_error
 

@@ -185,7 +185,7 @@ def test_programs_must_be_positive():
 def test_swiglu_quantized_for_an_fp8_down_projection_equals_the_two_launches(rows, intermediate, end, block_i):
     """The fused pass (swiglu, bf16 rounding, per-128-column e4m3 quantization) is bit-equal to the
     swiglu kernel followed by the fp8 GEMM's own activation quantization; rows past end untouched."""
-    from flatep.kernels.quant_gemm import quantize_fp8_activations_triton
+    from flatep.kernels.fp8_activations import quantize_fp8_activations_triton
 
     hidden, weights = random_inputs(rows, intermediate, torch.bfloat16, seed=rows + intermediate)
     hidden[end:] = float("nan")  # padding rows: never read

@@ -7,7 +7,7 @@ from flatep.kernels.activation import swiglu_weighted_torch
 from flatep.kernels.decode_gemm import (
     HOT_ROWS, HOT_TILES, decode_config, decode_launches, gate_up_swiglu_triton, grouped_mm_triton,
 )
-from flatep.kernels.quant_gemm import GemmConfig
+from flatep.kernels.packed_tiles import GemmConfig
 from tests.helpers import DEVICE
 
 CONFIGS = [None, GemmConfig(16, 32, 32, swap_ab=False), GemmConfig(32, 16, 64, swap_ab=True)]

@@ -7,7 +7,8 @@ import torch
 
 from flatep.kernels.backend import use_triton
 from flatep.kernels.mxfp4_dequant import dequantize_mxfp4_triton, mxfp4_grouped_mm_bf16
-from flatep.kernels.quant_gemm import GemmConfig, mxfp4_grouped_mm_triton
+from flatep.kernels.packed_tiles import GemmConfig
+from flatep.kernels.quant_gemm import mxfp4_grouped_mm_triton
 from flatep.quant import QuantizedTensor, pool_layout
 from tests.helpers import DEVICE, relative_error
 from tests.quant.test_grouped import grouped_inputs, per_group_reference

@@ -13,7 +13,8 @@ import torch
 
 from flatep.kernels import fp8_wgmma, mxfp4_fp8mma
 from flatep.kernels.backend import use_triton
-from flatep.kernels.quant_gemm import FP8MMA, default_config, mxfp4_grouped_mm_triton, packed_launches
+from flatep.kernels.packed_tiles import FP8MMA, default_config, packed_launches
+from flatep.kernels.quant_gemm import mxfp4_grouped_mm_triton
 from flatep.quant import QuantizedTensor, to_mma_layout
 from flatep.quant.mxfp4 import E2M1_VALUES
 from tests.helpers import DEVICE, relative_error, sm90_build, write_compiled

@@ -48,7 +48,8 @@ def test_compiles_for_sm90_with_the_weights_in_registers(inner, block_m, stages,
 
 
 def test_bad_configs_are_refused():
-    from flatep.kernels.quant_gemm import MXFP4_SWAP, GemmConfig, _check_mxfp4_wgmma
+    from flatep.kernels.packed_tiles import MXFP4_SWAP, GemmConfig
+    from flatep.kernels.quant_gemm import _check_mxfp4_wgmma
 
     cpu = torch.device("cpu")
     with pytest.raises(ValueError, match="block_m in"):
@@ -66,7 +67,8 @@ def test_identity_rows_read_back_each_decoded_weight(block_m, hidden, columns):
     """Rows of one-hots: the output is the decoded weights as the MMA read them, exactly (one product
     per output). A value or scale read from the wrong place, or a K position the weights and the
     rows permute differently, shows as a mismatch."""
-    from flatep.kernels.quant_gemm import MXFP4_SWAP, mxfp4_grouped_mm_triton
+    from flatep.kernels.packed_tiles import MXFP4_SWAP
+    from flatep.kernels.quant_gemm import mxfp4_grouped_mm_triton
 
     generator = torch.Generator(device="cuda").manual_seed(hidden + columns + block_m)
     weights = random_experts(1, columns, hidden, generator)
@@ -89,8 +91,8 @@ def test_against_the_triton_tile_with_slots_in_a_graph(block_m, hidden, columns,
     """Groups of 0 to 40 rows and slots, all or only the groups of 17 to 32 rows, in a CUDA graph with
     host syncs raising; with a scale byte past 128 (the second pass) or not. Against the torch path
     and the Triton short tile of the same height; rows of no computed group stay as they were."""
-    from flatep.kernels.quant_gemm import _MXFP4_SHORT, MXFP4_SWAP
+    from flatep.kernels.packed_tiles import MXFP4_SHORT, MXFP4_SWAP
 
-    check_against_a_tile_with_slots_in_a_graph(MXFP4_SWAP[block_m], _MXFP4_SHORT[block_m],
+    check_against_a_tile_with_slots_in_a_graph(MXFP4_SWAP[block_m], MXFP4_SHORT[block_m],
                                                [20, 0, 33, 1, 16, 17, 32, 40], [9, 5], hidden, columns, group_rows,
                                                large_scale, seed=hidden + columns + large_scale + block_m)

@@ -54,7 +54,8 @@ def test_identity_rows_read_back_each_decoded_weight(hidden, columns):
     ``start + i`` of every output column, so the output is the decoded weights as the MMA read them,
     exactly (e2m1 times a power of two is a bf16, one product per output). A value or scale read from
     the wrong place shows as a mismatch; a wrong scale as a power-of-two ratio over its block of 32."""
-    from flatep.kernels.quant_gemm import MXFP4_WGMMA, mxfp4_grouped_mm_triton
+    from flatep.kernels.packed_tiles import MXFP4_WGMMA
+    from flatep.kernels.quant_gemm import mxfp4_grouped_mm_triton
 
     generator = torch.Generator(device="cuda").manual_seed(hidden + columns)
     weights = random_experts(1, columns, hidden, generator)
@@ -78,9 +79,9 @@ def test_against_the_triton_tile_with_slots_in_a_graph(hidden, columns, group_ro
     than 32 rows, in a CUDA graph with host syncs raising; with a scale byte past 128 (the second
     pass) or not. Against the torch path and the Triton 64 x 256 tile; rows of no computed group
     stay as they were (the gap between home rows and slot rows holds NaN, which the tiles copy in)."""
-    from flatep.kernels.quant_gemm import _MXFP4_TALL, MXFP4_WGMMA
+    from flatep.kernels.packed_tiles import MXFP4_TALL, MXFP4_WGMMA
 
-    check_against_a_tile_with_slots_in_a_graph(MXFP4_WGMMA, _MXFP4_TALL, [200, 0, 33, 1, 64, 65, 128, 47], [96, 5],
+    check_against_a_tile_with_slots_in_a_graph(MXFP4_WGMMA, MXFP4_TALL, [200, 0, 33, 1, 64, 65, 128, 47], [96, 5],
                                                hidden, columns, group_rows, large_scale,
                                                seed=hidden + columns + large_scale)
 
@@ -91,8 +92,10 @@ def test_the_default_and_the_fallback_where_tma_cannot_copy():
     kernel past 32 rows per group on a Hopper GPU (and its middle launch the swapped one with
     ``MXFP4_SWAP_DEFAULT``); scales in the checkpoint's order (not
     column-fastest) run the Triton tile instead, with the same result."""
-    from flatep.kernels.quant_gemm import MXFP4_SWAP_DEFAULT, MXFP4_WGMMA, MXFP4_WGMMA_DEFAULT, default_config, \
-        mxfp4_grouped_mm_triton, packed_launches
+    from flatep.kernels.packed_tiles import (
+        MXFP4_SWAP_DEFAULT, MXFP4_WGMMA, MXFP4_WGMMA_DEFAULT, default_config, packed_launches,
+    )
+    from flatep.kernels.quant_gemm import mxfp4_grouped_mm_triton
 
     device = torch.device("cuda")
     assert default_config(33 * 4, 4, "mxfp4", device).wgmma == MXFP4_WGMMA_DEFAULT

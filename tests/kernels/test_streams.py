@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from flatep.experts.grouped import quantized_grouped_mm
-from flatep.kernels.quant_gemm import (
-    fp8_grouped_mm_triton, mxfp4_grouped_mm_triton, packed_launches, quantize_fp8_activations_triton,
-)
+from flatep.kernels.fp8_activations import quantize_fp8_activations_triton
+from flatep.kernels.packed_tiles import packed_launches
+from flatep.kernels.quant_gemm import fp8_grouped_mm_triton, mxfp4_grouped_mm_triton
 from flatep.kernels.streams import side_by_side
 from flatep.quant import QuantizedTensor
 from flatep.quant.tensor import pool_layout

@@ -13,24 +13,14 @@ import triton
 import triton.language as tl
 
 from flatep.experts.grouped import quantized_grouped_mm
+from flatep.kernels import fp8_activations, fp8_wgmma
 from flatep.kernels.backend import interpreting, resident_programs
-from flatep.kernels.grouped_tiles import locate_tile, persistent_grid, tile_table
-from flatep.kernels.quant_gemm import (
-    HOT_ROWS,
-    GemmConfig,
-    _INF_PAIR,
-    _ONE_MULTIPLY_BIAS,
-    _ONE_MULTIPLY_PTX,
-    _SCALE_PAIR,
-    _SCALED_PAIRS_PTX,
-    default_config,
-    fp8_grouped_mm_triton,
-    mxfp4_grouped_mm_triton,
-    packed_launches,
-    quantize_fp8_activations_triton,
-)
-from flatep.kernels import fp8_wgmma, quant_gemm
 from flatep.kernels.e2m1_ptx import scaled_pairs_ptx
+from flatep.kernels.fp8_activations import quantize_fp8_activations_triton
+from flatep.kernels.grouped_tiles import locate_tile, persistent_grid, tile_table
+from flatep.kernels.mxfp4_decode import _INF_PAIR, _ONE_MULTIPLY_BIAS, _ONE_MULTIPLY_PTX, _SCALE_PAIR, _SCALED_PAIRS_PTX
+from flatep.kernels.packed_tiles import HOT_ROWS, GemmConfig, default_config, packed_launches
+from flatep.kernels.quant_gemm import _mxfp4_descriptors, fp8_grouped_mm_triton, mxfp4_grouped_mm_triton
 from flatep.quant import (
     E2M1_VALUES,
     QuantizedTensor,
@@ -176,8 +166,8 @@ def test_the_environment_turns_a_gluon_mxfp4_default_on_or_off(variable, attribu
     environment = {name: value for name, value in os.environ.items() if name != variable}
     if setting is not None:
         environment[variable] = setting
-    run = subprocess.run([sys.executable, "-c", f"from flatep.kernels import quant_gemm; "
-                          f"print(quant_gemm.{attribute})"], env=environment, capture_output=True, text=True,
+    run = subprocess.run([sys.executable, "-c", f"from flatep.kernels import packed_tiles; "
+                          f"print(packed_tiles.{attribute})"], env=environment, capture_output=True, text=True,
                          timeout=120)
     if setting == "yes":
         assert run.returncode != 0 and f"ValueError: {variable} must be 0 or 1" in run.stderr
@@ -432,7 +422,7 @@ def bf16_amax_and_values(amax_bits: torch.Tensor, binades: int = 24) -> tuple[to
 
 
 def test_fp8_quantization_by_reciprocal_equals_the_division_for_every_bf16_value():
-    """The GPU kernel's quotient (``_e4m3_rows`` for bf16 rows): ``e = x * RN(1 / scale)``, then
+    """The GPU kernel's quotient (``e4m3_rows`` for bf16 rows): ``e = x * RN(1 / scale)``, then
     ``e + (x - scale * e) * RN(1 / scale)`` with the remainder exact (an fma), rounds to the same
     e4m3 value as ``x / scale`` for every positive bf16 amax of these binades (all 128 mantissas:
     subnormal, around the scale's 1e-10 floor, 1, the largest) and every bf16 x up to 24 binades
@@ -461,11 +451,11 @@ def _fma_kernel(out_ptr, a, b, c):
 
 @triton.jit
 def _quotients_kernel(x_ptr, quotient_ptr, scale_ptr, ROWS: tl.constexpr, GROUP: tl.constexpr):
-    """``_e4m3_rows``' reciprocal branch on bf16 ``x [ROWS, GROUP]``: its fp32 quotients (clamped,
+    """``e4m3_rows``' reciprocal branch on bf16 ``x [ROWS, GROUP]``: its fp32 quotients (clamped,
     not yet rounded to e4m3) and scales."""
     row, column = tl.arange(0, ROWS), tl.arange(0, GROUP)
     x = tl.load(x_ptr + row[:, None] * GROUP + column[None, :]).to(tl.float32)
-    quotient, scale = quant_gemm._e4m3_rows(x, True, False)
+    quotient, scale = fp8_activations.e4m3_rows(x, True, False)
     tl.store(quotient_ptr + row[:, None] * GROUP + column[None, :], quotient)
     tl.store(scale_ptr + row, scale)
 
@@ -528,7 +518,7 @@ def test_fp8_activation_quantization_strides_over_the_row_blocks_before_the_end(
     blocks than programs): each program walks every P-th block up to end[0], every real row is
     quantized, and rows past the end, or skipped (the rows between a shard's home and slot
     rows), are left as they were (poisoned)."""
-    from flatep.kernels.quant_gemm import _act_quant_kernel
+    from flatep.kernels.fp8_activations import act_quant_kernel
 
     generator = torch.Generator().manual_seed(programs)
     x = (torch.randn(100, 256, generator=generator) * 3).bfloat16().to(DEVICE)
@@ -536,7 +526,7 @@ def test_fp8_activation_quantization_strides_over_the_row_blocks_before_the_end(
     values = torch.full((100, 256), 0x7F, dtype=torch.uint8, device=DEVICE).view(torch.float8_e4m3fn)
     scales = torch.full((100, 2), -1.0, device=DEVICE)
     start, stop = (None, 0) if skip is None else (torch.tensor([skip[0]], dtype=torch.int32, device=DEVICE), skip[1])
-    _act_quant_kernel[(programs, 2)](x, values, scales, end, start, 100, stop, x.stride(0), 256, 2, 256, BLOCK_M=16,
+    act_quant_kernel[(programs, 2)](x, values, scales, end, start, 100, stop, x.stride(0), 256, 2, 256, BLOCK_M=16,
                                      GROUP=128, ROUND_FIRST=interpreting())
     computed = torch.zeros(100, dtype=torch.bool, device=DEVICE)
     computed[:71] = True
@@ -762,15 +752,15 @@ def test_mxfp4_launches_take_the_gluon_kernels_the_defaults_name_on_hopper(monke
     """On a Hopper GPU (faked here) a decode step's middle launch (17-32 rows a group) takes the swapped
     Gluon kernel with ``MXFP4_SWAP_DEFAULT`` and its hot launch the 64-row one with
     ``MXFP4_WGMMA_DEFAULT``; the 16-row launch keeps the Triton tile, and no device keeps them all."""
-    from flatep.kernels import quant_gemm
+    from flatep.kernels import packed_tiles
 
-    monkeypatch.setattr(quant_gemm, "MXFP4_SWAP_DEFAULT", swap)
-    monkeypatch.setattr(quant_gemm, "MXFP4_WGMMA_DEFAULT", wgmma)
-    monkeypatch.setattr(quant_gemm.fp8_wgmma, "available", lambda device: True)
+    monkeypatch.setattr(packed_tiles, "MXFP4_SWAP_DEFAULT", swap)
+    monkeypatch.setattr(packed_tiles, "MXFP4_WGMMA_DEFAULT", wgmma)
+    monkeypatch.setattr(fp8_wgmma, "available", lambda device: True)
     (short, _), (middle, _), (tall, _) = packed_launches(18 * 112, 112, "mxfp4", torch.device("cuda"))
-    assert short == quant_gemm._MXFP4_SHORT[16]
-    assert middle == (quant_gemm.MXFP4_SWAP[32] if swap else quant_gemm._MXFP4_SHORT[32])
-    assert tall == (quant_gemm.MXFP4_WGMMA if wgmma else quant_gemm._MXFP4_TALL)
+    assert short == packed_tiles.MXFP4_SHORT[16]
+    assert middle == (packed_tiles.MXFP4_SWAP[32] if swap else packed_tiles.MXFP4_SHORT[32])
+    assert tall == (packed_tiles.MXFP4_WGMMA if wgmma else packed_tiles.MXFP4_TALL)
     assert [config.wgmma for config, _ in packed_launches(18 * 112, 112, "mxfp4")] == [False, False, False]
 
 
@@ -891,19 +881,19 @@ def test_mxfp4_copies_by_descriptor_only_what_a_descriptor_can_cover():
     rows, packed, offsets = grouped_inputs("mxfp4", [3, 6, 1, 4], 64, 128, seed=22)
     home, slots = packed[:2], packed[2:]
     config = GemmConfig(16, 64, 64, lane_words=True)
-    by_descriptor = quant_gemm._mxfp4_descriptors(rows, home.values, home.scales, slots.values, slots.scales, config)
+    by_descriptor = _mxfp4_descriptors(rows, home.values, home.scales, slots.values, slots.scales, config)
     shapes = [descriptor.block_shape for descriptor in by_descriptor]
     assert shapes == [[16, 64], [1, 64, 8], [1, 2, 64], [1, 64, 8], [1, 2, 64]]
-    assert quant_gemm._mxfp4_descriptors(rows, home.values, home.scales, slots.values, slots.scales,
-                                         dataclasses.replace(config, block_n=32)) is None  # 64 bytes of scales
-    assert quant_gemm._mxfp4_descriptors(rows, home.values, home.scales, slots.values, slots.scales,
-                                         dataclasses.replace(config, swap_ab=True)) is None
-    assert quant_gemm._mxfp4_descriptors(rows, home.values, home.scales.contiguous(), slots.values,
-                                         slots.scales.contiguous(), config) is None
+    assert _mxfp4_descriptors(rows, home.values, home.scales, slots.values, slots.scales,
+                              dataclasses.replace(config, block_n=32)) is None  # 64 bytes of scales
+    assert _mxfp4_descriptors(rows, home.values, home.scales, slots.values, slots.scales,
+                              dataclasses.replace(config, swap_ab=True)) is None
+    assert _mxfp4_descriptors(rows, home.values, home.scales.contiguous(), slots.values,
+                              slots.scales.contiguous(), config) is None
     wide = torch.zeros(rows.shape[0], rows.shape[1] + 4, dtype=rows.dtype, device=rows.device)
     unaligned = wide[:, :rows.shape[1]].copy_(rows)  # a row stride of 132 bf16: 264 bytes
-    assert quant_gemm._mxfp4_descriptors(unaligned, home.values, home.scales, slots.values, slots.scales,
-                                         config) is None
+    assert _mxfp4_descriptors(unaligned, home.values, home.scales, slots.values, slots.scales,
+                              config) is None
     expected = mxfp4_grouped_mm_triton(rows, home.values, home.scales, offsets, config,
                                        slots=(slots.values, slots.scales), slot_base=9)
     by_pointer = mxfp4_grouped_mm_triton(unaligned, home.values, home.scales, offsets, config,

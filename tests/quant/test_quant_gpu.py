@@ -72,7 +72,8 @@ def test_fp8_gemm_on_packed_dispatch_rows_equals_quantizing_the_rows_itself(size
 def test_mxfp4_scales_in_either_order_give_the_same_bits(rows_per_group):
     """Kimi-K3's gate/up shape: the kernel compiled for column-fastest scales (pools', pipelined)
     and for the checkpoint's order gives the same output bit for bit, home experts and slots."""
-    from flatep.kernels.quant_gemm import default_config, mxfp4_grouped_mm_triton
+    from flatep.kernels.packed_tiles import default_config
+    from flatep.kernels.quant_gemm import mxfp4_grouped_mm_triton
 
     hidden, columns, groups = 3584, 6144, 4
     generator = torch.Generator(device="cuda").manual_seed(rows_per_group)
@@ -95,7 +96,8 @@ def test_mxfp4_scales_in_either_order_give_the_same_bits(rows_per_group):
 def test_fp8_rescaled_tall_tiles_at_kimi_k2_size(tiles):
     """The tile sweep's rescaled fp8 candidates (GemmConfig.rescale) on the GPU at Kimi-K2's gate/up
     shape and prefill sizes, against the torch path."""
-    from flatep.kernels.quant_gemm import GemmConfig, fp8_grouped_mm_triton
+    from flatep.kernels.packed_tiles import GemmConfig
+    from flatep.kernels.quant_gemm import fp8_grouped_mm_triton
 
     block_m, block_n, warps, stages, per_sm = tiles
     hidden, columns, sizes = 7168, 4096, [1024, 0, 700, 1500]
@@ -133,7 +135,8 @@ def test_fp8_prefill_tiles_with_slots_in_a_graph(tiles, columns, hidden):
     Gluon wgmma kernel) on the GPU at Kimi-K2's gate/up and down shapes, home experts and slots in
     one call captured in a CUDA graph, against the torch path; rows of no group stay as they were
     (the padding rows, which the 128-row tiles copy into shared memory, hold NaN)."""
-    from flatep.kernels.quant_gemm import GemmConfig, fp8_grouped_mm_triton
+    from flatep.kernels.packed_tiles import GemmConfig
+    from flatep.kernels.quant_gemm import fp8_grouped_mm_triton
 
     _skip_without_wgmma(tiles)
     home_sizes, slot_sizes, gap = [1024, 0, 700, 1500], [300, 5], 77
@@ -181,7 +184,8 @@ def test_fp8_wgmma_kernel_against_the_triton_tiles(hidden, group_rows):
     16 steps of 128: as few as its stages), over groups of 0 to 1500 rows and a launch of only the
     larger groups, against the torch path and against the Triton 64 x 128 tile; rows it does not
     compute stay as they were."""
-    from flatep.kernels.quant_gemm import GemmConfig, fp8_grouped_mm_triton
+    from flatep.kernels.packed_tiles import GemmConfig
+    from flatep.kernels.quant_gemm import fp8_grouped_mm_triton
 
     _skip_without_wgmma("wgmma")
     sizes, columns = [1500, 0, 129, 1, 300, 128], 384
@@ -213,7 +217,9 @@ def test_fp8_wgmma_default_and_its_fallback_on_unaligned_rows():
     """On a Hopper GPU the fp8 default takes the Gluon kernel from WGMMA_ROWS rows per group; given
     fp8 rows or an output whose row stride TMA cannot take (not a multiple of 16 bytes), or a K of
     fewer steps than its stages, a wgmma config runs the Triton tile instead, with the same result."""
-    from flatep.kernels.quant_gemm import WGMMA_ROWS, default_config, fp8_grouped_mm_triton, quantize_fp8_activations_triton
+    from flatep.kernels.fp8_activations import quantize_fp8_activations_triton
+    from flatep.kernels.packed_tiles import WGMMA_ROWS, default_config
+    from flatep.kernels.quant_gemm import fp8_grouped_mm_triton
 
     _skip_without_wgmma("wgmma")
     device = torch.device("cuda")
