@@ -38,6 +38,16 @@ A persistent, warp-specialized kernel (``gl.warp_specialize``): per tile of ``BL
   registers and hands the stage back, decodes the words into operand registers, stores the permuted
   rows, and issues the step's two MMAs.
 
+By default (:data:`CHUNK_STEPS` = 1) the consumer waits for a step's MMAs before it decodes the next
+step, so within a program the decode and the MMAs take turns (other programs on the SM fill the
+gaps). With ``CHUNK_STEPS`` of 2 or more it unrolls that many steps and decodes each half of the
+weights while the MMA issued before it runs (:func:`_overlapped_steps`): the same MMAs in the same
+order, so the same bits, with no more registers or instructions a step (local sm_90 compiles,
+Triton 3.6 and 3.9: about 180 instructions a step against the plain step's 187, no spills at 80
+registers a thread at launch) and 4 KiB more shared memory for a second buffer of rows. That is a
+candidate, not yet run on a GPU: ``bench/scripts/swap_chunk_checks.sh`` runs its GPU tests and times
+it against the default.
+
 The decode is the Triton tiles' (exact: e2m1 times a power of two), with their two launches: the
 first decodes with one multiply a pair and flags a scale byte past 128, the second computes every
 tile again with two multiplies only if flagged (see :mod:`flatep.kernels.quant_gemm`). Gluon has no
@@ -74,6 +84,10 @@ LOAD_STAGES = 6
 564-568 us (gate/up) and 280-282 us (down) with 6 stages against 588 and 288 us with 4, in one run;
 the producer warp's registers (40, 32 or 24) changed them by less than 1% (bench/results/2026-12-07-h100-g)."""
 STAGES = range(2, 9)
+CHUNK_STEPS = 1
+"""K steps the consumer unrolls into one chunk, each step's decode beside the previous step's MMAs
+(:func:`_overlapped_steps`); 1: every step waits for its own MMAs before the next step's decode
+(:func:`_step`)."""
 PROGRAMS_PER_SM = 3
 PRODUCER_REGISTERS = 40
 MAX_REGISTERS = 80
@@ -107,7 +121,7 @@ if gluon is not None:
     def _produce(operands, scalars, K: gl.constexpr, GROUP_M: gl.constexpr, GROUPS: gl.constexpr,
                  ONE_MULTIPLY: gl.constexpr):
         """The producer warp: :func:`flatep.kernels.mxfp4_wgmma._load_steps`."""
-        a_desc, w_desc, s_desc, slot_w_desc, slot_s_desc, a_bufs, w_bufs, s_bufs, p_buf, bars = operands
+        a_desc, w_desc, s_desc, slot_w_desc, slot_s_desc, a_bufs, w_bufs, s_bufs, p_bufs, bars = operands
         load_ready, load_empty = bars
         _load_steps((a_desc, w_desc, s_desc, slot_w_desc, slot_s_desc), a_bufs, w_bufs, s_bufs, load_ready, load_empty,
                     scalars, K, GROUP_M, GROUPS, ONE_MULTIPLY)
@@ -157,16 +171,80 @@ if gluon is not None:
         gl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(row < last)[None, :] & (column < N)[:, None])
 
     @gluon.jit
-    def _consume(operands, scalars, K: gl.constexpr, GROUP_M: gl.constexpr, GROUPS: gl.constexpr,
-                 ONE_MULTIPLY: gl.constexpr):
-        """The consumer warp group: per K step, the stage's rows (permuted into ``p_buf``), words and
-        scales into registers, the stage handed back, the two halves' MMAs; per tile, the two halves
-        stored; then, in the first pass, the flag if any scale byte read was past 128."""
-        a_desc, w_desc, s_desc, slot_w_desc, slot_s_desc, a_bufs, w_bufs, s_bufs, p_buf, bars = operands
-        load_ready, load_empty = bars
-        out_ptr, offsets_ptr, redo_ptr, groups, split, split_start, N, stride_om, rows_above, rows_at_most = scalars
+    def _step(a_bufs, w_bufs, s_bufs, p_bufs, load_ready, load_empty, acc0, acc1, largest, count,
+              a_op: gl.constexpr, ONE_MULTIPLY: gl.constexpr):
+        """The program's K step ``count`` of a tile: the stage's rows (permuted into ``p_bufs[0]``),
+        words and scales into registers, the stage handed back, the two halves' MMAs, waited for."""
         STAGES: gl.constexpr = a_bufs.shape[0]
         TILE_M: gl.constexpr = a_bufs.shape[1]
+        stage = count % STAGES
+        mbarrier.wait(load_ready.index(stage), (count // STAGES) & 1)
+        rows = _permuted_rows(a_bufs.index(stage), TILE_M)
+        words, scales = w_bufs.index(stage), s_bufs.index(stage)
+        w0, largest = _operand_weights(words.slice(0, _HALF_N), scales.slice(0, _HALF_N, 1), largest, a_op,
+                                       ONE_MULTIPLY)
+        w1, largest = _operand_weights(words.slice(_HALF_N, _HALF_N), scales.slice(_HALF_N, _HALF_N, 1), largest,
+                                       a_op, ONE_MULTIPLY)
+        # The previous step's MMAs finished before it ended: the buffer is free.
+        p_buf = p_bufs.index(0)
+        p_buf.store(rows)
+        fence_async_shared()
+        _cta_barrier()  # every thread's loads are done and its rows stored
+        mbarrier.arrive(load_empty.index(stage), count=1)
+        acc0 = warpgroup_mma(w0, p_buf.permute((1, 0)), acc0, is_async=True)
+        acc1 = warpgroup_mma(w1, p_buf.permute((1, 0)), acc1, is_async=True)
+        acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1))
+        return acc0, acc1, largest
+
+    @gluon.jit
+    def _overlapped_steps(a_bufs, w_bufs, s_bufs, p_bufs, load_ready, load_empty, acc0, acc1, largest, count,
+                          STEPS: gl.constexpr, a_op: gl.constexpr, ONE_MULTIPLY: gl.constexpr):
+        """The program's K steps ``count .. count + STEPS - 1`` of a tile, unrolled, each half's decode
+        beside the MMA issued before it: step ``i`` stores its permuted rows in ``p_bufs[i % 2]``
+        (the MMAs of step ``i - 2``, which read that buffer, are done), decodes its first half while
+        the previous step's second-half MMA runs and issues that half's MMA, then waits for the
+        previous step's MMA and decodes its second half while its first-half MMA runs. At most one
+        half's decoded weights are in flight in an MMA beside the half being decoded: the registers
+        of the plain step (:func:`_step`). Ends with no MMA in flight: ptxas serializes every
+        warp-group MMA of a kernel where one is in flight across a loop's back edge
+        (:mod:`flatep.kernels.fp8_wgmma`)."""
+        STAGES: gl.constexpr = a_bufs.shape[0]
+        TILE_M: gl.constexpr = a_bufs.shape[1]
+        for i in gl.static_range(STEPS):
+            stage = (count + i) % STAGES
+            mbarrier.wait(load_ready.index(stage), ((count + i) // STAGES) & 1)
+            p_buf = p_bufs.index(i % 2)
+            p_buf.store(_permuted_rows(a_bufs.index(stage), TILE_M))
+            words, scales = w_bufs.index(stage), s_bufs.index(stage)
+            w0, largest = _operand_weights(words.slice(0, _HALF_N), scales.slice(0, _HALF_N, 1), largest, a_op,
+                                           ONE_MULTIPLY)
+            fence_async_shared()
+            _cta_barrier()  # every thread's rows stored
+            acc0 = warpgroup_mma(w0, p_buf.permute((1, 0)), acc0, is_async=True)
+            if i > 0:  # the previous step's second half: its weights' registers are free again
+                acc0, acc1 = warpgroup_mma_wait(num_outstanding=1, deps=(acc0, acc1))
+            w1, largest = _operand_weights(words.slice(_HALF_N, _HALF_N), scales.slice(_HALF_N, _HALF_N, 1),
+                                           largest, a_op, ONE_MULTIPLY)
+            _cta_barrier()  # every thread's loads of the stage are done
+            mbarrier.arrive(load_empty.index(stage), count=1)
+            acc1 = warpgroup_mma(w1, p_buf.permute((1, 0)), acc1, is_async=True)
+            if i + 1 < STEPS:  # this step's first half: its registers are free for the next step's
+                acc0, acc1 = warpgroup_mma_wait(num_outstanding=1, deps=(acc0, acc1))
+        acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1))
+        return acc0, acc1, largest
+
+    @gluon.jit
+    def _consume(operands, scalars, K: gl.constexpr, GROUP_M: gl.constexpr, GROUPS: gl.constexpr,
+                 ONE_MULTIPLY: gl.constexpr, CHUNK: gl.constexpr):
+        """The consumer warp group: per tile, the K steps one by one (``CHUNK`` 1, :func:`_step`) or in
+        unrolled chunks of ``CHUNK`` (:func:`_overlapped_steps`), then the two halves stored; then, in
+        the first pass, the flag if any scale byte read was past 128."""
+        a_desc, w_desc, s_desc, slot_w_desc, slot_s_desc, a_bufs, w_bufs, s_bufs, p_bufs, bars = operands
+        load_ready, load_empty = bars
+        out_ptr, offsets_ptr, redo_ptr, groups, split, split_start, N, stride_om, rows_above, rows_at_most = scalars
+        TILE_M: gl.constexpr = a_bufs.shape[1]
+        CHUNKS: gl.constexpr = K // _BLOCK_K // CHUNK
+        TAIL: gl.constexpr = K // _BLOCK_K % CHUNK
         mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                              instr_shape=[16, TILE_M, 16])
         a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=2)
@@ -180,24 +258,20 @@ if gluon is not None:
                                                       GROUP_M)
             acc0 = gl.zeros([_HALF_N, TILE_M], gl.float32, mma_layout)
             acc1 = gl.zeros([_HALF_N, TILE_M], gl.float32, mma_layout)
-            for step in range(K // _BLOCK_K):
-                stage = count % STAGES
-                mbarrier.wait(load_ready.index(stage), (count // STAGES) & 1)
-                rows = _permuted_rows(a_bufs.index(stage), TILE_M)
-                words, scales = w_bufs.index(stage), s_bufs.index(stage)
-                w0, largest = _operand_weights(words.slice(0, _HALF_N), scales.slice(0, _HALF_N, 1), largest, a_op,
-                                               ONE_MULTIPLY)
-                w1, largest = _operand_weights(words.slice(_HALF_N, _HALF_N), scales.slice(_HALF_N, _HALF_N, 1),
-                                               largest, a_op, ONE_MULTIPLY)
-                # The previous step's MMAs finished before it ended: p_buf is free.
-                p_buf.store(rows)
-                fence_async_shared()
-                _cta_barrier()  # every thread's loads are done and its rows stored
-                mbarrier.arrive(load_empty.index(stage), count=1)
-                acc0 = warpgroup_mma(w0, p_buf.permute((1, 0)), acc0, is_async=True)
-                acc1 = warpgroup_mma(w1, p_buf.permute((1, 0)), acc1, is_async=True)
-                acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1))
-                count += 1
+            if CHUNK == 1:
+                for _ in range(K // _BLOCK_K):
+                    acc0, acc1, largest = _step(a_bufs, w_bufs, s_bufs, p_bufs, load_ready, load_empty, acc0, acc1,
+                                                largest, count, a_op, ONE_MULTIPLY)
+                    count += 1
+            else:
+                for _ in range(CHUNKS):
+                    acc0, acc1, largest = _overlapped_steps(a_bufs, w_bufs, s_bufs, p_bufs, load_ready, load_empty,
+                                                            acc0, acc1, largest, count, CHUNK, a_op, ONE_MULTIPLY)
+                    count += CHUNK
+                if TAIL > 0:
+                    acc0, acc1, largest = _overlapped_steps(a_bufs, w_bufs, s_bufs, p_bufs, load_ready, load_empty,
+                                                            acc0, acc1, largest, count, TAIL, a_op, ONE_MULTIPLY)
+                    count += TAIL
             _store_half(acc0, out_ptr, stride_om, first, last, first_column, N, mma_layout)
             _store_half(acc1, out_ptr, stride_om, first, last, first_column + _HALF_N, N, mma_layout)
             tile += gl.num_programs(0)
@@ -210,7 +284,7 @@ if gluon is not None:
         a_desc, w_desc, s_desc, slot_w_desc, slot_s_desc, out_ptr, offsets_ptr, redo_ptr, groups, split, split_start,
         N, stride_om, rows_above, rows_at_most,
         K: gl.constexpr, GROUP_M: gl.constexpr, GROUPS: gl.constexpr, STAGES: gl.constexpr,
-        ONE_MULTIPLY: gl.constexpr, PRODUCER_REGISTERS: gl.constexpr, num_warps: gl.constexpr,
+        ONE_MULTIPLY: gl.constexpr, PRODUCER_REGISTERS: gl.constexpr, CHUNK: gl.constexpr, num_warps: gl.constexpr,
     ):
         """Groups ``[0, split)`` read ``w_desc`` and ``s_desc``, groups ``[split, groups)`` the slot
         descriptors from row ``split_start``; the word descriptors view the words as ``[experts * N,
@@ -221,17 +295,18 @@ if gluon is not None:
         a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, TILE_M, _BLOCK_K], a_desc.layout)
         w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES, _BLOCK_N, _BLOCK_K // 8], w_desc.layout)
         s_bufs = gl.allocate_shared_memory(s_desc.dtype, [STAGES, _BLOCK_K // 32, _BLOCK_N], s_desc.layout)
-        p_buf = gl.allocate_shared_memory(gl.bfloat16, [TILE_M, _BLOCK_K], a_desc.layout)
+        # One buffer of permuted rows per step an MMA may still read while the next step stores its own.
+        p_bufs = gl.allocate_shared_memory(gl.bfloat16, [2 if CHUNK > 1 else 1, TILE_M, _BLOCK_K], a_desc.layout)
         load_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         load_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
             mbarrier.init(load_ready.index(i), count=1)
             mbarrier.init(load_empty.index(i), count=1)
-        operands = (a_desc, w_desc, s_desc, slot_w_desc, slot_s_desc, a_bufs, w_bufs, s_bufs, p_buf,
+        operands = (a_desc, w_desc, s_desc, slot_w_desc, slot_s_desc, a_bufs, w_bufs, s_bufs, p_bufs,
                     (load_ready, load_empty))
         scalars = (out_ptr, offsets_ptr, redo_ptr, groups, split, split_start, N, stride_om, rows_above, rows_at_most)
         gl.warp_specialize([
-            (_consume, (operands, scalars, K, GROUP_M, GROUPS, ONE_MULTIPLY)),
+            (_consume, (operands, scalars, K, GROUP_M, GROUPS, ONE_MULTIPLY, CHUNK)),
             (_produce, (operands, scalars, K, GROUP_M, GROUPS, ONE_MULTIPLY)),
         ], [1], [PRODUCER_REGISTERS])
         for i in gl.static_range(STAGES):
@@ -258,6 +333,6 @@ def mxfp4_swap_launch(
         _mxfp4_swap_kernel[(programs, )](
             *operands, out, offsets, redo, groups, split, slot_base, values.shape[1], out.stride(0), rows_above,
             rows_at_most, K=rows.shape[1], GROUP_M=group_m, GROUPS=triton.next_power_of_2(groups), STAGES=stages,
-            ONE_MULTIPLY=one_multiply, PRODUCER_REGISTERS=PRODUCER_REGISTERS, num_warps=NUM_WARPS,
+            ONE_MULTIPLY=one_multiply, PRODUCER_REGISTERS=PRODUCER_REGISTERS, CHUNK=CHUNK_STEPS, num_warps=NUM_WARPS,
             maxnreg=MAX_REGISTERS,
         )
