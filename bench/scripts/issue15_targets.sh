@@ -8,7 +8,7 @@
 #     the same cell with fp8 activations (FLATEP_MXFP4_FP8_ACTIVATIONS=1: pools in the mma layout).
 #   bash bench/scripts/issue15_targets.sh          (from the repository root, on a GPU)
 #   PARTS=mxfp4 bash bench/scripts/issue15_targets.sh     (one part: fp8 or mxfp4)
-#   AGAINST=REV bash bench/scripts/issue15_targets.sh     (the Kimi-K3 cell also times the mxfp4 GEMMs of
+#   AGAINST=REV bash bench/scripts/issue15_targets.sh     (the Kimi-K3 cells also time the mxfp4 GEMMs of
 #       git revision REV with its flatep/kernels/, or of a copy of that directory, or of a copy of
 #       its quant_gemm.py alone, as the "against" arm)
 # Writes to $OUT (default ./bench-out) fp8_experts.sh's files, experts_k3_mxfp4_decode.json, .log and
@@ -31,7 +31,8 @@ echo "experts_k3_mxfp4_decode: exit $code"
 grep "slowest rank" "$OUT/experts_k3_mxfp4_decode.log"
 [ $code -eq 0 ] || status=1
 FLATEP_MXFP4_FP8_ACTIVATIONS=1 python3 -m flatep.bench.experts_phase bench/scripts/h200-decode-k3-mxfp4.yaml \
-  --tokens 128 --maxvio 0 10 --profile --out "$OUT/experts_k3_mxfp4_fp8_activations.json" \
+  --tokens 128 --maxvio 0 10 --profile ${AGAINST:+--against "$AGAINST"} \
+  --out "$OUT/experts_k3_mxfp4_fp8_activations.json" \
   > "$OUT/experts_k3_mxfp4_fp8_activations.log" 2>&1
 code=$?
 echo "experts_k3_mxfp4_fp8_activations: exit $code"

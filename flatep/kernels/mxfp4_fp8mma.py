@@ -29,7 +29,12 @@ the weights' 64-column halves on the MMA's M side, from registers; the rows on i
 memory), with the same tile numbering and borrow slots, but its activations come by TMA straight into
 the MMA's shared-memory operand (no copy into a permuted K order), and its MMAs are fp8 (k = 32, one
 scale block). A producer warp copies each K step's hi and lo rows, words and scales into a ring of
-stages; the consumer warp group decodes both halves' weights and issues four MMAs a step.
+stages; the consumer warp group decodes both halves' weights and issues four MMAs a step, and by
+default (:data:`CHUNK_STEPS` = 1) waits for them before the next step. With ``CHUNK_STEPS`` of 2 it
+decodes each half while the MMAs issued before it run (:func:`_overlapped_steps`, as
+:mod:`flatep.kernels.mxfp4_swap` does): a candidate, not yet run on a GPU, that compiles without
+spills only at 128 registers a thread (2 programs an SM for the 32-row tile;
+``bench/scripts/chunk_candidate.py``).
 
 Measured as a prototype on an H100 (bench/results/2026-12-07-h100-j and -k; the split not included):
 one Kimi-K3 rank's gate/up GEMM at 32 rows per expert took 502-509 us against 563-564 us for
@@ -58,6 +63,10 @@ BLOCK_M = (16, 32, 64)
 BLOCK_K = (64, 128)
 NUM_WARPS = 4  # the consumer warp group's (the default partition's)
 PRODUCER_REGISTERS = 40
+CHUNK_STEPS = 1
+"""K steps the consumer unrolls into one chunk, each half's decode beside the MMAs issued before it
+(:func:`_overlapped_steps`; a candidate, not yet run on a GPU); 1: every step waits for its own MMAs
+before the next step's decode."""
 CENTER = 123
 """The scale byte whose table is the e2m1 magnitudes themselves."""
 LOW, HIGH = CENTER - 5, CENTER + 6
@@ -183,10 +192,49 @@ if gluon is not None:
                  mask=(row < last)[None, :] & (column < N)[:, None])
 
     @gluon.jit
+    def _overlapped_steps(a_bufs, w_bufs, s_bufs, load_ready, load_empty, acc0, acc1, smallest, largest, count,
+                          STEPS: gl.constexpr, a_op: gl.constexpr, WL: gl.constexpr, SL: gl.constexpr,
+                          BLOCK_K: gl.constexpr):
+        """The program's K steps ``count .. count + STEPS - 1`` of a tile, unrolled, each half's decode
+        beside the MMAs issued before it: step ``i`` decodes its first half while the previous step's
+        second-half MMAs run and issues that half's MMAs (hi and lo rows), then waits for the previous
+        step's, hands its stage back, and decodes its second half while its first half's MMAs run. At
+        most one half's decoded weights are in flight beside the half being decoded, as in the plain
+        step. Ends with no MMA in flight: ptxas serializes every warp-group MMA of a kernel where one
+        is in flight across a loop's back edge (:mod:`flatep.kernels.fp8_wgmma`)."""
+        STAGES: gl.constexpr = a_bufs[0].shape[0]
+        previous_stage = count % STAGES
+        for i in gl.static_range(STEPS):
+            stage = (count + i) % STAGES
+            mbarrier.wait(load_ready.index(stage), ((count + i) // STAGES) & 1)
+            words, scales = w_bufs.index(stage), s_bufs.index(stage)
+            hi = a_bufs[0].index(stage).permute((1, 0))
+            lo = a_bufs[1].index(stage).permute((1, 0))
+            w0, smallest, largest = _operand_weights(words.slice(0, _HALF_N), scales.slice(0, _HALF_N, 1),
+                                                     smallest, largest, a_op, WL, SL, BLOCK_K)
+            acc0 = warpgroup_mma(w0, hi, acc0, is_async=True)
+            acc0 = warpgroup_mma(w0, lo, acc0, is_async=True)
+            if i > 0:  # the previous step's second half: its stage and its weights' registers are free again
+                acc0, acc1 = warpgroup_mma_wait(num_outstanding=2, deps=(acc0, acc1))
+                mbarrier.arrive(load_empty.index(previous_stage), count=1)
+            w1, smallest, largest = _operand_weights(words.slice(_HALF_N, _HALF_N), scales.slice(_HALF_N, _HALF_N, 1),
+                                                     smallest, largest, a_op, WL, SL, BLOCK_K)
+            acc1 = warpgroup_mma(w1, hi, acc1, is_async=True)
+            acc1 = warpgroup_mma(w1, lo, acc1, is_async=True)
+            if i + 1 < STEPS:  # this step's first half: its registers are free for the next step's
+                acc0, acc1 = warpgroup_mma_wait(num_outstanding=2, deps=(acc0, acc1))
+            previous_stage = stage
+        acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1))
+        mbarrier.arrive(load_empty.index(previous_stage), count=1)
+        return acc0, acc1, smallest, largest
+
+    @gluon.jit
     def _consume(a_bufs, w_bufs, s_bufs, load_ready, load_empty, scalars, M,
-                 K: gl.constexpr, GROUP_M: gl.constexpr, GROUPS: gl.constexpr, WL: gl.constexpr, SL: gl.constexpr):
-        """The consumer warp group: per K step, the two halves' weights decoded, each half's MMAs on
-        the hi and the lo rows, the stage handed back once they finished; per tile, the halves stored."""
+                 K: gl.constexpr, GROUP_M: gl.constexpr, GROUPS: gl.constexpr, WL: gl.constexpr, SL: gl.constexpr,
+                 CHUNK: gl.constexpr):
+        """The consumer warp group: per K step (``CHUNK`` 1), the two halves' weights decoded, each half's
+        MMAs on the hi and the lo rows, the stage handed back once they finished; or the steps in
+        unrolled chunks of ``CHUNK`` (:func:`_overlapped_steps`); per tile, the halves stored."""
         out_ptr, offsets_ptr, redo_ptr, factor_ptr, groups, split, split_start, N, stride_om, rows_above, \
             rows_at_most = scalars
         STAGES: gl.constexpr = a_bufs[0].shape[0]
@@ -206,24 +254,36 @@ if gluon is not None:
             largest = gl.zeros([BLOCK_K // 32, _HALF_N], gl.int32, SL)
             acc0 = gl.zeros([_HALF_N, TILE_M], gl.float32, mma_layout)
             acc1 = gl.zeros([_HALF_N, TILE_M], gl.float32, mma_layout)
-            for step in range(K // BLOCK_K):
-                stage = count % STAGES
-                mbarrier.wait(load_ready.index(stage), (count // STAGES) & 1)
-                words, scales = w_bufs.index(stage), s_bufs.index(stage)
-                hi = a_bufs[0].index(stage).permute((1, 0))
-                lo = a_bufs[1].index(stage).permute((1, 0))
-                w0, smallest, largest = _operand_weights(words.slice(0, _HALF_N), scales.slice(0, _HALF_N, 1),
-                                                         smallest, largest, a_op, WL, SL, BLOCK_K)
-                w1, smallest, largest = _operand_weights(words.slice(_HALF_N, _HALF_N),
-                                                         scales.slice(_HALF_N, _HALF_N, 1), smallest, largest, a_op,
-                                                         WL, SL, BLOCK_K)
-                acc0 = warpgroup_mma(w0, hi, acc0, is_async=True)
-                acc0 = warpgroup_mma(w0, lo, acc0, is_async=True)
-                acc1 = warpgroup_mma(w1, hi, acc1, is_async=True)
-                acc1 = warpgroup_mma(w1, lo, acc1, is_async=True)
-                acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1))
-                mbarrier.arrive(load_empty.index(stage), count=1)
-                count += 1
+            if CHUNK == 1:
+                for step in range(K // BLOCK_K):
+                    stage = count % STAGES
+                    mbarrier.wait(load_ready.index(stage), (count // STAGES) & 1)
+                    words, scales = w_bufs.index(stage), s_bufs.index(stage)
+                    hi = a_bufs[0].index(stage).permute((1, 0))
+                    lo = a_bufs[1].index(stage).permute((1, 0))
+                    w0, smallest, largest = _operand_weights(words.slice(0, _HALF_N), scales.slice(0, _HALF_N, 1),
+                                                             smallest, largest, a_op, WL, SL, BLOCK_K)
+                    w1, smallest, largest = _operand_weights(words.slice(_HALF_N, _HALF_N),
+                                                             scales.slice(_HALF_N, _HALF_N, 1), smallest, largest,
+                                                             a_op, WL, SL, BLOCK_K)
+                    acc0 = warpgroup_mma(w0, hi, acc0, is_async=True)
+                    acc0 = warpgroup_mma(w0, lo, acc0, is_async=True)
+                    acc1 = warpgroup_mma(w1, hi, acc1, is_async=True)
+                    acc1 = warpgroup_mma(w1, lo, acc1, is_async=True)
+                    acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1))
+                    mbarrier.arrive(load_empty.index(stage), count=1)
+                    count += 1
+            else:
+                for _ in range(K // BLOCK_K // CHUNK):
+                    acc0, acc1, smallest, largest = _overlapped_steps(
+                        a_bufs, w_bufs, s_bufs, load_ready, load_empty, acc0, acc1, smallest, largest, count, CHUNK,
+                        a_op, WL, SL, BLOCK_K)
+                    count += CHUNK
+                if K // BLOCK_K % CHUNK > 0:
+                    acc0, acc1, smallest, largest = _overlapped_steps(
+                        a_bufs, w_bufs, s_bufs, load_ready, load_empty, acc0, acc1, smallest, largest, count,
+                        K // BLOCK_K % CHUNK, a_op, WL, SL, BLOCK_K)
+                    count += K // BLOCK_K % CHUNK
             _store_half(acc0, out_ptr, factor_ptr, stride_om, first, last, first_column, N, mma_layout)
             _store_half(acc1, out_ptr, factor_ptr, stride_om, first, last, first_column + _HALF_N, N, mma_layout)
             lowest = gl.min(gl.min(smallest, axis=1), axis=0)
@@ -237,7 +297,7 @@ if gluon is not None:
                        groups, split, split_start, N, stride_om, rows_above, rows_at_most, M,
                        K: gl.constexpr, GROUP_M: gl.constexpr, GROUPS: gl.constexpr, STAGES: gl.constexpr,
                        PRODUCER_REGISTERS: gl.constexpr, WL: gl.constexpr, SL: gl.constexpr,
-                       num_warps: gl.constexpr):
+                       CHUNK: gl.constexpr, num_warps: gl.constexpr):
         """Groups ``[0, split)`` read ``w_desc`` and ``s_desc``, groups ``[split, groups)`` the slot
         descriptors from row ``split_start``; ``a_desc``'s box is a row tile of one K step of ``hi_lo``
         (the hi rows, then from row ``M`` the lo rows)."""
@@ -256,7 +316,8 @@ if gluon is not None:
         scalars = (out_ptr, offsets_ptr, redo_ptr, factor_ptr, groups, split, split_start, N, stride_om, rows_above,
                    rows_at_most)
         gl.warp_specialize([
-            (_consume, (a_bufs, w_bufs, s_bufs, load_ready, load_empty, scalars, M, K, GROUP_M, GROUPS, WL, SL)),
+            (_consume, (a_bufs, w_bufs, s_bufs, load_ready, load_empty, scalars, M, K, GROUP_M, GROUPS, WL, SL,
+                        CHUNK)),
             (_produce, ((a_desc, w_desc, s_desc, slot_w_desc, slot_s_desc), a_bufs, w_bufs, s_bufs, load_ready,
                         load_empty, scalars, M, K, GROUP_M, GROUPS)),
         ], [1], [PRODUCER_REGISTERS])
@@ -330,4 +391,4 @@ def mxfp4_fp8mma_launch(
         redo, factor, groups, split, slot_base, values.shape[1], out.stride(0), rows_above, rows_at_most, out.shape[0],
         K=hi_lo.shape[1], GROUP_M=group_m, GROUPS=triton.next_power_of_2(groups), STAGES=stages,
         PRODUCER_REGISTERS=PRODUCER_REGISTERS, WL=words_layout(block_k), SL=scales_layout(block_k),
-        num_warps=NUM_WARPS, maxnreg=max_registers)
+        CHUNK=CHUNK_STEPS, num_warps=NUM_WARPS, maxnreg=max_registers)

@@ -45,7 +45,7 @@ weights while the MMA issued before it runs (:func:`_overlapped_steps`): the sam
 order, so the same bits, with no more registers or instructions a step (local sm_90 compiles,
 Triton 3.6 and 3.9: about 180 instructions a step against the plain step's 187, no spills at 80
 registers a thread at launch) and 4 KiB more shared memory for a second buffer of rows. That is a
-candidate, not yet run on a GPU: ``bench/scripts/swap_chunk_checks.sh`` runs its GPU tests and times
+candidate, not yet run on a GPU: ``bench/scripts/mxfp4_chunk_checks.sh`` runs its GPU tests and times
 it against the default.
 
 The decode is the Triton tiles' (exact: e2m1 times a power of two), with their two launches: the

@@ -217,7 +217,7 @@ def test_configs_and_launches_of_the_mma_layout():
         mxfp4_grouped_mm_triton(rows, values, scales, offsets, layout="checkpoint")
 
 
-def _compile(block_m: int, stages: int, registers: int, directory: str, block_k: int = 128) -> None:
+def _compile(block_m: int, stages: int, registers: int, directory: str, block_k: int = 128, chunk: int = 1) -> None:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -235,7 +235,7 @@ def _compile(block_m: int, stages: int, registers: int, directory: str, block_k:
     types |= {"out_ptr": "*bf16", "offsets_ptr": "*i32", "redo_ptr": "*i32", "factor_ptr": "*fp32"}
     constants = {"K": inner, "GROUP_M": 8, "GROUPS": 128, "STAGES": stages,
                  "PRODUCER_REGISTERS": mxfp4_fp8mma.PRODUCER_REGISTERS, "WL": mxfp4_fp8mma.words_layout(block_k),
-                 "SL": mxfp4_fp8mma.scales_layout(block_k), "num_warps": mxfp4_fp8mma.NUM_WARPS}
+                 "SL": mxfp4_fp8mma.scales_layout(block_k), "CHUNK": chunk, "num_warps": mxfp4_fp8mma.NUM_WARPS}
     signature = {name: "constexpr" if name in constants else types.get(name, "i32") for name in kernel.arg_names}
     source = GluonASTSource(fn=kernel, signature=signature,
                             constexprs={(kernel.arg_names.index(name),): value for name, value in constants.items()})
@@ -244,35 +244,50 @@ def _compile(block_m: int, stages: int, registers: int, directory: str, block_k:
 
 
 @pytest.mark.skipif(fp8_wgmma.gluon is None, reason="this Triton has no Gluon Hopper API")
-@pytest.mark.parametrize("block_m, block_k", [(32, 128), (64, 128), (32, 64)])
-def test_compiles_for_sm90_with_the_weights_in_registers(block_m, block_k, tmp_path):
-    """:data:`FP8MMA`'s tiles at Kimi-K3's K (and K steps of 64 at gpt-oss's): every fp8 MMA takes its
-    first operand from registers, no register spills in the K loop, and the programs an SM fit its
-    shared memory."""
+@pytest.mark.parametrize("block_m, block_k, programs, chunk", [
+    (32, 128, None, mxfp4_fp8mma.CHUNK_STEPS), (64, 128, None, mxfp4_fp8mma.CHUNK_STEPS),
+    (32, 64, None, mxfp4_fp8mma.CHUNK_STEPS),
+    # the chunked candidate (bench/scripts/chunk_candidate.py): 2 programs an SM for its registers
+    (32, 128, 2, 2), (64, 128, 2, 2), (32, 64, 2, 2)])
+def test_compiles_for_sm90_with_the_weights_in_registers(block_m, block_k, programs, chunk, tmp_path):
+    """:data:`FP8MMA`'s tiles at Kimi-K3's K (and K steps of 64 at gpt-oss's, 45 of them: a chunk's
+    tail), K steps one by one and in chunks: every fp8 MMA takes its first operand from registers,
+    no register spills, and the programs an SM fit its shared memory. In chunks, the SASS keeps the
+    waits for all but the last half's MMAs (two a step but the chunk's first and last) and waits for
+    none in flight only at a chunk's end and its tail's: ptxas did not serialize the MMAs."""
     from flatep.bench.sass import innermost_mma_loop
 
     config = FP8MMA[block_m]
-    registers = mxfp4_fp8mma.max_registers(config.programs_per_sm)
-    assert registers == {32: 80, 64: 128}[block_m]  # the prototype's measured launches (2026-12-07-h100-j)
-    shared, _, sass, _ = sm90_build(
+    programs = programs or config.programs_per_sm
+    registers = mxfp4_fp8mma.max_registers(programs)
+    if programs == config.programs_per_sm:
+        assert registers == {32: 80, 64: 128}[block_m]  # the prototype's measured launches (2026-12-07-h100-j)
+    shared, _, sass, usage = sm90_build(
         f"from tests.kernels.test_mxfp4_fp8mma import _compile; "
-        f"_compile({block_m}, {config.num_stages}, {registers}, {str(tmp_path)!r}, {block_k})", tmp_path)
-    assert config.programs_per_sm * (shared + 1024) <= 228 * 1024  # 1 KiB of each program reserved
+        f"_compile({block_m}, {config.num_stages}, {registers}, {str(tmp_path)!r}, {block_k}, {chunk})", tmp_path)
+    assert programs * (shared + 1024) <= 228 * 1024  # 1 KiB of each program reserved
     mmas = re.findall(rf"QGMMA\.64x{block_m}x32\.F32\.E4M3\.E4M3 R\d+, (\S+), gdesc", sass)
-    assert len(mmas) >= 4 * block_k // 32 and all(operand.startswith("R") for operand in mmas)
+    assert len(mmas) >= 4 * block_k // 32 * chunk and all(operand.startswith("R") for operand in mmas)
+    waits = re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, (0x\d+)", sass)
+    assert waits.count("0x0") <= 2 and waits.count("0x2") >= 2 * chunk - 2
+    # No spills in the K loop; Triton 3.9's ptxas keeps a 16-byte stack frame outside it for the 32-row
+    # tile at 80 registers. The chunks, at 128 registers, keep none at all.
     assert not [line for line in innermost_mma_loop(sass) if "STL" in line or "LDL" in line]
+    assert chunk == 1 or "STACK:0" in usage
 
 
 @on_hopper
+@pytest.mark.parametrize("chunk", [mxfp4_fp8mma.CHUNK_STEPS, 2])
 @pytest.mark.parametrize("group_rows, out_of_window, hidden, columns", [
     ((0, 32), False, 3584, 384), ((32, 1 << 30), False, 3584, 384), (None, True, 3584, 384),
     ((0, 32), False, 2880, 320), ((32, 1 << 30), True, 2880, 320)])
-def test_the_fp8_kernel_with_slots_in_a_graph(group_rows, out_of_window, hidden, columns, monkeypatch):
+def test_the_fp8_kernel_with_slots_in_a_graph(group_rows, out_of_window, hidden, columns, chunk, monkeypatch):
     """:data:`FP8MMA`'s tiles with home and slot groups of 0-70 rows, captured in a CUDA graph with
     host syncs raising; the kernel flags exactly the groups' 128 columns whose tiles read a scale byte
     outside its window (past ``N``, the copies' zeros), which the exact pass computes again (there
     within bf16's error, not the fp8 kernel's). Also gpt-oss-like sizes: ``K`` = 2880 (K steps of 64)
-    and ``N`` not a multiple of 128."""
+    and ``N`` not a multiple of 128. K steps one by one and in chunks of 2 (with a tail at 2880)."""
+    monkeypatch.setattr(mxfp4_fp8mma, "CHUNK_STEPS", chunk)
     home, slots, x, offsets, slot_base = _grouped_case([18, 0, 31, 5, 70, 33], [9, 40], hidden, columns, seed=11)
     if out_of_window:
         home.scales[4, 7, 3] = mxfp4_fp8mma.HIGH + 40

@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
-# Result set: issue #15's cells on one Hopper GPU and the swapped mxfp4 kernel's K steps in chunks
-# (flatep/kernels/mxfp4_swap.py, CHUNK_STEPS), in one call of at most BUDGET seconds (default 560):
+# Result set: issue #15's cells on one Hopper GPU and the Gluon mxfp4 kernels' K steps in chunks
+# (CHUNK_STEPS of flatep/kernels/mxfp4_swap.py and mxfp4_fp8mma.py), in one call of at most BUDGET
+# seconds (default 560):
 #   1. issue #15's Kimi-K2 fp8 cells (PARTS=fp8 bash bench/scripts/issue15_targets.sh) -> fp8_experts.sh's files;
-#   2. the swapped kernel's GPU tests, K steps one by one and in chunks of 4
-#      (tests/kernels/test_mxfp4_swap.py) -> mxfp4_swap_tests.log;
-#   3. issue #15's Kimi-K3 cells (PARTS=mxfp4 bash bench/scripts/issue15_targets.sh), with this
-#      tree's kernels as the packed arm and, where step 2 passed, a copy of flatep/kernels/ with
-#      CHUNK_STEPS = 4 as the "against" arm, bf16 in the same run -> experts_k3_mxfp4_*.json, .log;
-#   4. the kernel at chunks of 1, 2, 4 and 8 K steps against each other and the Triton short tile, per
+#   2. both kernels' GPU tests, K steps one by one and in chunks (tests/kernels/test_mxfp4_swap.py,
+#      test_mxfp4_fp8mma.py) -> mxfp4_chunk_tests.log;
+#   3. issue #15's Kimi-K3 cells, word layout and fp8 activations (PARTS=mxfp4 bash
+#      bench/scripts/issue15_targets.sh), with this tree's kernels as the packed arm and, where step 2
+#      passed, the chunked candidate (bench/scripts/chunk_candidate.py) as the "against" arm, bf16 in
+#      the same run -> experts_k3_mxfp4_*.json, .log;
+#   4. the swapped kernel at chunks of 1, 2, 4 and 8 K steps against each other and the Triton short tile, per
 #      GEMM at 16 and 32 rows per expert (bench/scripts/mxfp4_swap_chunks.py) -> mxfp4_swap_chunks.json, .log.
-#   bash bench/scripts/swap_chunk_checks.sh         (from the repository root, on an H100 or H200)
+#   bash bench/scripts/mxfp4_chunk_checks.sh        (from the repository root, on an H100 or H200)
 # Each step's timeout is what is left of BUDGET; a step with less than 20 s left is skipped.
 # Writes to $OUT (default ./bench-out). Exit status 0 iff every step ran and passed.
 cd "$(dirname "$0")/../.."
@@ -29,17 +31,14 @@ else skip "issue15 fp8"; fi
 tests=1
 if limit=$(left); then
   timeout "$limit" python3 -m pytest -o addopts="" -q -p no:cacheprovider tests/kernels/test_mxfp4_swap.py \
-    > "$OUT/mxfp4_swap_tests.log" 2>&1
+    tests/kernels/test_mxfp4_fp8mma.py > "$OUT/mxfp4_chunk_tests.log" 2>&1
   tests=$?
-  echo "swap tests: exit $tests at ${SECONDS} s"; tail -5 "$OUT/mxfp4_swap_tests.log"
-else skip "swap tests"; fi
+  echo "chunk tests: exit $tests at ${SECONDS} s"; tail -5 "$OUT/mxfp4_chunk_tests.log"
+else skip "chunk tests"; fi
 [ $tests -eq 0 ] || status=1
 against=
 if [ $tests -eq 0 ]; then
-  against=$(mktemp -d)/kernels
-  cp -r flatep/kernels "$against"
-  sed -i 's/^CHUNK_STEPS = 1$/CHUNK_STEPS = 4/' "$against/mxfp4_swap.py"
-  grep -q '^CHUNK_STEPS = 4$' "$against/mxfp4_swap.py" || { echo "could not set CHUNK_STEPS in the copy" >&2; exit 2; }
+  against=$(python3 bench/scripts/chunk_candidate.py "$(mktemp -d)") || exit 2
 fi
 if limit=$(left); then
   PARTS=mxfp4 AGAINST=$against timeout "$limit" bash bench/scripts/issue15_targets.sh || status=1
