@@ -2,7 +2,8 @@
 decode beside the MMAs issued before it, for ``python -m flatep.bench.experts_phase --against DIR``.
 
 - :data:`flatep.kernels.mxfp4_swap.CHUNK_STEPS` = 4 (chunks of 2, 4 and 8 compile without spills at
-  its 3 programs an SM);
+  its 3 programs an SM), and groups of more than 32 rows in its 64-row tile
+  (:data:`flatep.kernels.packed_tiles.MXFP4_SWAP64_DEFAULT`) rather than the Triton 64 x 256 one;
 - :data:`flatep.kernels.mxfp4_fp8mma.CHUNK_STEPS` = 2, with :data:`flatep.kernels.packed_tiles.FP8MMA`'s
   32-row tile at 2 programs an SM (128 registers a thread): at 3 (80 registers) the chunked consumer
   spills, and chunks of 4 spill at 128 with Triton 3.9 (local sm_90 compiles, Triton 3.6 and 3.9).
@@ -20,9 +21,11 @@ EDITS = {
     "mxfp4_swap.py": ("\nCHUNK_STEPS = 1\n", "\nCHUNK_STEPS = 4\n"),
     "mxfp4_fp8mma.py": ("\nCHUNK_STEPS = 1\n", "\nCHUNK_STEPS = 2\n"),
     "packed_tiles.py": ("for block_m, stages, programs in ((32, 3, 3), (64, 4, 2))",
-                        "for block_m, stages, programs in ((32, 3, 2), (64, 4, 2))"),
+                        "for block_m, stages, programs in ((32, 3, 2), (64, 4, 2))",
+                        'MXFP4_SWAP64_DEFAULT = environment_flag("FLATEP_MXFP4_SWAP64", False)',
+                        'MXFP4_SWAP64_DEFAULT = environment_flag("FLATEP_MXFP4_SWAP64", True)'),
 }
-"""Per kernel module, the one line it changes: ``(as this tree has it, as the candidate has it)``."""
+"""Per kernel module, the lines it changes: ``(as this tree has it, as the candidate has it, ...)`` in pairs."""
 
 
 def write_candidate(directory: Path, kernels: Path = KERNELS) -> Path:
@@ -35,12 +38,14 @@ def write_candidate(directory: Path, kernels: Path = KERNELS) -> Path:
     """
     target = Path(directory) / "kernels"
     shutil.copytree(kernels, target, ignore=shutil.ignore_patterns("__pycache__"))
-    for name, (old, new) in EDITS.items():
+    for name, lines in EDITS.items():
         module = target / name
         text = module.read_text()
-        if text.count(old) != 1:
-            raise ValueError(f"{kernels / name} must hold {old.strip()!r} once, found it {text.count(old)} times")
-        module.write_text(text.replace(old, new))
+        for old, new in zip(lines[::2], lines[1::2]):
+            if text.count(old) != 1:
+                raise ValueError(f"{kernels / name} must hold {old.strip()!r} once, found it {text.count(old)} times")
+            text = text.replace(old, new)
+        module.write_text(text)
     return target
 
 

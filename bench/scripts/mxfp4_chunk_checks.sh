@@ -9,8 +9,9 @@
 #      bench/scripts/issue15_targets.sh), with this tree's kernels as the packed arm and, where step 2
 #      passed, the chunked candidate (bench/scripts/chunk_candidate.py) as the "against" arm, bf16 in
 #      the same run -> experts_k3_mxfp4_*.json, .log;
-#   4. the swapped kernel at chunks of 1, 2, 4 and 8 K steps against each other and the Triton short tile, per
-#      GEMM at 16 and 32 rows per expert (bench/scripts/mxfp4_swap_chunks.py) -> mxfp4_swap_chunks.json, .log.
+#   4. the swapped kernel at chunks of 1, 2, 4 and 8 K steps against each other and the Triton tile of
+#      its height, per GEMM at 32 and 64 rows per expert (bench/scripts/mxfp4_swap_chunks.py --rows 32 64:
+#      the 16-row groups keep the Triton tile) -> mxfp4_swap_chunks.json, .log (rows logged as they come).
 #   bash bench/scripts/mxfp4_chunk_checks.sh        (from the repository root, on an H100 or H200)
 # Each step's timeout is what is left of BUDGET; a step with less than 20 s left is skipped.
 # Writes to $OUT (default ./bench-out). Exit status 0 iff every step ran and passed.
@@ -45,7 +46,7 @@ if limit=$(left); then
   echo "issue15 mxfp4 (against: ${against:-none}): done at ${SECONDS} s"
 else skip "issue15 mxfp4"; fi
 if [ $tests -eq 0 ] && limit=$(left); then
-  timeout "$limit" python3 bench/scripts/mxfp4_swap_chunks.py --out "$OUT/mxfp4_swap_chunks.json" \
+  timeout "$limit" python3 bench/scripts/mxfp4_swap_chunks.py --rows 32 64 --out "$OUT/mxfp4_swap_chunks.json" \
     > "$OUT/mxfp4_swap_chunks.log" 2>&1 || status=1
   echo "chunk timings: done at ${SECONDS} s"; cut -c1-200 "$OUT/mxfp4_swap_chunks.log"
 elif [ $tests -eq 0 ]; then skip "chunk timings"; fi

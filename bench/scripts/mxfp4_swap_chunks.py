@@ -1,12 +1,14 @@
 """The swapped Gluon mxfp4 kernel's K steps one by one against unrolled chunks whose decode runs beside the MMAs.
 
-One Kimi-K3 rank's experts (112; gate/up N = 6144, K = 3584; down N = 3584, K = 3072) at 16 and 32
-rows per expert, a decode step's groups. The first arm is the swapped kernel
+One Kimi-K3 rank's experts (112; gate/up N = 6144, K = 3584; down N = 3584, K = 3072) at 16, 32
+and 64 rows per expert, a decode step's groups and a skewed step's hot ones. The first arm is the
+swapped kernel
 (:data:`flatep.kernels.packed_tiles.MXFP4_SWAP` of that row tile) as it runs by default,
 :data:`flatep.kernels.mxfp4_swap.CHUNK_STEPS` = 1: each K step waits for its own MMAs before the
 next step's decode. The next arms unroll :data:`CHUNKS` steps at a time, each half's decode beside
 the MMA issued before it (:func:`flatep.kernels.mxfp4_swap._overlapped_steps`); the last arm is
-the Triton short tile :func:`flatep.kernels.packed_tiles.default_config` gives without a device.
+the Triton tile :func:`flatep.kernels.packed_tiles.default_config` gives without a device (the short
+tiles at 16 and 32 rows, the 64 x 256 tile at 64).
 Every arm runs :func:`flatep.kernels.quant_gemm.mxfp4_grouped_mm_triton` as the layer does, timed
 as :func:`mxfp4_rank.time_arms` does (interleaved CUDA-graph replays, the read ceiling measured in
 the same run, the packed weight bytes counted once). ``same_bits`` compares each arm with the

@@ -326,13 +326,6 @@ if gluon is not None:
             mbarrier.invalidate(load_empty.index(i))
 
 
-def max_registers(programs_per_sm: int) -> int:
-    """A thread's registers at launch for ``programs_per_sm`` programs an SM: a program is 8 warps (the
-    producer's warp padded to a warp group) of Hopper's 64K registers an SM, rounded down to a multiple
-    of 8 (``setmaxnreg`` then moves registers from the producer's warp group to the consumer's)."""
-    return min(255, 65536 // (2 * 128 * programs_per_sm) // 8 * 8)
-
-
 def flag_count(groups: int, columns: int) -> int:
     """Elements of a launch's flags over ``groups`` groups of ``columns`` output columns: one for the
     launch, then one per group and :data:`BLOCK_N` columns (:func:`mxfp4_fp8mma_launch`)."""

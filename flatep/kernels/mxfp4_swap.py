@@ -1,5 +1,5 @@
-"""The mxfp4 grouped GEMM for groups of at most 32 rows, for Hopper (sm_90), in Gluon: the product
-transposed, the decoded weights fed to the warp-group MMA from registers.
+"""The mxfp4 grouped GEMM for groups of at most 32 rows (and, opt-in, more), for Hopper (sm_90), in
+Gluon: the product transposed, the decoded weights fed to the warp-group MMA from registers.
 
 Same contract and tile numbering as :func:`flatep.kernels.quant_gemm.mxfp4_grouped_mm_triton`. The
 Triton short tiles (16 and 32 rows) decode a whole K step's weight tile into registers before their
@@ -16,6 +16,9 @@ at 16 rows 1.01-1.02x the 16-row tile's (bench/results/2026-12-07-h100-c), so it
 17-32 rows only: by default on Hopper (:data:`flatep.kernels.packed_tiles.MXFP4_SWAP_DEFAULT`;
 ``FLATEP_MXFP4_SWAP=0`` turns it off). With it issue #15's Kimi-K3 cell took 0.363-0.365x bf16's time
 at maxvio 0 against the Triton tile's 0.420-0.423x in the same runs (bench/results/2026-12-07-h100-d).
+A 64-row tile, at 2 programs an SM for its sums' registers, is a candidate for the groups of more
+than 32 rows (:data:`flatep.kernels.packed_tiles.MXFP4_SWAP64_DEFAULT`, ``FLATEP_MXFP4_SWAP64=1``),
+not yet run on a GPU.
 
 The operand layout gives lane ``q`` of each four the K positions ``2q, 2q + 1, 2q + 8, 2q + 9`` of
 every 16-wide chunk (two bf16 a register), of two rows. A word of FlatEP's layout holds 8
@@ -72,8 +75,9 @@ if gluon is not None:
     )
     from flatep.kernels.mxfp4_wgmma import _cta_barrier, _load_steps, _scale_pairs, _tiles, descriptors
 
-BLOCK_M = (16, 32)
-"""Row tiles this kernel takes (the warp-group MMA's N side)."""
+BLOCK_M = (16, 32, 64)
+"""Row tiles this kernel takes (the warp-group MMA's N side). The 64-row tile's sums take twice the
+registers: it runs at 2 programs an SM (:data:`PROGRAMS_PER_SM`, :func:`max_registers`)."""
 HALF_N = 64  # weight columns of one warp-group MMA (its M side)
 BLOCK_N = 2 * HALF_N
 BLOCK_K = 64
@@ -88,12 +92,17 @@ CHUNK_STEPS = 1
 """K steps the consumer unrolls into one chunk, each step's decode beside the previous step's MMAs
 (:func:`_overlapped_steps`); 1: every step waits for its own MMAs before the next step's decode
 (:func:`_step`)."""
-PROGRAMS_PER_SM = 3
+PROGRAMS_PER_SM = {16: 3, 32: 3, 64: 2}
+"""Programs an SM by row tile, at :func:`max_registers` each: 80 registers a thread at 3 (local sm_90
+compile, Triton 3.6: no spills at 16 and 32 rows; the 64-row tile spills 168 bytes there), 128 at 2."""
 PRODUCER_REGISTERS = 40
-MAX_REGISTERS = 80
-"""A thread's registers at launch. A program is 8 warps (the producer's warp padded to a warp group),
-so 3 programs fit an SM (:data:`PROGRAMS_PER_SM`); ``setmaxnreg`` then moves registers from the
-producer's warp group to the consumer's (local sm_90 compile, Triton 3.6: no spills)."""
+
+
+def max_registers(programs_per_sm: int) -> int:
+    """A thread's registers at launch for ``programs_per_sm`` programs an SM: a program is 8 warps (the
+    producer's warp padded to a warp group) of Hopper's 64K registers an SM, rounded down to a multiple
+    of 8 (``setmaxnreg`` then moves registers from the producer's warp group to the consumer's)."""
+    return min(255, 65536 // (2 * 128 * programs_per_sm) // 8 * 8)
 
 
 if gluon is not None:
@@ -318,12 +327,13 @@ def mxfp4_swap_launch(
     rows: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, slot_values: torch.Tensor,
     slot_scales: torch.Tensor, out: torch.Tensor, offsets: torch.Tensor, split: int, slot_base: int,
     rows_above: int, rows_at_most: int, block_m: int, group_m: int, stages: int, programs: int,
+    programs_per_sm: int,
 ) -> None:
     """Both passes of the kernel on checked operands (those :func:`flatep.kernels.mxfp4_wgmma.fits`
     accepts, slots too): ``rows [M, K]`` bf16, ``values [G, N, K/2]`` uint8 words with ``scales [G,
     N, K/32]`` uint8 column-fastest (and the slots' alike), ``out [M, N]`` bf16, ``offsets [groups]``
-    int32; row tiles of ``block_m`` (16 or 32) rows, ``stages`` of copies in flight, over
-    ``programs`` programs."""
+    int32; row tiles of ``block_m`` (one of :data:`BLOCK_M`) rows, ``stages`` of copies in flight,
+    over ``programs`` programs of :func:`max_registers` ``(programs_per_sm)`` registers a thread."""
     if block_m not in BLOCK_M:
         raise ValueError(f"block_m must be one of {BLOCK_M}, got {block_m}")
     operands = descriptors(rows, values, scales, slot_values, slot_scales, block_m, BLOCK_N)
@@ -334,5 +344,5 @@ def mxfp4_swap_launch(
             *operands, out, offsets, redo, groups, split, slot_base, values.shape[1], out.stride(0), rows_above,
             rows_at_most, K=rows.shape[1], GROUP_M=group_m, GROUPS=triton.next_power_of_2(groups), STAGES=stages,
             ONE_MULTIPLY=one_multiply, PRODUCER_REGISTERS=PRODUCER_REGISTERS, CHUNK=CHUNK_STEPS, num_warps=NUM_WARPS,
-            maxnreg=MAX_REGISTERS,
+            maxnreg=max_registers(programs_per_sm),
         )

@@ -118,8 +118,8 @@ MXFP4_WGMMA = GemmConfig(mxfp4_wgmma.WG_M, mxfp4_wgmma.BLOCK_N, mxfp4_wgmma.BLOC
 MXFP4_SHORT = {16: GemmConfig(16, 128, 128, num_warps=2, num_stages=3, programs_per_sm=6, lane_words=True),
                 32: GemmConfig(32, 256, 128, num_warps=4, num_stages=3, lane_words=True)}
 MXFP4_SWAP = {block_m: GemmConfig(block_m, mxfp4_swap.BLOCK_N, mxfp4_swap.BLOCK_K, num_warps=mxfp4_swap.NUM_WARPS,
-                                  num_stages=mxfp4_swap.LOAD_STAGES, programs_per_sm=mxfp4_swap.PROGRAMS_PER_SM,
-                                  swap_ab=True, wgmma=True)
+                                  num_stages=mxfp4_swap.LOAD_STAGES,
+                                  programs_per_sm=mxfp4_swap.PROGRAMS_PER_SM[block_m], swap_ab=True, wgmma=True)
               for block_m in mxfp4_swap.BLOCK_M}
 """The swapped Gluon mxfp4 kernel's tiles by row tile (:mod:`flatep.kernels.mxfp4_swap`, Hopper GPUs)."""
 FP8MMA = {block_m: GemmConfig(block_m, mxfp4_fp8mma.BLOCK_N, 128, num_warps=mxfp4_fp8mma.NUM_WARPS, num_stages=stages,
@@ -140,6 +140,13 @@ rank's GEMMs took 0.87x and 0.85x the Triton 32-row tile's time (gate/up 570 aga
 1.01-1.02x the Triton 16-row tile's, so 16-row groups keep the Triton tile
 (bench/results/2026-12-07-h100-c). Issue #15's Kimi-K3 cell with it: see
 bench/results/2026-12-07-h100-d."""
+MXFP4_SWAP64_DEFAULT = environment_flag("FLATEP_MXFP4_SWAP64", False)
+"""Whether :func:`default_config` gives groups of more than 32 rows ``MXFP4_SWAP[64]`` (the swapped
+Gluon kernel's 64-row tile, 2 programs an SM) on a Hopper GPU: off unless the environment sets
+``FLATEP_MXFP4_SWAP64=1``; :data:`MXFP4_WGMMA_DEFAULT` takes precedence. A candidate for a skewed
+decode step's hot launch, where the Triton 64 x 256 tile runs now: it compiles for sm_90 without
+spills (local compile, Triton 3.6 and 3.9) but has not run on a GPU yet
+(``bench/scripts/mxfp4_chunk_checks.sh`` runs its tests and times it)."""
 MXFP4_WGMMA_DEFAULT = environment_flag("FLATEP_MXFP4_WGMMA", False)
 """Whether :func:`default_config` gives groups of more than 32 rows :data:`MXFP4_WGMMA` on a Hopper
 GPU: off unless the environment sets ``FLATEP_MXFP4_WGMMA=1`` (or this is set before a step). It is
@@ -248,6 +255,8 @@ def default_config(
         return MXFP4_SHORT[32]
     if MXFP4_WGMMA_DEFAULT and device is not None and fp8_wgmma.available(device):
         return MXFP4_WGMMA
+    if MXFP4_SWAP64_DEFAULT and device is not None and fp8_wgmma.available(device):
+        return MXFP4_SWAP[64]
     return MXFP4_TALL
 
 

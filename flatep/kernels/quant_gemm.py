@@ -577,13 +577,13 @@ def mxfp4_grouped_mm_triton(
             if config.swap_ab:
                 mxfp4_swap.mxfp4_swap_launch(rows, values, scales, slot_values, slot_scales, out, offsets,
                                              values.shape[0], slot_base, rows_above, rows_at_most, config.block_m,
-                                             config.group_m, config.num_stages, programs)
+                                             config.group_m, config.num_stages, programs, config.programs_per_sm)
             else:
                 mxfp4_wgmma.mxfp4_wgmma_launch(rows, values, scales, slot_values, slot_scales, out, offsets,
                                                values.shape[0], slot_base, rows_above, rows_at_most, config.group_m,
                                                config.num_stages, programs)
             return out
-        if config.swap_ab:  # the Triton short tile of the same height
+        if config.block_m in MXFP4_SHORT:  # the Triton short tile of the same height
             config = dataclasses.replace(MXFP4_SHORT[config.block_m], group_m=config.group_m)
         else:
             config = dataclasses.replace(MXFP4_TALL, group_m=config.group_m)
@@ -646,7 +646,7 @@ def _mxfp4_mma_grouped_mm(
             mxfp4_fp8mma.mxfp4_fp8mma_launch(
                 hi_lo, factor, values, scales, slot_values, slot_scales, out, offsets, redo, values.shape[0],
                 slot_base, rows_above, rows_at_most, config.block_m, block_k, config.group_m,
-                config.num_stages, programs, mxfp4_fp8mma.max_registers(config.programs_per_sm))
+                config.num_stages, programs, mxfp4_swap.max_registers(config.programs_per_sm))
     elif config.swap_ab or config.lane_words:
         raise ValueError(f"the mma layout's Triton tiles are unswapped, in column order (no lane_words), got {config}")
     else:

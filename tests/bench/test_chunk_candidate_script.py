@@ -12,6 +12,7 @@ import pytest
 import flatep.kernels.mxfp4_fp8mma
 import flatep.kernels.mxfp4_swap
 from flatep.bench.experts_phase import revision_gemms
+from flatep.kernels import packed_tiles
 from flatep.kernels.packed_tiles import FP8MMA
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "bench" / "scripts"
@@ -30,8 +31,9 @@ def test_the_copy_holds_the_chunked_kernels(candidate, tmp_path):
     package = gemms["mxfp4_grouped_mm_triton"].__module__.rpartition(".")[0]
     assert sys.modules[f"{package}.mxfp4_swap"].CHUNK_STEPS == 4
     assert sys.modules[f"{package}.mxfp4_fp8mma"].CHUNK_STEPS == 2
-    tiles = sys.modules[f"{package}.packed_tiles"].FP8MMA
-    assert tiles[32].programs_per_sm == 2 and tiles[64].label == FP8MMA[64].label  # classes of two packages
+    tiles = sys.modules[f"{package}.packed_tiles"]
+    assert tiles.FP8MMA[32].programs_per_sm == 2 and tiles.FP8MMA[64].label == FP8MMA[64].label  # two packages' classes
+    assert tiles.MXFP4_SWAP64_DEFAULT and not packed_tiles.MXFP4_SWAP64_DEFAULT
     # this tree keeps its defaults
     assert flatep.kernels.mxfp4_swap.CHUNK_STEPS == flatep.kernels.mxfp4_fp8mma.CHUNK_STEPS == 1
     assert FP8MMA[32].programs_per_sm == 3

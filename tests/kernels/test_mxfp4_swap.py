@@ -24,7 +24,7 @@ def _compile_for_sm90(inner: int, block_m: int, stages: int, one_multiply: bool,
     constants = {"STAGES": stages, "ONE_MULTIPLY": one_multiply, "PRODUCER_REGISTERS": mxfp4_swap.PRODUCER_REGISTERS,
                  "CHUNK": chunk}
     return compile_for_sm90(mxfp4_swap._mxfp4_swap_kernel, inner, block_m, mxfp4_swap.BLOCK_N, constants,
-                            mxfp4_swap.NUM_WARPS, mxfp4_swap.MAX_REGISTERS)
+                            mxfp4_swap.NUM_WARPS, mxfp4_swap.max_registers(mxfp4_swap.PROGRAMS_PER_SM[block_m]))
 
 
 def _write_compiled(inner: int, block_m: int, stages: int, one_multiply: bool, chunk: int, directory: str) -> None:
@@ -36,6 +36,8 @@ def _write_compiled(inner: int, block_m: int, stages: int, one_multiply: bool, c
     (3072, 16, max(mxfp4_swap.STAGES), False, mxfp4_swap.CHUNK_STEPS),
     (3584, 32, mxfp4_swap.LOAD_STAGES, True, 4),
     (640, 16, mxfp4_swap.LOAD_STAGES, False, 4),  # 10 K steps: two chunks and a tail of 2
+    (3584, 64, mxfp4_swap.LOAD_STAGES, True, mxfp4_swap.CHUNK_STEPS),
+    (3072, 64, mxfp4_swap.LOAD_STAGES, False, 4),
 ])
 def test_compiles_for_sm90_with_the_weights_in_registers(inner, block_m, stages, one_multiply, chunk, tmp_path):
     """Kimi-K3's gate/up and down K, both passes, both row tiles, K steps one by one and in chunks:
@@ -51,7 +53,7 @@ def test_compiles_for_sm90_with_the_weights_in_registers(inner, block_m, stages,
         f"_write_compiled({inner}, {block_m}, {stages}, {one_multiply}, {chunk}, {str(tmp_path)!r})", tmp_path)
     assert shared <= 227 * 1024
     if stages == mxfp4_swap.LOAD_STAGES:  # the default's programs all fit an SM (1 KiB of each reserved)
-        assert mxfp4_swap.PROGRAMS_PER_SM * (shared + 1024) <= 228 * 1024
+        assert mxfp4_swap.PROGRAMS_PER_SM[block_m] * (shared + 1024) <= 228 * 1024
     mmas = re.findall(rf"HGMMA\.64x{block_m}x16\.F32\.BF16 R\d+, (\S+), gdesc", sass)
     assert mmas and all(operand.startswith("R") for operand in mmas)
     assert len(mmas) == 8 * (chunk + (inner // mxfp4_swap.BLOCK_K) % chunk)  # a chunk's steps and the tail's
@@ -67,7 +69,7 @@ def test_bad_configs_are_refused():
 
     cpu = torch.device("cpu")
     with pytest.raises(ValueError, match="block_m in"):
-        _check_mxfp4_wgmma(GemmConfig(64, 128, 64, num_warps=4, swap_ab=True, wgmma=True), cpu)
+        _check_mxfp4_wgmma(GemmConfig(128, 128, 64, num_warps=4, swap_ab=True, wgmma=True), cpu)
     with pytest.raises(ValueError, match="num_stages"):
         _check_mxfp4_wgmma(GemmConfig(32, 128, 64, num_warps=4, num_stages=1, swap_ab=True, wgmma=True), cpu)
     with pytest.raises(ValueError, match="Hopper"):
@@ -109,11 +111,11 @@ def test_against_the_triton_tile_with_slots_in_a_graph(block_m, hidden, columns,
                                                        monkeypatch):
     """Groups of 0 to 40 rows and slots, all or only the groups of 17 to 32 rows, in a CUDA graph with
     host syncs raising; with a scale byte past 128 (the second pass) or not. Against the torch path
-    and the Triton short tile of the same height; rows of no computed group stay as they were. K
-    steps one by one and in chunks."""
+    and the Triton tile of the same height (the 64 x 256 one for 64 rows); rows of no computed group
+    stay as they were. K steps one by one and in chunks."""
     monkeypatch.setattr(mxfp4_swap, "CHUNK_STEPS", chunk)
-    from flatep.kernels.packed_tiles import MXFP4_SHORT, MXFP4_SWAP
+    from flatep.kernels.packed_tiles import MXFP4_SHORT, MXFP4_SWAP, MXFP4_TALL
 
-    check_against_a_tile_with_slots_in_a_graph(MXFP4_SWAP[block_m], MXFP4_SHORT[block_m],
+    check_against_a_tile_with_slots_in_a_graph(MXFP4_SWAP[block_m], MXFP4_SHORT.get(block_m, MXFP4_TALL),
                                                [20, 0, 33, 1, 16, 17, 32, 40], [9, 5], hidden, columns, group_rows,
                                                large_scale, seed=hidden + columns + large_scale + block_m)

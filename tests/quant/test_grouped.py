@@ -158,7 +158,8 @@ def test_bad_input_raises(make, message):
 
 
 @pytest.mark.parametrize("variable, attribute, unset", [("FLATEP_MXFP4_WGMMA", "MXFP4_WGMMA_DEFAULT", False),
-                                                         ("FLATEP_MXFP4_SWAP", "MXFP4_SWAP_DEFAULT", True)])
+                                                         ("FLATEP_MXFP4_SWAP", "MXFP4_SWAP_DEFAULT", True),
+                                                         ("FLATEP_MXFP4_SWAP64", "MXFP4_SWAP64_DEFAULT", False)])
 @pytest.mark.parametrize("setting", [None, "0", "1", "yes"])
 def test_the_environment_turns_a_gluon_mxfp4_default_on_or_off(variable, attribute, unset, setting):
     """``variable=1`` at import makes ``attribute`` true, ``variable=0`` false, and without ``variable``
@@ -747,20 +748,24 @@ def test_packed_launches_give_hot_groups_tall_tiles_at_decode_sizes():
         assert packed_launches(128 * 112, 112, format) == [(default_config(128 * 112, 112, format), None)]
 
 
-@pytest.mark.parametrize("swap, wgmma", [(False, False), (True, False), (True, True)])
-def test_mxfp4_launches_take_the_gluon_kernels_the_defaults_name_on_hopper(monkeypatch, swap, wgmma):
+@pytest.mark.parametrize("swap, wgmma, swap64", [(False, False, False), (True, False, False), (True, True, False),
+                                                (True, False, True), (True, True, True)])
+def test_mxfp4_launches_take_the_gluon_kernels_the_defaults_name_on_hopper(monkeypatch, swap, wgmma, swap64):
     """On a Hopper GPU (faked here) a decode step's middle launch (17-32 rows a group) takes the swapped
     Gluon kernel with ``MXFP4_SWAP_DEFAULT`` and its hot launch the 64-row one with
-    ``MXFP4_WGMMA_DEFAULT``; the 16-row launch keeps the Triton tile, and no device keeps them all."""
+    ``MXFP4_WGMMA_DEFAULT``, or else the swapped kernel's 64-row tile with ``MXFP4_SWAP64_DEFAULT``;
+    the 16-row launch keeps the Triton tile, and no device keeps them all."""
     from flatep.kernels import packed_tiles
 
     monkeypatch.setattr(packed_tiles, "MXFP4_SWAP_DEFAULT", swap)
     monkeypatch.setattr(packed_tiles, "MXFP4_WGMMA_DEFAULT", wgmma)
+    monkeypatch.setattr(packed_tiles, "MXFP4_SWAP64_DEFAULT", swap64)
     monkeypatch.setattr(fp8_wgmma, "available", lambda device: True)
     (short, _), (middle, _), (tall, _) = packed_launches(18 * 112, 112, "mxfp4", torch.device("cuda"))
     assert short == packed_tiles.MXFP4_SHORT[16]
     assert middle == (packed_tiles.MXFP4_SWAP[32] if swap else packed_tiles.MXFP4_SHORT[32])
-    assert tall == (packed_tiles.MXFP4_WGMMA if wgmma else packed_tiles.MXFP4_TALL)
+    assert tall == (packed_tiles.MXFP4_WGMMA if wgmma else packed_tiles.MXFP4_SWAP[64] if swap64
+                    else packed_tiles.MXFP4_TALL)
     assert [config.wgmma for config, _ in packed_launches(18 * 112, 112, "mxfp4")] == [False, False, False]
 
 
