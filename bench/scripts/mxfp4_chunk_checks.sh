@@ -31,7 +31,8 @@ if limit=$(left); then
 else skip "issue15 fp8"; fi
 tests=1
 if limit=$(left); then
-  timeout "$limit" python3 -m pytest -o addopts="" -q -p no:cacheprovider tests/kernels/test_mxfp4_swap.py \
+  # 8 workers compile the kernels' variants side by side (their GPU work is small)
+  timeout "$limit" python3 -m pytest -o addopts="" -q -p no:cacheprovider -n 8 tests/kernels/test_mxfp4_swap.py \
     tests/kernels/test_mxfp4_fp8mma.py > "$OUT/mxfp4_chunk_tests.log" 2>&1
   tests=$?
   echo "chunk tests: exit $tests at ${SECONDS} s"; tail -5 "$OUT/mxfp4_chunk_tests.log"
