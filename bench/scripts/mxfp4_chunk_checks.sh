@@ -39,8 +39,8 @@ if limit=$(left); then
 else skip "chunk tests"; fi
 [ $tests -eq 0 ] || status=1
 against=
-if [ $tests -eq 0 ]; then
-  against=$(python3 bench/scripts/chunk_candidate.py "$(mktemp -d)") || exit 2
+if [ $tests -eq 0 ]; then  # without a candidate the Kimi-K3 cells still run, this tree's kernels alone
+  against=$(python3 bench/scripts/chunk_candidate.py "$(mktemp -d)") || { echo "no candidate" >&2; against=; status=1; }
 fi
 if limit=$(left); then
   PARTS=mxfp4 AGAINST=$against timeout "$limit" bash bench/scripts/issue15_targets.sh || status=1
