@@ -240,6 +240,8 @@ if gluon is not None:
         STAGES: gl.constexpr = a_bufs[0].shape[0]
         TILE_M: gl.constexpr = a_bufs[0].shape[1]
         BLOCK_K: gl.constexpr = a_bufs[0].shape[2]
+        CHUNKS: gl.constexpr = K // BLOCK_K // CHUNK
+        TAIL: gl.constexpr = K // BLOCK_K % CHUNK
         mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                              instr_shape=[16, TILE_M, 32])
         a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=4)
@@ -274,16 +276,16 @@ if gluon is not None:
                     mbarrier.arrive(load_empty.index(stage), count=1)
                     count += 1
             else:
-                for _ in range(K // BLOCK_K // CHUNK):
+                for _ in range(CHUNKS):
                     acc0, acc1, smallest, largest = _overlapped_steps(
                         a_bufs, w_bufs, s_bufs, load_ready, load_empty, acc0, acc1, smallest, largest, count, CHUNK,
                         a_op, WL, SL, BLOCK_K)
                     count += CHUNK
-                if K // BLOCK_K % CHUNK > 0:
+                if TAIL > 0:
                     acc0, acc1, smallest, largest = _overlapped_steps(
-                        a_bufs, w_bufs, s_bufs, load_ready, load_empty, acc0, acc1, smallest, largest, count,
-                        K // BLOCK_K % CHUNK, a_op, WL, SL, BLOCK_K)
-                    count += K // BLOCK_K % CHUNK
+                        a_bufs, w_bufs, s_bufs, load_ready, load_empty, acc0, acc1, smallest, largest, count, TAIL,
+                        a_op, WL, SL, BLOCK_K)
+                    count += TAIL
             _store_half(acc0, out_ptr, factor_ptr, stride_om, first, last, first_column, N, mma_layout)
             _store_half(acc1, out_ptr, factor_ptr, stride_om, first, last, first_column + _HALF_N, N, mma_layout)
             lowest = gl.min(gl.min(smallest, axis=1), axis=0)

@@ -370,7 +370,8 @@ def _check_hopper(device: torch.device) -> None:
 
 
 def _check_mxfp4_wgmma(config: GemmConfig, device: torch.device) -> None:
-    """A Gluon mxfp4 config: the swapped kernel's (:data:`flatep.kernels.packed_tiles.MXFP4_SWAP`) or the 64-row one's
+    """A Gluon mxfp4 config: one of the swapped kernel's tiles (16, 32 or 64 rows,
+    :data:`flatep.kernels.packed_tiles.MXFP4_SWAP`) or the unswapped warp-specialized one's
     (:data:`flatep.kernels.packed_tiles.MXFP4_WGMMA`), on a Hopper GPU."""
     kernel, name, heights = ((mxfp4_swap, "a swapped mxfp4 wgmma config", mxfp4_swap.BLOCK_M) if config.swap_ab
                              else (mxfp4_wgmma, "an mxfp4 wgmma config", (mxfp4_wgmma.WG_M, )))
